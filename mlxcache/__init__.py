@@ -1,0 +1,3 @@
+"""mlxcache: an MLX model runner that resumes from cached prompt prefixes."""
+
+__version__ = "0.1.0"

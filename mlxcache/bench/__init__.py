@@ -1,0 +1,1 @@
+"""Benchmarks: each prints one machine-readable JSON line and compares with its baseline."""

@@ -1,0 +1,1 @@
+"""The prompt cache: a pure-Python prompt index over a KV store of MLX arrays."""

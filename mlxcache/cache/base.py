@@ -1,0 +1,66 @@
+"""The contract between the engine and a prefix cache, and the cache that keeps nothing."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+from mlx_lm.models.cache import make_prompt_cache
+
+
+@dataclass(slots=True)
+class Resume:
+    """Where a request starts: fresh per-layer caches holding `length` prompt tokens.
+
+    `lease` is the cache's own handle (a pinned entry); hand it back with `release`.
+    """
+
+    layers: list[Any]
+    length: int
+    lease: Any = None
+
+
+class PrefixCache(Protocol):
+    """What the engine needs from a prompt cache."""
+
+    block_size: int
+    trimmable: bool
+    """Whether the model's state can be rewound (all plain KV layers)."""
+
+    def restore(self, tokens: np.ndarray) -> Resume:
+        """Fresh layers restored to the longest reusable prefix of `tokens` (pinned)."""
+        ...
+
+    def keep(self, tokens: np.ndarray, layers: list[Any]) -> None:
+        """Store the first len(tokens) positions of `layers` (a whole number of blocks)."""
+        ...
+
+    def release(self, resume: Resume) -> None:
+        """Unpin what `restore` pinned."""
+        ...
+
+
+def is_trimmable(layers: list[Any]) -> bool:
+    """True when every layer is a plain KV cache that can be cut back to any length."""
+    from mlx_lm.models.cache import KVCache
+
+    return all(type(c) is KVCache for c in layers)
+
+
+class NoCache:
+    """Prefills every request from token 0 and keeps nothing (`--no-cache`)."""
+
+    def __init__(self, model: Any, block_size: int) -> None:
+        self._model = model
+        self.block_size = block_size
+        self.trimmable = is_trimmable(make_prompt_cache(model))
+
+    def restore(self, tokens: np.ndarray) -> Resume:
+        return Resume(make_prompt_cache(self._model), 0)
+
+    def keep(self, tokens: np.ndarray, layers: list[Any]) -> None:
+        return None
+
+    def release(self, resume: Resume) -> None:
+        return None

@@ -1,0 +1,51 @@
+"""Configuration as data: frozen, validated dataclasses (never CLI objects)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from a size such as `512M`, `2G`, `2GB`, `1.5GiB` or `1000`.
+
+    Raises:
+        ValueError: if `text` is not a size.
+    """
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*", text.upper())
+    if not m:
+        raise ValueError(f"not a size: {text!r} (try 512M or 2G)")
+    return int(float(m.group(1)) * _UNITS[m.group(2)])
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """The prompt cache's settings.
+
+    Attributes:
+        enabled: False prefills every request from token 0 and keeps nothing.
+        directory: the disk tier and converted models; None: $MLXCACHE_CACHE_DIR or the
+            platform cache dir.
+        block_size: prefill chunk and cache block length, in tokens.
+        mem_bytes: memory tier budget.
+        disk_bytes: disk tier budget; 0 disables the disk tier.
+        max_entries: slot limit of the prompt index.
+    """
+
+    enabled: bool = True
+    directory: Path | None = None
+    block_size: int = 256
+    mem_bytes: int = 2 << 30
+    disk_bytes: int = 20 << 30
+    max_entries: int = 256
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block size must be >= 1, got {self.block_size}")
+        if self.mem_bytes < 0 or self.disk_bytes < 0:
+            raise ValueError("cache budgets must be >= 0")
+        if self.max_entries < 1:
+            raise ValueError(f"max entries must be >= 1, got {self.max_entries}")

@@ -1,0 +1,220 @@
+"""The engine: encode -> lookup -> prefill -> decode -> keep -> events.
+
+Requests run as lanes over one model and one cache. Each lane makes exactly the forward
+calls it would make alone (batch 1, canonical prefill), and lanes are interleaved call
+by call, so a reply never depends on what runs beside it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Generator, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import mlx.core as mx
+import numpy as np
+
+from mlxcache.cache.base import NoCache, PrefixCache
+from mlxcache.detok import TextStream
+from mlxcache.errors import ContextLengthError, GenerationError, UserInputError
+from mlxcache.events import Done, Event, Prefill, Result, Stats, Token
+from mlxcache.model import LoadedModel
+from mlxcache.prefill import prefill
+from mlxcache.sampling import SamplingParams, make_sampler
+
+LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
+"""mlx-lm's contract: (prompt + generated token ids, logits (1, vocab)) -> logits."""
+
+DEFAULT_BLOCK_SIZE = 256
+
+
+@dataclass(slots=True)
+class Request:
+    """One generation: prompt token ids, sampling, and optional logits processors."""
+
+    tokens: Sequence[int] | np.ndarray
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    processors: list[LogitsProcessor] = field(default_factory=list)
+    stop_tokens: frozenset[int] | None = None
+    """Token ids that end the reply; default: the tokenizer's end-of-turn ids."""
+
+
+class Engine:
+    """Serves requests over one model and one prefix cache.
+
+    Args:
+        loaded: the model, tokenizer and model key from `mlxcache.model.load`.
+        cache: a prefix cache (see `mlxcache.cache.store.PromptCache`); None keeps nothing.
+        block_size: the prefill chunk and cache block length (ignored when `cache` is given).
+    """
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        cache: PrefixCache | None = None,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+    ) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.loaded = loaded
+        self.cache: PrefixCache = cache or NoCache(loaded.model, block_size)
+        self._ids = itertools.count()
+        self._lanes: dict[int, Iterator[Event]] = {}
+
+    @property
+    def model(self) -> Any:
+        """The mlx-lm model module (forward calls go through this attribute)."""
+        return self.loaded.model
+
+    def encode_chat(self, messages: list[dict[str, Any]], **template_kwargs: Any) -> list[int]:
+        """Token ids of `messages` rendered with the model's chat template, ready to reply."""
+        ids = self.loaded.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, **template_kwargs
+        )
+        return [int(t) for t in ids]
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of raw text (no template, no special tokens added)."""
+        return [int(t) for t in self.loaded.tokenizer.encode(text, add_special_tokens=False)]
+
+    def submit(self, request: Request) -> int:
+        """Queue a request as a new lane; returns its id. Validates it first.
+
+        Raises:
+            UserInputError: empty prompt.
+            ContextLengthError: the prompt leaves no room in the model's context.
+        """
+        tokens = np.asarray(request.tokens, dtype=np.int32).reshape(-1)
+        if tokens.size == 0:
+            raise UserInputError("the prompt is empty")
+        limit = self.loaded.context_length
+        if tokens.size >= limit:
+            raise ContextLengthError(
+                f"the prompt has {tokens.size} tokens; the model's context is {limit}"
+            )
+        rid = next(self._ids)
+        self._lanes[rid] = self._lane(rid, tokens, request)
+        return rid
+
+    def run(self) -> Iterator[Event]:
+        """Advance every lane one model call at a time, round robin, until all are done."""
+        while self._lanes:
+            for rid in list(self._lanes):
+                event = next(self._lanes[rid], None)
+                if event is None:
+                    del self._lanes[rid]
+                    continue
+                yield event
+                if isinstance(event, Done):
+                    del self._lanes[rid]
+
+    def generate(self, request: Request) -> Iterator[Event]:
+        """Run one request alone (other queued lanes advance too); yields its events."""
+        rid = self.submit(request)
+        for event in self.run():
+            if event.request_id == rid:
+                yield event
+
+    def complete(self, request: Request) -> Result:
+        """Run one request to the end and return its result."""
+        for event in self.generate(request):
+            if isinstance(event, Done):
+                return event.result
+        raise GenerationError("the request ended without a result")  # unreachable by design
+
+    # -- one lane -----------------------------------------------------------------------
+
+    def _lane(self, rid: int, tokens: np.ndarray, req: Request) -> Iterator[Event]:
+        stats = Stats(prompt_tokens=int(tokens.size))
+        start = time.perf_counter()
+        resume = self.cache.restore(tokens)
+        try:
+            stats.cached_tokens = resume.length
+            stats.prefilled_tokens = int(tokens.size) - resume.length
+            stats.restore_s = time.perf_counter() - start
+            logits = yield from self._prefill(rid, tokens, resume.layers, resume.length)
+            yield from self._decode(rid, tokens, req, resume.layers, logits, stats, start)
+        finally:
+            self.cache.release(resume)
+
+    def _prefill(
+        self, rid: int, tokens: np.ndarray, layers: list[Any], start: int
+    ) -> Generator[Event, None, mx.array]:
+        """Prefill tokens[start:] canonically, keep the prompt's blocks; returns last logits."""
+        n, block = int(tokens.size), self.cache.block_size
+        # Trimmable KV is kept after the prompt (its full blocks); a whole-state checkpoint
+        # (recurrent / rotating layers) must be taken at the last boundary before the end.
+        keep_at = (n // block if self.cache.trimmable else (n - 1) // block) * block
+        logits = None
+        for stop, out in prefill(self.model, layers, tokens, start, block):
+            logits = out
+            if stop == keep_at and keep_at > start and not self.cache.trimmable:
+                self.cache.keep(tokens[:keep_at], layers)
+            yield Prefill(rid, stop, n)
+        if keep_at > start and self.cache.trimmable:
+            self.cache.keep(tokens[:keep_at], layers)
+        if logits is None:  # prefill() always ends with the logits chunk
+            raise GenerationError("prefill produced no logits")
+        return logits
+
+    def _decode(
+        self,
+        rid: int,
+        prompt: np.ndarray,
+        req: Request,
+        layers: list[Any],
+        logits: mx.array,
+        stats: Stats,
+        start: float,
+    ) -> Iterator[Event]:
+        sampling = req.sampling
+        sampler = make_sampler(sampling)
+        stop = req.stop_tokens
+        if stop is None:
+            stop = frozenset(self.loaded.tokenizer.eos_token_ids)
+        room = self.loaded.context_length - int(prompt.size)
+        budget = min(sampling.max_tokens, room)
+        history = mx.array(prompt)
+        text = TextStream(self.loaded.tokenizer)
+        out: list[int] = []
+        pieces: list[str] = []
+        finish = "length"
+
+        def pick(logits: mx.array) -> mx.array:
+            for proc in req.processors:
+                logits = proc(history, logits)
+            return sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+
+        y = pick(logits)
+        mx.async_eval(y)
+        decode_start = 0.0
+        while True:
+            token = cast(int, y.item())
+            if not out:
+                stats.ttft_s = time.perf_counter() - start
+                decode_start = time.perf_counter()
+            if token in stop:
+                finish = "stop"
+                break
+            out.append(token)
+            if req.processors:
+                history = mx.concatenate([history, y.reshape(-1).astype(history.dtype)])
+            more = len(out) < budget
+            if more:
+                # Queue the next step before handing this token out (overlaps compute and IO).
+                y = pick(self.model(y.reshape(1, 1), cache=layers)[:, -1, :])
+                mx.async_eval(y)
+            piece = text.add(token)
+            pieces.append(piece)
+            yield Token(rid, token, piece)
+            if not more:
+                break
+        tail = text.flush()
+        if tail:
+            pieces.append(tail)
+            yield Token(rid, out[-1], tail)
+        stats.generated_tokens = len(out)
+        stats.decode_s = time.perf_counter() - decode_start
+        yield Done(rid, Result("".join(pieces), out, finish, stats))

@@ -1,0 +1,43 @@
+"""Domain errors: the library raises these; only `cli/` turns them into exit codes."""
+
+from __future__ import annotations
+
+
+class MlxcacheError(Exception):
+    """Base of every error the library raises on purpose."""
+
+    exit_code = 1
+
+
+class UserInputError(MlxcacheError):
+    """The request itself is wrong (empty prompt, bad option value, bad schema, ...)."""
+
+    exit_code = 2
+
+
+class ModelNotFoundError(UserInputError):
+    """A model path or name that does not exist or cannot be read."""
+
+
+class UnsupportedModelError(UserInputError):
+    """A model file whose architecture or tensor types we cannot run."""
+
+
+class ContextLengthError(UserInputError):
+    """A prompt (plus the tokens asked for) longer than the model's context."""
+
+
+class CacheFullError(MlxcacheError):
+    """The prompt cache cannot make room: every entry is pinned by a running request."""
+
+
+class CacheStoreError(MlxcacheError):
+    """The disk tier could not be used (read-only, full, corrupt index)."""
+
+
+class GrammarError(UserInputError):
+    """A JSON Schema or tool definition the constrained decoder cannot enforce."""
+
+
+class GenerationError(MlxcacheError):
+    """A request failed while decoding (e.g. the grammar matcher rejected every token)."""

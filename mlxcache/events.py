@@ -1,0 +1,68 @@
+"""What the engine yields while it serves requests."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass(slots=True)
+class Stats:
+    """Per-request numbers, shown after every reply so the user sees the cache work."""
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    prefilled_tokens: int = 0
+    generated_tokens: int = 0
+    restore_s: float = 0.0
+    ttft_s: float = 0.0
+    decode_s: float = 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        """Tokens per second after the first token."""
+        steps = self.generated_tokens - 1
+        return steps / self.decode_s if steps > 0 and self.decode_s > 0 else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-able form, derived rates included."""
+        return {**asdict(self), "decode_tps": round(self.decode_tps, 3)}
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    """A finished reply. finish_reason: "stop" (end of turn), "length" (max tokens or context)."""
+
+    text: str
+    tokens: list[int]
+    finish_reason: str
+    stats: Stats = field(compare=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Prefill:
+    """Prompt processing progress: `done` of `total` prompt tokens are in the KV cache."""
+
+    request_id: int
+    done: int
+    total: int
+
+
+@dataclass(frozen=True, slots=True)
+class Token:
+    """One generated token and the text it completes (may be empty mid-character)."""
+
+    request_id: int
+    token: int
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    """The request finished."""
+
+    request_id: int
+    result: Result
+
+
+Event = Prefill | Token | Done

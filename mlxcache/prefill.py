@@ -1,0 +1,48 @@
+"""Canonical prefill: chunks aligned to absolute multiples of the block size.
+
+Floating point results depend on the shapes a kernel sees, so a resumed request must
+run exactly the forward calls a fresh one runs from the resume point on. Chunks
+`[0,B) [B,2B) ...` plus a last partial chunk make that true by construction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import mlx.core as mx
+import numpy as np
+
+
+def schedule(start: int, end: int, block_size: int) -> list[tuple[int, int]]:
+    """The (start, stop) chunks that prefill tokens [start, end), aligned to `block_size`.
+
+    Raises:
+        ValueError: if `start` is not a block boundary or the range is empty.
+    """
+    if start % block_size:
+        raise ValueError(f"prefill must start at a block boundary, got {start} (B={block_size})")
+    if not 0 <= start < end:
+        raise ValueError(f"empty prefill range [{start}, {end})")
+    return [(s, min(s + block_size, end)) for s in range(start, end, block_size)]
+
+
+def prefill(
+    model: object, layers: list[object], tokens: np.ndarray, start: int, block_size: int
+) -> Iterator[tuple[int, mx.array | None]]:
+    """Run the canonical prefill of tokens[start:] into `layers`.
+
+    Yields (stop, logits) after each chunk, evaluated, so the caller can checkpoint at
+    block boundaries and interleave other requests. Logits (of the last prompt token)
+    come with the final chunk only: earlier chunks leave the LM head unevaluated.
+    """
+    chunks = schedule(start, len(tokens), block_size)
+    for s, e in chunks:
+        out = model(mx.array(tokens[None, s:e]), cache=layers)  # type: ignore[operator]
+        states = [c.state for c in layers]  # type: ignore[attr-defined]
+        if e < len(tokens):
+            mx.eval(states)
+            yield e, None
+        else:
+            logits = out[:, -1, :]
+            mx.eval(logits, states)
+            yield e, logits

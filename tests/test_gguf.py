@@ -1,0 +1,80 @@
+"""GGUF conversion: exact weights (Q/K un-permuted), supported types, clear errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.llama import Model, ModelArgs
+from tinymodel import write_tiny_gguf
+
+from mlxcache.engine import Engine, Request
+from mlxcache.errors import ModelNotFoundError, UnsupportedModelError
+from mlxcache.model import load
+from mlxcache.model.loader import LoadedModel
+
+
+def reference_logits(hf: dict[str, np.ndarray], config: dict, ids: list[int]) -> mx.array:
+    """Logits of mlx-lm's llama built straight from the HF-layout weights."""
+    model = Model(ModelArgs.from_dict(config))
+    model.load_weights([(k, mx.array(v)) for k, v in hf.items()])
+    return model(mx.array([ids]))
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
+def test_converted_model_matches_reference(tmp_path: Path, dtype: mx.Dtype) -> None:
+    gguf = tmp_path / "m.gguf"
+    hf = write_tiny_gguf(gguf, dtype=dtype)
+    if dtype == mx.float16:  # the reference sees the same rounded weights
+        hf = {
+            k: v if "norm" in k else v.astype(np.float16).astype(np.float32) for k, v in hf.items()
+        }
+    loaded = load(str(gguf), cache_root=tmp_path / "cache")
+    ids = [5, 80, 81, 100, 7, 3]
+    ours = loaded.model(mx.array([ids]))
+    ref = reference_logits(hf, loaded.config, ids)
+    assert mx.array_equal(ours, ref)
+    # Converted once: a second load reuses the folder (same path, same key).
+    again = load(str(gguf), cache_root=tmp_path / "cache")
+    assert (again.path, again.key) == (loaded.path, loaded.key)
+
+
+def test_model_key_depends_on_weights(tmp_path: Path) -> None:
+    write_tiny_gguf(tmp_path / "a.gguf", seed=1)
+    write_tiny_gguf(tmp_path / "b.gguf", seed=2)
+    a = load(str(tmp_path / "a.gguf"), cache_root=tmp_path / "c")
+    b = load(str(tmp_path / "b.gguf"), cache_root=tmp_path / "c")
+    assert a.key != b.key and len(a.key) == 32
+
+
+def test_unsupported_architecture(tmp_path: Path) -> None:
+    write_tiny_gguf(tmp_path / "q.gguf", arch="qwen3moe")
+    with pytest.raises(UnsupportedModelError, match="unsupported GGUF architecture 'qwen3moe'"):
+        load(str(tmp_path / "q.gguf"), cache_root=tmp_path / "c")
+    assert not (tmp_path / "c" / "models").exists() or not any(
+        (tmp_path / "c" / "models").iterdir()
+    )
+
+
+def test_not_a_gguf_file(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 10)
+    with pytest.raises(UnsupportedModelError, match="cannot read GGUF"):
+        load(str(bad), cache_root=tmp_path / "c")
+
+
+def test_missing_model(tmp_path: Path) -> None:
+    with pytest.raises(ModelNotFoundError, match="model file not found"):
+        load(str(tmp_path / "nope.gguf"), cache_root=tmp_path / "c")
+    with pytest.raises(ModelNotFoundError, match="model not found"):
+        load(str(tmp_path / "nope"), cache_root=tmp_path / "c")
+
+
+@pytest.mark.model
+def test_embedded_model_answers_paris(smol: LoadedModel) -> None:
+    assert smol.config["quantization"] == {"group_size": 32, "bits": 4}
+    engine = Engine(smol)
+    ids = engine.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+    assert "Paris" in engine.complete(Request(ids)).text

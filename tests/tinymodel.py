@@ -1,0 +1,131 @@
+"""A tiny random-weight llama model written as a GGUF file, built in the test (no download)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+CHATML = (
+    "{% for m in messages %}{{'<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def byte_chars() -> list[str]:
+    """GPT-2's printable stand-ins for the 256 byte values."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    extra = iter(range(256, 512))
+    return [chr(b) if b in keep else chr(next(extra)) for b in range(256)]
+
+
+def llama_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's rotary row permutation of Q/K (what its converter writes)."""
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def tiny_weights(
+    seed: int = 0,
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    ffn: int = 128,
+    vocab: int = 262,
+) -> dict[str, np.ndarray]:
+    """HF-named random weights for a tiny llama."""
+    rng = np.random.default_rng(seed)
+    head_dim = hidden // heads
+
+    def w(*shape: int) -> np.ndarray:
+        return (rng.standard_normal(shape) * 0.08).astype(np.float32)
+
+    out = {"model.embed_tokens.weight": w(vocab, hidden), "model.norm.weight": 1 + w(hidden)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        out |= {
+            p + "self_attn.q_proj.weight": w(heads * head_dim, hidden),
+            p + "self_attn.k_proj.weight": w(kv_heads * head_dim, hidden),
+            p + "self_attn.v_proj.weight": w(kv_heads * head_dim, hidden),
+            p + "self_attn.o_proj.weight": w(hidden, heads * head_dim),
+            p + "mlp.gate_proj.weight": w(ffn, hidden),
+            p + "mlp.up_proj.weight": w(ffn, hidden),
+            p + "mlp.down_proj.weight": w(hidden, ffn),
+            p + "input_layernorm.weight": 1 + w(hidden),
+            p + "post_attention_layernorm.weight": 1 + w(hidden),
+        }
+    return out
+
+
+_GGUF_NAMES = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
+
+
+def write_tiny_gguf(
+    path: Path,
+    *,
+    dtype: Any = mx.float32,
+    arch: str = "llama",
+    context: int = 256,
+    seed: int = 0,
+    heads: int = 4,
+    kv_heads: int = 2,
+) -> dict[str, np.ndarray]:
+    """Write a tiny llama GGUF (Q/K permuted as llama.cpp does); returns the HF-layout weights."""
+    hf = tiny_weights(seed, heads=heads, kv_heads=kv_heads)
+    tensors: dict[str, mx.array] = {}
+    for name, value in hf.items():
+        if name == "model.embed_tokens.weight":
+            gname = "token_embd.weight"
+        elif name == "model.norm.weight":
+            gname = "output_norm.weight"
+        else:
+            _, _, layer, rest = name.split(".", 3)
+            module = rest.rsplit(".", 1)[0]
+            gname = f"blk.{layer}.{_GGUF_NAMES[module]}.weight"
+            if module == "self_attn.q_proj":
+                value = llama_permute(value, heads)
+            elif module == "self_attn.k_proj":
+                value = llama_permute(value, kv_heads)
+        is_norm = "norm" in gname
+        tensors[gname] = mx.array(value).astype(mx.float32 if is_norm else dtype)
+    tokens = SPECIALS + byte_chars() + ["ab", "abab", "Ġa"]
+    types = [3] * len(SPECIALS) + [1] * (len(tokens) - len(SPECIALS))
+    hidden = hf["model.norm.weight"].shape[0]
+    meta: dict[str, Any] = {
+        "general.architecture": arch,
+        f"{arch}.embedding_length": mx.array(hidden, dtype=mx.uint32),
+        f"{arch}.block_count": mx.array(2, dtype=mx.uint32),
+        f"{arch}.feed_forward_length": mx.array(128, dtype=mx.uint32),
+        f"{arch}.attention.head_count": mx.array(heads, dtype=mx.uint32),
+        f"{arch}.attention.head_count_kv": mx.array(kv_heads, dtype=mx.uint32),
+        f"{arch}.attention.layer_norm_rms_epsilon": mx.array(1e-5, dtype=mx.float32),
+        f"{arch}.rope.freq_base": mx.array(10000.0, dtype=mx.float32),
+        f"{arch}.context_length": mx.array(context, dtype=mx.uint32),
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "default",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": mx.array(types, dtype=mx.int32),
+        "tokenizer.ggml.merges": ["a b", "ab ab", "Ġ a"],
+        "tokenizer.ggml.bos_token_id": mx.array(1, dtype=mx.uint32),
+        "tokenizer.ggml.eos_token_id": mx.array(2, dtype=mx.uint32),
+        "tokenizer.chat_template": CHATML,
+    }
+    mx.save_gguf(str(path), tensors, meta)
+    return hf
