@@ -70,7 +70,7 @@ def cache_config(
 def engine(model: str | None, cache: CacheConfig) -> Engine:
     """Open the engine, with a progress bar on stderr if a GGUF needs converting."""
     with ui.progress_bar() as update:
-        return open_engine(model, cache, progress=update)
+        return open_engine(model, cache, progress=update, on_warning=ui.warn)
 
 
 def read_prompt(prompt: str | None, prompt_file: Path | None) -> str:

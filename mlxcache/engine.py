@@ -135,9 +135,10 @@ class Engine:
             stats.prefilled_tokens = int(tokens.size) - resume.length
             stats.restore_s = time.perf_counter() - start
             logits = yield from self._prefill(rid, tokens, resume.layers, resume.length)
-            yield from self._decode(rid, tokens, req, resume.layers, logits, stats, start)
+            result = yield from self._decode(rid, tokens, req, resume.layers, logits, stats, start)
         finally:
             self.cache.release(resume)
+        yield Done(rid, result)  # after the release: a finished request holds no pin
 
     def _prefill(
         self, rid: int, tokens: np.ndarray, layers: list[Any], start: int
@@ -168,7 +169,7 @@ class Engine:
         logits: mx.array,
         stats: Stats,
         start: float,
-    ) -> Iterator[Event]:
+    ) -> Generator[Event, None, Result]:
         sampling = req.sampling
         sampler = make_sampler(sampling)
         stop = req.stop_tokens
@@ -217,4 +218,4 @@ class Engine:
             yield Token(rid, out[-1], tail)
         stats.generated_tokens = len(out)
         stats.decode_s = time.perf_counter() - decode_start
-        yield Done(rid, Result("".join(pieces), out, finish, stats))
+        return Result("".join(pieces), out, finish, stats)

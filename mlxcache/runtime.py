@@ -2,18 +2,42 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+from mlxcache.cache.store import PromptCache
 from mlxcache.config import CacheConfig
 from mlxcache.engine import Engine
-from mlxcache.model import load
+from mlxcache.model import LoadedModel, load
 from mlxcache.model.gguf import Progress
+from mlxcache.paths import cache_dir
+
+KV_DIR = "kv"
+
+
+def make_cache(
+    loaded: LoadedModel, cache: CacheConfig, on_warning: Callable[[str], None] | None = None
+) -> PromptCache | None:
+    """The prompt cache `cache` describes for `loaded` (None when caching is off)."""
+    if not cache.enabled:
+        return None
+    root = cache_dir(cache.directory) / KV_DIR if cache.disk_bytes > 0 else None
+    return PromptCache(loaded.model, loaded.key, cache, root=root, on_warning=on_warning)
 
 
 def open_engine(
     model: str | None = None,
     cache: CacheConfig | None = None,
     progress: Progress | None = None,
+    on_warning: Callable[[str], None] | None = None,
 ) -> Engine:
-    """Load `model` (default: the embedded SmolLM2) and attach the prompt cache `cache`."""
+    """Load `model` (default: the embedded SmolLM2) and attach the prompt cache `cache`.
+
+    Args:
+        model: a model spec (see `mlxcache.model.load`).
+        cache: cache settings; default: memory and disk tiers under the platform cache dir.
+        progress: called as a GGUF conversion advances.
+        on_warning: called with one-line warnings (e.g. the disk tier had to be disabled).
+    """
     cache = cache or CacheConfig()
     loaded = load(model, cache_root=cache.directory, progress=progress)
-    return Engine(loaded, block_size=cache.block_size)
+    return Engine(loaded, make_cache(loaded, cache, on_warning), block_size=cache.block_size)

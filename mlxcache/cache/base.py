@@ -40,6 +40,10 @@ class PrefixCache(Protocol):
         """Unpin what `restore` pinned."""
         ...
 
+    def report(self) -> dict[str, Any]:
+        """Counters and sizes, JSON-able."""
+        ...
+
 
 def is_trimmable(layers: list[Any]) -> bool:
     """True when every layer is a plain KV cache that can be cut back to any length."""
@@ -64,3 +68,6 @@ class NoCache:
 
     def release(self, resume: Resume) -> None:
         return None
+
+    def report(self) -> dict[str, Any]:
+        return {}

@@ -1,0 +1,272 @@
+"""The disk tier: a SQLite index (WAL) plus one safetensors file per block or checkpoint.
+
+Files are content-addressed, written to a temporary name and renamed, so readers never
+see half a file and two processes writing the same block write the same bytes. Each
+file's checksum is kept in the index and verified on every read: a corrupt or missing
+file is reported to the caller (which drops the entry and counts it), never used.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import xxhash
+from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
+
+from mlxcache.errors import CacheStoreError
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS entries (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    ns TEXT NOT NULL,
+    digest TEXT NOT NULL,
+    tokens BLOB NOT NULL,
+    trimmable INTEGER NOT NULL,
+    nbytes INTEGER NOT NULL,
+    created_ns INTEGER NOT NULL,
+    used_ns INTEGER NOT NULL,
+    UNIQUE (ns, digest)
+);
+CREATE TABLE IF NOT EXISTS files (
+    name TEXT PRIMARY KEY,
+    ns TEXT NOT NULL,
+    nbytes INTEGER NOT NULL,
+    checksum TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS entry_files (
+    entry INTEGER NOT NULL REFERENCES entries(id) ON DELETE CASCADE,
+    name TEXT NOT NULL,
+    PRIMARY KEY (entry, name)
+);
+CREATE INDEX IF NOT EXISTS entry_files_name ON entry_files(name);
+"""
+_STALE_TMP_S = 600  # a temp file this old belongs to a writer that died
+
+
+class CorruptFile(Exception):
+    """A block or checkpoint file that is missing or fails its checksum."""
+
+
+@dataclass(frozen=True, slots=True)
+class DiskEntry:
+    """One row of the entries table."""
+
+    id: int
+    ns: str
+    tokens: np.ndarray
+    trimmable: bool
+    nbytes: int
+    created_ns: int
+    used_ns: int
+
+
+def _checksum(data: bytes) -> str:
+    return str(xxhash.xxh3_64_hexdigest(data))
+
+
+def digest_tokens(tokens: np.ndarray) -> str:
+    """Identity of an entry's token sequence (within a namespace)."""
+    return str(xxhash.xxh3_128_hexdigest(np.ascontiguousarray(tokens, np.int32).tobytes()))
+
+
+class DiskTier:
+    """Blocks and checkpoints of every namespace under one directory.
+
+    Raises:
+        CacheStoreError: when the directory or its index cannot be opened.
+    """
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.files = root / "files"
+        try:
+            self.files.mkdir(parents=True, exist_ok=True)
+            self._db = sqlite3.connect(root / "index.sqlite", timeout=30, isolation_level=None)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA foreign_keys=ON")
+            self._db.executescript(_SCHEMA)
+        except (OSError, sqlite3.Error) as exc:
+            raise CacheStoreError(f"cannot open the disk cache at {root}: {exc}") from exc
+        self._sweep_temp()
+
+    def close(self) -> None:
+        self._db.close()
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            yield self._db
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        self._db.execute("COMMIT")
+
+    def _sweep_temp(self) -> None:
+        """Remove temp files left by writers killed mid-write (the index never names them)."""
+        now = time.time()
+        for tmp in self.files.glob("*.tmp*"):
+            try:
+                if now - tmp.stat().st_mtime > _STALE_TMP_S:
+                    tmp.unlink()
+            except OSError:
+                pass
+
+    # -- reading ----------------------------------------------------------------------------
+
+    def entries(self, ns: str, after_id: int = 0) -> list[DiskEntry]:
+        """Entries of `ns` newer than `after_id`, oldest use first."""
+        rows = self._db.execute(
+            "SELECT id, ns, tokens, trimmable, nbytes, created_ns, used_ns FROM entries "
+            "WHERE ns = ? AND id > ? ORDER BY used_ns, id",
+            (ns, after_id),
+        ).fetchall()
+        return [_row(r) for r in rows]
+
+    def all_entries(self) -> list[DiskEntry]:
+        rows = self._db.execute(
+            "SELECT id, ns, tokens, trimmable, nbytes, created_ns, used_ns FROM entries "
+            "ORDER BY ns, used_ns, id"
+        ).fetchall()
+        return [_row(r) for r in rows]
+
+    def entry_id(self, ns: str, tokens: np.ndarray) -> int | None:
+        row = self._db.execute(
+            "SELECT id FROM entries WHERE ns = ? AND digest = ?", (ns, digest_tokens(tokens))
+        ).fetchone()
+        return None if row is None else int(row[0])
+
+    def _path(self, name: str) -> Path:
+        return self.files / f"{name}.safetensors"
+
+    def _read(self, name: str) -> Path:
+        row = self._db.execute("SELECT checksum FROM files WHERE name = ?", (name,)).fetchone()
+        path = self._path(name)
+        try:
+            data = path.read_bytes()
+        except OSError as exc:
+            raise CorruptFile(f"{name}: {exc}") from exc
+        if row is None or _checksum(data) != row[0]:
+            raise CorruptFile(f"{name}: checksum mismatch")
+        return path
+
+    def read_block(self, name: str) -> mx.array:
+        """The block array stored under `name` (checksum verified)."""
+        path = self._read(name)
+        try:
+            arrays = mx.load(str(path))
+            block = arrays["kv"] if isinstance(arrays, dict) else None
+        except Exception as exc:  # MLX raises plain RuntimeError on a bad file
+            raise CorruptFile(f"{name}: {exc}") from exc
+        if block is None:
+            raise CorruptFile(f"{name}: no kv tensor")
+        return block
+
+    def read_checkpoint(self, name: str) -> list[Any]:
+        """The cache list stored under `name` (checksum verified)."""
+        path = self._read(name)
+        try:
+            return list(load_prompt_cache(str(path)))
+        except Exception as exc:
+            raise CorruptFile(f"{name}: {exc}") from exc
+
+    def usage(self, ns: str | None = None) -> tuple[int, int]:
+        """(entries, bytes) of one namespace, or of all."""
+        where, args = ("WHERE ns = ?", (ns,)) if ns else ("", ())
+        n = self._db.execute(f"SELECT COUNT(*) FROM entries {where}", args).fetchone()[0]
+        b = self._db.execute(
+            f"SELECT COALESCE(SUM(nbytes), 0) FROM files {where}", args
+        ).fetchone()[0]
+        return int(n), int(b)
+
+    # -- writing ----------------------------------------------------------------------------
+
+    def _write_file(self, name: str, ns: str, write: Any) -> None:
+        """Write a file by calling write(tmp_path), then rename it into place and index it."""
+        if self._db.execute("SELECT 1 FROM files WHERE name = ?", (name,)).fetchone():
+            return
+        final = self._path(name)
+        tmp = self.files / f"{name}.tmp{os.getpid()}.safetensors"
+        try:
+            write(tmp)
+            data = tmp.read_bytes()
+            os.replace(tmp, final)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        self._db.execute(
+            "INSERT OR IGNORE INTO files (name, ns, nbytes, checksum) VALUES (?, ?, ?, ?)",
+            (name, ns, len(data), _checksum(data)),
+        )
+
+    def write_block(self, name: str, ns: str, block: mx.array) -> None:
+        self._write_file(name, ns, lambda p: mx.save_safetensors(str(p), {"kv": block}))
+
+    def write_checkpoint(self, name: str, ns: str, layers: list[Any]) -> None:
+        self._write_file(name, ns, lambda p: save_prompt_cache(str(p), layers))
+
+    def add_entry(
+        self, ns: str, tokens: np.ndarray, trimmable: bool, names: list[str], nbytes: int
+    ) -> int:
+        """Index an entry whose files are already written; returns its row id."""
+        now = time.time_ns()
+        data = np.ascontiguousarray(tokens, np.int32).tobytes()
+        with self._tx() as db:
+            db.execute(
+                "INSERT INTO entries (ns, digest, tokens, trimmable, nbytes, created_ns, used_ns)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (ns, digest) DO UPDATE SET used_ns = ?",
+                (ns, digest_tokens(tokens), data, int(trimmable), nbytes, now, now, now),
+            )
+            row = db.execute(
+                "SELECT id FROM entries WHERE ns = ? AND digest = ?", (ns, digest_tokens(tokens))
+            ).fetchone()
+            db.executemany(
+                "INSERT OR IGNORE INTO entry_files (entry, name) VALUES (?, ?)",
+                [(row[0], n) for n in names],
+            )
+        return int(row[0])
+
+    def touch(self, entry_id: int) -> None:
+        self._db.execute("UPDATE entries SET used_ns = ? WHERE id = ?", (time.time_ns(), entry_id))
+
+    def remove_entry(self, entry_id: int) -> None:
+        """Drop an entry and every file no other entry uses."""
+        with self._tx() as db:
+            names = [
+                r[0]
+                for r in db.execute("SELECT name FROM entry_files WHERE entry = ?", (entry_id,))
+            ]
+            db.execute("DELETE FROM entries WHERE id = ?", (entry_id,))
+            orphans = [
+                n
+                for n in names
+                if not db.execute("SELECT 1 FROM entry_files WHERE name = ?", (n,)).fetchone()
+            ]
+            db.executemany("DELETE FROM files WHERE name = ?", [(n,) for n in orphans])
+        for name in orphans:
+            self._path(name).unlink(missing_ok=True)
+
+    def clear(self) -> int:
+        """Remove every entry and file; returns how many entries there were."""
+        with self._tx() as db:
+            n = int(db.execute("SELECT COUNT(*) FROM entries").fetchone()[0])
+            db.execute("DELETE FROM entry_files")
+            db.execute("DELETE FROM entries")
+            db.execute("DELETE FROM files")
+        for path in self.files.iterdir():
+            path.unlink(missing_ok=True)
+        return n
+
+
+def _row(r: tuple[Any, ...]) -> DiskEntry:
+    tokens = np.frombuffer(r[2], dtype=np.int32)
+    return DiskEntry(int(r[0]), str(r[1]), tokens, bool(r[3]), int(r[4]), int(r[5]), int(r[6]))

@@ -1,0 +1,317 @@
+"""The prompt cache: two prompt indexes (memory, disk) over shared KV blocks and checkpoints.
+
+Trimmable models (plain KV layers) store blocks of B tokens keyed by chained hashes, so
+entries sharing a prefix share its blocks and memory follows unique tokens. Models with
+recurrent or rotating layers store one whole-state checkpoint per entry, taken at a block
+boundary, and their entries are non-trimmable. Every insert path ends in `_fit()`, which
+evicts through the index's victim order until the byte budget holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import make_prompt_cache
+
+from mlxcache.cache import blocks as kv
+from mlxcache.cache.base import Resume, is_trimmable
+from mlxcache.cache.disk import CorruptFile, DiskTier
+from mlxcache.cache.index import Entry, PromptIndex
+from mlxcache.config import CacheConfig
+from mlxcache.errors import CacheStoreError
+
+
+@dataclass(slots=True)
+class CacheStats:
+    """Counters since the cache was opened, plus current sizes (see `PromptCache.stats`)."""
+
+    hits: int = 0
+    misses: int = 0
+    cached_tokens: int = 0
+    disk_hits: int = 0
+    evictions_mem: int = 0
+    evictions_disk: int = 0
+    dropped_corrupt: int = 0
+    disk_errors: int = 0
+
+
+@dataclass(slots=True)
+class _Block:
+    kv: mx.array
+    refs: int = 0
+
+
+class PromptCache:
+    """A prefix cache for one model (see `mlxcache.cache.base.PrefixCache`).
+
+    Args:
+        model: the mlx-lm model (used to make fresh caches and learn the layer kinds).
+        model_key: the model's fingerprint; entries of another key are never seen.
+        config: block size, budgets, directory.
+        on_warning: called with a one-line message when the disk tier has to be dropped.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        model_key: str,
+        config: CacheConfig,
+        root: Path | None = None,
+        on_warning: Callable[[str], None] | None = None,
+    ) -> None:
+        self._model = model
+        self.block_size = config.block_size
+        self.trimmable = is_trimmable(make_prompt_cache(model))
+        self.ns = kv.namespace(model_key, config.block_size)
+        self.config = config
+        self.stats = CacheStats()
+        self._warn = on_warning or (lambda _msg: None)
+        self.mem = PromptIndex(config.block_size)
+        self._blocks: dict[str, _Block] = {}
+        self._entry_blocks: dict[Entry, list[str]] = {}
+        self._checkpoints: dict[Entry, list[Any]] = {}
+        self._mem_bytes = 0
+        self._n_layers = len(make_prompt_cache(model))
+        self._token_bytes = 0  # KV bytes per token, learned from the first block kept
+        self.disk_index = PromptIndex(config.block_size)
+        self._disk_ids: dict[Entry, int] = {}
+        self._disk_seen = 0
+        self.disk: DiskTier | None = None
+        if config.disk_bytes > 0 and root is not None:
+            try:
+                self.disk = DiskTier(root)
+            except CacheStoreError as exc:
+                self._drop_disk(str(exc))
+            self._sync_disk()
+
+    # -- PrefixCache ------------------------------------------------------------------------
+
+    def restore(self, tokens: np.ndarray) -> Resume:
+        """Fresh caches restored to the longest reusable prefix of `tokens`, entry pinned."""
+        self._sync_disk()
+        while True:
+            mem = self.mem.lookup(tokens)
+            disk = self.disk_index.lookup(tokens) if self.disk else None
+            if disk is not None and (mem is None or disk.length > mem.length):
+                entry = self._promote(disk.entry, disk.length)
+                if entry is None:
+                    continue  # the file was bad: dropped and counted; look again
+                self.stats.disk_hits += 1
+                length = disk.length
+            elif mem is not None:
+                entry, length = mem.entry, mem.length
+            else:
+                self.stats.misses += 1
+                self.reserve(self._token_bytes * len(tokens), None, tokens)
+                return Resume(make_prompt_cache(self._model), 0)
+            self.mem.pin(entry)
+            self.stats.hits += 1
+            self.stats.cached_tokens += length
+            self.reserve(self._token_bytes * (len(tokens) - length), entry, tokens)
+            return Resume(self._layers(entry, length), length, entry)
+
+    def keep(self, tokens: np.ndarray, layers: list[Any]) -> None:
+        """Store the first len(tokens) positions of `layers`, in memory and on disk."""
+        tokens = np.array(tokens, dtype=np.int32)
+        self._make_room(tokens)
+        if self.trimmable:
+            names = kv.chain_hashes(tokens, self.block_size, self.ns)
+            fresh = {
+                h: kv.cut_block(layers, j * self.block_size, (j + 1) * self.block_size)
+                for j, h in enumerate(names)
+                if h not in self._blocks
+            }
+            mx.eval(list(fresh.values()))
+            entry = self._add_mem(tokens, names, fresh)
+            self._write_disk(tokens, names, fresh, None)
+        else:
+            checkpoint = kv.snapshot(layers)
+            entry = self._add_mem(tokens, None, checkpoint)
+            self._write_disk(tokens, [f"c-{self.ns[:16]}-{_digest(tokens)}"], {}, checkpoint)
+        self._fit(skip=entry, prompt=tokens)
+
+    def release(self, resume: Resume) -> None:
+        if resume.lease is not None and resume.lease in self.mem:
+            self.mem.unpin(resume.lease)
+        self._fit(prompt=None)  # entries kept over budget go once nothing runs on them
+
+    # -- sizes and stats ------------------------------------------------------------------
+
+    def usage(self) -> dict[str, int]:
+        """Entries and bytes per tier, for this model's namespace."""
+        disk_entries, disk_bytes = self.disk.usage(self.ns) if self.disk else (0, 0)
+        return {
+            "mem_entries": len(self.mem),
+            "mem_bytes": self._mem_bytes,
+            "disk_entries": disk_entries,
+            "disk_bytes": disk_bytes,
+        }
+
+    def report(self) -> dict[str, Any]:
+        """Counters and sizes as one JSON-able dict."""
+        return {**asdict(self.stats), **self.usage(), "block_size": self.block_size}
+
+    # -- memory tier ------------------------------------------------------------------------
+
+    def _layers(self, entry: Entry, length: int) -> list[Any]:
+        if entry in self._checkpoints:
+            return kv.from_snapshot(self._checkpoints[entry])
+        names = self._entry_blocks[entry][: length // self.block_size]
+        return kv.join_blocks([self._blocks[h].kv for h in names], self._n_layers)
+
+    def _add_mem(self, tokens: np.ndarray, names: list[str] | None, data: Any) -> Entry:
+        """Add an entry backed by block `names` (new ones in `data`) or a checkpoint `data`."""
+        if names is None:
+            entry = self.mem.add(tokens, trimmable=False, nbytes=kv.state_nbytes(data))
+            if entry not in self._checkpoints:
+                self._checkpoints[entry] = data
+                self._mem_bytes += entry.nbytes
+            return entry
+        added = 0
+        for h, block in data.items():
+            self._blocks[h] = _Block(block)
+            added += int(block.nbytes)
+            self._token_bytes = int(block.nbytes) // self.block_size
+        entry = self.mem.add(tokens, trimmable=True, nbytes=added)
+        if entry not in self._entry_blocks:
+            self._entry_blocks[entry] = names
+            for h in names:
+                self._blocks[h].refs += 1
+        self._mem_bytes += added
+        return entry
+
+    def _make_room(self, tokens: np.ndarray) -> None:
+        """Free a slot before adding (before cutting blocks: eviction may free shared ones)."""
+        while len(self.mem) >= self.config.max_entries:
+            if not self._evict_mem(self.mem.victim(prompt=tokens)):
+                break
+
+    def reserve(
+        self, n_bytes: int, skip: Entry | None = None, prompt: np.ndarray | None = None
+    ) -> None:
+        """Evict until `n_bytes` more fit the memory budget (before a long prefill)."""
+        while self._mem_bytes + n_bytes > self.config.mem_bytes:
+            if not self._evict_mem(self.mem.victim(skip=skip, prompt=prompt)):
+                break
+
+    def _evict_mem(self, entry: Entry | None) -> bool:
+        """Remove one memory entry and the blocks only it used. False when there is none."""
+        if entry is None:
+            return False
+        self.mem.remove(entry)
+        self.stats.evictions_mem += 1
+        if entry in self._checkpoints:
+            del self._checkpoints[entry]
+            self._mem_bytes -= entry.nbytes
+            return True
+        for h in self._entry_blocks.pop(entry):
+            block = self._blocks[h]
+            block.refs -= 1
+            if block.refs == 0:
+                del self._blocks[h]
+                self._mem_bytes -= int(block.kv.nbytes)
+        return True
+
+    def _fit(self, skip: Entry | None = None, prompt: np.ndarray | None = None) -> None:
+        """Evict by the victim order until both tiers are within budget."""
+        self.reserve(0, skip, prompt)  # stops when everything left is pinned
+        while self.disk and self.disk.usage(self.ns)[1] > self.config.disk_bytes:
+            victim = self.disk_index.victim(skip=None, prompt=prompt)
+            if victim is None:
+                break
+            self._remove_disk(victim)
+            self.stats.evictions_disk += 1
+
+    # -- disk tier --------------------------------------------------------------------------
+
+    def _drop_disk(self, reason: str) -> None:
+        """Go on without the disk tier (read-only or full directory, broken index)."""
+        self.stats.disk_errors += 1
+        if self.disk is not None:
+            self.disk.close()
+        self.disk = None
+        self._warn(f"disk cache disabled: {reason}")
+
+    def _sync_disk(self) -> None:
+        """Index entries other processes (or earlier runs) wrote since we last looked."""
+        if not self.disk:
+            return
+        try:
+            rows = self.disk.entries(self.ns, self._disk_seen)
+        except Exception as exc:  # sqlite3.Error, OSError
+            self._drop_disk(str(exc))
+            return
+        for row in rows:
+            entry = self.disk_index.add(row.tokens, trimmable=row.trimmable, nbytes=row.nbytes)
+            self._disk_ids[entry] = row.id
+            self._disk_seen = max(self._disk_seen, row.id)
+
+    def _write_disk(
+        self,
+        tokens: np.ndarray,
+        names: list[str],
+        fresh: dict[str, mx.array],
+        checkpoint: list[Any] | None,
+    ) -> None:
+        if not self.disk:
+            return
+        try:
+            if checkpoint is not None:
+                self.disk.write_checkpoint(names[0], self.ns, checkpoint)
+                nbytes = kv.state_nbytes(checkpoint)
+            else:
+                for h in names:
+                    block = fresh.get(h)
+                    self.disk.write_block(
+                        h, self.ns, block if block is not None else self._blocks[h].kv
+                    )
+                nbytes = sum(int(self._blocks[h].kv.nbytes) for h in names)
+            row = self.disk.add_entry(self.ns, tokens, checkpoint is None, names, nbytes)
+        except Exception as exc:  # OSError (full, read-only), sqlite3.Error
+            self._drop_disk(str(exc))
+            return
+        entry = self.disk_index.add(tokens, trimmable=checkpoint is None, nbytes=nbytes)
+        self._disk_ids[entry] = row
+
+    def _remove_disk(self, entry: Entry) -> None:
+        self.disk_index.remove(entry)
+        row = self._disk_ids.pop(entry)
+        if self.disk:
+            try:
+                self.disk.remove_entry(row)
+            except Exception as exc:
+                self._drop_disk(str(exc))
+
+    def _promote(self, entry: Entry, length: int) -> Entry | None:
+        """Load a disk entry's first `length` tokens into memory; None if its files are bad."""
+        if not self.disk:
+            return None
+        tokens = np.asarray(entry.tokens[:length], dtype=np.int32)
+        self._make_room(tokens)
+        try:
+            if entry.trimmable:
+                names = kv.chain_hashes(tokens, self.block_size, self.ns)
+                fresh = {h: self.disk.read_block(h) for h in names if h not in self._blocks}
+                mx.eval(list(fresh.values()))
+                mem_entry = self._add_mem(tokens, names, fresh)
+            else:
+                checkpoint = self.disk.read_checkpoint(f"c-{self.ns[:16]}-{_digest(tokens)}")
+                mem_entry = self._add_mem(tokens, None, checkpoint)
+            self.disk.touch(self._disk_ids[entry])
+        except CorruptFile:
+            self.stats.dropped_corrupt += 1
+            self._remove_disk(entry)
+            return None
+        self._fit(skip=mem_entry, prompt=tokens)
+        return mem_entry
+
+
+def _digest(tokens: np.ndarray) -> str:
+    from mlxcache.cache.disk import digest_tokens
+
+    return digest_tokens(tokens)[:32]

@@ -1,0 +1,228 @@
+"""Resumed == fresh, bit for bit: tokens, last-prompt-token logits and the forward schedule."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from spy import Spy, spied
+
+from mlxcache.cache.store import PromptCache
+from mlxcache.config import CacheConfig
+from mlxcache.engine import Engine, Request
+from mlxcache.events import Done, Result
+from mlxcache.model import LoadedModel, load
+from mlxcache.sampling import SamplingParams
+
+B = 4
+GREEDY = SamplingParams(max_tokens=6)
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(3, 250, size=n)]
+
+
+def engine_pair(
+    loaded: LoadedModel, tmp_path: Path, **cfg: object
+) -> tuple[Engine, Spy, Engine, Spy]:
+    """A cached engine and a cache-less reference engine, each with its own spy."""
+    config = CacheConfig(block_size=B, directory=tmp_path, **cfg)  # type: ignore[arg-type]
+    cached, spy = spied(loaded)
+    fresh, fresh_spy = spied(loaded)
+    root = tmp_path / "kv" if config.disk_bytes else None
+    return (
+        Engine(cached, PromptCache(cached.model, cached.key, config, root=root)),
+        spy,
+        Engine(fresh, block_size=B),
+        fresh_spy,
+    )
+
+
+def check_same(warm: Result, warm_spy: Spy, cold: Result, cold_spy: Spy, n_prompt: int) -> None:
+    """Same tokens and bytes; the warm run made exactly the cold run's calls from its resume point."""
+    assert warm.tokens == cold.tokens and warm.text == cold.text
+    start = warm.stats.cached_tokens
+    assert start % B == 0 and start < n_prompt
+    assert warm_spy.calls == [c for c in cold_spy.calls if c[0] >= start]
+    final = next(i for i, (s, n) in enumerate(warm_spy.calls) if s + n == n_prompt)
+    final_cold = next(i for i, (s, n) in enumerate(cold_spy.calls) if s + n == n_prompt)
+    assert mx.array_equal(warm_spy.last_logits[final], cold_spy.last_logits[final_cold])
+
+
+def run(engine: Engine, spy: Spy, tokens: list[int], params: SamplingParams = GREEDY) -> Result:
+    spy.reset()
+    return engine.complete(Request(tokens, params))
+
+
+def test_warm_in_memory_equals_fresh(tiny: LoadedModel, tmp_path: Path) -> None:
+    cached, spy, fresh, fspy = engine_pair(tiny, tmp_path, disk_bytes=0)
+    p = prompt(23)
+    first = run(cached, spy, p)
+    assert first.stats.cached_tokens == 0
+    warm = run(cached, spy, p)
+    cold = run(fresh, fspy, p)
+    assert warm.stats.cached_tokens == 20  # floor(min(23, 22) / 4) * 4
+    assert spy.calls[:2] == [(20, 3), (23, 1)]
+    check_same(warm, spy, cold, fspy, 23)
+    assert first.tokens == cold.tokens
+
+
+def test_fork_from_the_middle(tiny: LoadedModel, tmp_path: Path) -> None:
+    cached, spy, fresh, fspy = engine_pair(tiny, tmp_path, disk_bytes=0)
+    base = prompt(30)
+    run(cached, spy, base)
+    fork = base[:17] + prompt(9, seed=5)
+    warm = run(cached, spy, fork)
+    cold = run(fresh, fspy, fork)
+    assert warm.stats.cached_tokens == 16
+    check_same(warm, spy, cold, fspy, len(fork))
+
+
+def test_three_turn_chat_with_turn_three_repeated(tiny: LoadedModel, tmp_path: Path) -> None:
+    cached, spy, fresh, fspy = engine_pair(tiny, tmp_path, disk_bytes=0)
+    history: list[int] = []
+    results = []
+    for turn in range(3):
+        history = history + prompt(7, seed=10 + turn)
+        results.append(run(cached, spy, history))
+        history = history + results[-1].tokens
+    again = run(cached, spy, history[: len(history) - len(results[-1].tokens)])
+    assert again.tokens == results[-1].tokens
+    n3 = len(history) - len(results[-1].tokens)
+    assert again.stats.cached_tokens == (n3 // B) * B - (B if n3 % B == 0 else 0)
+    cold = run(fresh, fspy, history[: len(history) - len(results[-1].tokens)])
+    check_same(again, spy, cold, fspy, len(history) - len(results[-1].tokens))
+
+
+def test_two_lanes_equal_solo(tiny: LoadedModel, tmp_path: Path) -> None:
+    cached, _spy, fresh, _fspy = engine_pair(tiny, tmp_path, disk_bytes=0)
+    shared = prompt(12)
+    a, b = shared + prompt(5, 1), shared + prompt(9, 2)
+    sampled = SamplingParams(temperature=0.9, seed=3, max_tokens=8)
+    solo = [fresh.complete(Request(p, sampled)) for p in (a, b)]
+    ids = [cached.submit(Request(p, sampled)) for p in (a, b)]
+    done = {e.request_id: e.result for e in cached.run() if isinstance(e, Done)}
+    assert [done[i].tokens for i in ids] == [r.tokens for r in solo]
+    again = [cached.submit(Request(p, sampled)) for p in (b, a)]
+    done = {e.request_id: e.result for e in cached.run() if isinstance(e, Done)}
+    assert [done[i].tokens for i in again] == [solo[1].tokens, solo[0].tokens]
+    assert all(done[i].stats.cached_tokens >= 12 for i in again)
+
+
+def test_disk_tier_in_a_new_cache(tiny: LoadedModel, tmp_path: Path) -> None:
+    cached, spy, fresh, fspy = engine_pair(tiny, tmp_path)
+    p = prompt(26)
+    run(cached, spy, p)
+    reopened, spy2, _, _ = engine_pair(tiny, tmp_path)
+    warm = run(reopened, spy2, p)
+    cold = run(fresh, fspy, p)
+    assert warm.stats.cached_tokens == 24
+    assert reopened.cache.report()["disk_hits"] == 1  # type: ignore[attr-defined]
+    check_same(warm, spy2, cold, fspy, 26)
+
+
+def test_other_model_never_sees_entries(tiny: LoadedModel, tmp_path: Path, tiny_gguf: Path) -> None:
+    from tinymodel import write_tiny_gguf
+
+    write_tiny_gguf(tmp_path / "other.gguf", seed=9)
+    other = load(str(tmp_path / "other.gguf"), cache_root=tmp_path / "models")
+    p = prompt(20)
+    first, spy, _, _ = engine_pair(tiny, tmp_path)
+    run(first, spy, p)
+    second, spy2, _, _ = engine_pair(other, tmp_path)
+    assert run(second, spy2, p).stats.cached_tokens == 0
+    small = CacheConfig(block_size=8, directory=tmp_path)
+    third = Engine(tiny, PromptCache(tiny.model, tiny.key, small, root=tmp_path / "kv"))
+    assert third.complete(Request(p, GREEDY)).stats.cached_tokens == 0  # another block size
+
+
+def test_corrupt_block_is_dropped_and_counted(tiny: LoadedModel, tmp_path: Path) -> None:
+    cached, spy, fresh, fspy = engine_pair(tiny, tmp_path)
+    p = prompt(18)
+    run(cached, spy, p)
+    files = sorted((tmp_path / "kv" / "files").glob("*.safetensors"))
+    assert len(files) == 4
+    files[1].write_bytes(files[1].read_bytes()[:-7])  # truncated
+    reopened, spy2, _, _ = engine_pair(tiny, tmp_path)
+    warm = run(reopened, spy2, p)
+    report = reopened.cache.report()  # type: ignore[attr-defined]
+    assert report["dropped_corrupt"] == 1 and warm.stats.cached_tokens == 0
+    assert warm.tokens == run(fresh, fspy, p).tokens
+    # The entry is gone for good; the re-prefilled prompt was kept again, intact.
+    again, spy3, _, _ = engine_pair(tiny, tmp_path)
+    assert run(again, spy3, p).stats.cached_tokens == 16
+
+
+def test_disk_failure_warns_and_generation_goes_on(
+    tiny: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mlxcache.cache.disk import DiskTier
+
+    def full(*_args: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(DiskTier, "write_block", full)
+    warnings: list[str] = []
+    config = CacheConfig(block_size=B, directory=tmp_path)
+    engine = Engine(
+        tiny, PromptCache(tiny.model, tiny.key, config, tmp_path / "kv", warnings.append)
+    )
+    p = prompt(10)
+    engine.complete(Request(p, GREEDY))
+    assert warnings == ["disk cache disabled: [Errno 28] No space left on device"]
+    assert engine.complete(Request(p, GREEDY)).stats.cached_tokens == 8  # memory tier still works
+
+    (tmp_path / "blocked").write_text("a file where the cache directory should be")
+    warnings.clear()
+    PromptCache(tiny.model, tiny.key, config, tmp_path / "blocked" / "kv", warnings.append)
+    assert len(warnings) == 1 and warnings[0].startswith(
+        "disk cache disabled: cannot open the disk cache"
+    )
+
+
+def test_memory_budget_evicts_by_policy(tiny: LoadedModel, tmp_path: Path) -> None:
+    config = CacheConfig(block_size=B, disk_bytes=0, mem_bytes=1)
+    loaded, _spy = spied(tiny)
+    cache = PromptCache(loaded.model, loaded.key, config)
+    engine = Engine(loaded, cache)
+    engine.complete(Request(prompt(10), GREEDY))
+    # Over budget right after the keep: the new entry is evicted once its request ends.
+    assert cache.report()["mem_entries"] == 0 and cache.report()["mem_bytes"] == 0
+    assert cache.report()["evictions_mem"] == 1
+
+
+@pytest.fixture(scope="module")
+def sliding(tiny: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    """The tiny model with a sliding-window first layer: its state cannot be rewound."""
+    folder = tmp_path_factory.mktemp("sliding") / "model"
+    shutil.copytree(tiny.path, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config |= {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 8}
+    (folder / "config.json").write_text(json.dumps(config))
+    return load(str(folder))
+
+
+def test_non_trimmable_model(sliding: LoadedModel, tmp_path: Path) -> None:
+    cached, spy, fresh, fspy = engine_pair(sliding, tmp_path)
+    assert not cached.cache.trimmable
+    p = prompt(22)
+    run(cached, spy, p)
+    warm = run(cached, spy, p)
+    cold = run(fresh, fspy, p)
+    assert warm.stats.cached_tokens == 20  # checkpoint at the last boundary before the end
+    check_same(warm, spy, cold, fspy, 22)
+    # A fork inside the checkpoint cannot rewind it: a miss, still exact.
+    fork = p[:9] + prompt(8, seed=4)
+    forked = run(cached, spy, fork)
+    assert forked.stats.cached_tokens == 0
+    assert forked.tokens == run(fresh, fspy, fork).tokens
+    # From disk, in a new cache.
+    reopened, spy2, _, _ = engine_pair(sliding, tmp_path)
+    longer = p + prompt(5, seed=6)
+    warm = run(reopened, spy2, longer)
+    assert warm.stats.cached_tokens == 20
+    check_same(warm, spy2, run(fresh, fspy, longer), fspy, len(longer))
