@@ -10,7 +10,10 @@ import typer
 
 from mlxcache.errors import MlxcacheError
 from mlxcache_cli import ui
+from mlxcache_cli import bench, cache_cmd
 from mlxcache_cli.generate import generate
+from mlxcache_cli.json_cmd import json_cmd
+from mlxcache_cli.tools_cmd import tools_cmd
 
 app = typer.Typer(
     name="mlxcache",
@@ -30,7 +33,7 @@ def main(
     _state["debug"] = debug
 
 
-def command(fn: Callable[..., None], name: str | None = None) -> None:
+def command(fn: Callable[..., None], name: str | None = None, app: typer.Typer = app) -> None:
     """Register `fn`, turning domain errors into one red line and an exit code."""
 
     @functools.wraps(fn)
@@ -50,3 +53,15 @@ def command(fn: Callable[..., None], name: str | None = None) -> None:
 
 
 command(generate)
+
+cache_app = typer.Typer(help="Show and manage the prompt cache's disk tier.", no_args_is_help=True)
+for fn in (cache_cmd.stats, cache_cmd.ls, cache_cmd.clear, cache_cmd.prune):
+    command(fn, app=cache_app)
+app.add_typer(cache_app, name="cache")
+
+bench_app = typer.Typer(help="Benchmarks: one JSON line each, against a baseline run beside.", no_args_is_help=True)
+for fn in (bench.decode, bench.index, bench.resume):
+    command(fn, app=bench_app)
+app.add_typer(bench_app, name="bench")
+command(json_cmd, "json")
+command(tools_cmd, "tools")

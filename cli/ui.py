@@ -28,6 +28,14 @@ def out_json(obj: Any) -> None:
     sys.stdout.flush()
 
 
+out = Console(theme=THEME, highlight=False)
+
+
+def out_table(table: Any) -> None:
+    """A Rich table on stdout."""
+    out.print(table)
+
+
 def error(message: str) -> None:
     """The one red line a failed command prints."""
     err.print(f"error: {message}", style="error", markup=False, soft_wrap=True)
@@ -75,3 +83,15 @@ def progress_bar(transient: bool = True) -> Iterator[Callable[[str, int, int], N
     finally:
         if bar is not None:
             bar.stop()
+
+
+def batch_line(
+    *, ran: int, skipped: int, failed: int, cached: int, prompt: int, seconds: float, output: str
+) -> None:
+    """End of a JSONL batch: what ran, what a rerun skipped, and what the cache saved."""
+    per = f" ({seconds / ran:.2f}s per line)" if ran else ""
+    err.print(
+        f"{ran} lines run, {skipped} already in {output}, {failed} failed · "
+        f"[cached]{cached}[/cached]/{prompt} prompt tokens cached · {seconds:.1f}s{per}",
+        style="stats",
+    )

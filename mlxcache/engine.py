@@ -188,10 +188,18 @@ class Engine:
                 logits = proc(history, logits)
             return sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
 
+        def step(y: mx.array) -> mx.array:
+            nxt = pick(self.model(y.reshape(1, 1), cache=layers)[:, -1, :])
+            mx.async_eval(nxt)
+            return nxt
+
         y = pick(logits)
         mx.async_eval(y)
         decode_start = 0.0
         while True:
+            # Without processors the next step needs no token value: queue it before
+            # waiting on this one, so graph building overlaps compute (as mlx-lm does).
+            nxt = step(y) if not req.processors and len(out) + 1 < budget else None
             token = cast(int, y.item())
             if not out:
                 stats.ttft_s = time.perf_counter() - start
@@ -203,15 +211,14 @@ class Engine:
             if req.processors:
                 history = mx.concatenate([history, y.reshape(-1).astype(history.dtype)])
             more = len(out) < budget
-            if more:
-                # Queue the next step before handing this token out (overlaps compute and IO).
-                y = pick(self.model(y.reshape(1, 1), cache=layers)[:, -1, :])
-                mx.async_eval(y)
+            if more and nxt is None:
+                nxt = step(y)
             piece = text.add(token)
             pieces.append(piece)
             yield Token(rid, token, piece)
-            if not more:
+            if nxt is None:
                 break
+            y = nxt
         tail = text.flush()
         if tail:
             pieces.append(tail)

@@ -41,3 +41,7 @@ class GrammarError(UserInputError):
 
 class GenerationError(MlxcacheError):
     """A request failed while decoding (e.g. the grammar matcher rejected every token)."""
+
+
+class OutputError(GenerationError):
+    """A constrained reply that cannot be used: cut off at the token limit, or invalid."""

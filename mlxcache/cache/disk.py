@@ -188,6 +188,21 @@ class DiskTier:
         ).fetchone()[0]
         return int(n), int(b)
 
+    def verify(self) -> list[str]:
+        """Problems found: indexed files missing or failing their checksum, dangling links."""
+        problems = []
+        for (name,) in self._db.execute("SELECT name FROM files").fetchall():
+            try:
+                self._read(name)
+            except CorruptFile as exc:
+                problems.append(str(exc))
+        dangling = self._db.execute(
+            "SELECT COUNT(*) FROM entry_files WHERE name NOT IN (SELECT name FROM files)"
+        ).fetchone()[0]
+        if dangling:
+            problems.append(f"{dangling} entry links name no indexed file")
+        return problems
+
     # -- writing ----------------------------------------------------------------------------
 
     def _write_file(self, name: str, ns: str, write: Any) -> None:

@@ -154,7 +154,12 @@ class PromptCache:
 
     def report(self) -> dict[str, Any]:
         """Counters and sizes as one JSON-able dict."""
-        return {**asdict(self.stats), **self.usage(), "block_size": self.block_size}
+        return {
+            **asdict(self.stats),
+            **self.usage(),
+            "block_size": self.block_size,
+            "kv_bytes_per_token": self._token_bytes,
+        }
 
     # -- memory tier ------------------------------------------------------------------------
 

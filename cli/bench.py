@@ -1,0 +1,49 @@
+"""`mlxcache bench …`: each benchmark prints one JSON line on stdout, ratios against its baseline."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import typer
+
+from mlxcache_cli import options as o
+from mlxcache_cli import ui
+
+
+def _report(result: dict[str, Any]) -> None:
+    for key, value in result.items():
+        ui.err.print(f"{key}: {value}", style="stats")
+    ui.out_json(result)
+
+
+def decode(
+    model: o.Model = None,
+    tokens: Annotated[int, typer.Option("--tokens", help="Tokens generated per round.")] = 32,
+    rounds: Annotated[int, typer.Option("--rounds", help="Interleaved rounds of each loop.")] = 3,
+) -> None:
+    """Decode tokens/s of mlxcache's loop vs mlx_lm.stream_generate (goal: ratio >= 0.97)."""
+    from mlxcache.bench import decode_bench
+
+    _report(decode_bench.run(model, tokens, rounds))
+
+
+def index(
+    slots: Annotated[int, typer.Option("--slots", help="Prompt index slots.")] = 200,
+    runs: Annotated[int, typer.Option("--runs", help="Repetitions of the workload.")] = 3,
+    turns: Annotated[int, typer.Option("--turns", help="Conversation turns.")] = 220,
+) -> None:
+    """Prompt index lookup/keep/victim latency vs mlx-lm's LRUPromptCache on a forking chat."""
+    from mlxcache.bench import index_bench
+
+    _report(index_bench.run(slots=slots, runs=runs, turns=turns))
+
+
+def resume(
+    model: o.Model = None,
+    turns: Annotated[int, typer.Option("--turns", help="Chat turns (~25 tokens each).")] = 4,
+    block_size: o.BlockSize = 16,
+) -> None:
+    """TTFT with the prompt cache vs without: warm turns, disk tier, bytes of a fork."""
+    from mlxcache.bench import resume_bench
+
+    _report(resume_bench.run(model, turns, block_size))

@@ -1,0 +1,145 @@
+"""`mlxcache json`: replies constrained to a JSON Schema, one prompt or a JSONL batch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from mlxcache.engine import Engine
+from mlxcache.errors import OutputError, UserInputError
+from mlxcache.modes import json_mode
+from mlxcache.modes.batch import read_input
+from mlxcache.modes.schema import read_json_arg
+from mlxcache.sampling import SamplingParams
+from mlxcache_cli import options as o
+from mlxcache_cli import ui
+
+
+def read_instructions(path: Path | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserInputError(f"cannot read instructions file {path}: {exc}") from exc
+    if not text.strip():
+        raise UserInputError(f"instructions file {path} is empty")
+    return text
+
+
+def json_cmd(
+    prompt: Annotated[
+        str | None, typer.Argument(help="The prompt; '-' or nothing reads stdin.")
+    ] = None,
+    schema: Annotated[
+        str, typer.Option("--schema", help="JSON Schema: a file, or the schema itself inline.")
+    ] = "",
+    prompt_file: Annotated[
+        Path | None, typer.Option("--prompt-file", "-f", help="Read the prompt from a file.")
+    ] = None,
+    instructions: Annotated[
+        Path | None,
+        typer.Option(
+            "--instructions", help="File of instructions put before every prompt (cached)."
+        ),
+    ] = None,
+    input_path: Annotated[
+        Path | None,
+        typer.Option("--input", help='JSONL batch: {"prompt": ..., "vars": {...}, "id": ...}.'),
+    ] = None,
+    output: Annotated[
+        Path | None,
+        typer.Option("--output", help="JSONL results of --input; a rerun skips lines done."),
+    ] = None,
+    lanes: Annotated[int, typer.Option("--lanes", help="Batch requests run together.")] = 1,
+    model: o.Model = None,
+    max_tokens: o.MaxTokens = 256,
+    temp: o.Temp = 0.0,
+    top_p: o.TopP = 1.0,
+    seed: o.Seed = 0,
+    as_json: o.Json = False,
+    cache_dir: o.CacheDir = None,
+    no_cache: o.NoCache = False,
+    cache_mem: o.CacheMem = "2G",
+    cache_disk: o.CacheDisk = "20G",
+    block_size: o.BlockSize = 256,
+) -> None:
+    """Reply with one JSON document valid against --schema (printed on stdout)."""
+    if not schema:
+        raise UserInputError("--schema is required (a JSON Schema file or inline JSON)")
+    task = json_mode.JsonTask.create(
+        read_json_arg(schema, "schema"), read_instructions(instructions)
+    )
+    params = o.sampling(max_tokens, temp, top_p, seed)
+    cache = o.cache_config(cache_dir, no_cache, cache_mem, cache_disk, block_size)
+    if lanes < 1:
+        raise UserInputError(f"--lanes must be >= 1, got {lanes}")
+    if input_path is None:
+        if output is not None:
+            raise UserInputError("--output goes with --input (a JSONL batch)")
+        text = o.read_prompt(prompt, prompt_file)
+        _single(o.engine(model, cache), task, text, params, as_json)
+        return
+    if prompt is not None or prompt_file is not None:
+        raise UserInputError("give prompts in the --input file or as an argument, not both")
+    if output is None:
+        raise UserInputError("--input needs --output FILE (the file a rerun resumes)")
+    lines = read_input(input_path)
+    engine = o.engine(model, cache)
+    plan = json_mode.plan_batch(engine, task, lines, input_path, output)
+    _batch(engine, task, plan, params, lanes)
+
+
+def _single(
+    engine: Engine, task: json_mode.JsonTask, text: str, params: SamplingParams, as_json: bool
+) -> None:
+    reply = json_mode.run_one(engine, task, text, params)
+    if as_json:
+        ui.out_json(reply.as_dict())
+    elif reply.error is None:
+        ui.out_text(reply.text + "\n")
+    ui.stats_line(reply.stats)
+    if reply.error is not None:
+        raise OutputError(reply.error)
+
+
+def _batch(
+    engine: Engine,
+    task: json_mode.JsonTask,
+    plan: json_mode.BatchPlan,
+    params: SamplingParams,
+    lanes: int,
+) -> None:
+    if plan.torn:
+        ui.warn(f"{plan.output}: dropping a partly written last line (interrupted run)")
+
+    def on_record(rec: dict[str, Any]) -> None:
+        if rec.get("error"):
+            ui.warn(f"line {rec['line']}: {rec['error']}")
+
+    with ui.progress_bar(transient=False) as update:
+        summary = json_mode.run_batch(
+            engine,
+            task,
+            plan,
+            params,
+            lanes,
+            progress=lambda done, total: update("json", done, total),
+            on_record=on_record,
+        )
+    ui.batch_line(
+        ran=summary.ran,
+        skipped=summary.skipped,
+        failed=summary.failed,
+        cached=summary.cached_tokens,
+        prompt=summary.prompt_tokens,
+        seconds=summary.seconds,
+        output=str(plan.output),
+    )
+    if summary.failed:
+        raise OutputError(
+            f'{summary.failed} of {summary.ran} lines failed; see "error" in their records '
+            f"in {plan.output}"
+        )

@@ -1,0 +1,120 @@
+"""`mlxcache tools`: a reply that may call (or must call) functions from a tools file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from mlxcache.errors import OutputError, UserInputError
+from mlxcache.modes.schema import read_json_arg
+from mlxcache.modes.tool_chat import ToolsTask, add_tool_results, assistant_message, read_messages
+from mlxcache.modes.tools import ToolChoice, parse_tools
+from mlxcache_cli import options as o
+from mlxcache_cli import ui
+
+
+def _results(specs: list[str]) -> list[tuple[str, str]]:
+    out = []
+    for spec in specs:
+        name, sep, value = spec.partition("=")
+        if not sep or not name.strip():
+            raise UserInputError(f"--tool-result expects NAME=JSON, got {spec!r}")
+        out.append((name.strip(), value))
+    return out
+
+
+def _conversation(
+    messages_file: str | None, system: str | None, results: list[str]
+) -> tuple[list[dict[str, Any]], str | None]:
+    """Prior messages (system message split off) with the tool results appended."""
+    messages = read_messages(read_json_arg(messages_file, "messages")) if messages_file else []
+    if messages and messages[0]["role"] == "system":
+        if system is not None:
+            raise UserInputError("--messages starts with a system message; drop --system")
+        system, messages = messages[0]["content"], messages[1:]
+    if results:
+        messages = add_tool_results(messages, _results(results))
+    return messages, system
+
+
+def tools_cmd(
+    prompt: Annotated[
+        str | None,
+        typer.Argument(help="The user message; '-' reads stdin (optional with --messages)."),
+    ] = None,
+    tools_file: Annotated[
+        str, typer.Option("--tools", help="Function definitions (OpenAI style), file or JSON.")
+    ] = "",
+    tool_choice: Annotated[
+        str, typer.Option("--tool-choice", help="auto | required | none | a function name.")
+    ] = "auto",
+    prompt_file: Annotated[
+        Path | None, typer.Option("--prompt-file", "-f", help="Read the prompt from a file.")
+    ] = None,
+    system: Annotated[str | None, typer.Option("--system", "-s", help="System message.")] = None,
+    messages_file: Annotated[
+        str | None,
+        typer.Option("--messages", help='Prior conversation: the "messages" of a --json output.'),
+    ] = None,
+    tool_result: Annotated[
+        list[str] | None,
+        typer.Option("--tool-result", help="NAME=JSON: a called function's result (repeatable)."),
+    ] = None,
+    parallel: Annotated[
+        bool, typer.Option("--parallel", help="Allow several calls in one reply.")
+    ] = False,
+    model: o.Model = None,
+    max_tokens: o.MaxTokens = 256,
+    temp: o.Temp = 0.0,
+    top_p: o.TopP = 1.0,
+    seed: o.Seed = 0,
+    as_json: o.Json = False,
+    cache_dir: o.CacheDir = None,
+    no_cache: o.NoCache = False,
+    cache_mem: o.CacheMem = "2G",
+    cache_disk: o.CacheDisk = "20G",
+    block_size: o.BlockSize = 256,
+) -> None:
+    """Reply to PROMPT with text and/or calls to the functions in --tools."""
+    if not tools_file:
+        raise UserInputError("--tools is required (a JSON file of function definitions)")
+    tools = parse_tools(read_json_arg(tools_file, "tools"), f"tools {tools_file}")
+    choice = ToolChoice.parse(tool_choice, tools)
+    messages, system = _conversation(messages_file, system, tool_result or [])
+    if prompt is not None or prompt_file is not None or not messages:
+        messages.append({"role": "user", "content": o.read_prompt(prompt, prompt_file)})
+    if messages[-1]["role"] == "assistant":
+        raise UserInputError(
+            "the conversation ends with the assistant: add a prompt or --tool-result"
+        )
+    params = o.sampling(max_tokens, temp, top_p, seed)
+    cache = o.cache_config(cache_dir, no_cache, cache_mem, cache_disk, block_size)
+    task = ToolsTask(tools, choice, system, parallel)
+    engine = o.engine(model, cache)
+    ids = task.encode(engine, messages)
+    result = engine.complete(task.request(engine, ids, params))
+    reply = task.read(result)
+    if as_json:
+        doc: dict[str, Any] = {
+            "content": reply.content,
+            "tool_calls": [c.as_dict() for c in reply.calls],
+            "finish_reason": result.finish_reason,
+        }
+        if reply.error is not None:
+            doc["error"] = reply.error
+        doc["stats"] = result.stats.as_dict()
+        doc["messages"] = [*messages, assistant_message(reply)]
+        if system is not None:
+            doc["messages"].insert(0, {"role": "system", "content": system})
+        ui.out_json(doc)
+    elif reply.error is None:
+        if reply.content:
+            ui.out_text(reply.content + "\n")
+        for call in reply.calls:
+            ui.out_text(f"{call.name}({json.dumps(call.arguments, ensure_ascii=False)})\n")
+    ui.stats_line(result.stats.as_dict())
+    if reply.error is not None:
+        raise OutputError(reply.error)

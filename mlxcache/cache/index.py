@@ -1,0 +1,377 @@
+"""The prompt index: which kept prompts exist, which one a prompt resumes from, which goes.
+
+Pure Python and numpy, no MLX. The semantics are DESIGN.md's "The prompt index"; the
+decisions it leaves open are in docs/index-decisions.md. Costs: a lookup walks the prompt's
+blocks once through a radix tree (`radix.py`); extension links are made when an entry joins
+and dropped when it leaves; victims come from sorted lists (`order.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from mlxcache.cache.order import EXPIRED, EXTENDED, REST, VictimOrder
+from mlxcache.cache.radix import BlockTree, Node, Tokens, as_tokens
+from mlxcache.errors import CacheFullError
+
+TokenSeq = Sequence[int] | npt.NDArray[np.integer]
+
+
+class Entry:
+    """One kept prompt. Read its fields; change them only through its `PromptIndex`.
+
+    Attributes:
+        tokens: the token ids (a read-only int32 array).
+        born: the index clock when it was added (unique, increasing).
+        last_used: the index clock of its latest use (add, hit, touch).
+        expired: its state is gone; it restores nothing until added again.
+        trimmable: its state can be rewound to a shorter prefix.
+        pins: running requests using it; a pinned entry is never a victim.
+        nbytes: the bytes its state takes, as told by the caller.
+    """
+
+    __slots__ = (
+        "_cls",
+        "_extenders",
+        "_extends",
+        "_group",
+        "_live_extenders",
+        "_node",
+        "_tail",
+        "born",
+        "expired",
+        "last_used",
+        "nbytes",
+        "pins",
+        "tokens",
+        "trimmable",
+    )
+
+    def __init__(self, tokens: Tokens, born: int, trimmable: bool, nbytes: int) -> None:
+        self.tokens = tokens
+        self.born = born
+        self.last_used = born
+        self.expired = False
+        self.trimmable = trimmable
+        self.pins = 0
+        self.nbytes = nbytes
+        self._node: Node
+        self._tail: bytes
+        self._group: Node | None = None  # first-block node of a trimmable entry of >= 1 block
+        self._cls = REST  # class in the victim order, while attached there
+        self._extends: set[Entry] = set()  # older entries that are proper prefixes of it
+        self._extenders: set[Entry] = set()  # newer trimmable entries it is a prefix of
+        self._live_extenders = 0
+
+    def __repr__(self) -> str:
+        flags = "".join(
+            f for f, on in (("x", self.expired), ("t", self.trimmable), ("p", self.pins)) if on
+        )
+        return f"Entry(born={self.born}, len={len(self.tokens)}, used={self.last_used}, {flags})"
+
+
+@dataclass(frozen=True, slots=True)
+class Match:
+    """A lookup hit: restore `entry` to its first `length` tokens."""
+
+    entry: Entry
+    length: int
+
+
+class PromptIndex:
+    """Entries, their births and uses, expiry, extension links, lookup and victim choice.
+
+    Args:
+        block_size: B, the resume granularity for trimmable entries.
+        max_entries: slot limit; adding to a full index first evicts
+            `victim(prompt=tokens)`. None for no limit.
+
+    Raises:
+        ValueError: block_size or max_entries is not a positive int.
+    """
+
+    def __init__(self, block_size: int, max_entries: int | None = None) -> None:
+        if not _positive_int(block_size):
+            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        if max_entries is not None and not _positive_int(max_entries):
+            raise ValueError(f"max_entries must be a positive int or None, got {max_entries!r}")
+        self.block_size = block_size
+        self.max_entries = max_entries
+        self._tree = BlockTree(block_size)
+        self._order = VictimOrder()
+        self._entries: dict[int, Entry] = {}  # by born, so in born order
+        self._clock = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __iter__(self) -> Iterator[Entry]:
+        return iter(tuple(self._entries.values()))
+
+    def __contains__(self, e: object) -> bool:
+        return isinstance(e, Entry) and self._entries.get(e.born) is e
+
+    def add(self, tokens: TokenSeq, trimmable: bool = True, nbytes: int = 0) -> Entry:
+        """Keep `tokens` as an entry, or reuse the entry that already has exactly them.
+
+        Reusing counts as a use, clears `expired`, sets `nbytes`, and keeps the entry's
+        own `trimmable` flag.
+
+        Raises:
+            ValueError: empty or invalid tokens, or a negative nbytes.
+            CacheFullError: the index is full and every entry is pinned.
+        """
+        arr = as_tokens(tokens, "tokens")
+        if not arr.size:
+            raise ValueError("cannot add an empty token sequence")
+        if not isinstance(nbytes, int) or nbytes < 0:
+            raise ValueError(f"nbytes must be a non-negative int, got {nbytes!r}")
+        data = arr.tobytes()
+        e = self._tree.find(data)
+        if e is not None:
+            self._unplace(e)
+            e.nbytes = nbytes
+            if e.expired:
+                e.expired = False
+                self._activate(e)
+            e.last_used = self._tick()
+            self._place(e)
+            return e
+        if self.max_entries is not None and len(self) >= self.max_entries:
+            victim = self.victim(prompt=arr)
+            if victim is None:
+                raise CacheFullError(
+                    f"all {len(self)} prompt cache entries are pinned by running requests; "
+                    "wait for one to finish or raise the slot limit"
+                )
+            self.remove(victim)
+        return self._insert(arr, data, bool(trimmable), nbytes)
+
+    def remove(self, e: Entry) -> None:
+        """Forget `e` and its extension links.
+
+        Raises:
+            ValueError: `e` is not in the index, or is pinned.
+        """
+        self._check(e)
+        if e.pins:
+            raise ValueError(f"cannot remove {e!r}: it is pinned by a running request")
+        self._order.detach(e)
+        if not e.expired:
+            self._deactivate(e)
+        for p in e._extends:
+            p._extenders.discard(e)
+        for f in e._extenders:
+            f._extends.discard(e)
+        del e._node.entries[e._tail]
+        self._tree.prune(e._node)
+        del self._entries[e.born]
+
+    def expire(self, e: Entry) -> None:
+        """Mark `e`'s state as gone (no-op if already expired)."""
+        self._check(e)
+        if e.expired:
+            return
+        self._unplace(e)
+        e.expired = True
+        self._deactivate(e)
+        self._place(e)
+
+    def pin(self, e: Entry) -> None:
+        """Mark `e` in use by one more running request: it is never a victim until unpinned."""
+        self._check(e)
+        if not e.pins:
+            self._order.detach(e)
+        e.pins += 1
+
+    def unpin(self, e: Entry) -> None:
+        """Undo one `pin(e)`.
+
+        Raises:
+            ValueError: `e` is not in the index, or not pinned.
+        """
+        self._check(e)
+        if not e.pins:
+            raise ValueError(f"cannot unpin {e!r}: it is not pinned")
+        e.pins -= 1
+        self._place(e)
+
+    def touch(self, e: Entry) -> None:
+        """Count a use of `e`."""
+        self._check(e)
+        self._unplace(e)
+        e.last_used = self._tick()
+        self._place(e)
+
+    def extended(self, e: Entry) -> bool:
+        """Whether a newer, longer, live trimmable entry has `e`'s tokens as its prefix."""
+        self._check(e)
+        return e._live_extenders > 0
+
+    def usable(self, e: Entry, prompt: TokenSeq) -> int:
+        """How many tokens of `prompt` `e` can restore (0 if expired or unrelated)."""
+        self._check(e)
+        arr = as_tokens(prompt, "prompt")
+        if e.expired:
+            return 0
+        n = min(len(e.tokens), len(arr))
+        differ = np.flatnonzero(e.tokens[:n] != arr[:n])
+        lcp = int(differ[0]) if differ.size else n
+        if e.trimmable:
+            b = self.block_size
+            return max(0, min(lcp, len(arr) - 1)) // b * b
+        return lcp if lcp == len(e.tokens) < len(arr) else 0
+
+    def lookup(self, prompt: TokenSeq) -> Match | None:
+        """The entry restoring the most of `prompt` and how much; a hit counts as a use.
+
+        Ties go to the entry needing the least rewinding (the shortest), then the newest.
+        """
+        arr = as_tokens(prompt, "prompt")
+        cap = (len(arr) - 1) // self.block_size
+        if cap < 0:
+            return None
+        data = arr.tobytes()
+        path = self._tree.walk(data, cap, lambda n: n.best is not None or n.nt > 0)
+        found: Match | None = None
+        for node in reversed(path[1:]):
+            if node.best is not None:
+                found = Match(node.best, node.depth * self.block_size)
+                break
+        for e in self._nt_prefixes(path, data):
+            if found is None or _rank(e, len(e.tokens)) > _rank(found.entry, found.length):
+                found = Match(e, len(e.tokens))
+        if found is not None:
+            self.touch(found.entry)
+        return found
+
+    def victim(self, skip: Entry | None = None, prompt: TokenSeq | None = None) -> Entry | None:
+        """The entry to evict next, never a pinned one nor `skip`; changes nothing.
+
+        Order: expired, then extended, then the rest; within each, entries of no use to
+        `prompt` first, then the least recently used.
+
+        Raises:
+            ValueError: `skip` is not in the index.
+        """
+        useful = self._useful(prompt)
+        if skip is None or skip.pins:
+            if skip is not None:
+                self._check(skip)
+            return self._order.pick(useful)
+        self._check(skip)
+        self._order.detach(skip)
+        try:
+            return self._order.pick(useful)
+        finally:
+            self._order.attach(skip, skip._cls)
+
+    def _insert(self, arr: Tokens, data: bytes, trimmable: bool, nbytes: int) -> Entry:
+        path = self._tree.grow(data)
+        tokens = arr.copy()
+        tokens.flags.writeable = False
+        e = Entry(tokens, self._tick(), trimmable, nbytes)
+        e._node = path[-1]
+        e._tail = data[e._node.depth * self._tree.block_bytes :]
+        if trimmable:
+            if len(path) > 1:
+                e._group = path[1]
+            # Links are only needed from trimmable entries: only those extend.
+            for p in self._tree.prefixes(path, data):
+                p._extenders.add(e)
+                e._extends.add(p)
+        e._node.entries[e._tail] = e
+        self._entries[e.born] = e
+        self._activate(e)
+        self._place(e)
+        return e
+
+    def _activate(self, e: Entry) -> None:
+        """`e` became live: joined, or was added again after expiring."""
+        if e.trimmable:
+            self._tree.raise_best(e)
+            self._count_extender(e, +1)
+        else:
+            self._tree.count_nt(e, +1)
+
+    def _deactivate(self, e: Entry) -> None:
+        """`e` stops being live: expires, or leaves while live."""
+        if e.trimmable:
+            self._tree.drop_best(e)
+            self._count_extender(e, -1)
+        else:
+            self._tree.count_nt(e, -1)
+
+    def _count_extender(self, f: Entry, delta: int) -> None:
+        for p in f._extends:
+            old = p._live_extenders
+            if p.expired or (old > 0) == (old + delta > 0):
+                p._live_extenders += delta
+            else:  # p moves between the extended class and the rest
+                self._unplace(p)
+                p._live_extenders += delta
+                self._place(p)
+
+    def _nt_prefixes(self, path: list[Node], data: bytes) -> list[Entry]:
+        """Live non-trimmable entries hanging on `path` that are proper prefixes of `data`."""
+        n = 0
+        while n < len(path) and path[n].nt:
+            n += 1
+        return [e for e in self._tree.prefixes(path[:n], data) if not (e.trimmable or e.expired)]
+
+    def _useful(self, prompt: TokenSeq | None) -> Callable[[Entry], bool]:
+        """Tells the live entries with usable(e, prompt) > 0, looking at `prompt` once."""
+        if prompt is None:
+            return _never
+        arr = as_tokens(prompt, "prompt")
+        cap = (len(arr) - 1) // self.block_size
+        if cap < 0:
+            return _never
+        group = self._tree.root.children.get(arr[: self.block_size].tobytes()) if cap else None
+        prefixes: set[Entry] = set()
+        if self._tree.root.nt:
+            data = arr.tobytes()
+            prefixes.update(self._nt_prefixes(self._tree.walk(data, cap, _has_nt), data))
+        return lambda e: (group is not None and e._group is group) or e in prefixes
+
+    def _class(self, e: Entry) -> int:
+        if e.expired:
+            return EXPIRED
+        return EXTENDED if e._live_extenders else REST
+
+    def _place(self, e: Entry) -> None:
+        if not e.pins:
+            self._order.attach(e, self._class(e))
+
+    def _unplace(self, e: Entry) -> None:
+        if not e.pins:
+            self._order.detach(e)
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def _check(self, e: Entry) -> None:
+        if self._entries.get(e.born) is not e:
+            raise ValueError(f"{e!r} is not in this index")
+
+
+def _rank(e: Entry, length: int) -> tuple[int, int, int]:
+    """Lookup preference: more tokens restored, then less rewinding, then newer."""
+    return (length, -len(e.tokens), e.born)
+
+
+def _never(e: Entry) -> bool:
+    return False
+
+
+def _has_nt(n: Node) -> bool:
+    return n.nt > 0
+
+
+def _positive_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 1

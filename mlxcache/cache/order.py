@@ -1,0 +1,93 @@
+"""The victim order: unpinned entries sorted by (class, usefulness, last_used), kept as data.
+
+The policy (DESIGN.md, "The prompt index") is the sort key. The class (expired, extended,
+rest) and last_used do not depend on the prompt, so entries are kept sorted by them.
+Usefulness does, so it is decided at pick time, and the structure is laid out so that a pick
+only looks at the entries useful to the prompt plus one:
+
+- A live trimmable entry of at least one block is useful exactly when its first block is the
+  prompt's (and the prompt is longer than a block). Such entries are grouped by first block
+  and only each group's least recently used member stands in the class list, so the whole
+  group the prompt can use costs one step of the scan.
+- Every other entry (shorter than a block, or non-trimmable) stands in the class list itself;
+  the non-trimmable ones useful to the prompt are its proper prefixes, found by a tree walk.
+
+One logical clock serves born and last_used, so last_used never ties and is the key alone.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, insort
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from mlxcache.cache.index import Entry
+
+EXPIRED, EXTENDED, REST = 0, 1, 2
+
+
+def _discard(keys: list[int], key: int) -> None:
+    del keys[bisect_left(keys, key)]
+
+
+class VictimOrder:
+    """Unpinned entries of an index, ready for a victim pick."""
+
+    def __init__(self) -> None:
+        # Per class: the sorted last_used of each ungrouped entry and of each group's head.
+        self._lists: tuple[list[int], ...] = ([], [], [])
+        # Per class: the sorted last_used of each group's members.
+        self._groups: tuple[dict[object, list[int]], ...] = ({}, {}, {})
+        self._entry: dict[int, Entry] = {}
+
+    def attach(self, e: Entry, cls: int) -> None:
+        """Put `e` in class `cls` at its current last_used (it must not be attached)."""
+        key = e.last_used
+        e._cls = cls
+        self._entry[key] = e
+        if e._group is None:
+            insort(self._lists[cls], key)
+            return
+        members = self._groups[cls].setdefault(e._group, [])
+        insort(members, key)
+        if members[0] == key:
+            if len(members) > 1:
+                _discard(self._lists[cls], members[1])
+            insort(self._lists[cls], key)
+
+    def detach(self, e: Entry) -> None:
+        """Take `e` out (it must be attached, with the last_used it was attached with)."""
+        key, cls = e.last_used, e._cls
+        del self._entry[key]
+        if e._group is None:
+            _discard(self._lists[cls], key)
+            return
+        groups = self._groups[cls]
+        members = groups[e._group]
+        i = bisect_left(members, key)
+        del members[i]
+        if i == 0:
+            _discard(self._lists[cls], key)
+            if members:
+                insort(self._lists[cls], members[0])
+            else:
+                del groups[e._group]
+
+    def pick(self, useful: Callable[[Entry], bool]) -> Entry | None:
+        """The first entry in victim order, where `useful` tells the entries of use to the
+        prompt; it is asked only about live entries, and about one per group."""
+        for cls, keys in enumerate(self._lists):
+            if not keys:
+                continue
+            if cls == EXPIRED:
+                return self._entry[keys[0]]
+            fallback = None
+            for key in keys:
+                e = self._entry[key]
+                if not useful(e):
+                    return e
+                if fallback is None:
+                    fallback = e
+            return fallback
+        return None

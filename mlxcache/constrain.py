@@ -1,0 +1,184 @@
+"""Grammar-constrained decoding with llguidance, as an mlx-lm style logits processor.
+
+A `GrammarProcessor` owns one llguidance matcher for one request. Each engine step hands
+it (prompt + generated ids, logits); it feeds the token sampled last to the matcher and
+masks every token the grammar forbids. Once the grammar is complete only the stop tokens
+stay allowed, so the engine ends the reply with finish_reason "stop".
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Collection
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from llguidance import LLMatcher, LLParserLimits, LLTokenizer
+from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
+
+from mlxcache.errors import GenerationError, GrammarError
+
+JSON_OPTIONS: dict[str, Any] = {
+    # No free whitespace: a small model otherwise pads JSON with newlines until max tokens.
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+}
+"""How constrained JSON is laid out: one line, `{"a": 1, "b": [2, 3]}`."""
+
+_LIMITS_VERBOSE = False  # verbose errors dump parser state and the whole grammar
+
+_tokenizers: dict[str, LLTokenizer] = {}
+_tokenizers_lock = threading.Lock()
+
+
+def ll_tokenizer(tokenizer: Any, key: str) -> LLTokenizer:
+    """llguidance's view of an mlx-lm tokenizer wrapper, built once per model `key` (~0.4 s).
+
+    Raises:
+        GrammarError: the model has no fast Hugging Face tokenizer to build it from.
+    """
+    with _tokenizers_lock:
+        cached = _tokenizers.get(key)
+        if cached is not None:
+            return cached
+        import llguidance.hf
+
+        hf = getattr(tokenizer, "_tokenizer", tokenizer)
+        eos = sorted(int(t) for t in getattr(tokenizer, "eos_token_ids", ()) or ())
+        try:
+            built = llguidance.hf.from_tokenizer(hf, eos_token=eos or None)
+        except ValueError as exc:
+            raise GrammarError(
+                f"constrained decoding needs a fast Hugging Face tokenizer; this model has "
+                f"{type(hf).__name__}: {exc}"
+            ) from exc
+        _tokenizers[key] = built
+        return built
+
+
+def grammar_from_json_schema(schema: dict[str, Any]) -> str:
+    """The llguidance grammar enforcing `schema`, laid out as JSON_OPTIONS says."""
+    return str(LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS))  # type: ignore[arg-type]
+
+
+def grammar_from_lark(lark: str) -> str:
+    """The llguidance grammar of a Lark (llguidance dialect) text."""
+    return str(LLMatcher.grammar_from_lark(lark))
+
+
+def grammar_error(grammar: str) -> str | None:
+    """Why llguidance cannot compile `grammar` (one line), or None when it can.
+
+    Checked without a tokenizer, so bad schemas are refused before a model is loaded.
+    """
+    is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar)
+    if not is_error:
+        return None
+    return " ".join(messages[0].split()) if messages else "invalid grammar"
+
+
+def bitmask_to_bool(bitmask: np.ndarray, width: int) -> np.ndarray:
+    """llguidance's packed mask (int32 words, bit t%32 of word t//32) as `width` booleans.
+
+    Token ids past the mask (a model vocabulary padded beyond the tokenizer's) are
+    forbidden; mask bits past `width` (the word padding) are dropped.
+    """
+    words = np.ascontiguousarray(bitmask, dtype="<i4").reshape(-1)
+    bits = np.unpackbits(words.view(np.uint8), bitorder="little").astype(bool)
+    if bits.size >= width:
+        return bits[:width]
+    return np.concatenate([bits, np.zeros(width - bits.size, dtype=bool)])
+
+
+def apply_mask(logits: mx.array, allowed: np.ndarray) -> mx.array:
+    """`logits` with every forbidden token set to -inf (one `mx.where`, any backend)."""
+    neg_inf = mx.array(-np.inf, dtype=logits.dtype)
+    return mx.where(mx.array(allowed), logits, neg_inf)
+
+
+class GrammarProcessor:
+    """Logits processor enforcing one grammar on one request's reply.
+
+    The engine's contract: the first call gets the prompt ids (not fed to the matcher,
+    the grammar covers the reply only); each later call gets prompt + generated ids, the
+    last one being the token just sampled, which the matcher consumes.
+
+    Args:
+        tokenizer: from `ll_tokenizer`.
+        grammar: an llguidance grammar (`grammar_from_json_schema`, `grammar_from_lark`).
+        stop_tokens: the ids that end the reply; the only ones allowed once the grammar
+            is complete.
+
+    Raises:
+        GrammarError: the grammar does not compile.
+    """
+
+    def __init__(self, tokenizer: LLTokenizer, grammar: str, stop_tokens: Collection[int]) -> None:
+        if not stop_tokens:
+            raise ValueError("stop_tokens must not be empty: a complete grammar needs a way out")
+        limits = LLParserLimits(verbose_errors=_LIMITS_VERBOSE)
+        self.matcher = LLMatcher(tokenizer, grammar, log_level=0, limits=limits)
+        if self.matcher.is_error():
+            raise GrammarError(f"cannot compile the grammar: {self._error()}")
+        self._stop = np.fromiter(sorted(stop_tokens), dtype=np.int64)
+        self._bitmask = allocate_token_bitmask(1, tokenizer.vocab_size)
+        self._prompt_len: int | None = None
+        self.consumed: list[int] = []
+
+    @property
+    def complete(self) -> bool:
+        """The grammar is satisfied and nothing more can be added."""
+        return bool(self.matcher.is_stopped() and not self.matcher.is_error())
+
+    def _error(self) -> str:
+        return " ".join(str(self.matcher.get_error()).split()) or "unknown matcher error"
+
+    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        n = int(tokens.shape[-1])
+        if self._prompt_len is None:
+            self._prompt_len = n
+        else:
+            start = self._prompt_len + len(self.consumed)
+            new: list[int] = np.asarray(tokens.reshape(-1)[start:]).tolist()
+            for token in new:
+                if not self.matcher.consume_token(token):
+                    raise GenerationError(f"the grammar rejected token {token}: {self._error()}")
+                self.consumed.append(token)
+        return apply_mask(logits, self.allowed(int(logits.shape[-1])))
+
+    def allowed(self, width: int) -> np.ndarray:
+        """Boolean mask of the tokens the grammar allows next, over a `width` vocabulary.
+
+        Raises:
+            GenerationError: the matcher failed or allows nothing (sampling would give NaN).
+        """
+        if self.matcher.is_error():
+            raise GenerationError(f"constrained decoding failed: {self._error()}")
+        if self.matcher.is_stopped():
+            # Complete: force the end of the reply (the stop ids may differ from llguidance's eos).
+            allowed = np.zeros(width, dtype=bool)
+            allowed[self._stop[self._stop < width]] = True
+            return allowed
+        fill_next_token_bitmask(self.matcher, self._bitmask)
+        if self.matcher.is_error():
+            raise GenerationError(f"constrained decoding failed: {self._error()}")
+        allowed = bitmask_to_bool(self._bitmask, width)
+        if self.matcher.is_accepting():
+            allowed[self._stop[self._stop < width]] = True
+        if not allowed.any():
+            raise GenerationError(
+                "constrained decoding failed: the grammar allows no token of this model's "
+                "vocabulary"
+            )
+        return allowed
+
+
+def processor_for(
+    loaded: Any, grammar: str, stop_tokens: Collection[int] | None = None
+) -> GrammarProcessor:
+    """A fresh processor for one request on `loaded` (an `mlxcache.model.LoadedModel`)."""
+    tokenizer = ll_tokenizer(loaded.tokenizer, loaded.key)
+    stop = stop_tokens if stop_tokens is not None else loaded.tokenizer.eos_token_ids
+    return GrammarProcessor(tokenizer, grammar, frozenset(int(t) for t in stop))

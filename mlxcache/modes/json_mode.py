@@ -1,0 +1,214 @@
+"""JSON Schema mode: replies that are one JSON document valid against a schema.
+
+The prompt is [system: instructions + the schema, user: prompt]. Instructions and schema
+come first and are the same for every request of a batch, so the prefix cache reuses
+them; only the user turn is new.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from mlxcache.constrain import processor_for
+from mlxcache.engine import Engine, Request
+from mlxcache.errors import ContextLengthError
+from mlxcache.events import Result
+from mlxcache.modes.batch import (
+    InputLine,
+    Job,
+    RecordWriter,
+    read_output,
+    run_lanes,
+    substitute,
+)
+from mlxcache.modes.schema import check_schema, validation_error
+from mlxcache.sampling import SamplingParams
+
+SCHEMA_INTRO = "Reply with one JSON document that follows this JSON Schema:\n"
+
+
+@dataclass(frozen=True, slots=True)
+class JsonTask:
+    """What every request of a JSON run shares: the schema and optional instructions.
+
+    Build it with `JsonTask.create`, which checks the schema and compiles its grammar.
+    """
+
+    schema: dict[str, Any]
+    grammar: str
+    instructions: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.grammar:
+            raise ValueError("grammar must not be empty (use JsonTask.create)")
+        if self.instructions is not None and not self.instructions.strip():
+            raise ValueError("instructions must not be blank")
+
+    @classmethod
+    def create(cls, schema: Any, instructions: str | None = None) -> JsonTask:
+        """Check `schema` (raises GrammarError naming the location) and build the task."""
+        grammar = check_schema(schema)
+        return cls(schema, grammar, instructions)
+
+    def messages(
+        self, prompt: str, values: Mapping[str, str] | None = None, where: str = "prompt"
+    ) -> list[dict[str, str]]:
+        """The chat messages of one request.
+
+        With `values` (batch lines, even empty), `{{var}}` placeholders in the prompt and
+        instructions are filled from it; without, the text is taken as is.
+        """
+        system = SCHEMA_INTRO + json.dumps(self.schema, ensure_ascii=False)
+        instructions, user = self.instructions, prompt
+        if values is not None:
+            user = substitute(prompt, values, where)
+            if instructions is not None:
+                instructions = substitute(instructions, values, f"{where} (instructions)")
+        if instructions is not None:
+            system = f"{instructions}\n\n{system}"
+        return [{"role": "system", "content": system}, {"role": "user", "content": user}]
+
+
+@dataclass(frozen=True, slots=True)
+class JsonReply:
+    """A finished request: `output` is the parsed document, None when `error` says why."""
+
+    output: Any
+    text: str
+    finish_reason: str
+    stats: dict[str, Any]
+    error: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {"output": self.output, "finish_reason": self.finish_reason}
+        if self.error is not None:
+            doc.update(error=self.error, text=self.text)
+        doc["stats"] = self.stats
+        return doc
+
+
+def read_reply(task: JsonTask, result: Result) -> JsonReply:
+    """Parse and validate a reply; a failure is recorded in `error`, never raised."""
+    stats = result.stats.as_dict()
+    if result.finish_reason == "length":
+        error = (
+            f"the reply reached the token limit ({result.stats.generated_tokens}) before the "
+            'JSON document was complete (finish_reason "length"); raise --max-tokens, or '
+            "bound the schema (maxLength, maxItems)"
+        )
+        return JsonReply(None, result.text, result.finish_reason, stats, error)
+    try:
+        doc = json.loads(result.text)
+    except json.JSONDecodeError as exc:
+        return JsonReply(None, result.text, result.finish_reason, stats, f"not JSON: {exc}")
+    problem = validation_error(doc, task.schema)
+    if problem is not None:
+        error = f"the reply does not satisfy the schema: {problem}"
+        return JsonReply(None, result.text, result.finish_reason, stats, error)
+    return JsonReply(doc, result.text, result.finish_reason, stats)
+
+
+def request(engine: Engine, ids: list[int], task: JsonTask, params: SamplingParams) -> Request:
+    """A constrained request (a fresh grammar matcher each time)."""
+    return Request(ids, params, [processor_for(engine.loaded, task.grammar)])
+
+
+def encode(engine: Engine, messages: list[dict[str, str]], where: str = "the prompt") -> list[int]:
+    """Token ids of `messages`, refused early when they leave no room for a reply."""
+    ids = engine.encode_chat(messages)
+    limit = engine.loaded.context_length
+    if len(ids) >= limit:
+        raise ContextLengthError(f"{where} has {len(ids)} tokens; the model's context is {limit}")
+    return ids
+
+
+def run_one(engine: Engine, task: JsonTask, prompt: str, params: SamplingParams) -> JsonReply:
+    """One prompt in, one checked reply out (failures in `reply.error`)."""
+    ids = encode(engine, task.messages(prompt))
+    return read_reply(task, engine.complete(request(engine, ids, task, params)))
+
+
+@dataclass(frozen=True, slots=True)
+class BatchPlan:
+    """A checked batch: every line encoded, the output file scanned. Nothing written yet."""
+
+    lines: list[InputLine]
+    ids: dict[int, list[int]]
+    """Token ids of the lines still to run, by line number."""
+    skipped: int
+    keep_bytes: int
+    torn: bool
+    output: Path
+
+
+@dataclass(slots=True)
+class BatchSummary:
+    ran: int = 0
+    skipped: int = 0
+    failed: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    seconds: float = 0.0
+
+
+def plan_batch(
+    engine: Engine, task: JsonTask, lines: list[InputLine], input_path: Path, output: Path
+) -> BatchPlan:
+    """Check the whole batch (from `read_input`) before anything runs or is written.
+
+    Raises:
+        UserInputError: a missing var, a prompt too long, or an output file that is not ours.
+    """
+    state = read_output(output)
+    ids: dict[int, list[int]] = {}
+    for item in lines:
+        where = f"{input_path} line {item.line}"
+        messages = task.messages(item.prompt, item.vars, where)
+        if item.line not in state.done:
+            ids[item.line] = encode(engine, messages, where)
+    return BatchPlan(lines, ids, len(lines) - len(ids), state.keep_bytes, state.torn, output)
+
+
+def record(item: InputLine, reply: JsonReply) -> dict[str, Any]:
+    """The output line of one input line."""
+    return {"line": item.line, "id": item.id, **reply.as_dict()}
+
+
+def run_batch(
+    engine: Engine,
+    task: JsonTask,
+    plan: BatchPlan,
+    params: SamplingParams,
+    lanes: int = 1,
+    progress: Callable[[int, int], None] | None = None,
+    on_record: Callable[[dict[str, Any]], None] | None = None,
+) -> BatchSummary:
+    """Run the lines `plan` still has to do, appending their records in input order."""
+    todo = [item for item in plan.lines if item.line in plan.ids]
+    by_line = {item.line: item for item in todo}
+    summary = BatchSummary(skipped=plan.skipped)
+    jobs = [Job(i.line, partial(request, engine, plan.ids[i.line], task, params)) for i in todo]
+    start = time.perf_counter()
+    if progress and todo:
+        progress(0, len(todo))
+    with RecordWriter(plan.output, plan.keep_bytes) as writer:
+        for line, result in run_lanes(engine, jobs, lanes):
+            reply = read_reply(task, result)
+            rec = record(by_line[line], reply)
+            writer.write(rec)
+            summary.ran += 1
+            summary.failed += reply.error is not None
+            summary.prompt_tokens += result.stats.prompt_tokens
+            summary.cached_tokens += result.stats.cached_tokens
+            if on_record:
+                on_record(rec)
+            if progress:
+                progress(summary.ran, len(todo))
+    summary.seconds = time.perf_counter() - start
+    return summary

@@ -1,0 +1,122 @@
+"""The prompt index written straight from DESIGN.md, with no care for cost.
+
+The reference the optimized `mlxcache.cache.index.PromptIndex` is checked against. Every
+rule is one short method, so the differential tests can break exactly one of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from mlxcache.errors import CacheFullError
+
+
+class NaiveEntry:
+    def __init__(self, tokens: tuple[int, ...], born: int, trimmable: bool, nbytes: int) -> None:
+        self.tokens = tokens
+        self.born = born
+        self.last_used = born
+        self.expired = False
+        self.trimmable = trimmable
+        self.pins = 0
+        self.nbytes = nbytes
+
+
+def lcp(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    while n < len(a) and n < len(b) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+class NaiveIndex:
+    def __init__(self, block_size: int, max_entries: int | None = None) -> None:
+        self.block_size = block_size
+        self.max_entries = max_entries
+        self.entries: list[NaiveEntry] = []  # in born order
+        self.clock = 0
+
+    def tick(self) -> int:
+        self.clock += 1
+        return self.clock
+
+    def usable(self, e: NaiveEntry, prompt: Sequence[int]) -> int:
+        if e.expired:
+            return 0
+        if e.trimmable:
+            b = self.block_size
+            return max(0, min(lcp(e.tokens, prompt), len(prompt) - 1)) // b * b
+        is_prefix = tuple(prompt[: len(e.tokens)]) == e.tokens
+        return len(e.tokens) if is_prefix and len(e.tokens) < len(prompt) else 0
+
+    def extends(self, f: NaiveEntry, e: NaiveEntry) -> bool:
+        return (
+            not f.expired
+            and f.trimmable
+            and f.born > e.born
+            and len(f.tokens) > len(e.tokens)
+            and f.tokens[: len(e.tokens)] == e.tokens
+        )
+
+    def extended(self, e: NaiveEntry) -> bool:
+        return any(self.extends(f, e) for f in self.entries)
+
+    def lookup_key(self, e: NaiveEntry, usable: int) -> tuple[int, int, int]:
+        return (usable, -len(e.tokens), e.born)
+
+    def lookup(self, prompt: Sequence[int]) -> tuple[NaiveEntry, int] | None:
+        scored = [(self.lookup_key(e, self.usable(e, prompt)), e) for e in self.entries]
+        if not scored:
+            return None
+        key, best = max(scored, key=lambda s: s[0])
+        length = self.usable(best, prompt)
+        if length == 0:
+            return None
+        self.touch(best)
+        return best, length
+
+    def victim_key(self, e: NaiveEntry, prompt: Sequence[int] | None) -> tuple[int, ...]:
+        cls = 0 if e.expired else 1 if self.extended(e) else 2
+        useful = prompt is not None and self.usable(e, prompt) > 0
+        return (cls, int(useful), e.last_used, e.born)
+
+    def victim(
+        self, skip: NaiveEntry | None = None, prompt: Sequence[int] | None = None
+    ) -> NaiveEntry | None:
+        candidates = [e for e in self.entries if not e.pins and e is not skip]
+        return min(candidates, key=lambda e: self.victim_key(e, prompt), default=None)
+
+    def add(self, tokens: Sequence[int], trimmable: bool = True, nbytes: int = 0) -> NaiveEntry:
+        tokens = tuple(int(t) for t in tokens)
+        for e in self.entries:
+            if e.tokens == tokens:
+                self.readd(e, nbytes)
+                return e
+        if self.max_entries is not None and len(self.entries) >= self.max_entries:
+            v = self.victim(prompt=tokens)
+            if v is None:
+                raise CacheFullError("every entry is pinned")
+            self.remove(v)
+        e = NaiveEntry(tokens, self.tick(), trimmable, nbytes)
+        self.entries.append(e)
+        return e
+
+    def readd(self, e: NaiveEntry, nbytes: int) -> None:
+        e.expired = False
+        e.nbytes = nbytes
+        self.touch(e)
+
+    def remove(self, e: NaiveEntry) -> None:
+        self.entries.remove(e)
+
+    def expire(self, e: NaiveEntry) -> None:
+        e.expired = True
+
+    def pin(self, e: NaiveEntry) -> None:
+        e.pins += 1
+
+    def unpin(self, e: NaiveEntry) -> None:
+        e.pins -= 1
+
+    def touch(self, e: NaiveEntry) -> None:
+        e.last_used = self.tick()

@@ -1,0 +1,234 @@
+"""`mlxcache json` transcripts through Typer's CliRunner."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+from typer.testing import CliRunner
+
+from mlxcache_cli.main import app
+
+runner = CliRunner()
+CITY = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 20}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+CITY_ARG = json.dumps(CITY)
+
+
+def fill(text: str, paths: dict[str, Path]) -> str:
+    for key, path in paths.items():
+        text = text.replace("{" + key + "}", str(path))
+    return text
+
+
+def records(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def without_stats(recs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{k: v for k, v in r.items() if k != "stats"} for r in recs]
+
+
+@pytest.mark.model
+def test_capital_of_france(cache_root: Path) -> None:
+    args = ["json", "What is the capital of France?", "--schema", CITY_ARG, "-n", "20"]
+    result = runner.invoke(app, [*args, "--no-cache"])
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout == '{"city": "Paris,"}\n'  # SmolLM2-135M's answer, comma included
+    jsonschema.validate(json.loads(result.stdout), CITY)
+    assert "0/73 prompt tokens cached, 73 prefilled" in result.stderr
+    assert "7 tokens at" in result.stderr
+
+
+@pytest.fixture
+def batch(tmp_path: Path) -> Path:
+    (tmp_path / "in.jsonl").write_text(
+        '{"prompt": "What is the capital of {{country}}?", "vars": {"country": "France"}, "id": "fr"}\n'
+        "\n"
+        '{"prompt": "What is the capital of Italy?"}\n'
+    )
+    (tmp_path / "instructions.txt").write_text("Answer briefly.")
+    return tmp_path
+
+
+def run_batch(folder: Path, out: str, *extra: str) -> Any:
+    args = ["json", "--schema", CITY_ARG, "--instructions", str(folder / "instructions.txt")]
+    args += ["--input", str(folder / "in.jsonl"), "--output", str(folder / out), "-n", "16"]
+    return runner.invoke(app, [*args, *extra])
+
+
+@pytest.mark.model
+def test_batch_lanes_give_the_same_bytes_and_rerun_skips(cache_root: Path, batch: Path) -> None:
+    two = run_batch(batch, "two.jsonl", "--lanes", "2", "--no-cache")
+    assert two.exit_code == 0, two.stderr
+    assert two.stdout == ""
+    assert without_stats(records(batch / "two.jsonl")) == [
+        {"line": 1, "id": "fr", "output": {"city": "Paris,"}, "finish_reason": "stop"},
+        {"line": 3, "id": None, "output": {"city": "Rome,"}, "finish_reason": "stop"},
+    ]
+    assert "2 lines run, 0 already in" in two.stderr
+    one = run_batch(batch, "one.jsonl", "--lanes", "1", "--no-cache")
+    assert one.exit_code == 0, one.stderr
+    assert without_stats(records(batch / "one.jsonl")) == without_stats(
+        records(batch / "two.jsonl")
+    )
+    before = (batch / "one.jsonl").read_bytes()
+    again = run_batch(batch, "one.jsonl", "--no-cache")
+    assert again.exit_code == 0, again.stderr
+    assert "0 lines run, 2 already in" in again.stderr
+    assert (batch / "one.jsonl").read_bytes() == before
+
+
+@pytest.mark.model
+@pytest.mark.xfail(reason="needs the prompt cache", strict=False)
+def test_second_request_reuses_the_shared_prefix(cache_root: Path, batch: Path) -> None:
+    cached = run_batch(batch, "cached.jsonl", "--block-size", "32", "--cache-disk", "0")
+    assert cached.exit_code == 0, cached.stderr
+    _, second = records(batch / "cached.jsonl")
+    assert second["stats"]["cached_tokens"] > 0
+    fresh = runner.invoke(
+        app,
+        [
+            *("json", "What is the capital of Italy?", "--schema", CITY_ARG, "-n", "16"),
+            *("--instructions", str(batch / "instructions.txt"), "--block-size", "32"),
+            "--no-cache",
+        ],
+    )
+    assert fresh.exit_code == 0, fresh.stderr
+    assert fresh.stdout == json.dumps(second["output"]) + "\n"
+
+
+# -- the tiny random model: fast CLI mechanics ------------------------------------------
+
+SHORT = '{"type": "string", "maxLength": 6}'
+
+
+def test_torn_last_line_is_redone(cache_root: Path, tiny_gguf: Path, tmp_path: Path) -> None:
+    (tmp_path / "in.jsonl").write_text('{"prompt": "a"}\n{"prompt": "b"}\n{"prompt": "c"}\n')
+    args = ["json", "--schema", SHORT, "-m", str(tiny_gguf), "--input", str(tmp_path / "in.jsonl")]
+    args += ["--output", str(tmp_path / "out.jsonl"), "--temp", "1", "--seed", "5", "--lanes", "2"]
+    first = runner.invoke(app, args)
+    assert first.exit_code == 0, first.stderr
+    full = (tmp_path / "out.jsonl").read_bytes()
+    assert [r["line"] for r in records(tmp_path / "out.jsonl")] == [1, 2, 3]
+    cut = full.rindex(b"\n", 0, len(full) - 1) + 1
+    (tmp_path / "out.jsonl").write_bytes(full[: cut + 10])  # a crash mid-write of line 3
+    second = runner.invoke(app, args)
+    assert second.exit_code == 0, second.stderr
+    assert "dropping a partly written last line" in second.stderr
+    assert "1 lines run, 2 already in" in second.stderr
+    assert without_stats(records(tmp_path / "out.jsonl")) == without_stats(
+        [json.loads(x) for x in full.splitlines()]
+    )
+
+
+def test_cut_off_reply_says_so(cache_root: Path, tiny_gguf: Path) -> None:
+    schema = '{"type": "string", "minLength": 50}'
+    result = runner.invoke(
+        app, ["json", "x", "--schema", schema, "-m", str(tiny_gguf), "-n", "3", "--json"]
+    )
+    assert result.exit_code == 1
+    doc = json.loads(result.stdout)
+    assert doc["output"] is None and doc["finish_reason"] == "length"
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: the reply reached the token limit (3) before the JSON document was complete "
+        '(finish_reason "length"); raise --max-tokens, or bound the schema (maxLength, maxItems)'
+    )
+
+
+# -- bad input: exit 2, one line, nothing written -----------------------------------------
+
+BAD = [
+    (["hi"], "error: --schema is required (a JSON Schema file or inline JSON)"),
+    (
+        ["hi", "--schema", '{"type": "object",'],
+        "error: schema is not JSON: Expecting property name enclosed in double quotes at line 1 column 19",
+    ),
+    (
+        ["hi", "--schema", '{"properties": {"age": {"type": "int"}}}'],
+        "error: schema is not valid JSON Schema: 'int' is not valid under any of the given schemas at /properties/age/type",
+    ),
+    (
+        ["hi", "--schema", '{"properties": {"tags": {"uniqueItems": true}}}'],
+        'error: schema uses what constrained decoding cannot enforce: Unimplemented keys: ["uniqueItems"] at /properties/tags/uniqueItems (remove or rewrite that part)',
+    ),
+    (
+        ["hi", "--schema", "/no/schema.json"],
+        "error: cannot read schema file /no/schema.json: No such file or directory",
+    ),
+    (["hi", "--schema", SHORT, "--lanes", "0"], "error: --lanes must be >= 1, got 0"),
+    (["hi", "--schema", SHORT, "-n", "0"], "error: --max-tokens must be >= 1, got 0"),
+    (
+        ["hi", "--schema", SHORT, "--output", "{out}"],
+        "error: --output goes with --input (a JSONL batch)",
+    ),
+    (
+        ["--schema", SHORT, "--input", "{in}"],
+        "error: --input needs --output FILE (the file a rerun resumes)",
+    ),
+    (
+        ["hi", "--schema", SHORT, "--input", "{in}", "--output", "{out}"],
+        "error: give prompts in the --input file or as an argument, not both",
+    ),
+    (
+        ["--schema", SHORT, "--input", "{bad}", "--output", "{out}"],
+        "error: {bad} line 2: not JSON: Expecting value at column 1",
+    ),
+    (
+        ["hi", "--schema", SHORT, "--instructions", "/no/instr.txt"],
+        "error: cannot read instructions file /no/instr.txt: [Errno 2] No such file or directory: '/no/instr.txt'",
+    ),
+]
+
+
+@pytest.mark.parametrize(("args", "message"), BAD)
+def test_bad_input(tmp_path: Path, args: list[str], message: str) -> None:
+    paths = {
+        "in": tmp_path / "in.jsonl",
+        "bad": tmp_path / "bad.jsonl",
+        "out": tmp_path / "out.jsonl",
+    }
+    paths["in"].write_text('{"prompt": "a"}\n')
+    paths["bad"].write_text('{"prompt": "a"}\nnope\n')
+    paths["out"].write_text('{"line": 9, "output": "kept"}\n{"line": 10, "ou')
+    before = paths["out"].read_bytes()
+    result = runner.invoke(app, ["json", *(fill(a, paths) for a in args)])
+    assert result.exit_code == 2, result.stderr
+    assert result.stdout == ""
+    assert result.stderr.strip() == fill(message, paths)
+    assert paths["out"].read_bytes() == before  # untouched, torn line included
+
+
+@pytest.mark.parametrize(
+    ("lines", "out", "message"),
+    [
+        (
+            '{"prompt": "{{x}}"}\n',
+            "",
+            'error: {in} line 1: no value for {{x}} (add it to "vars")',
+        ),
+        (
+            '{"prompt": "a"}\n',
+            "junk\n",
+            "error: output file {out} line 1 is not a record of this command; fix or remove it, or choose another --output",
+        ),
+    ],
+)
+def test_bad_batch_found_after_loading(
+    cache_root: Path, tiny_gguf: Path, tmp_path: Path, lines: str, out: str, message: str
+) -> None:
+    paths = {"in": tmp_path / "in.jsonl", "out": tmp_path / "out.jsonl"}
+    paths["in"].write_text(lines)
+    paths["out"].write_text(out)
+    args = ["json", "--schema", SHORT, "-m", str(tiny_gguf), "--input", str(paths["in"])]
+    result = runner.invoke(app, [*args, "--output", str(paths["out"])])
+    assert result.exit_code == 2 and result.stdout == ""
+    assert result.stderr.strip() == fill(message, paths)
+    assert paths["out"].read_text() == out

@@ -1,0 +1,153 @@
+"""`mlxcache tools` transcripts through Typer's CliRunner."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from mlxcache_cli.main import app
+
+runner = CliRunner()
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 20}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+@pytest.fixture
+def tools(tmp_path: Path) -> Path:
+    path = tmp_path / "tools.json"
+    path.write_text(json.dumps([WEATHER]))
+    return path
+
+
+@pytest.mark.model
+def test_required_call_then_result_then_text(cache_root: Path, tools: Path, tmp_path: Path) -> None:
+    base = ["tools", "--tools", str(tools), "--block-size", "64"]
+    call = runner.invoke(
+        app, [*base, "What is the weather in Paris?", "--tool-choice", "required", "-n", "40"]
+    )
+    assert call.exit_code == 0, call.stderr
+    assert call.stdout == 'get_weather({"city": "Paris"})\n'
+    # What `--json` returns as "messages" for that reply: the conversation so far.
+    messages = [
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}],
+        },
+    ]
+    (tmp_path / "conv.json").write_text(json.dumps(messages))
+    # The script runs the function and feeds its result back; `auto` may answer in text.
+    result = '{"temp_c": 21, "sky": "sunny"}'
+    reply = runner.invoke(
+        app,
+        [
+            *(*base, "--messages", str(tmp_path / "conv.json")),
+            *("--tool-result", f"get_weather={result}", "-n", "30", "--json"),
+        ],
+    )
+    assert reply.exit_code == 0, reply.stderr
+    answer = json.loads(reply.stdout)
+    assert answer["tool_calls"] == [] and answer["content"]
+    assert answer["content"] == f"<tool_response>\n{result}\n</tool_response>"  # a 135M model
+    assert answer["finish_reason"] == "stop"
+    assert answer["messages"] == [
+        *messages,
+        {"role": "tool", "name": "get_weather", "content": result},
+        {"role": "assistant", "content": answer["content"]},
+    ]
+
+
+# -- bad input: exit 2, one line -----------------------------------------------------------
+
+NO_PARAMS = [{"name": "f", "description": "no schema"}]
+CONV = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Weather?"},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"name": "get_weather", "arguments": {"city": "Oslo"}}],
+    },
+]
+BAD = [
+    (["hi"], "error: --tools is required (a JSON file of function definitions)"),
+    (
+        ["hi", "--tools", "/no/tools.json"],
+        "error: cannot read tools file /no/tools.json: No such file or directory",
+    ),
+    (
+        ["hi", "--tools", "{dir}/notjson.json"],
+        "error: tools file {dir}/notjson.json is not JSON: Expecting value at line 1 column 1",
+    ),
+    (
+        ["hi", "--tools", "{dir}/noparams.json"],
+        'error: tools {dir}/noparams.json entry 0: tool \'f\' has no parameters schema (add "parameters": {"type": "object", "properties": {...}})',
+    ),
+    (
+        ["hi", "--tools", "{tools}", "--tool-choice", "get_time"],
+        "error: unknown tool 'get_time' in --tool-choice (auto, required, none, or one of: get_weather)",
+    ),
+    (
+        ["hi", "--tools", "{tools}", "--tool-result", "get_weather=1"],
+        'error: --tool-result answers a tool call, but the conversation does not end with one (pass --messages FILE: the "messages" of the previous --json output)',
+    ),
+    (
+        ["--tools", "{tools}", "--messages", "{dir}/conv.json", "--tool-result", "oops"],
+        "error: --tool-result expects NAME=JSON, got 'oops'",
+    ),
+    (
+        ["--tools", "{tools}", "--messages", "{dir}/conv.json", "--tool-result", "get_time=1"],
+        "error: --tool-result get_time: the last assistant message made no call to get_time (it called: get_weather)",
+    ),
+    (
+        ["--tools", "{tools}", "--messages", "{dir}/conv.json"],
+        "error: the conversation ends with the assistant: add a prompt or --tool-result",
+    ),
+    (
+        [
+            "--tools",
+            "{tools}",
+            "--messages",
+            "{dir}/conv.json",
+            "-s",
+            "x",
+            "--tool-result",
+            "get_weather=1",
+        ],
+        "error: --messages starts with a system message; drop --system",
+    ),
+    (
+        ["--tools", "{tools}", "--messages", '[{"role": "bot"}]'],
+        "error: messages message 0: expected an object with role system|user|assistant|tool",
+    ),
+]
+
+
+@pytest.mark.parametrize(("args", "message"), BAD)
+def test_bad_input(tmp_path: Path, tools: Path, args: list[str], message: str) -> None:
+    (tmp_path / "notjson.json").write_text("name: f\n")
+    (tmp_path / "noparams.json").write_text(json.dumps(NO_PARAMS))
+    (tmp_path / "conv.json").write_text(json.dumps(CONV))
+
+    def fill(text: str) -> str:
+        return text.replace("{dir}", str(tmp_path)).replace("{tools}", str(tools))
+
+    result = runner.invoke(app, ["tools", *map(fill, args)])
+    assert result.exit_code == 2, result.stderr
+    assert result.stdout == ""
+    assert result.stderr.strip() == fill(message)

@@ -1,0 +1,28 @@
+"""A child process that keeps random prompts of the tiny model into a shared cache directory."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from mlxcache.cache.store import PromptCache
+from mlxcache.config import CacheConfig
+from mlxcache.engine import Engine, Request
+from mlxcache.model import load
+from mlxcache.sampling import SamplingParams
+
+
+def main(model: str, root: str, seed: int, count: int) -> None:
+    loaded = load(model)
+    cache = PromptCache(loaded.model, loaded.key, CacheConfig(block_size=4), root=Path(root))
+    engine = Engine(loaded, cache)
+    rng = np.random.default_rng(seed)
+    for _ in range(count):
+        engine.complete(Request(rng.integers(3, 250, size=24).tolist(), SamplingParams(max_tokens=1)))
+    print(cache.report()["disk_errors"])
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
