@@ -9,8 +9,8 @@ from typing import Annotated, Any
 import typer
 
 from mlxcache.errors import MlxcacheError
-from mlxcache_cli import ui
-from mlxcache_cli import bench, cache_cmd
+from mlxcache_cli import bench, cache_cmd, ui
+from mlxcache_cli.chat_cmd import chat_cmd
 from mlxcache_cli.generate import generate
 from mlxcache_cli.json_cmd import json_cmd
 from mlxcache_cli.tools_cmd import tools_cmd
@@ -53,13 +53,16 @@ def command(fn: Callable[..., None], name: str | None = None, app: typer.Typer =
 
 
 command(generate)
+command(chat_cmd, "chat")
 
 cache_app = typer.Typer(help="Show and manage the prompt cache's disk tier.", no_args_is_help=True)
 for fn in (cache_cmd.stats, cache_cmd.ls, cache_cmd.clear, cache_cmd.prune):
     command(fn, app=cache_app)
 app.add_typer(cache_app, name="cache")
 
-bench_app = typer.Typer(help="Benchmarks: one JSON line each, against a baseline run beside.", no_args_is_help=True)
+bench_app = typer.Typer(
+    help="Benchmarks: one JSON line each, against a baseline run beside.", no_args_is_help=True
+)
 for fn in (bench.decode, bench.index, bench.resume):
     command(fn, app=bench_app)
 app.add_typer(bench_app, name="bench")

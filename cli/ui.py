@@ -41,6 +41,11 @@ def error(message: str) -> None:
     err.print(f"error: {message}", style="error", markup=False, soft_wrap=True)
 
 
+def info(message: str) -> None:
+    """A plain status line on stderr (never wrapped: scripts may parse it)."""
+    err.print(message, style="stats", markup=False, soft_wrap=True)
+
+
 def warn(message: str) -> None:
     err.print(f"warning: {message}", style="warn", markup=False, soft_wrap=True)
 
@@ -64,6 +69,8 @@ def progress_bar(transient: bool = True) -> Iterator[Callable[[str, int, int], N
 
     def update(stage: str, done: int, total: int) -> None:
         nonlocal bar
+        if not err.is_terminal:  # a log or a pipe gets no redraw noise
+            return
         if bar is None:
             bar = Progress(
                 TextColumn("{task.description}"),

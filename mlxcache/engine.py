@@ -61,7 +61,7 @@ class Engine:
         self.loaded = loaded
         self.cache: PrefixCache = cache or NoCache(loaded.model, block_size)
         self._ids = itertools.count()
-        self._lanes: dict[int, Iterator[Event]] = {}
+        self._lanes: dict[int, Generator[Event, None, None]] = {}
 
     @property
     def model(self) -> Any:
@@ -111,11 +111,23 @@ class Engine:
                     del self._lanes[rid]
 
     def generate(self, request: Request) -> Iterator[Event]:
-        """Run one request alone (other queued lanes advance too); yields its events."""
+        """Run one request (other queued lanes advance too); yields its events.
+
+        Closing the iterator early (Ctrl-C, a consumer that stops) cancels the request.
+        """
         rid = self.submit(request)
-        for event in self.run():
-            if event.request_id == rid:
-                yield event
+        try:
+            for event in self.run():
+                if event.request_id == rid:
+                    yield event
+        finally:
+            self.cancel(rid)
+
+    def cancel(self, rid: int) -> None:
+        """Stop a request now: its pin is released and it yields nothing more."""
+        lane = self._lanes.pop(rid, None)
+        if lane is not None:
+            lane.close()
 
     def complete(self, request: Request) -> Result:
         """Run one request to the end and return its result."""
@@ -126,7 +138,7 @@ class Engine:
 
     # -- one lane -----------------------------------------------------------------------
 
-    def _lane(self, rid: int, tokens: np.ndarray, req: Request) -> Iterator[Event]:
+    def _lane(self, rid: int, tokens: np.ndarray, req: Request) -> Generator[Event, None, None]:
         stats = Stats(prompt_tokens=int(tokens.size))
         start = time.perf_counter()
         resume = self.cache.restore(tokens)

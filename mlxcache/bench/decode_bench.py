@@ -18,17 +18,17 @@ PROMPT = "Once upon a time, in a small village by the sea, there lived"
 
 def _ours(engine: Engine, ids: list[int], tokens: int) -> float:
     # No stop tokens: both sides generate exactly `tokens` tokens.
-    result = engine.complete(Request(ids, SamplingParams(max_tokens=tokens), stop_tokens=frozenset()))
+    result = engine.complete(
+        Request(ids, SamplingParams(max_tokens=tokens), stop_tokens=frozenset())
+    )
     return result.stats.decode_tps
 
 
 def _mlx_lm(engine: Engine, ids: list[int], tokens: int) -> float:
     from mlx_lm import stream_generate
 
-    last = None
-    for last in stream_generate(engine.model, engine.loaded.tokenizer, ids, max_tokens=tokens):
-        pass
-    return float(last.generation_tps) if last is not None else 0.0
+    responses = list(stream_generate(engine.model, engine.loaded.tokenizer, ids, max_tokens=tokens))
+    return float(responses[-1].generation_tps)
 
 
 def run(model: str | None = None, tokens: int = 32, rounds: int = 3) -> dict[str, Any]:

@@ -1,0 +1,187 @@
+"""Chat sessions: turns, retry / edit / undo as forks of the history, saved as JSON.
+
+Every generation renders the whole conversation with the chat template; the prompt cache
+makes the shared history cost nothing but a lookup. A retry or an edit is a fork: the
+prompt shares a prefix with an earlier one and resumes from its blocks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mlxcache.engine import Engine, Request
+from mlxcache.errors import UserInputError
+from mlxcache.events import Done, Event, Token
+from mlxcache.sampling import SamplingParams
+
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+FORMAT = "mlxcache-chat-v1"
+
+
+@dataclass(slots=True)
+class Turn:
+    """One exchange. `interrupted`: the reply was stopped (Ctrl-C) and is partial."""
+
+    user: str
+    reply: str
+    interrupted: bool = False
+
+
+@dataclass(slots=True)
+class ChatSession:
+    """A conversation and the settings its replies are generated with."""
+
+    system: str | None = None
+    turns: list[Turn] = field(default_factory=list)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    generations: int = 0
+    """Replies generated so far (retries included): seeds each one differently."""
+
+    def messages(self, upto: int | None = None) -> list[dict[str, str]]:
+        """Chat-template messages of the first `upto` turns (all by default)."""
+        out = [{"role": "system", "content": self.system}] if self.system is not None else []
+        for turn in self.turns[:upto]:
+            out += [
+                {"role": "user", "content": turn.user},
+                {"role": "assistant", "content": turn.reply},
+            ]
+        return out
+
+    def ask(self, engine: Engine, text: str) -> Iterator[Event]:
+        """Generate the reply to `text` as a new turn; yields the engine's events.
+
+        If the consumer stops early (Ctrl-C), the partial reply is kept, marked interrupted.
+        """
+        if not text.strip():
+            raise UserInputError("the message is empty")
+        ids = engine.encode_chat([*self.messages(), {"role": "user", "content": text}])
+        params = SamplingParams(
+            temperature=self.sampling.temperature,
+            top_p=self.sampling.top_p,
+            seed=(self.sampling.seed + self.generations) % 2**63,
+            max_tokens=self.sampling.max_tokens,
+        )
+        self.generations += 1
+        pieces: list[str] = []
+        done = False
+        try:
+            for event in engine.generate(Request(ids, params)):
+                if isinstance(event, Token):
+                    pieces.append(event.text)
+                elif isinstance(event, Done):
+                    done = True
+                    self.turns.append(Turn(text, event.result.text))
+                yield event
+        finally:
+            if not done:
+                self.turns.append(Turn(text, "".join(pieces), interrupted=True))
+
+    def retry(self, engine: Engine) -> Iterator[Event]:
+        """Regenerate the last reply (a fork from the last user message)."""
+        if not self.turns:
+            raise UserInputError("nothing to retry: the conversation is empty")
+        last = self.turns.pop()
+        return self.ask(engine, last.user)
+
+    def edit(self, engine: Engine, number: int, text: str) -> Iterator[Event]:
+        """Rewrite turn `number` (1-based), drop the turns after it, and answer it."""
+        self._check_turn(number)
+        del self.turns[number - 1 :]
+        return self.ask(engine, text)
+
+    def undo(self) -> Turn:
+        """Remove the last turn and return it."""
+        if not self.turns:
+            raise UserInputError("nothing to undo: the conversation is empty")
+        return self.turns.pop()
+
+    def clear(self) -> None:
+        self.turns.clear()
+
+    def _check_turn(self, number: int) -> None:
+        if not 1 <= number <= len(self.turns):
+            raise UserInputError(f"no turn {number}: the conversation has {len(self.turns)} turns")
+
+    # -- persistence ------------------------------------------------------------------------
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "system": self.system,
+            "turns": [asdict(t) for t in self.turns],
+            "sampling": asdict(self.sampling),
+            "generations": self.generations,
+        }
+
+    @classmethod
+    def from_json(cls, doc: Any) -> ChatSession:
+        """Parse a saved session.
+
+        Raises:
+            UserInputError: not a session file of this format.
+        """
+        try:
+            if doc["format"] != FORMAT:
+                raise ValueError(f"format {doc['format']!r}")
+            turns = [
+                Turn(str(t["user"]), str(t["reply"]), bool(t.get("interrupted")))
+                for t in doc["turns"]
+            ]
+            system = doc["system"]
+            return cls(
+                system=None if system is None else str(system),
+                turns=turns,
+                sampling=SamplingParams(**doc["sampling"]),
+                generations=int(doc["generations"]),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise UserInputError(f"not a saved chat session: {exc}") from exc
+
+
+def session_path(directory: Path, name: str) -> Path:
+    """Where session `name` is saved.
+
+    Raises:
+        UserInputError: the name has characters other than letters, digits, `_ . -`.
+    """
+    if not _NAME.fullmatch(name):
+        raise UserInputError(f"bad session name {name!r}: use letters, digits, '_', '.', '-'")
+    return directory / f"{name}.json"
+
+
+def save(session: ChatSession, directory: Path, name: str) -> Path:
+    """Write the session atomically (temp file, then rename): a crash never leaves half a file."""
+    path = session_path(directory, name)
+    directory.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(session.to_json(), f, ensure_ascii=False, indent=1)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def load(directory: Path, name: str) -> ChatSession:
+    """Read a saved session.
+
+    Raises:
+        UserInputError: no such session, or the file is not a session.
+    """
+    path = session_path(directory, name)
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UserInputError(f"no saved session {name!r} in {directory}") from None
+    except (OSError, ValueError) as exc:
+        raise UserInputError(f"cannot read session {name!r}: {exc}") from exc
+    return ChatSession.from_json(doc)
