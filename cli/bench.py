@@ -31,11 +31,30 @@ def index(
     slots: Annotated[int, typer.Option("--slots", help="Prompt index slots.")] = 200,
     runs: Annotated[int, typer.Option("--runs", help="Repetitions of the workload.")] = 3,
     turns: Annotated[int, typer.Option("--turns", help="Conversation turns.")] = 220,
+    scale_slots: Annotated[
+        int,
+        typer.Option("--scale-slots", help="Also run at this many slots (victim p50 within 2x)."),
+    ] = 2000,
 ) -> None:
     """Prompt index lookup/keep/victim latency vs mlx-lm's LRUPromptCache on a forking chat."""
     from mlxcache.bench import index_bench
 
-    _report(index_bench.run(slots=slots, runs=runs, turns=turns))
+    _report(index_bench.run_scaled(slots, runs, turns, scale_slots))
+
+
+def json(
+    model: o.Model = None,
+    tokens: Annotated[int, typer.Option("--tokens", help="Tokens per round.")] = 32,
+    rounds: Annotated[int, typer.Option("--rounds", help="Interleaved rounds.")] = 3,
+    lines: Annotated[
+        int, typer.Option("--lines", help="Batch lines sharing the instructions (50 on Metal).")
+    ] = 6,
+    block_size: o.BlockSize = 64,
+) -> None:
+    """JSON-mode tok/s vs plain generation; batch time per request with vs without the cache."""
+    from mlxcache.bench import json_bench
+
+    _report(json_bench.run(model, tokens, rounds, lines, block_size))
 
 
 def resume(

@@ -9,7 +9,7 @@ from typing import Annotated, Any
 import typer
 
 from mlxcache.errors import MlxcacheError
-from mlxcache_cli import bench, cache_cmd, ui
+from mlxcache_cli import bench, cache_cmd, regress_cmd, ui
 from mlxcache_cli.chat_cmd import chat_cmd
 from mlxcache_cli.generate import generate
 from mlxcache_cli.json_cmd import json_cmd
@@ -63,8 +63,15 @@ app.add_typer(cache_app, name="cache")
 bench_app = typer.Typer(
     help="Benchmarks: one JSON line each, against a baseline run beside.", no_args_is_help=True
 )
-for fn in (bench.decode, bench.index, bench.resume):
+for fn in (bench.decode, bench.index, bench.resume, bench.json):
     command(fn, app=bench_app)
 app.add_typer(bench_app, name="bench")
+
+regress_app = typer.Typer(
+    help="Byte-identical regression runs against a golden file.", no_args_is_help=True
+)
+for fn in (regress_cmd.record, regress_cmd.check):
+    command(fn, app=regress_app)
+app.add_typer(regress_app, name="regress")
 command(json_cmd, "json")
 command(tools_cmd, "tools")

@@ -35,8 +35,14 @@ class NaiveIndex:
         self.max_entries = max_entries
         self.entries: list[NaiveEntry] = []  # in born order
         self.clock = 0
+        # extended() is O(E * L) and asked for every entry after every step: remember the
+        # answers until the next change of entries, expiry or clock.
+        self.changes = 0
+        self.memo: dict[NaiveEntry, bool] = {}
+        self.memo_at = -1
 
     def tick(self) -> int:
+        self.changes += 1
         self.clock += 1
         return self.clock
 
@@ -59,7 +65,11 @@ class NaiveIndex:
         )
 
     def extended(self, e: NaiveEntry) -> bool:
-        return any(self.extends(f, e) for f in self.entries)
+        if self.memo_at != self.changes:
+            self.memo, self.memo_at = {}, self.changes
+        if e not in self.memo:
+            self.memo[e] = any(self.extends(f, e) for f in self.entries)
+        return self.memo[e]
 
     def lookup_key(self, e: NaiveEntry, usable: int) -> tuple[int, int, int]:
         return (usable, -len(e.tokens), e.born)
@@ -68,7 +78,7 @@ class NaiveIndex:
         scored = [(self.lookup_key(e, self.usable(e, prompt)), e) for e in self.entries]
         if not scored:
             return None
-        key, best = max(scored, key=lambda s: s[0])
+        _, best = max(scored, key=lambda s: s[0])
         length = self.usable(best, prompt)
         if length == 0:
             return None
@@ -107,9 +117,11 @@ class NaiveIndex:
         self.touch(e)
 
     def remove(self, e: NaiveEntry) -> None:
+        self.changes += 1
         self.entries.remove(e)
 
     def expire(self, e: NaiveEntry) -> None:
+        self.changes += 1
         e.expired = True
 
     def pin(self, e: NaiveEntry) -> None:

@@ -25,7 +25,9 @@ def cache(*args: str) -> object:
     return json.loads(result.stdout)
 
 
-def test_generate_resumes_across_processes_and_cache_commands(cache_root: Path, tiny_gguf: Path, tmp_path: Path) -> None:
+def test_generate_resumes_across_processes_and_cache_commands(
+    cache_root: Path, tiny_gguf: Path, tmp_path: Path
+) -> None:
     first = gen(tiny_gguf, tmp_path, "abcdefghijklmnop")  # 15 tokens ("ab" merges)
     again = gen(tiny_gguf, tmp_path, "abcdefghijklmnop")
     bypass = gen(tiny_gguf, tmp_path, "abcdefghijklmnop", "--no-cache")

@@ -87,7 +87,6 @@ def test_batch_lanes_give_the_same_bytes_and_rerun_skips(cache_root: Path, batch
 
 
 @pytest.mark.model
-@pytest.mark.xfail(reason="needs the prompt cache", strict=False)
 def test_second_request_reuses_the_shared_prefix(cache_root: Path, batch: Path) -> None:
     cached = run_batch(batch, "cached.jsonl", "--block-size", "32", "--cache-disk", "0")
     assert cached.exit_code == 0, cached.stderr

@@ -26,7 +26,10 @@ def writer(tiny: LoadedModel, root: Path, seed: int, count: int) -> subprocess.P
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent)}
     return subprocess.Popen(
         [sys.executable, WRITER, str(tiny.path), str(root), str(seed), str(count)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
     )
 
 
@@ -50,11 +53,15 @@ def test_two_writers_at_once(tiny: LoadedModel, tmp_path: Path) -> None:
     assert result.stats.cached_tokens == 24
 
 
-def test_writer_killed_mid_write_leaves_a_consistent_directory(tiny: LoadedModel, tmp_path: Path) -> None:
+def test_writer_killed_mid_write_leaves_a_consistent_directory(
+    tiny: LoadedModel, tmp_path: Path
+) -> None:
     root = tmp_path / "kv"
     proc = writer(tiny, root, 3, 100_000)
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and (not (root / "index.sqlite").exists() or entries(root) < 5):
+    while time.monotonic() < deadline and (
+        not (root / "index.sqlite").exists() or entries(root) < 5
+    ):
         time.sleep(0.2)
     proc.send_signal(signal.SIGKILL)
     proc.wait()

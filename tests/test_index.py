@@ -132,7 +132,7 @@ def test_usable_non_trimmable_needs_a_proper_prefix(idx: PromptIndex) -> None:
     e = idx.add(ones(6), trimmable=False)
     assert idx.usable(e, ones(7)) == 6  # not floored to blocks
     assert idx.usable(e, ones(6)) == 0  # not shorter than the prompt
-    assert idx.usable(e, ones(5) + [2, 2]) == 0
+    assert idx.usable(e, [*ones(5), 2, 2]) == 0
 
 
 def test_lookup_lengths(idx: PromptIndex) -> None:
@@ -169,7 +169,7 @@ def test_lookup_ties_go_to_the_shortest_then_the_newest(idx: PromptIndex) -> Non
 
 def test_lookup_rewinds_a_longer_entry(idx: PromptIndex) -> None:
     long = idx.add(ones(20))
-    assert idx.lookup(ones(9) + [2]) == Match(long, 8)
+    assert idx.lookup([*ones(9), 2]) == Match(long, 8)
 
 
 def test_lookup_mixes_trimmable_and_non_trimmable(idx: PromptIndex) -> None:
@@ -257,7 +257,7 @@ def _mixed_index() -> tuple[PromptIndex, dict[str, Entry]]:
 def test_victim_order_with_a_prompt() -> None:
     idx, es = _mixed_index()
     names = {id(e): n for n, e in es.items()}
-    order = _drain(idx, ones(8) + [9])
+    order = _drain(idx, [*ones(8), 9])
     # expired; extended; the rest: of no use by last_used (f 6, h 8, c 9), then useful ones.
     assert [names[id(e)] for e in order] == ["d", "a", "f", "h", "c", "b", "e", "g"]
 
@@ -338,6 +338,8 @@ def test_foreign_or_removed_entries_are_rejected(idx: PromptIndex) -> None:
             idx.usable(e, [1, 2])
         with pytest.raises(ValueError, match="not in this index"):
             idx.victim(skip=e)
+    with pytest.raises(ValueError, match="not in this index"):
+        idx.remove("not an entry")  # type: ignore[arg-type]
 
 
 def test_pin_rules(idx: PromptIndex) -> None:

@@ -1,17 +1,24 @@
 """`PromptIndex` against the naive reference, operation by operation, on random workloads.
 
-The second half proves the harness has teeth: each mutant below breaks one rule of the
-reference the way an optimized implementation plausibly could, and the harness must notice.
+The rest proves the harness has teeth: each mutant of the reference breaks one rule of
+DESIGN.md the way an optimized implementation plausibly could, each mutant of the index
+plants a bug its structures could plausibly have, and the harness must notice every one.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
+from typing import Any
 
 import pytest
 from index_harness import OPS, Run
 from naive_index import NaiveEntry, NaiveIndex
+
+from mlxcache.cache import radix
+from mlxcache.cache.index import PromptIndex
+from mlxcache.cache.order import VictimOrder
+from mlxcache.cache.radix import BlockTree
 
 
 def _runs(
@@ -35,7 +42,6 @@ def _runs(
                 ops=mix,
             )
             total += run.run(ops)
-    print(dict(total))
     return total
 
 
@@ -228,3 +234,60 @@ def test_harness_catches(mutant: type[NaiveIndex]) -> None:
         for seed in range(3):
             for internal in (False, True):
                 Run(mutant, seed=seed, store=24, block_size=4, internal_evict=internal).run(300)
+
+
+# Mutants of the optimized index itself (bugs its structures could plausibly have). The
+# harness must catch each against the correct reference.
+
+
+def _newest_best_first(a: Any, b: Any) -> bool:
+    return b is None or (len(a.tokens), a.born) < (len(b.tokens), b.born)
+
+
+def _stale_best(e: Any) -> None:
+    """drop_best that leaves a gone or expired entry as a subtree's best."""
+
+
+def _pick_ignoring_usefulness(self: VictimOrder, group: Any, prefixes: Any) -> Any:
+    return _PICK(self, None, ())
+
+
+def _useful_trimmable_only(self: PromptIndex, prompt: Any) -> Any:
+    return _USEFUL(self, prompt)[0], ()
+
+
+def _deactivate_keeping_extenders(self: PromptIndex, e: Any) -> None:
+    if e.trimmable:
+        self._tree.drop_best(e)
+    else:
+        self._tree.count_nt(e, -1)
+
+
+def _lookup_without_cap(self: PromptIndex, prompt: Any) -> Any:
+    return _LOOKUP(self, [*list(prompt), 10**6])
+
+
+def _nt_prefixes_first_block_only(self: PromptIndex, path: Any, data: bytes) -> Any:
+    return _NT_PREFIXES(self, path[:2], data)
+
+
+_PICK, _USEFUL = VictimOrder.pick, PromptIndex._useful
+_LOOKUP, _NT_PREFIXES = PromptIndex.lookup, PromptIndex._nt_prefixes
+IMPL_MUTANTS = {
+    "lookup tie to the newest": (radix, "_less_rewinding", _newest_best_first),
+    "best not recomputed on expiry/removal": (BlockTree, "drop_best", staticmethod(_stale_best)),
+    "victim without the usefulness class": (VictimOrder, "pick", _pick_ignoring_usefulness),
+    "non-trimmable prefixes not useful": (PromptIndex, "_useful", _useful_trimmable_only),
+    "expired extenders still counted": (PromptIndex, "_deactivate", _deactivate_keeping_extenders),
+    "no len(prompt) - 1 cap": (PromptIndex, "lookup", _lookup_without_cap),
+    "non-trimmable walk stops early": (PromptIndex, "_nt_prefixes", _nt_prefixes_first_block_only),
+}
+
+
+@pytest.mark.parametrize("mutant", IMPL_MUTANTS.values(), ids=list(IMPL_MUTANTS))
+def test_harness_catches_index_bug(mutant: tuple[Any, str, Any], monkeypatch: Any) -> None:
+    monkeypatch.setattr(*mutant)
+    with pytest.raises(AssertionError):
+        for seed in range(3):
+            for internal in (False, True):
+                Run(NaiveIndex, seed=seed, store=24, block_size=4, internal_evict=internal).run(300)

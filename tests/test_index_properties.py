@@ -29,7 +29,7 @@ class IndexMachine(RuleBasedStateMachine):
     def draw_prompt(self, data: st.DataObject) -> list[int]:
         bases = [()] + [r.tokens for r in self.ref.entries]
         base = data.draw(st.sampled_from(bases))
-        cut = data.draw(st.integers(0, len(base)))
+        cut = data.draw(st.just(len(base)) | st.integers(0, len(base)))
         return list(base[:cut]) + data.draw(st.lists(st.integers(0, 2), max_size=2 * B + 1))
 
     def draw_pair(self, data: st.DataObject) -> tuple[Entry, Any]:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from spy import spied
 
 from mlxcache.cache.store import PromptCache
 from mlxcache.config import CacheConfig
@@ -16,7 +17,6 @@ from mlxcache.engine import Engine, Request
 from mlxcache.events import Done
 from mlxcache.model import LoadedModel
 from mlxcache.sampling import SamplingParams
-from spy import spied
 
 pytestmark = pytest.mark.model
 B = 16
@@ -50,9 +50,23 @@ def test_warm_equals_cold_and_lanes_equal_solo(smol: LoadedModel, tmp_path: Path
 
     # A new process resumes from the disk tier and prints the same bytes.
     out = subprocess.run(
-        [sys.executable, "-m", "mlxcache_cli", "generate", "What is the capital of France?",
-         "-n", "8", "--block-size", str(B), "--cache-dir", str(tmp_path), "--json"],
-        capture_output=True, text=True, check=True,
+        [
+            sys.executable,
+            "-m",
+            "mlxcache_cli",
+            "generate",
+            "What is the capital of France?",
+            "-n",
+            "8",
+            "--block-size",
+            str(B),
+            "--cache-dir",
+            str(tmp_path),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
     )
     doc = json.loads(out.stdout)
     assert doc["stats"]["cached_tokens"] == 32

@@ -20,7 +20,9 @@ def main(model: str, root: str, seed: int, count: int) -> None:
     engine = Engine(loaded, cache)
     rng = np.random.default_rng(seed)
     for _ in range(count):
-        engine.complete(Request(rng.integers(3, 250, size=24).tolist(), SamplingParams(max_tokens=1)))
+        engine.complete(
+            Request(rng.integers(3, 250, size=24).tolist(), SamplingParams(max_tokens=1))
+        )
     print(cache.report()["disk_errors"])
 
 

@@ -38,7 +38,14 @@ def run(model: str | None = None, turns: int = 4, block_size: int = 16) -> dict[
         w = warm.complete(Request(ids, PARAMS)).stats
         c = cold.complete(Request(ids, PARAMS)).stats
         expected = w.restore_s + c.ttft_s * w.prefilled_tokens / c.prompt_tokens
-        rows.append({"prompt": c.prompt_tokens, "cached": w.cached_tokens, "warm_ttft": round(w.ttft_s, 3), "cold_ttft": round(c.ttft_s, 3)})
+        rows.append(
+            {
+                "prompt": c.prompt_tokens,
+                "cached": w.cached_tokens,
+                "warm_ttft": round(w.ttft_s, 3),
+                "cold_ttft": round(c.ttft_s, 3),
+            }
+        )
         if turn:  # turn 0 has nothing to resume from
             ratios.append(w.ttft_s / expected)
         messages.append({"role": "assistant", "content": "A fact."})
@@ -50,12 +57,16 @@ def run(model: str | None = None, turns: int = 4, block_size: int = 16) -> dict[
     fresh = cold.complete(Request(ids, PARAMS)).stats
 
     # A forked conversation: two branches off one prefix share its blocks.
-    fork_cache = PromptCache(loaded.model, loaded.key, CacheConfig(block_size=block_size, disk_bytes=0))
+    fork_cache = PromptCache(
+        loaded.model, loaded.key, CacheConfig(block_size=block_size, disk_bytes=0)
+    )
     forked = Engine(loaded, fork_cache)
     base = messages[:-2]
     unique: set[tuple[int, ...]] = set()
     for branch in ("rivers", "deserts"):
-        bids = forked.encode_chat([*base, {"role": "user", "content": f"Now tell me about {branch}."}])
+        bids = forked.encode_chat(
+            [*base, {"role": "user", "content": f"Now tell me about {branch}."}]
+        )
         forked.complete(Request(bids, PARAMS))
         kept = len(bids) // block_size * block_size
         unique.update(tuple(bids[:i]) for i in range(1, kept + 1))

@@ -8,7 +8,7 @@ and dropped when it leaves; victims come from sorted lists (`order.py`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -80,6 +80,9 @@ class Match:
 
     entry: Entry
     length: int
+
+
+_NO_ENTRIES: frozenset[Entry] = frozenset()
 
 
 class PromptIndex:
@@ -236,7 +239,7 @@ class PromptIndex:
         if cap < 0:
             return None
         data = arr.tobytes()
-        path = self._tree.walk(data, cap, lambda n: n.best is not None or n.nt > 0)
+        path = self._tree.walk(data, cap, _resumable)
         found: Match | None = None
         for node in reversed(path[1:]):
             if node.best is not None:
@@ -258,15 +261,15 @@ class PromptIndex:
         Raises:
             ValueError: `skip` is not in the index.
         """
-        useful = self._useful(prompt)
+        group, prefixes = self._useful(prompt)
         if skip is None or skip.pins:
             if skip is not None:
                 self._check(skip)
-            return self._order.pick(useful)
+            return self._order.pick(group, prefixes)
         self._check(skip)
         self._order.detach(skip)
         try:
-            return self._order.pick(useful)
+            return self._order.pick(group, prefixes)
         finally:
             self._order.attach(skip, skip._cls)
 
@@ -290,16 +293,16 @@ class PromptIndex:
         self._place(e)
         return e
 
+    # `e` became live: joined, or was added again after expiring.
     def _activate(self, e: Entry) -> None:
-        """`e` became live: joined, or was added again after expiring."""
         if e.trimmable:
             self._tree.raise_best(e)
             self._count_extender(e, +1)
         else:
             self._tree.count_nt(e, +1)
 
+    # `e` stops being live: expires, or leaves while live.
     def _deactivate(self, e: Entry) -> None:
-        """`e` stops being live: expires, or leaves while live."""
         if e.trimmable:
             self._tree.drop_best(e)
             self._count_extender(e, -1)
@@ -316,27 +319,27 @@ class PromptIndex:
                 p._live_extenders += delta
                 self._place(p)
 
+    # Live non-trimmable entries hanging on `path` that are proper prefixes of `data`.
     def _nt_prefixes(self, path: list[Node], data: bytes) -> list[Entry]:
-        """Live non-trimmable entries hanging on `path` that are proper prefixes of `data`."""
         n = 0
         while n < len(path) and path[n].nt:
             n += 1
         return [e for e in self._tree.prefixes(path[:n], data) if not (e.trimmable or e.expired)]
 
-    def _useful(self, prompt: TokenSeq | None) -> Callable[[Entry], bool]:
-        """Tells the live entries with usable(e, prompt) > 0, looking at `prompt` once."""
+    # What tells the live entries with usable(e, prompt) > 0 (see order.py): the node of the
+    # prompt's first block, for trimmable entries, and the non-trimmable proper prefixes.
+    def _useful(self, prompt: TokenSeq | None) -> tuple[Node | None, frozenset[Entry]]:
         if prompt is None:
-            return _never
+            return None, _NO_ENTRIES
         arr = as_tokens(prompt, "prompt")
         cap = (len(arr) - 1) // self.block_size
         if cap < 0:
-            return _never
+            return None, _NO_ENTRIES
         group = self._tree.root.children.get(arr[: self.block_size].tobytes()) if cap else None
-        prefixes: set[Entry] = set()
-        if self._tree.root.nt:
-            data = arr.tobytes()
-            prefixes.update(self._nt_prefixes(self._tree.walk(data, cap, _has_nt), data))
-        return lambda e: (group is not None and e._group is group) or e in prefixes
+        if not self._tree.root.nt:
+            return group, _NO_ENTRIES
+        data = arr.tobytes()
+        return group, frozenset(self._nt_prefixes(self._tree.walk(data, cap, _has_nt), data))
 
     def _class(self, e: Entry) -> int:
         if e.expired:
@@ -356,17 +359,18 @@ class PromptIndex:
         return self._clock
 
     def _check(self, e: Entry) -> None:
-        if self._entries.get(e.born) is not e:
+        if e not in self:
             raise ValueError(f"{e!r} is not in this index")
 
 
+# Lookup preference: more tokens restored, then less rewinding, then newer.
 def _rank(e: Entry, length: int) -> tuple[int, int, int]:
-    """Lookup preference: more tokens restored, then less rewinding, then newer."""
     return (length, -len(e.tokens), e.born)
 
 
-def _never(e: Entry) -> bool:
-    return False
+# Whether some live entry under `n` could restore a prompt through it.
+def _resumable(n: Node) -> bool:
+    return n.best is not None or n.nt > 0
 
 
 def _has_nt(n: Node) -> bool:

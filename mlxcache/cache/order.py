@@ -18,7 +18,7 @@ One logical clock serves born and last_used, so last_used never ties and is the 
 from __future__ import annotations
 
 from bisect import bisect_left, insort
-from collections.abc import Callable
+from collections.abc import Container
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -74,18 +74,19 @@ class VictimOrder:
             else:
                 del groups[e._group]
 
-    def pick(self, useful: Callable[[Entry], bool]) -> Entry | None:
-        """The first entry in victim order, where `useful` tells the entries of use to the
-        prompt; it is asked only about live entries, and about one per group."""
+    def pick(self, group: object | None, prefixes: Container[Entry]) -> Entry | None:
+        """The first entry in victim order, for a prompt whose first-block group is `group`
+        (None: no trimmable entry is of use to it) and whose useful non-trimmable entries
+        are `prefixes`."""
         for cls, keys in enumerate(self._lists):
             if not keys:
                 continue
-            if cls == EXPIRED:
+            if cls == EXPIRED:  # expired entries are of use to no prompt
                 return self._entry[keys[0]]
             fallback = None
             for key in keys:
                 e = self._entry[key]
-                if not useful(e):
+                if (group is None or e._group is not group) and e not in prefixes:
                     return e
                 if fallback is None:
                     fallback = e

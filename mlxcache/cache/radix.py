@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 Tokens = npt.NDArray[np.int32]
 TOKEN_BYTES = 4
 _MAX_ID = 2**31 - 1
+_INT32 = np.dtype(np.int32)
 
 
 def as_tokens(seq: Sequence[int] | npt.NDArray[np.integer], what: str) -> Tokens:
@@ -29,14 +30,14 @@ def as_tokens(seq: Sequence[int] | npt.NDArray[np.integer], what: str) -> Tokens
         ValueError: `seq` is not a flat sequence of ids in 0..2**31-1.
     """
     arr = np.asarray(seq)
+    if arr.dtype == _INT32 and arr.ndim == 1:  # what the engine passes: take it as it is
+        return arr
     if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
         raise ValueError(f"{what} must be a flat sequence of integer token ids")
-    if arr.dtype != np.int32:
-        # Narrowing silently wraps, and a wrapped id could match another prompt's token.
-        if arr.size and (arr.min() < 0 or arr.max() > _MAX_ID):
-            raise ValueError(f"{what} has token ids outside 0..{_MAX_ID}")
-        arr = arr.astype(np.int32)
-    return arr
+    # Narrowing silently wraps, and a wrapped id could match another prompt's token.
+    if arr.size and (arr.min() < 0 or arr.max() > _MAX_ID):
+        raise ValueError(f"{what} has token ids outside 0..{_MAX_ID}")
+    return arr.astype(np.int32)
 
 
 class Node:

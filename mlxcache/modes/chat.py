@@ -8,9 +8,7 @@ prompt shares a prefix with an earlier one and resumes from its blocks.
 from __future__ import annotations
 
 import json
-import os
 import re
-import tempfile
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -19,6 +17,7 @@ from typing import Any
 from mlxcache.engine import Engine, Request
 from mlxcache.errors import UserInputError
 from mlxcache.events import Done, Event, Token
+from mlxcache.fileio import write_atomic
 from mlxcache.sampling import SamplingParams
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
@@ -159,15 +158,7 @@ def session_path(directory: Path, name: str) -> Path:
 def save(session: ChatSession, directory: Path, name: str) -> Path:
     """Write the session atomically (temp file, then rename): a crash never leaves half a file."""
     path = session_path(directory, name)
-    directory.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(session.to_json(), f, ensure_ascii=False, indent=1)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(path, json.dumps(session.to_json(), ensure_ascii=False, indent=1))
     return path
 
 

@@ -1,0 +1,98 @@
+"""`mlxcache regress record | check`: byte-identical regression runs against a golden file."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from mlxcache.errors import UserInputError
+from mlxcache.regress import golden
+from mlxcache.regress import suite as suite_mod
+from mlxcache.regress.runner import VARIANTS, Runner
+from mlxcache_cli import options as o
+from mlxcache_cli import ui
+
+Variants = Annotated[
+    str,
+    typer.Option("--variants", help="Comma-separated execution variants: cold,warm,disk,lanes."),
+]
+ALL_VARIANTS = ",".join(VARIANTS)
+RegressBlock = Annotated[
+    int,
+    typer.Option(
+        "--block-size",
+        help="Cache block size for the cached variants (small: short prompts resume).",
+    ),
+]
+
+
+def _variants(text: str) -> tuple[str, ...]:
+    chosen = tuple(v.strip() for v in text.split(",") if v.strip())
+    unknown = [v for v in chosen if v not in VARIANTS]
+    if unknown or not chosen:
+        raise UserInputError(
+            f"unknown variant {', '.join(unknown) or '(none)'}: choose from {', '.join(VARIANTS)}"
+        )
+    return chosen
+
+
+def _show(report: golden.Report, as_json: bool) -> None:
+    if as_json:
+        ui.out_json(report.as_dict())
+    else:
+        for name, case in report.cases.items():
+            ui.out_text(f"{case['status']:<22} {name}\n")
+            for label, diff in {
+                **case.get("disagreements", {}),
+                **({"golden vs run": case["diff"]} if "diff" in case else {}),
+            }.items():
+                ui.out_text(_describe(label, diff))
+        for note in report.notes:
+            ui.warn(note)
+    if not report.ok:
+        raise typer.Exit(1)
+
+
+def _describe(label: str, diff: dict[str, Any]) -> str:
+    if "token" not in diff:
+        return f"    {label}: {diff['expected_outputs']} outputs expected, {diff['actual_outputs']} produced\n"
+    return (
+        f"    {label}: output {diff['output']}, first different token #{diff['token']} "
+        f"({diff['expected_token']} -> {diff['actual_token']})\n"
+        f"      expected: {diff['expected_text']!r} [{diff['expected_finish']}]\n"
+        f"      actual:   {diff['actual_text']!r} [{diff['actual_finish']}]\n"
+    )
+
+
+def record(
+    suite: Annotated[Path, typer.Argument(help="Suite file (YAML, JSON or JSONL).")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="Golden file to write.")],
+    variants: Variants = ALL_VARIANTS,
+    block_size: RegressBlock = 16,
+    as_json: o.Json = False,
+) -> None:
+    """Run SUITE under every variant and write the golden file (only if all variants agree)."""
+    cases, chosen = suite_mod.load(suite), _variants(variants)
+    with tempfile.TemporaryDirectory(prefix="mlxcache-regress-") as work:
+        report = golden.record(Runner(cases, Path(work), block_size), output, chosen)
+    if report.ok and not as_json:
+        ui.info(f"recorded {len(cases.cases)} cases to {output}")
+    _show(report, as_json)
+
+
+def check(
+    suite: Annotated[Path, typer.Argument(help="Suite file (YAML, JSON or JSONL).")],
+    golden_file: Annotated[Path, typer.Argument(help="Golden file from `regress record`.")],
+    variants: Variants = ALL_VARIANTS,
+    block_size: RegressBlock = 16,
+    as_json: o.Json = False,
+) -> None:
+    """Run SUITE again and compare every variant with GOLDEN byte for byte (exit 1 on a difference)."""
+    cases, chosen = suite_mod.load(suite), _variants(variants)
+    golden.load_golden(golden_file)  # fail on a bad golden before running anything
+    with tempfile.TemporaryDirectory(prefix="mlxcache-regress-") as work:
+        report = golden.check(Runner(cases, Path(work), block_size), golden_file, chosen)
+    _show(report, as_json)

@@ -1,0 +1,1 @@
+"""Byte-identical regression runs: suites, execution variants, golden files."""

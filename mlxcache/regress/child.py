@@ -1,0 +1,25 @@
+"""`python -m mlxcache.regress.child SUITE_JSON WORK_DIR BLOCK_SIZE`: the disk variant.
+
+Runs the suite like the warm variant, in a process of its own whose memory tier starts
+empty, so every resume comes from the disk tier the parent filled. Prints the outputs.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from mlxcache.regress import suite as suite_mod
+from mlxcache.regress.runner import Runner
+
+
+def main(argv: list[str]) -> None:
+    suite_file, work_dir, block_size = Path(argv[0]), Path(argv[1]), int(argv[2])
+    suite = suite_mod.parse(json.loads(suite_file.read_text()), str(suite_file))
+    outputs = Runner(suite, work_dir, block_size).run("warm")
+    sys.stdout.write(json.dumps(outputs))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,161 @@
+"""Golden files: record a suite's outputs, check a new run against them, explain differences."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from mlxcache import __version__
+from mlxcache.errors import UserInputError
+from mlxcache.fileio import write_atomic
+from mlxcache.regress.runner import VARIANTS, Output, Runner
+
+FORMAT = "mlxcache-golden-v1"
+_CONTEXT = 30  # characters of text shown on each side of a difference
+
+
+def versions() -> dict[str, str]:
+    import mlx_lm
+
+    return {
+        "mlxcache": __version__,
+        "mlx": getattr(mx, "__version__", "?"),
+        "mlx_lm": mlx_lm.__version__,
+    }
+
+
+def first_difference(expected: list[Output], actual: list[Output]) -> dict[str, Any] | None:
+    """Where two output lists first differ: output index, token index, text around it."""
+    for i, (want, got) in enumerate(zip(expected, actual, strict=False)):
+        if want == got:
+            continue
+        a, b = want["tokens"], got["tokens"]
+        tok = next(
+            (j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+        )
+        ta, tb = want["text"], got["text"]
+        ch = next(
+            (j for j, (x, y) in enumerate(zip(ta, tb, strict=False)) if x != y),
+            min(len(ta), len(tb)),
+        )
+        return {
+            "output": i,
+            "token": tok,
+            "expected_token": a[tok] if tok < len(a) else None,
+            "actual_token": b[tok] if tok < len(b) else None,
+            "expected_text": ta[max(0, ch - _CONTEXT) : ch + _CONTEXT],
+            "actual_text": tb[max(0, ch - _CONTEXT) : ch + _CONTEXT],
+            "expected_finish": want["finish_reason"],
+            "actual_finish": got["finish_reason"],
+        }
+    if len(expected) != len(actual):
+        return {
+            "output": min(len(expected), len(actual)),
+            "expected_outputs": len(expected),
+            "actual_outputs": len(actual),
+        }
+    return None
+
+
+@dataclass(slots=True)
+class Report:
+    """The outcome of a record or check; `ok` decides the exit code."""
+
+    cases: dict[str, dict[str, Any]] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(c["status"] == "ok" for c in self.cases.values())
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"ok": self.ok, "notes": self.notes, "cases": self.cases}
+
+
+def run_variants(
+    runner: Runner, variants: tuple[str, ...]
+) -> tuple[dict[str, dict[str, list[Output]]], Report]:
+    """Run every variant; a case whose variants disagree is an mlxcache bug, reported so."""
+    results = {v: runner.run(v) for v in variants}
+    report = Report()
+    base = variants[0]
+    for case in runner.suite.cases:
+        entry: dict[str, Any] = {"status": "ok"}
+        for v in variants[1:]:
+            diff = first_difference(results[base][case.name], results[v][case.name])
+            if diff is not None:
+                entry["status"] = "variant-disagreement"
+                entry.setdefault("disagreements", {})[f"{base} vs {v}"] = diff
+        report.cases[case.name] = entry
+    if not report.ok:
+        report.notes.append(
+            "execution variants disagree: this is a bug in mlxcache, not in the model"
+        )
+    return results, report
+
+
+def record(runner: Runner, out: Path, variants: tuple[str, ...] = VARIANTS) -> Report:
+    """Run the suite and write the golden file (only when every variant agrees)."""
+    results, report = run_variants(runner, variants)
+    if not report.ok:
+        return report
+    keys = runner.models()
+    doc = {
+        "format": FORMAT,
+        "versions": versions(),
+        "cases": {
+            c.name: {
+                "model": c.model,
+                "model_key": keys[c.name],
+                "outputs": results[variants[0]][c.name],
+            }
+            for c in runner.suite.cases
+        },
+    }
+    write_atomic(out, json.dumps(doc, ensure_ascii=False, indent=1) + "\n")
+    return report
+
+
+def load_golden(path: Path) -> dict[str, Any]:
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise UserInputError(f"cannot read golden file {path}: {exc}") from exc
+    if (
+        not isinstance(doc, dict)
+        or doc.get("format") != FORMAT
+        or not isinstance(doc.get("cases"), dict)
+    ):
+        raise UserInputError(f"{path} is not a golden file ({FORMAT})")
+    return doc
+
+
+def check(runner: Runner, golden_path: Path, variants: tuple[str, ...] = VARIANTS) -> Report:
+    """Run the suite and compare every variant with the golden, byte for byte."""
+    golden = load_golden(golden_path)
+    results, report = run_variants(runner, variants)
+    now = versions()
+    for name, then in golden.get("versions", {}).items():
+        if now.get(name) != then:
+            report.notes.append(f"version changed: {name} {then} -> {now.get(name)}")
+    keys = runner.models()
+    for case in runner.suite.cases:
+        entry = report.cases[case.name]
+        want = golden["cases"].get(case.name)
+        if want is None:
+            entry["status"] = "missing-from-golden"
+            continue
+        if want.get("model_key") != keys[case.name]:
+            entry["model_key_changed"] = {"golden": want.get("model_key"), "now": keys[case.name]}
+            report.notes.append(
+                f"model key changed for {case.name!r}: {want.get('model_key')} -> {keys[case.name]}"
+            )
+        diff = first_difference(want["outputs"], results[variants[0]][case.name])
+        if diff is not None and entry["status"] == "ok":
+            entry["status"] = "mismatch"
+            entry["diff"] = diff
+    return report

@@ -1,0 +1,225 @@
+"""Running a suite under execution variants that must all give the same bytes.
+
+- cold: no prompt cache, one request at a time;
+- warm: one prompt cache for the whole suite, so later cases resume from earlier ones;
+- disk: a fresh process on the warm variant's cache directory (memory empty: disk tier);
+- lanes: two cases at a time, every step's requests submitted together.
+
+Each case is a coroutine that yields the requests of a step and receives their results,
+so the same case code serves the sequential and the concurrent schedules.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Callable, Generator
+from pathlib import Path
+from typing import Any
+
+from mlxcache.cache.store import PromptCache
+from mlxcache.config import CacheConfig
+from mlxcache.engine import Engine, Request
+from mlxcache.errors import MlxcacheError
+from mlxcache.events import Done, Result
+from mlxcache.model import LoadedModel, load
+from mlxcache.modes import json_mode
+from mlxcache.modes.tool_chat import ToolsTask
+from mlxcache.modes.tools import ToolChoice, parse_tools
+from mlxcache.regress.suite import Case, Suite
+
+VARIANTS = ("cold", "warm", "disk", "lanes")
+Output = dict[str, Any]
+Steps = Generator[list[Request], list[Result], list[Output]]
+
+
+def _output(result: Result) -> Output:
+    return {"text": result.text, "tokens": result.tokens, "finish_reason": result.finish_reason}
+
+
+def _head(case: Case) -> list[dict[str, str]]:
+    system = case.data.get("system")
+    return [{"role": "system", "content": str(system)}] if system is not None else []
+
+
+def steps(engine: Engine, case: Case) -> Steps:
+    """The requests of `case`, step by step (later steps may depend on earlier replies)."""
+    p = case.sampling
+    if case.kind == "plain":
+        ids = engine.encode_chat([*_head(case), {"role": "user", "content": case.data["prompt"]}])
+        return [_output(r) for r in (yield [Request(ids, p)])]
+    if case.kind == "chat":
+        messages, outputs = _head(case), []
+        turns = list(case.data["turns"])
+        if case.data.get("repeat_last"):
+            turns.append(turns[-1])
+        for i, turn in enumerate(turns):
+            if i == len(case.data["turns"]):  # the repeat: ask the last turn again
+                messages = messages[:-2]
+            ids = engine.encode_chat([*messages, {"role": "user", "content": turn}])
+            (result,) = yield [Request(ids, p)]
+            outputs.append(_output(result))
+            messages += [
+                {"role": "user", "content": turn},
+                {"role": "assistant", "content": result.text},
+            ]
+        return outputs
+    if case.kind == "json":
+        task = json_mode.JsonTask.create(case.data["schema"], case.data.get("instructions"))
+        prompts = case.data.get("prompts") or [case.data["prompt"]]
+        reqs = [
+            json_mode.request(engine, json_mode.encode(engine, task.messages(str(q))), task, p)
+            for q in prompts
+        ]
+        return [_output(r) for r in (yield reqs)]
+    tools = parse_tools(case.data["tools"], f"case {case.name!r} tools")
+    choice = ToolChoice.parse(str(case.data.get("tool_choice", "auto")), tools)
+    tools_task = ToolsTask(tools, choice, case.data.get("system"))
+    ids = tools_task.encode(engine, [{"role": "user", "content": case.data["prompt"]}])
+    return [_output(r) for r in (yield [tools_task.request(engine, ids, p)])]
+
+
+def run_sequential(
+    engine_for: Callable[[Case], Engine], cases: tuple[Case, ...]
+) -> dict[str, list[Output]]:
+    """Every request alone, in suite order."""
+    out: dict[str, list[Output]] = {}
+    for case in cases:
+        engine = engine_for(case)
+        gen = steps(engine, case)
+        try:
+            reqs = next(gen)
+            while True:
+                reqs = gen.send([engine.complete(r) for r in reqs])
+        except StopIteration as stop:
+            out[case.name] = stop.value
+    return out
+
+
+def run_lanes(
+    engine_for: Callable[[Case], Engine], cases: tuple[Case, ...], width: int = 2
+) -> dict[str, list[Output]]:
+    """Up to `width` cases at once per model; a step's requests are all in flight together."""
+    out: dict[str, list[Output]] = {}
+    for model in dict.fromkeys(c.model for c in cases):
+        group = [c for c in cases if c.model == model]
+        out |= _lanes(engine_for(group[0]), group, width)
+    return {c.name: out[c.name] for c in cases}
+
+
+def _lanes(engine: Engine, cases: list[Case], width: int) -> dict[str, list[Output]]:
+    out: dict[str, list[Output]] = {}
+    pending = list(cases)
+    active: dict[str, tuple[Steps, list[int], dict[int, Result]]] = {}
+    owner: dict[int, str] = {}
+
+    def submit(name: str, gen: Steps, reqs: list[Request]) -> None:
+        rids = [engine.submit(r) for r in reqs]
+        active[name] = (gen, rids, {})
+        owner.update(dict.fromkeys(rids, name))
+
+    def fill() -> None:
+        while pending and len(active) < width:
+            case = pending.pop(0)
+            gen = steps(engine, case)
+            submit(case.name, gen, next(gen))
+
+    fill()
+    while active:
+        for event in engine.run():  # lanes submitted meanwhile join the next round
+            if not isinstance(event, Done):
+                continue
+            name = owner.pop(event.request_id)
+            gen, rids, got = active[name]
+            got[event.request_id] = event.result
+            if len(got) < len(rids):
+                continue
+            del active[name]
+            try:
+                submit(name, gen, gen.send([got[r] for r in rids]))
+            except StopIteration as stop:
+                out[name] = stop.value
+            fill()
+    return out
+
+
+class Runner:
+    """Loads each model once and runs the suite under the chosen variants."""
+
+    def __init__(self, suite: Suite, work_dir: Path, block_size: int = 16) -> None:
+        self.suite = suite
+        self.work_dir = work_dir
+        self.block_size = block_size
+        self._models: dict[str | None, LoadedModel] = {}
+
+    def model(self, case: Case) -> LoadedModel:
+        if case.model not in self._models:
+            self._models[case.model] = load(case.model)
+        return self._models[case.model]
+
+    def _engines(self, cached: bool, disk: bool) -> Callable[[Case], Engine]:
+        engines: dict[str | None, Engine] = {}
+        config = CacheConfig(
+            block_size=self.block_size,
+            directory=self.work_dir,
+            disk_bytes=(20 << 30) if disk else 0,
+        )
+
+        def engine_for(case: Case) -> Engine:
+            if case.model not in engines:
+                loaded = self.model(case)
+                cache = None
+                if cached:
+                    root = self.work_dir / "kv" if disk else None
+                    cache = PromptCache(loaded.model, loaded.key, config, root=root)
+                engines[case.model] = Engine(loaded, cache, block_size=self.block_size)
+            return engines[case.model]
+
+        return engine_for
+
+    def run(self, variant: str) -> dict[str, list[Output]]:
+        """Outputs of every case under `variant`."""
+        if variant == "cold":
+            return run_sequential(self._engines(False, False), self.suite.cases)
+        if variant == "warm":
+            return run_sequential(self._engines(True, True), self.suite.cases)
+        if variant == "lanes":
+            return run_lanes(self._engines(True, False), self.suite.cases)
+        if variant == "disk":
+            return self._run_child()
+        raise ValueError(f"unknown variant {variant!r}")
+
+    def _run_child(self) -> dict[str, list[Output]]:
+        """The warm variant in a new process on the same cache directory (disk tier only)."""
+        suite_file = self.work_dir / "suite.json"
+        suite_file.write_text(json.dumps([_case_doc(c) for c in self.suite.cases]))
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "mlxcache.regress.child",
+                str(suite_file),
+                str(self.work_dir),
+                str(self.block_size),
+            ],
+            capture_output=True,
+            text=True,
+        )
+        if proc.returncode != 0:
+            raise MlxcacheError(
+                f"the disk variant's process failed: {proc.stderr.strip().splitlines()[-1:]}"
+            )
+        result: dict[str, list[Output]] = json.loads(proc.stdout)
+        return result
+
+    def models(self) -> dict[str, str]:
+        """Model key of every case's model."""
+        return {c.name: self.model(c).key for c in self.suite.cases}
+
+
+def _case_doc(case: Case) -> dict[str, Any]:
+    sampling = {
+        k: getattr(case.sampling, k) for k in ("temperature", "top_p", "seed", "max_tokens")
+    }
+    return {"name": case.name, "kind": case.kind, "model": case.model, **sampling, **case.data}

@@ -1,0 +1,134 @@
+"""Regression suites: a YAML (or JSON / JSONL) file of cases, parsed and checked up front.
+
+```yaml
+model: smollm2-135m            # default for every case (a spec as `--model` takes)
+defaults: {temperature: 0, max_tokens: 24, seed: 0}
+cases:
+  - {name: capital, kind: plain, prompt: "What is the capital of France?"}
+  - {name: talk, kind: chat, turns: ["Hi!", "Name a color.", "Another one."], repeat_last: true}
+  - {name: city, kind: json, schema: {...}, prompts: ["...", "..."]}   # prompts run at once
+  - {name: call, kind: tools, tools: [...], tool_choice: required, prompt: "..."}
+```
+
+A JSONL suite has one case per line (suite-level keys then come from the defaults above).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from mlxcache.errors import UserInputError
+from mlxcache.sampling import SamplingParams
+
+KINDS = ("plain", "chat", "json", "tools")
+_SAMPLING_KEYS = ("temperature", "top_p", "seed", "max_tokens")
+
+
+@dataclass(frozen=True, slots=True)
+class Case:
+    """One case. `data` holds the kind's own fields (prompt, turns, schema, tools ...)."""
+
+    name: str
+    kind: str
+    model: str | None
+    sampling: SamplingParams
+    data: dict[str, Any] = field(hash=False)
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown case kind {self.kind!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class Suite:
+    cases: tuple[Case, ...]
+
+    def __post_init__(self) -> None:
+        names = [c.name for c in self.cases]
+        if len(set(names)) != len(names):
+            raise ValueError("case names must be unique")
+        if not names:
+            raise ValueError("a suite needs at least one case")
+
+
+def _need(raw: dict[str, Any], key: str, kind: type | tuple[type, ...], where: str) -> Any:
+    value = raw.get(key)
+    if not isinstance(value, kind):
+        raise UserInputError(
+            f"{where}: {key!r} is missing or not {getattr(kind, '__name__', kind)}"
+        )
+    return value
+
+
+def _case(raw: Any, i: int, model: str | None, defaults: dict[str, Any]) -> Case:
+    where = f"case {i + 1}"
+    if not isinstance(raw, dict):
+        raise UserInputError(f"{where}: expected a mapping")
+    name = str(_need(raw, "name", str, where))
+    where = f"case {name!r}"
+    kind = raw.get("kind")
+    if kind not in KINDS:
+        raise UserInputError(f"{where}: kind must be one of {', '.join(KINDS)}, got {kind!r}")
+    if kind == "plain":
+        _need(raw, "prompt", str, where)
+    elif kind == "chat":
+        turns = _need(raw, "turns", list, where)
+        if not turns or not all(isinstance(t, str) and t.strip() for t in turns):
+            raise UserInputError(f"{where}: 'turns' must be a list of non-empty strings")
+    elif kind == "json":
+        _need(raw, "schema", dict, where)
+        if not isinstance(raw.get("prompt"), str) and not isinstance(raw.get("prompts"), list):
+            raise UserInputError(f"{where}: needs 'prompt' or 'prompts'")
+    else:
+        _need(raw, "tools", list, where)
+        _need(raw, "prompt", str, where)
+    settings = {**defaults, **{k: raw[k] for k in _SAMPLING_KEYS if k in raw}}
+    try:
+        sampling = SamplingParams(**settings)
+    except (TypeError, ValueError) as exc:
+        raise UserInputError(f"{where}: {exc}") from exc
+    data = {k: v for k, v in raw.items() if k not in (*_SAMPLING_KEYS, "name", "kind", "model")}
+    return Case(name, kind, raw.get("model", model), sampling, data)
+
+
+def parse(doc: Any, origin: str = "suite") -> Suite:
+    """A suite from its parsed document: a mapping with `cases`, or a list of cases.
+
+    Raises:
+        UserInputError: what is wrong, naming the case.
+    """
+    if isinstance(doc, list):
+        doc = {"cases": doc}
+    if not isinstance(doc, dict) or not isinstance(doc.get("cases"), list):
+        raise UserInputError(f"{origin}: expected a mapping with a 'cases' list")
+    defaults = doc.get("defaults") or {}
+    if not isinstance(defaults, dict) or set(defaults) - set(_SAMPLING_KEYS):
+        raise UserInputError(f"{origin}: 'defaults' may set only {', '.join(_SAMPLING_KEYS)}")
+    cases = tuple(_case(c, i, doc.get("model"), defaults) for i, c in enumerate(doc["cases"]))
+    try:
+        return Suite(cases)
+    except ValueError as exc:
+        raise UserInputError(f"{origin}: {exc}") from exc
+
+
+def load(path: Path) -> Suite:
+    """Read a suite file (.yaml/.yml/.json, or .jsonl with one case per line)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserInputError(f"cannot read suite {path}: {exc}") from exc
+    try:
+        if path.suffix == ".jsonl":
+            doc: Any = [json.loads(line) for line in text.splitlines() if line.strip()]
+        else:
+            doc = yaml.safe_load(text)
+    except (ValueError, yaml.YAMLError) as exc:
+        raise UserInputError(
+            f"suite {path} is not valid {path.suffix[1:] or 'YAML'}: {exc}".replace("\n", " ")
+        ) from exc
+    return parse(doc, str(path))
