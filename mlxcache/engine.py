@@ -114,12 +114,17 @@ class Engine:
         """Run one request (other queued lanes advance too); yields its events.
 
         Closing the iterator early (Ctrl-C, a consumer that stops) cancels the request.
+        A failed request raises GenerationError here; `run()` instead ends it with a
+        `Done` whose result carries the error, so the other lanes go on.
         """
         rid = self.submit(request)
         try:
             for event in self.run():
-                if event.request_id == rid:
-                    yield event
+                if event.request_id != rid:
+                    continue
+                if isinstance(event, Done) and event.result.error is not None:
+                    raise GenerationError(event.result.error)
+                yield event
         finally:
             self.cancel(rid)
 
@@ -130,7 +135,11 @@ class Engine:
             lane.close()
 
     def complete(self, request: Request) -> Result:
-        """Run one request to the end and return its result."""
+        """Run one request to the end and return its result.
+
+        Raises:
+            GenerationError: the request failed (e.g. its grammar allowed no token).
+        """
         for event in self.generate(request):
             if isinstance(event, Done):
                 return event.result
@@ -148,6 +157,9 @@ class Engine:
             stats.restore_s = time.perf_counter() - start
             logits = yield from self._prefill(rid, tokens, resume.layers, resume.length)
             result = yield from self._decode(rid, tokens, req, resume.layers, logits, stats, start)
+        except GenerationError as exc:
+            # This request fails alone: the lanes beside it go on.
+            result = Result("", [], "error", stats, error=str(exc))
         finally:
             self.cache.release(resume)
         yield Done(rid, result)  # after the release: a finished request holds no pin
@@ -200,18 +212,19 @@ class Engine:
                 logits = proc(history, logits)
             return sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
 
-        def step(y: mx.array) -> mx.array:
-            nxt = pick(self.model(y.reshape(1, 1), cache=layers)[:, -1, :])
-            mx.async_eval(nxt)
-            return nxt
-
         y = pick(logits)
         mx.async_eval(y)
         decode_start = 0.0
+        nxt = y
         while True:
-            # Without processors the next step needs no token value: queue it before
-            # waiting on this one, so graph building overlaps compute (as mlx-lm does).
-            nxt = step(y) if not req.processors and len(out) + 1 < budget else None
+            more = len(out) + 1 < budget
+            if more:
+                # Queue the next forward before waiting on this token: graph building
+                # overlaps compute (as mlx-lm does). Without processors the sampling is
+                # queued too; a processor (grammar) must see the token first.
+                nxt = self.model(y.reshape(1, 1), cache=layers)[:, -1, :]
+                nxt = pick(nxt) if not req.processors else nxt
+                mx.async_eval(nxt)
             token = cast(int, y.item())
             if not out:
                 stats.ttft_s = time.perf_counter() - start
@@ -220,16 +233,15 @@ class Engine:
                 finish = "stop"
                 break
             out.append(token)
-            if req.processors:
-                history = mx.concatenate([history, y.reshape(-1).astype(history.dtype)])
-            more = len(out) < budget
-            if more and nxt is None:
-                nxt = step(y)
             piece = text.add(token)
             pieces.append(piece)
             yield Token(rid, token, piece)
-            if nxt is None:
+            if not more:
                 break
+            if req.processors:
+                history = mx.concatenate([history, y.reshape(-1).astype(history.dtype)])
+                nxt = pick(nxt)
+                mx.async_eval(nxt)
             y = nxt
         tail = text.flush()
         if tail:

@@ -31,12 +31,14 @@ class Stats:
 
 @dataclass(frozen=True, slots=True)
 class Result:
-    """A finished reply. finish_reason: "stop" (end of turn), "length" (max tokens or context)."""
+    """A finished reply. finish_reason: "stop" (end of turn), "length" (max tokens or
+    context), "error" (the request failed: `error` says why)."""
 
     text: str
     tokens: list[int]
     finish_reason: str
     stats: Stats = field(compare=False)
+    error: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

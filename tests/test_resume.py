@@ -226,3 +226,42 @@ def test_non_trimmable_model(sliding: LoadedModel, tmp_path: Path) -> None:
     warm = run(reopened, spy2, longer)
     assert warm.stats.cached_tokens == 20
     check_same(warm, spy2, run(fresh, fspy, longer), fspy, len(longer))
+
+
+def test_processor_path_decodes_the_same_tokens(tiny: LoadedModel) -> None:
+    engine = Engine(tiny, block_size=B)
+    seen: list[int] = []
+
+    def identity(tokens: mx.array, logits: mx.array) -> mx.array:
+        seen.append(tokens.size)
+        return logits
+
+    p, sampled = prompt(9), SamplingParams(temperature=0.7, seed=2, max_tokens=7)
+    plain = engine.complete(Request(p, sampled))
+    processed = engine.complete(Request(p, sampled, [identity]))
+    assert processed.tokens == plain.tokens
+    # First call: the prompt; then one more token each step (the one just sampled).
+    assert seen == list(range(9, 9 + len(plain.tokens)))
+
+
+def test_a_failing_lane_fails_alone(tiny: LoadedModel) -> None:
+    from mlxcache.errors import GenerationError
+
+    engine = Engine(tiny, block_size=B)
+
+    def broken(tokens: mx.array, logits: mx.array) -> mx.array:
+        if tokens.size > 12:
+            raise GenerationError("grammar says no")
+        return logits
+
+    good = engine.complete(Request(prompt(8, 1), GREEDY))
+    ids = [
+        engine.submit(Request(prompt(10, 2), GREEDY, [broken])),
+        engine.submit(Request(prompt(8, 1), GREEDY)),
+    ]
+    done = {e.request_id: e.result for e in engine.run() if isinstance(e, Done)}
+    assert done[ids[0]].finish_reason == "error" and done[ids[0]].error == "grammar says no"
+    assert done[ids[1]].tokens == good.tokens
+    with pytest.raises(GenerationError, match="grammar says no"):
+        engine.complete(Request(prompt(10, 2), GREEDY, [broken]))
+    assert engine._lanes == {}

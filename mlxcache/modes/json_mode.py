@@ -96,6 +96,8 @@ class JsonReply:
 def read_reply(task: JsonTask, result: Result) -> JsonReply:
     """Parse and validate a reply; a failure is recorded in `error`, never raised."""
     stats = result.stats.as_dict()
+    if result.error is not None:
+        return JsonReply(None, result.text, result.finish_reason, stats, result.error)
     if result.finish_reason == "length":
         error = (
             f"the reply reached the token limit ({result.stats.generated_tokens}) before the "

@@ -17,8 +17,9 @@ from mlxcache.regress.runner import Runner
 def main(argv: list[str]) -> None:
     suite_file, work_dir, block_size = Path(argv[0]), Path(argv[1]), int(argv[2])
     suite = suite_mod.parse(json.loads(suite_file.read_text()), str(suite_file))
-    outputs = Runner(suite, work_dir, block_size).run("warm")
-    sys.stdout.write(json.dumps(outputs))
+    runner = Runner(suite, work_dir, block_size)
+    outputs = runner.run("warm")
+    sys.stdout.write(json.dumps({"outputs": outputs, "cache": runner.cache_stats["warm"]}))
 
 
 if __name__ == "__main__":

@@ -68,12 +68,15 @@ class Report:
     cases: dict[str, dict[str, Any]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
+    variants: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Per variant: how much it resumed from the prompt cache."""
+
     @property
     def ok(self) -> bool:
         return all(c["status"] == "ok" for c in self.cases.values())
 
     def as_dict(self) -> dict[str, Any]:
-        return {"ok": self.ok, "notes": self.notes, "cases": self.cases}
+        return {"ok": self.ok, "notes": self.notes, "variants": self.variants, "cases": self.cases}
 
 
 def run_variants(
@@ -81,7 +84,7 @@ def run_variants(
 ) -> tuple[dict[str, dict[str, list[Output]]], Report]:
     """Run every variant; a case whose variants disagree is an mlxcache bug, reported so."""
     results = {v: runner.run(v) for v in variants}
-    report = Report()
+    report = Report(variants=runner.cache_stats)
     base = variants[0]
     for case in runner.suite.cases:
         entry: dict[str, Any] = {"status": "ok"}

@@ -152,14 +152,20 @@ class Runner:
         self.work_dir = work_dir
         self.block_size = block_size
         self._models: dict[str | None, LoadedModel] = {}
+        self.cache_stats: dict[str, dict[str, int]] = {}
+        """Per variant: prompt-cache hits, cached tokens and disk hits (proof it resumed)."""
 
     def model(self, case: Case) -> LoadedModel:
         if case.model not in self._models:
             self._models[case.model] = load(case.model)
         return self._models[case.model]
 
-    def _engines(self, cached: bool, disk: bool) -> Callable[[Case], Engine]:
+    def _engines(
+        self, cached: bool, disk: bool
+    ) -> tuple[Callable[[Case], Engine], list[PromptCache]]:
+        """An engine per model, made on first use, and the caches they were given."""
         engines: dict[str | None, Engine] = {}
+        caches: list[PromptCache] = []
         config = CacheConfig(
             block_size=self.block_size,
             directory=self.work_dir,
@@ -173,22 +179,28 @@ class Runner:
                 if cached:
                     root = self.work_dir / "kv" if disk else None
                     cache = PromptCache(loaded.model, loaded.key, config, root=root)
+                    caches.append(cache)
                 engines[case.model] = Engine(loaded, cache, block_size=self.block_size)
             return engines[case.model]
+
+        return engine_for, caches
 
         return engine_for
 
     def run(self, variant: str) -> dict[str, list[Output]]:
         """Outputs of every case under `variant`."""
-        if variant == "cold":
-            return run_sequential(self._engines(False, False), self.suite.cases)
-        if variant == "warm":
-            return run_sequential(self._engines(True, True), self.suite.cases)
-        if variant == "lanes":
-            return run_lanes(self._engines(True, False), self.suite.cases)
         if variant == "disk":
             return self._run_child()
-        raise ValueError(f"unknown variant {variant!r}")
+        if variant not in VARIANTS:
+            raise ValueError(f"unknown variant {variant!r}")
+        engine_for, caches = self._engines(cached=variant != "cold", disk=variant == "warm")
+        schedule = run_lanes if variant == "lanes" else run_sequential
+        outputs = schedule(engine_for, self.suite.cases)
+        reports = [c.report() for c in caches]
+        self.cache_stats[variant] = {
+            k: sum(r[k] for r in reports) for k in ("hits", "cached_tokens", "disk_hits")
+        }
+        return outputs
 
     def _run_child(self) -> dict[str, list[Output]]:
         """The warm variant in a new process on the same cache directory (disk tier only)."""
@@ -210,7 +222,9 @@ class Runner:
             raise MlxcacheError(
                 f"the disk variant's process failed: {proc.stderr.strip().splitlines()[-1:]}"
             )
-        result: dict[str, list[Output]] = json.loads(proc.stdout)
+        doc = json.loads(proc.stdout)
+        self.cache_stats["disk"] = doc["cache"]
+        result: dict[str, list[Output]] = doc["outputs"]
         return result
 
     def models(self) -> dict[str, str]:

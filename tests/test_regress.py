@@ -1,0 +1,165 @@
+"""`mlxcache regress`: record then check, tampered goldens, model-key changes, variants."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from mlxcache.errors import UserInputError
+from mlxcache.regress import golden, suite
+from mlxcache.regress.runner import Runner
+from mlxcache_cli.main import app
+
+runner = CliRunner()
+EXAMPLES = Path(__file__).parent.parent / "examples"
+
+
+def tiny_suite(tmp_path: Path, tiny_gguf: Path) -> Path:
+    doc = {
+        "model": str(tiny_gguf),
+        "defaults": {"temperature": 0, "max_tokens": 5},
+        "cases": [
+            {"name": "plain", "kind": "plain", "prompt": "abc abc abc abc"},
+            {"name": "talk", "kind": "chat", "turns": ["hello", "again"], "repeat_last": True},
+            {
+                "name": "sampled",
+                "kind": "plain",
+                "prompt": "abc abc xyz",
+                "temperature": 1.0,
+                "seed": 4,
+            },
+            {
+                "name": "two-json",
+                "kind": "json",
+                "schema": {"type": "string", "maxLength": 3},
+                "prompts": ["abc abc q", "abc abc r"],
+            },
+        ],
+    }
+    path = tmp_path / "suite.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def regress(*args: str) -> object:
+    return runner.invoke(app, ["regress", *args, "--block-size", "4"])
+
+
+def test_record_then_check_passes_and_every_variant_resumes(
+    cache_root: Path, tiny_gguf: Path, tmp_path: Path
+) -> None:
+    path = tiny_suite(tmp_path, tiny_gguf)
+    out = tmp_path / "golden.json"
+    rec = regress("record", str(path), "-o", str(out))
+    assert rec.exit_code == 0, rec.stderr  # type: ignore[attr-defined]
+    doc = json.loads(out.read_text())
+    assert list(doc["cases"]) == ["plain", "talk", "sampled", "two-json"]
+    assert (
+        len(doc["cases"]["talk"]["outputs"]) == 3 and len(doc["cases"]["two-json"]["outputs"]) == 2
+    )
+    talk = doc["cases"]["talk"]["outputs"]
+    assert talk[2] == talk[1]  # turn repeated: same bytes
+    assert set(doc["versions"]) == {"mlxcache", "mlx", "mlx_lm"}
+    check = regress("check", str(path), str(out), "--json")
+    assert check.exit_code == 0, check.stderr  # type: ignore[attr-defined]
+    report = json.loads(check.stdout)  # type: ignore[attr-defined]
+    assert report["ok"] and all(c["status"] == "ok" for c in report["cases"].values())
+    variants = report["variants"]
+    assert variants["cold"] == {"hits": 0, "cached_tokens": 0, "disk_hits": 0}  # no cache at all
+    assert variants["warm"]["cached_tokens"] > 0  # later requests resumed from earlier ones
+    assert variants["disk"]["disk_hits"] > 0  # a new process resumed from the disk tier
+    assert variants["lanes"]["hits"] > 0
+
+
+def test_tampered_golden_fails_with_the_first_difference(
+    cache_root: Path, tiny_gguf: Path, tmp_path: Path
+) -> None:
+    path = tiny_suite(tmp_path, tiny_gguf)
+    out = tmp_path / "golden.json"
+    assert regress("record", str(path), "-o", str(out), "--variants", "cold").exit_code == 0  # type: ignore[attr-defined]
+    doc = json.loads(out.read_text())
+    first = doc["cases"]["plain"]["outputs"][0]
+    first["tokens"][2] += 1
+    first["text"] = first["text"][:2] + "#" + first["text"][3:]
+    doc["cases"]["talk"]["model_key"] = "0" * 32
+    out.write_text(json.dumps(doc))
+    check = regress("check", str(path), str(out), "--variants", "cold,lanes")
+    assert check.exit_code == 1  # type: ignore[attr-defined]
+    lines = check.stdout.splitlines()  # type: ignore[attr-defined]
+    assert lines[0] == "mismatch               plain"
+    assert lines[1].startswith(
+        f"    golden vs run: output 0, first different token #2 ({first['tokens'][2]} -> "
+    )
+    assert "ok                     talk" in lines
+    assert f"model key changed for 'talk': {'0' * 32} -> " in check.stderr  # type: ignore[attr-defined]
+
+
+def test_variant_disagreement_is_reported_as_a_bug(
+    cache_root: Path, tiny_gguf: Path, tmp_path: Path
+) -> None:
+    class Skewed(Runner):
+        """A lanes variant that drifts by one token, as a broken schedule would."""
+
+        def run(self, variant: str) -> dict:
+            out = super().run(variant)
+            if variant == "lanes":
+                first = out["plain"][0]
+                out["plain"][0] = {
+                    **first,
+                    "tokens": [*first["tokens"][:-1], first["tokens"][-1] + 1],
+                }
+            return out
+
+    cases = suite.load(tiny_suite(tmp_path, tiny_gguf))
+    out = tmp_path / "golden.json"
+    report = golden.record(Skewed(cases, tmp_path / "work", 4), out, ("cold", "lanes"))
+    assert not report.ok and not out.exists()
+    entry = report.cases["plain"]
+    assert entry["status"] == "variant-disagreement"
+    diff = entry["disagreements"]["cold vs lanes"]
+    assert diff["output"] == 0 and diff["actual_token"] == diff["expected_token"] + 1
+    assert report.notes == [
+        "execution variants disagree: this is a bug in mlxcache, not in the model"
+    ]
+    assert all(report.cases[n]["status"] == "ok" for n in ("talk", "sampled", "two-json"))
+
+
+def test_bad_suites_and_goldens(cache_root: Path, tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("cases:\n  - {name: a, kind: poem, prompt: x}\n")
+    result = regress("check", str(bad), str(tmp_path / "g.json"))
+    assert result.exit_code == 2  # type: ignore[attr-defined]
+    assert (
+        result.stderr
+        == "error: case 'a': kind must be one of plain, chat, json, tools, got 'poem'\n"
+    )  # type: ignore[attr-defined]
+    with pytest.raises(UserInputError, match="case names must be unique"):
+        suite.parse({"cases": [{"name": "a", "kind": "plain", "prompt": "x"}] * 2})
+    with pytest.raises(UserInputError, match="case 'a': max_tokens must be >= 1"):
+        suite.parse({"cases": [{"name": "a", "kind": "plain", "prompt": "x", "max_tokens": 0}]})
+    good = tmp_path / "good.yaml"
+    good.write_text("cases:\n  - {name: a, kind: plain, prompt: x}\n")
+    (tmp_path / "g.json").write_text("{}")
+    result = regress("check", str(good), str(tmp_path / "g.json"))
+    assert result.exit_code == 2  # type: ignore[attr-defined]
+    assert result.stderr.startswith("error: ") and "is not a golden file" in result.stderr  # type: ignore[attr-defined]
+    result = regress("record", str(good), "-o", str(tmp_path / "x.json"), "--variants", "hot")
+    assert result.stderr == "error: unknown variant hot: choose from cold, warm, disk, lanes\n"  # type: ignore[attr-defined]
+    assert not (tmp_path / "x.json").exists()
+
+
+@pytest.mark.model
+def test_smoke_suite_matches_its_golden(cache_root: Path) -> None:
+    """CI's regression run: the shipped smoke suite, every variant, against the committed golden."""
+    check = regress_default(
+        "check", str(EXAMPLES / "smoke.yaml"), str(EXAMPLES / "smoke.golden.json")
+    )
+    assert check.exit_code == 0, check.stdout + check.stderr  # type: ignore[attr-defined]
+
+
+def regress_default(*args: str) -> object:
+    return runner.invoke(app, ["regress", *args])
