@@ -1,0 +1,21 @@
+"""Stream one reply from the embedded model, then ask again: the second run resumes.
+
+Run: .venv/bin/python examples/generate.py
+"""
+
+from mlxcache import CacheConfig, Request, SamplingParams, open_engine
+from mlxcache.events import Done, Token
+
+# A small block size lets this short prompt resume (the default, 256, suits long prompts).
+engine = open_engine(cache=CacheConfig(block_size=16, disk_bytes=0))
+ids = engine.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+
+for attempt in ("cold", "warm"):
+    for event in engine.generate(Request(ids, SamplingParams(max_tokens=12))):
+        if isinstance(event, Token):
+            print(event.text, end="", flush=True)
+        elif isinstance(event, Done):
+            stats = event.result.stats
+            print(
+                f"\n[{attempt}] {stats.cached_tokens}/{stats.prompt_tokens} prompt tokens from the cache"
+            )
