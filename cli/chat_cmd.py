@@ -178,8 +178,9 @@ def _lines_from_pipe() -> Iterator[str]:
         yield "\n".join(parts)
 
 
+@o.with_run_options(max_tokens=512)
 def chat_cmd(
-    system: Annotated[str | None, typer.Option("--system", "-s", help="System message.")] = None,
+    system: o.System = None,
     resume: Annotated[
         str | None,
         typer.Option(
@@ -189,35 +190,26 @@ def chat_cmd(
     markdown: Annotated[
         bool, typer.Option("--markdown", help="Render replies as Markdown.")
     ] = False,
-    model: o.Model = None,
-    max_tokens: o.MaxTokens = 512,
-    temp: o.Temp = 0.0,
-    top_p: o.TopP = 1.0,
-    seed: o.Seed = 0,
-    cache_dir: o.CacheDir = None,
-    no_cache: o.NoCache = False,
-    cache_mem: o.CacheMem = "2G",
-    cache_disk: o.CacheDisk = "20G",
-    block_size: o.BlockSize = 256,
+    *,
+    run: o.RunOptions,
 ) -> None:
     """Chat in the terminal; every turn resumes the conversation from the prompt cache."""
-    params = o.sampling(max_tokens, temp, top_p, seed)
-    cache = o.cache_config(cache_dir, no_cache, cache_mem, cache_disk, block_size)
-    sessions = resolve_cache_dir(cache_dir) / "sessions"
+    params = run.sampling()
+    sessions = resolve_cache_dir(run.cache_dir) / "sessions"
     if resume is not None:
         session = chat.load(sessions, resume)
         if system is not None:
             session.system = system
     else:
         session = chat.ChatSession(system=system, sampling=params)
-    engine = o.engine(model, cache)
+    engine = run.engine()
     repl = Repl(engine, session, sessions, markdown)
     repl.name = resume
     interactive = sys.stdin.isatty()
     if interactive:
         ui.err.print("mlxcache chat · /help for commands · Ctrl-D to leave", style="stats")
     lines = (
-        _lines_from_tty(resolve_cache_dir(cache_dir) / "chat_history")
+        _lines_from_tty(resolve_cache_dir(run.cache_dir) / "chat_history")
         if interactive
         else _lines_from_pipe()
     )

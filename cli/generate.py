@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -14,36 +13,24 @@ from mlxcache_cli import options as o
 from mlxcache_cli import ui
 
 
+@o.with_run_options()
 def generate(
-    prompt: Annotated[
-        str | None, typer.Argument(help="The prompt; '-' or nothing reads stdin.")
-    ] = None,
-    prompt_file: Annotated[
-        Path | None, typer.Option("--prompt-file", "-f", help="Read the prompt from a file.")
-    ] = None,
-    system: Annotated[str | None, typer.Option("--system", "-s", help="System message.")] = None,
+    prompt: o.PromptArg = None,
+    prompt_file: o.PromptFile = None,
+    system: o.System = None,
     raw: Annotated[
         bool, typer.Option("--raw", help="Send the prompt as is, without the chat template.")
     ] = False,
-    model: o.Model = None,
-    max_tokens: o.MaxTokens = 256,
-    temp: o.Temp = 0.0,
-    top_p: o.TopP = 1.0,
-    seed: o.Seed = 0,
     as_json: o.Json = False,
-    cache_dir: o.CacheDir = None,
-    no_cache: o.NoCache = False,
-    cache_mem: o.CacheMem = "2G",
-    cache_disk: o.CacheDisk = "20G",
-    block_size: o.BlockSize = 256,
+    *,
+    run: o.RunOptions,
 ) -> None:
     """Generate a reply to PROMPT, streamed to stdout; stats go to stderr."""
     text = o.read_prompt(prompt, prompt_file)
-    params = o.sampling(max_tokens, temp, top_p, seed)
-    cache = o.cache_config(cache_dir, no_cache, cache_mem, cache_disk, block_size)
+    params = run.sampling()
     if raw and system is not None:
         raise UserInputError("--system needs the chat template; drop --raw")
-    engine = o.engine(model, cache)
+    engine = run.engine()
     if raw:
         ids = engine.encode(text)
     else:

@@ -29,16 +29,13 @@ def read_instructions(path: Path | None) -> str | None:
     return text
 
 
+@o.with_run_options()
 def json_cmd(
-    prompt: Annotated[
-        str | None, typer.Argument(help="The prompt; '-' or nothing reads stdin.")
-    ] = None,
+    prompt: o.PromptArg = None,
     schema: Annotated[
         str, typer.Option("--schema", help="JSON Schema: a file, or the schema itself inline.")
     ] = "",
-    prompt_file: Annotated[
-        Path | None, typer.Option("--prompt-file", "-f", help="Read the prompt from a file.")
-    ] = None,
+    prompt_file: o.PromptFile = None,
     instructions: Annotated[
         Path | None,
         typer.Option(
@@ -54,17 +51,9 @@ def json_cmd(
         typer.Option("--output", help="JSONL results of --input; a rerun skips lines done."),
     ] = None,
     lanes: Annotated[int, typer.Option("--lanes", help="Batch requests run together.")] = 1,
-    model: o.Model = None,
-    max_tokens: o.MaxTokens = 256,
-    temp: o.Temp = 0.0,
-    top_p: o.TopP = 1.0,
-    seed: o.Seed = 0,
     as_json: o.Json = False,
-    cache_dir: o.CacheDir = None,
-    no_cache: o.NoCache = False,
-    cache_mem: o.CacheMem = "2G",
-    cache_disk: o.CacheDisk = "20G",
-    block_size: o.BlockSize = 256,
+    *,
+    run: o.RunOptions,
 ) -> None:
     """Reply with one JSON document valid against --schema (printed on stdout)."""
     if not schema:
@@ -72,22 +61,21 @@ def json_cmd(
     task = json_mode.JsonTask.create(
         read_json_arg(schema, "schema"), read_instructions(instructions)
     )
-    params = o.sampling(max_tokens, temp, top_p, seed)
-    cache = o.cache_config(cache_dir, no_cache, cache_mem, cache_disk, block_size)
+    params = run.sampling()
     if lanes < 1:
         raise UserInputError(f"--lanes must be >= 1, got {lanes}")
     if input_path is None:
         if output is not None:
             raise UserInputError("--output goes with --input (a JSONL batch)")
         text = o.read_prompt(prompt, prompt_file)
-        _single(o.engine(model, cache), task, text, params, as_json)
+        _single(run.engine(), task, text, params, as_json)
         return
     if prompt is not None or prompt_file is not None:
         raise UserInputError("give prompts in the --input file or as an argument, not both")
     if output is None:
         raise UserInputError("--input needs --output FILE (the file a rerun resumes)")
     lines = read_input(input_path)
-    engine = o.engine(model, cache)
+    engine = run.engine()
     plan = json_mode.plan_batch(engine, task, lines, input_path, output)
     _batch(engine, task, plan, params, lanes)
 

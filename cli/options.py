@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any, TypeVar
 
 import typer
 
@@ -41,6 +45,11 @@ CacheDisk = Annotated[
 BlockSize = Annotated[
     int, typer.Option("--block-size", help="Cache block / prefill chunk length in tokens.")
 ]
+PromptArg = Annotated[str | None, typer.Argument(help="The prompt; '-' or nothing reads stdin.")]
+PromptFile = Annotated[
+    Path | None, typer.Option("--prompt-file", "-f", help="Read the prompt from a file.")
+]
+System = Annotated[str | None, typer.Option("--system", "-s", help="System message.")]
 Json = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of plain text.")]
 
 
@@ -93,3 +102,80 @@ def read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
     if not text.strip():
         raise UserInputError("the prompt is empty")
     return text
+
+
+@dataclass(frozen=True, slots=True)
+class RunOptions:
+    """The model, sampling and cache options every model-running command takes."""
+
+    model: str | None
+    max_tokens: int
+    temp: float
+    top_p: float
+    seed: int
+    cache_dir: Path | None
+    no_cache: bool
+    cache_mem: str
+    cache_disk: str
+    block_size: int
+
+    def sampling(self) -> SamplingParams:
+        return sampling(self.max_tokens, self.temp, self.top_p, self.seed)
+
+    def cache(self) -> CacheConfig:
+        return cache_config(
+            self.cache_dir, self.no_cache, self.cache_mem, self.cache_disk, self.block_size
+        )
+
+    def engine(self) -> Engine:
+        return engine(self.model, self.cache())
+
+
+_RUN_OPTIONS: list[tuple[str, Any, Any]] = [
+    ("model", Model, None),
+    ("max_tokens", MaxTokens, 256),
+    ("temp", Temp, 0.0),
+    ("top_p", TopP, 1.0),
+    ("seed", Seed, 0),
+    ("cache_dir", CacheDir, None),
+    ("no_cache", NoCache, False),
+    ("cache_mem", CacheMem, "2G"),
+    ("cache_disk", CacheDisk, "20G"),
+    ("block_size", BlockSize, 256),
+]
+F = TypeVar("F", bound=Callable[..., None])
+
+
+def with_run_options(max_tokens: int = 256) -> Callable[[F], F]:
+    """Give a command the shared options; it receives them as `run: RunOptions`.
+
+    Typer reads a command's options from its signature, so the wrapper's signature is the
+    command's own parameters (minus `run`) followed by the shared ones.
+    """
+    defaults = {"max_tokens": max_tokens}
+
+    def decorate(fn: F) -> F:
+        own = [
+            p for p in inspect.signature(fn, eval_str=True).parameters.values() if p.name != "run"
+        ]
+        shared = [
+            inspect.Parameter(
+                name,
+                inspect.Parameter.KEYWORD_ONLY,
+                default=defaults.get(name, default),
+                annotation=kind,
+            )
+            for name, kind, default in _RUN_OPTIONS
+        ]
+
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> None:
+            run = RunOptions(**{name: kwargs.pop(name) for name, _, _ in _RUN_OPTIONS})
+            fn(*args, run=run, **kwargs)
+
+        params = [*own, *shared]
+        wrapper.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+        wrapper.__annotations__ = {p.name: p.annotation for p in params}
+        return wrapper  # type: ignore[return-value]
+
+    return decorate

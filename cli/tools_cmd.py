@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -40,6 +39,7 @@ def _conversation(
     return messages, system
 
 
+@o.with_run_options()
 def tools_cmd(
     prompt: Annotated[
         str | None,
@@ -51,10 +51,8 @@ def tools_cmd(
     tool_choice: Annotated[
         str, typer.Option("--tool-choice", help="auto | required | none | a function name.")
     ] = "auto",
-    prompt_file: Annotated[
-        Path | None, typer.Option("--prompt-file", "-f", help="Read the prompt from a file.")
-    ] = None,
-    system: Annotated[str | None, typer.Option("--system", "-s", help="System message.")] = None,
+    prompt_file: o.PromptFile = None,
+    system: o.System = None,
     messages_file: Annotated[
         str | None,
         typer.Option("--messages", help='Prior conversation: the "messages" of a --json output.'),
@@ -66,17 +64,9 @@ def tools_cmd(
     parallel: Annotated[
         bool, typer.Option("--parallel", help="Allow several calls in one reply.")
     ] = False,
-    model: o.Model = None,
-    max_tokens: o.MaxTokens = 256,
-    temp: o.Temp = 0.0,
-    top_p: o.TopP = 1.0,
-    seed: o.Seed = 0,
     as_json: o.Json = False,
-    cache_dir: o.CacheDir = None,
-    no_cache: o.NoCache = False,
-    cache_mem: o.CacheMem = "2G",
-    cache_disk: o.CacheDisk = "20G",
-    block_size: o.BlockSize = 256,
+    *,
+    run: o.RunOptions,
 ) -> None:
     """Reply to PROMPT with text and/or calls to the functions in --tools."""
     if not tools_file:
@@ -90,10 +80,9 @@ def tools_cmd(
         raise UserInputError(
             "the conversation ends with the assistant: add a prompt or --tool-result"
         )
-    params = o.sampling(max_tokens, temp, top_p, seed)
-    cache = o.cache_config(cache_dir, no_cache, cache_mem, cache_disk, block_size)
+    params = run.sampling()
     task = ToolsTask(tools, choice, system, parallel)
-    engine = o.engine(model, cache)
+    engine = run.engine()
     ids = task.encode(engine, messages)
     result = engine.complete(task.request(engine, ids, params))
     reply = task.read(result)
