@@ -78,3 +78,20 @@ def test_embedded_model_answers_paris(smol: LoadedModel) -> None:
     engine = Engine(smol)
     ids = engine.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
     assert "Paris" in engine.complete(Request(ids)).text
+
+
+@pytest.mark.parametrize(("qtype", "bits"), [("Q4_0", 4), ("Q4_1", 4), ("Q8_0", 8)])
+def test_quantized_gguf_types(tmp_path: Path, qtype: str, bits: int) -> None:
+    """llama.cpp-quantized files load as MLX affine-quantized layers with the same weights."""
+    from tinymodel import write_quantized_gguf
+
+    gguf = tmp_path / f"m-{qtype}.gguf"
+    hf = write_quantized_gguf(gguf, qtype)
+    loaded = load(str(gguf), cache_root=tmp_path / "cache")
+    assert loaded.config["quantization"] == {"group_size": 32, "bits": bits}
+    ids = [5, 80, 81, 100, 7, 3]
+    ours = loaded.model(mx.array([ids]))
+    ref = reference_logits(hf, loaded.config | {"quantization": None}, ids)
+    # Quantized vs dense kernels: same weights, different summation order.
+    assert mx.allclose(ours, ref, atol=1e-4, rtol=1e-4)
+    assert mx.array_equal(mx.argmax(ours, axis=-1), mx.argmax(ref, axis=-1))

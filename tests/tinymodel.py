@@ -91,18 +91,9 @@ def write_tiny_gguf(
     hf = tiny_weights(seed, heads=heads, kv_heads=kv_heads)
     tensors: dict[str, mx.array] = {}
     for name, value in hf.items():
-        if name == "model.embed_tokens.weight":
-            gname = "token_embd.weight"
-        elif name == "model.norm.weight":
-            gname = "output_norm.weight"
-        else:
-            _, _, layer, rest = name.split(".", 3)
-            module = rest.rsplit(".", 1)[0]
-            gname = f"blk.{layer}.{_GGUF_NAMES[module]}.weight"
-            if module == "self_attn.q_proj":
-                value = llama_permute(value, heads)
-            elif module == "self_attn.k_proj":
-                value = llama_permute(value, kv_heads)
+        gname, n_head = _gguf_name(name, heads, kv_heads)
+        if n_head:
+            value = llama_permute(value, n_head)
         is_norm = "norm" in gname
         tensors[gname] = mx.array(value).astype(mx.float32 if is_norm else dtype)
     tokens = SPECIALS + byte_chars() + ["ab", "abab", "Ġa"]
@@ -129,3 +120,72 @@ def write_tiny_gguf(
     }
     mx.save_gguf(str(path), tensors, meta)
     return hf
+
+
+def write_quantized_gguf(path: Path, qtype_name: str, seed: int = 0) -> dict[str, np.ndarray]:
+    """The tiny llama as llama.cpp would quantize it (Q4_0, Q4_1, Q8_0; norms stay F32).
+
+    Written with the `gguf` package (llama.cpp's own writer). Returns the HF-layout weights
+    as the file holds them, i.e. dequantized, so a reference model can be built from them.
+    """
+    import gguf
+    from gguf import quants
+
+    qtype = gguf.GGMLQuantizationType[qtype_name]
+    staging = path.with_suffix(".f32.gguf")
+    hf = write_tiny_gguf(staging, seed=seed)  # F32 file: names, permutation and metadata
+    tensors, meta = mx.load(str(staging), return_metadata=True)
+    staging.unlink()
+    writer = gguf.GGUFWriter(str(path), arch="llama")
+    for key, value in meta.items():
+        if key == "general.architecture":
+            continue
+        if isinstance(value, str):
+            writer.add_string(key, value)
+        elif isinstance(value, list):
+            writer.add_array(key, value)
+        elif value.ndim:  # token types
+            writer.add_array(key, [int(v) for v in value.tolist()])
+        elif value.dtype == mx.float32:
+            writer.add_float32(key, float(value.item()))
+        else:
+            writer.add_uint32(key, int(value.item()))
+    exact: dict[str, np.ndarray] = {}
+    for name, value in tensors.items():
+        data = np.array(value)
+        if "norm" not in name:
+            packed = quants.quantize(data, qtype)
+            writer.add_tensor(name, packed, raw_dtype=qtype)
+            data = quants.dequantize(packed, qtype)
+        else:
+            writer.add_tensor(name, data)
+        exact[name] = data
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    # Back to HF names and row order (undo the Q/K permutation) for the reference model.
+    out = {}
+    for hf_name in hf:
+        gname, n_head = _gguf_name(hf_name)
+        value = exact[gname]
+        if n_head:
+            value = (
+                value.reshape(n_head, value.shape[0] // n_head // 2, 2, -1)
+                .swapaxes(1, 2)
+                .reshape(value.shape)
+            )
+        out[hf_name] = value.astype(np.float32)
+    return out
+
+
+def _gguf_name(hf_name: str, heads: int = 4, kv_heads: int = 2) -> tuple[str, int]:
+    """GGUF tensor name of an HF weight, and the head count its rows were permuted with."""
+    if hf_name == "model.embed_tokens.weight":
+        return "token_embd.weight", 0
+    if hf_name == "model.norm.weight":
+        return "output_norm.weight", 0
+    _, _, layer, rest = hf_name.split(".", 3)
+    module = rest.rsplit(".", 1)[0]
+    n_head = {"self_attn.q_proj": heads, "self_attn.k_proj": kv_heads}.get(module, 0)
+    return f"blk.{layer}.{_GGUF_NAMES[module]}.weight", n_head
