@@ -141,7 +141,8 @@ class GrammarProcessor:
             self._prompt_len = n
         else:
             start = self._prompt_len + len(self.consumed)
-            new: list[int] = np.asarray(tokens.reshape(-1)[start:]).tolist()
+            # Slice on the host: a lazy mx slice would wait behind the forward in flight.
+            new: list[int] = np.asarray(tokens).reshape(-1)[start:].tolist()
             for token in new:
                 if not self.matcher.consume_token(token):
                     raise GenerationError(f"the grammar rejected token {token}: {self._error()}")

@@ -201,6 +201,11 @@ class Engine:
             stop = frozenset(self.loaded.tokenizer.eos_token_ids)
         room = self.loaded.context_length - int(prompt.size)
         budget = min(sampling.max_tokens, room)
+        # Token history for processors, kept on the host: an mx.array made from host data is
+        # readable at once, while a lazy concatenate would queue behind the forward in flight
+        # and stall the grammar's mask computation that should overlap it.
+        host = np.empty(prompt.size + budget, dtype=np.int32)
+        host[: prompt.size] = prompt
         history = mx.array(prompt)
         text = TextStream(self.loaded.tokenizer)
         out: list[int] = []
@@ -239,7 +244,8 @@ class Engine:
             if not more:
                 break
             if req.processors:
-                history = mx.concatenate([history, y.reshape(-1).astype(history.dtype)])
+                host[prompt.size + len(out) - 1] = token
+                history = mx.array(host[: prompt.size + len(out)])
                 nxt = pick(nxt)
                 mx.async_eval(nxt)
             y = nxt
