@@ -1,0 +1,31 @@
+"""The benchmarks run end to end (on the tiny model, tiny sizes) and report their ratios.
+
+Figures are not asserted: speed targets live in the benchmarks, not in unit tests.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from mlxcache.bench import decode_bench, json_bench, resume_bench
+
+
+def test_decode_bench(cache_root: Path, tiny_gguf: Path) -> None:
+    result = decode_bench.run(str(tiny_gguf), tokens=4, rounds=1)
+    assert result["bench"] == "decode" and result["ratio"] > 0 and isinstance(result["pass"], bool)
+
+
+def test_resume_bench(cache_root: Path, tiny_gguf: Path) -> None:
+    result = resume_bench.run(str(tiny_gguf), turns=2, block_size=4)
+    assert [r["cached"] > 0 for r in result["turns"]] == [False, True]
+    assert result["disk_cached_tokens"] > 0
+    assert 0 < result["stored_vs_unique_bytes"] <= 1.2  # shared blocks: bytes follow unique tokens
+    assert set(result["goals"]) == {"warm_vs_expected", "disk_vs_cold", "stored_vs_unique_bytes"}
+
+
+def test_json_bench(cache_root: Path, tmp_path: Path) -> None:
+    from tinymodel import write_tiny_gguf
+
+    write_tiny_gguf(tmp_path / "long.gguf", context=4096)  # the shared instructions are long
+    result = json_bench.run(str(tmp_path / "long.gguf"), tokens=4, rounds=1, lines=2, block_size=16)
+    assert result["same_outputs"] is True and result["ratio"] > 0
