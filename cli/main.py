@@ -9,7 +9,7 @@ from typing import Annotated, Any
 import typer
 
 from mlxcache.errors import MlxcacheError
-from mlxcache_cli import bench, cache_cmd, regress_cmd, ui
+from mlxcache_cli import bench, cache_cmd, models_cmd, regress_cmd, ui
 from mlxcache_cli.chat_cmd import chat_cmd
 from mlxcache_cli.generate import generate
 from mlxcache_cli.json_cmd import json_cmd
@@ -66,6 +66,11 @@ bench_app = typer.Typer(
 for fn in (bench.decode, bench.index, bench.resume, bench.json):
     command(fn, app=bench_app)
 app.add_typer(bench_app, name="bench")
+
+models_app = typer.Typer(help="Converted models and what a model spec loads.", no_args_is_help=True)
+for fn in (models_cmd.ls, models_cmd.info):
+    command(fn, app=models_app)
+app.add_typer(models_app, name="models")
 
 regress_app = typer.Typer(
     help="Byte-identical regression runs against a golden file.", no_args_is_help=True

@@ -141,13 +141,25 @@ def load(
 
 
 def describe(loaded: LoadedModel) -> dict[str, Any]:
-    """A JSON-able summary of a loaded model (for `models` and stats output)."""
+    """A JSON-able summary of a loaded model (`mlxcache models info`)."""
     return {
         "name": loaded.name,
         "path": str(loaded.path),
         "key": loaded.key,
+        "architecture": loaded.config.get("model_type"),
         "context_length": loaded.context_length,
-        "quantization": loaded.config.get("quantization"),
         "layers": loaded.config.get("num_hidden_layers"),
-        "config": json.loads(json.dumps(loaded.config, default=str)),
+        "vocab_size": loaded.config.get("vocab_size"),
+        "quantization": loaded.config.get("quantization"),
     }
+
+
+def converted(root: str | os.PathLike[str] | None = None) -> list[dict[str, Any]]:
+    """The GGUF conversions kept in the cache directory (`mlxcache models ls`)."""
+    out = []
+    for folder in sorted((cache_dir(root) / "models").glob("*/config.json")):
+        source = folder.parent / "mlxcache-source.json"
+        gguf = json.loads(source.read_text()).get("gguf") if source.exists() else None
+        size = sum(p.stat().st_size for p in folder.parent.iterdir() if p.is_file())
+        out.append({"folder": str(folder.parent), "gguf": gguf, "bytes": size})
+    return out
