@@ -61,8 +61,11 @@ def resume(
     model: o.Model = None,
     turns: Annotated[int, typer.Option("--turns", help="Chat turns (~25 tokens each).")] = 4,
     block_size: o.BlockSize = 16,
+    prefix_tokens: Annotated[
+        int, typer.Option("--prefix-tokens", help="Shared prefix the second process reuses.")
+    ] = 1500,
 ) -> None:
-    """TTFT with the prompt cache vs without: warm turns, disk tier, bytes of a fork."""
+    """TTFT with the prompt cache vs without: warm turns, disk tier, second process, fork bytes."""
     from mlxcache.bench import resume_bench
 
-    _report(resume_bench.run(model, turns, block_size))
+    _report(resume_bench.run(model, turns, block_size, prefix_tokens))

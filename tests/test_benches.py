@@ -16,11 +16,17 @@ def test_decode_bench(cache_root: Path, tiny_gguf: Path) -> None:
 
 
 def test_resume_bench(cache_root: Path, tiny_gguf: Path) -> None:
-    result = resume_bench.run(str(tiny_gguf), turns=2, block_size=4)
+    result = resume_bench.run(str(tiny_gguf), turns=2, block_size=4, prefix_tokens=12)
     assert [r["cached"] > 0 for r in result["turns"]] == [False, True]
     assert result["disk_cached_tokens"] > 0
+    assert result["second_process_cached"] >= 64  # the shared prefix (~90 tokens), from disk
     assert 0 < result["stored_vs_unique_bytes"] <= 1.2  # shared blocks: bytes follow unique tokens
-    assert set(result["goals"]) == {"warm_vs_expected", "disk_vs_cold", "stored_vs_unique_bytes"}
+    assert set(result["goals"]) == {
+        "warm_vs_expected",
+        "disk_vs_cold",
+        "second_vs_first",
+        "stored_vs_unique_bytes",
+    }
 
 
 def test_json_bench(cache_root: Path, tmp_path: Path) -> None:
