@@ -20,7 +20,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from mlxcache.cache import blocks as kv
 from mlxcache.cache.base import Resume, is_trimmable
-from mlxcache.cache.disk import CorruptFile, DiskTier
+from mlxcache.cache.disk import CorruptFile, DiskTier, digest_tokens
 from mlxcache.cache.index import Entry, PromptIndex
 from mlxcache.config import CacheConfig
 from mlxcache.errors import CacheStoreError
@@ -132,7 +132,7 @@ class PromptCache:
         else:
             checkpoint = kv.snapshot(layers)
             entry = self._add_mem(tokens, None, checkpoint)
-            self._write_disk(tokens, [f"c-{self.ns[:16]}-{_digest(tokens)}"], {}, checkpoint)
+            self._write_disk(tokens, [self._checkpoint_name(tokens)], {}, checkpoint)
         self._fit(skip=entry, prompt=tokens)
 
     def release(self, resume: Resume) -> None:
@@ -234,6 +234,10 @@ class PromptCache:
 
     # -- disk tier --------------------------------------------------------------------------
 
+    def _checkpoint_name(self, tokens: np.ndarray) -> str:
+        """Checkpoints are per entry (not shared): named by namespace and token digest."""
+        return f"c-{self.ns[:16]}-{digest_tokens(tokens)}"
+
     def _drop_disk(self, reason: str) -> None:
         """Go on without the disk tier (read-only or full directory, broken index)."""
         self.stats.disk_errors += 1
@@ -305,7 +309,7 @@ class PromptCache:
                 mx.eval(list(fresh.values()))
                 mem_entry = self._add_mem(tokens, names, fresh)
             else:
-                checkpoint = self.disk.read_checkpoint(f"c-{self.ns[:16]}-{_digest(tokens)}")
+                checkpoint = self.disk.read_checkpoint(self._checkpoint_name(tokens))
                 mem_entry = self._add_mem(tokens, None, checkpoint)
             self.disk.touch(self._disk_ids[entry])
         except CorruptFile:
@@ -315,8 +319,3 @@ class PromptCache:
         self._fit(skip=mem_entry, prompt=tokens)
         return mem_entry
 
-
-def _digest(tokens: np.ndarray) -> str:
-    from mlxcache.cache.disk import digest_tokens
-
-    return digest_tokens(tokens)[:32]
