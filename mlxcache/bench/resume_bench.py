@@ -94,7 +94,8 @@ def _in_process(
 
 def _second_process(model: str | None, prefix_tokens: int, block_size: int) -> dict[str, Any]:
     """A process keeps a long shared prefix (cold); a second one reuses it from disk."""
-    words = " ".join(f"Rule {i}: answer plainly." for i in range(prefix_tokens // 6 + 1))
+    # ~8.6 tokens per rule with the SmolLM2 tokenizer
+    words = " ".join(f"Rule {i}: answer plainly." for i in range(prefix_tokens * 10 // 86 + 1))
     with tempfile.TemporaryDirectory(prefix="mlxcache-bench-") as tmp:
         first = _in_process(
             model,
