@@ -119,6 +119,10 @@ class Repl:
         self.autosave()
 
     def _save(self, arg: str) -> None:
+        if arg != self.name and chat.session_path(self.sessions, arg).exists():
+            raise UserInputError(
+                f"a session {arg!r} exists already: pick another name, or /load it"
+            )
         path = chat.save(self.session, self.sessions, arg)
         self.name = arg
         ui.info(f"saved {path}")

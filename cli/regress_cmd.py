@@ -36,6 +36,10 @@ def _variants(text: str) -> tuple[str, ...]:
         raise UserInputError(
             f"unknown variant {', '.join(unknown) or '(none)'}: choose from {', '.join(VARIANTS)}"
         )
+    if "disk" in chosen and ("warm" not in chosen or chosen.index("warm") > chosen.index("disk")):
+        raise UserInputError(
+            "the disk variant reads the cache the warm variant fills: list warm before disk"
+        )
     return chosen
 
 

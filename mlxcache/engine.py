@@ -79,6 +79,18 @@ class Engine:
         """Token ids of raw text (no template, no special tokens added)."""
         return [int(t) for t in self.loaded.tokenizer.encode(text, add_special_tokens=False)]
 
+    def check_fits(self, ids: Sequence[int] | np.ndarray, where: str = "the prompt") -> None:
+        """Refuse a prompt that leaves no room for a reply in the model's context.
+
+        Raises:
+            ContextLengthError: naming `where` and both lengths.
+        """
+        limit = self.loaded.context_length
+        if len(ids) >= limit:
+            raise ContextLengthError(
+                f"{where} has {len(ids)} tokens; the model's context is {limit}"
+            )
+
     def submit(self, request: Request) -> int:
         """Queue a request as a new lane; returns its id. Validates it first.
 
@@ -89,11 +101,7 @@ class Engine:
         tokens = np.asarray(request.tokens, dtype=np.int32).reshape(-1)
         if tokens.size == 0:
             raise UserInputError("the prompt is empty")
-        limit = self.loaded.context_length
-        if tokens.size >= limit:
-            raise ContextLengthError(
-                f"the prompt has {tokens.size} tokens; the model's context is {limit}"
-            )
+        self.check_fits(tokens, "the prompt")
         rid = next(self._ids)
         self._lanes[rid] = self._lane(rid, tokens, request)
         return rid

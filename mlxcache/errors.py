@@ -35,6 +35,14 @@ class CacheStoreError(MlxcacheError):
     """The disk tier could not be used (read-only, full, corrupt index)."""
 
 
+class CorruptCacheFileError(CacheStoreError):
+    """A cache block or checkpoint file that is missing or fails its checksum."""
+
+
+class OutputFileError(MlxcacheError):
+    """A result file (session, golden, JSONL output) could not be written; nothing was lost."""
+
+
 class GrammarError(UserInputError):
     """A JSON Schema or tool definition the constrained decoder cannot enforce."""
 

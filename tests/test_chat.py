@@ -138,3 +138,46 @@ def test_bad_commands_exit_2_and_keep_the_session(
     assert bad.stderr.startswith("error: cannot read session 'bad'")  # type: ignore[attr-defined]
     assert (tmp_path / "sessions" / "ok.json").read_bytes() == before
     assert (tmp_path / "sessions" / "bad.json").read_text() == "{not json"
+
+
+def test_a_failed_retry_or_edit_keeps_the_conversation(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mlxcache.errors import ContextLengthError
+
+    s = chat.ChatSession(sampling=SamplingParams(max_tokens=3))
+    drain(s.ask(engine, "hello"))
+    drain(s.ask(engine, "again"))
+    before = [chat.Turn(t.user, t.reply, t.interrupted) for t in s.turns]
+
+    def full(ids: object, where: str = "the prompt") -> None:
+        raise ContextLengthError(f"{where} has 999 tokens; the model's context is 256")
+
+    monkeypatch.setattr(engine, "check_fits", full)
+    with pytest.raises(ContextLengthError):
+        drain(s.retry(engine))
+    with pytest.raises(ContextLengthError):
+        drain(s.edit(engine, 1, "changed"))
+    with pytest.raises(ContextLengthError):
+        drain(s.ask(engine, "a third"))
+    assert s.turns == before
+
+
+def test_save_errors_are_one_line(tmp_path: Path) -> None:
+    from mlxcache.errors import OutputFileError
+
+    (tmp_path / "file").write_text("not a directory")
+    with pytest.raises(OutputFileError, match=r"cannot write .*/file/sessions/x\.json"):
+        chat.save(chat.ChatSession(), tmp_path / "file" / "sessions", "x")
+
+
+def test_save_refuses_to_overwrite_another_session(
+    cache_root: Path, tiny_gguf: Path, tmp_path: Path
+) -> None:
+    chat.save(chat.ChatSession(system="keep me"), tmp_path / "sessions", "other")
+    result = invoke(["-n", "2"], "/save other\n", tmp_path, str(tiny_gguf))
+    assert result.exit_code == 2  # type: ignore[attr-defined]
+    assert (
+        result.stderr == "error: a session 'other' exists already: pick another name, or /load it\n"
+    )  # type: ignore[attr-defined]
+    assert chat.load(tmp_path / "sessions", "other").system == "keep me"

@@ -60,3 +60,26 @@ def test_prune_keeps_the_most_recent(cache_root: Path, tiny_gguf: Path, tmp_path
 def test_bad_prune_size(cache_root: Path) -> None:
     result = runner.invoke(app, ["cache", "prune", "--max-size", "lots"])
     assert result.exit_code == 2 and result.stderr == "error: not a size: 'lots' (try 512M or 2G)\n"
+
+
+def test_prune_across_models_goes_by_last_use(
+    cache_root: Path, tiny_gguf: Path, tmp_path: Path
+) -> None:
+    from tinymodel import write_tiny_gguf
+
+    other = tmp_path / "other.gguf"
+    write_tiny_gguf(other, seed=7)
+    gen(tiny_gguf, tmp_path, "first model, first")
+    gen(other, tmp_path, "second model, only")
+    gen(tiny_gguf, tmp_path, "first model, latest")
+    d = str(tmp_path)
+    rows = cache("ls", "--cache-dir", d)
+    assert len(rows) == 3 and len({r["namespace"] for r in rows}) == 2
+    oldest = min(rows, key=lambda r: r["used_ns"])
+    total = cache("stats", "--cache-dir", d)["bytes"]
+    assert cache("prune", "--max-size", str(total - 1), "--cache-dir", d) == {"removed": 1}
+    assert oldest["id"] not in [r["id"] for r in cache("ls", "--cache-dir", d)]
+    total = cache("stats", "--cache-dir", d)["bytes"]
+    assert cache("prune", "--max-size", str(total - 1), "--cache-dir", d) == {"removed": 1}
+    (left,) = cache("ls", "--cache-dir", d)
+    assert left["used_ns"] == max(r["used_ns"] for r in rows)

@@ -231,3 +231,14 @@ def test_bad_batch_found_after_loading(
     assert result.exit_code == 2 and result.stdout == ""
     assert result.stderr.strip() == fill(message, paths)
     assert paths["out"].read_text() == out
+
+
+def test_unwritable_output_is_one_line(cache_root: Path, tiny_gguf: Path, tmp_path: Path) -> None:
+    (tmp_path / "in.jsonl").write_text('{"prompt": "a"}\n')
+    (tmp_path / "file").write_text("not a directory")
+    out = tmp_path / "file" / "out.jsonl"
+    args = ["json", "--schema", SHORT, "-m", str(tiny_gguf), "--input", str(tmp_path / "in.jsonl")]
+    result = runner.invoke(app, [*args, "--output", str(out)])
+    assert result.exit_code != 0 and result.stdout == ""
+    assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1
+    assert (tmp_path / "file").read_text() == "not a directory"

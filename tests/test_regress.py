@@ -163,3 +163,43 @@ def test_smoke_suite_matches_its_golden(cache_root: Path) -> None:
 
 def regress_default(*args: str) -> object:
     return runner.invoke(app, ["regress", *args])
+
+
+def test_more_bad_input(cache_root: Path, tmp_path: Path) -> None:
+    good = tmp_path / "good.yaml"
+    good.write_text("cases:\n  - {name: a, kind: plain, prompt: x}\n")
+    result = regress("check", str(good), str(tmp_path / "g.json"), "--variants", "cold,disk")
+    assert result.exit_code == 2  # type: ignore[attr-defined]
+    assert (
+        result.stderr
+        == "error: the disk variant reads the cache the warm variant fills: list warm before disk\n"
+    )  # type: ignore[attr-defined]
+    (tmp_path / "g.json").write_text(
+        json.dumps({"format": golden.FORMAT, "cases": {"a": {"outputs": [{"text": 1}]}}})
+    )
+    result = regress("check", str(good), str(tmp_path / "g.json"))
+    assert result.exit_code == 2  # type: ignore[attr-defined]
+    assert "case 'a' has no valid 'outputs'" in result.stderr  # type: ignore[attr-defined]
+    bad_schema = {
+        "cases": [{"name": "j", "kind": "json", "schema": {"type": "nope"}, "prompt": "x"}]
+    }
+    with pytest.raises(UserInputError, match="case 'j' schema is not valid JSON Schema"):
+        suite.parse(bad_schema)
+    with pytest.raises(UserInputError, match="case 'j': needs 'prompt' or a non-empty 'prompts'"):
+        suite.parse(
+            {"cases": [{"name": "j", "kind": "json", "schema": {"type": "string"}, "prompts": []}]}
+        )
+    with pytest.raises(UserInputError, match="unknown tool 'nope'"):
+        suite.parse(
+            {
+                "cases": [
+                    {
+                        "name": "t",
+                        "kind": "tools",
+                        "prompt": "x",
+                        "tool_choice": "nope",
+                        "tools": [{"name": "f", "parameters": {"type": "object"}}],
+                    }
+                ]
+            }
+        )

@@ -22,7 +22,7 @@ import numpy as np
 import xxhash
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
-from mlxcache.errors import CacheStoreError
+from mlxcache.errors import CacheStoreError, CorruptCacheFileError
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS entries (
@@ -50,10 +50,6 @@ CREATE TABLE IF NOT EXISTS entry_files (
 CREATE INDEX IF NOT EXISTS entry_files_name ON entry_files(name);
 """
 _STALE_TMP_S = 600  # a temp file this old belongs to a writer that died
-
-
-class CorruptFile(Exception):
-    """A block or checkpoint file that is missing or fails its checksum."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,12 +135,6 @@ class DiskTier:
         ).fetchall()
         return [_row(r) for r in rows]
 
-    def entry_id(self, ns: str, tokens: np.ndarray) -> int | None:
-        row = self._db.execute(
-            "SELECT id FROM entries WHERE ns = ? AND digest = ?", (ns, digest_tokens(tokens))
-        ).fetchone()
-        return None if row is None else int(row[0])
-
     def _path(self, name: str) -> Path:
         return self.files / f"{name}.safetensors"
 
@@ -154,9 +144,9 @@ class DiskTier:
         try:
             data = path.read_bytes()
         except OSError as exc:
-            raise CorruptFile(f"{name}: {exc}") from exc
+            raise CorruptCacheFileError(f"{name}: {exc}") from exc
         if row is None or _checksum(data) != row[0]:
-            raise CorruptFile(f"{name}: checksum mismatch")
+            raise CorruptCacheFileError(f"{name}: checksum mismatch")
         return path
 
     def read_block(self, name: str) -> mx.array:
@@ -166,9 +156,9 @@ class DiskTier:
             arrays = mx.load(str(path))
             block = arrays["kv"] if isinstance(arrays, dict) else None
         except Exception as exc:  # MLX raises plain RuntimeError on a bad file
-            raise CorruptFile(f"{name}: {exc}") from exc
+            raise CorruptCacheFileError(f"{name}: {exc}") from exc
         if block is None:
-            raise CorruptFile(f"{name}: no kv tensor")
+            raise CorruptCacheFileError(f"{name}: no kv tensor")
         return block
 
     def read_checkpoint(self, name: str) -> list[Any]:
@@ -177,7 +167,7 @@ class DiskTier:
         try:
             return list(load_prompt_cache(str(path)))
         except Exception as exc:
-            raise CorruptFile(f"{name}: {exc}") from exc
+            raise CorruptCacheFileError(f"{name}: {exc}") from exc
 
     def usage(self, ns: str | None = None) -> tuple[int, int]:
         """(entries, bytes) of one namespace, or of all."""
@@ -194,7 +184,7 @@ class DiskTier:
         for (name,) in self._db.execute("SELECT name FROM files").fetchall():
             try:
                 self._read(name)
-            except CorruptFile as exc:
+            except CorruptCacheFileError as exc:
                 problems.append(str(exc))
         dangling = self._db.execute(
             "SELECT COUNT(*) FROM entry_files WHERE name NOT IN (SELECT name FROM files)"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from mlxcache.cache.disk import DiskTier
+from mlxcache.cache.disk import DiskEntry, DiskTier
 from mlxcache.cache.index import Entry, PromptIndex
 from mlxcache.paths import cache_dir
 from mlxcache.runtime import KV_DIR
@@ -65,23 +65,26 @@ def clear(directory: str | os.PathLike[str] | None = None) -> int:
 
 
 def prune(max_bytes: int, directory: str | os.PathLike[str] | None = None) -> int:
-    """Evict by the index's victim order (per namespace, by last use) until under `max_bytes`."""
+    """Evict until the disk tier is under `max_bytes`; returns how many entries went.
+
+    Within a model (namespace) the index's victim order decides; across models, the victim
+    whose entry was used longest ago (wall clock: processes share no logical clock).
+    """
     disk = _open(directory)
     removed = 0
     try:
-        indexes: dict[str, tuple[PromptIndex, dict[Entry, int]]] = {}
-        for row in disk.all_entries():  # ordered by last use: the logical clock follows it
-            index, ids = indexes.setdefault(row.ns, (PromptIndex(block_size=1), {}))
-            ids[index.add(row.tokens, trimmable=row.trimmable, nbytes=row.nbytes)] = row.id
+        indexes: dict[str, tuple[PromptIndex, dict[Entry, DiskEntry]]] = {}  # per namespace
+        for row in disk.all_entries():  # oldest use first: each index's clock follows it
+            index, rows = indexes.setdefault(row.ns, (PromptIndex(block_size=1), {}))
+            rows[index.add(row.tokens, trimmable=row.trimmable, nbytes=row.nbytes)] = row
         while disk.usage()[1] > max_bytes:
-            candidates = [(ns, idx.victim()) for ns, (idx, _) in indexes.items()]
-            live = [(ns, v) for ns, v in candidates if v is not None]
-            if not live:
+            victims = [(idx, rows, v) for idx, rows in indexes.values() if (v := idx.victim())]
+            if not victims:
                 break
-            ns, victim = min(live, key=lambda c: (c[1].last_used, c[1].born))
-            index, ids = indexes[ns]
+            index, rows, victim = min(victims, key=lambda c: (c[1][c[2]].used_ns, c[1][c[2]].id))
+            row = rows.pop(victim)
             index.remove(victim)
-            disk.remove_entry(ids.pop(victim))
+            disk.remove_entry(row.id)
             removed += 1
         return removed
     finally:

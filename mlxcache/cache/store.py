@@ -9,6 +9,7 @@ evicts through the index's victim order until the byte budget holds.
 
 from __future__ import annotations
 
+import sqlite3
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -20,10 +21,13 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from mlxcache.cache import blocks as kv
 from mlxcache.cache.base import Resume, is_trimmable
-from mlxcache.cache.disk import CorruptFile, DiskTier, digest_tokens
+from mlxcache.cache.disk import DiskTier, digest_tokens
 from mlxcache.cache.index import Entry, PromptIndex
 from mlxcache.config import CacheConfig
-from mlxcache.errors import CacheStoreError
+from mlxcache.errors import CacheStoreError, CorruptCacheFileError
+
+# What the disk tier can raise that means "go on without it" (a corrupt file is handled apart).
+_DISK_ERRORS = (sqlite3.Error, OSError)
 
 
 @dataclass(slots=True)
@@ -225,12 +229,17 @@ class PromptCache:
     def _fit(self, skip: Entry | None = None, prompt: np.ndarray | None = None) -> None:
         """Evict by the victim order until both tiers are within budget."""
         self.reserve(0, skip, prompt)  # stops when everything left is pinned
-        while self.disk and self.disk.usage(self.ns)[1] > self.config.disk_bytes:
-            victim = self.disk_index.victim(skip=None, prompt=prompt)
-            if victim is None:
-                break
-            self._remove_disk(victim)
-            self.stats.evictions_disk += 1
+        try:
+            # The disk budget is per model (namespace); `mlxcache cache prune` bounds the
+            # whole directory.
+            while self.disk and self.disk.usage(self.ns)[1] > self.config.disk_bytes:
+                victim = self.disk_index.victim(skip=None, prompt=prompt)
+                if victim is None:
+                    break
+                self._remove_disk(victim)
+                self.stats.evictions_disk += 1
+        except _DISK_ERRORS as exc:
+            self._drop_disk(str(exc))
 
     # -- disk tier --------------------------------------------------------------------------
 
@@ -252,7 +261,7 @@ class PromptCache:
             return
         try:
             rows = self.disk.entries(self.ns, self._disk_seen)
-        except Exception as exc:  # sqlite3.Error, OSError
+        except _DISK_ERRORS as exc:
             self._drop_disk(str(exc))
             return
         for row in rows:
@@ -281,7 +290,7 @@ class PromptCache:
                     )
                 nbytes = sum(int(self._blocks[h].kv.nbytes) for h in names)
             row = self.disk.add_entry(self.ns, tokens, checkpoint is None, names, nbytes)
-        except Exception as exc:  # OSError (full, read-only), sqlite3.Error
+        except _DISK_ERRORS as exc:  # full, read-only, locked
             self._drop_disk(str(exc))
             return
         entry = self.disk_index.add(tokens, trimmable=checkpoint is None, nbytes=nbytes)
@@ -293,7 +302,7 @@ class PromptCache:
         if self.disk:
             try:
                 self.disk.remove_entry(row)
-            except Exception as exc:
+            except _DISK_ERRORS as exc:
                 self._drop_disk(str(exc))
 
     def _promote(self, entry: Entry, length: int) -> Entry | None:
@@ -312,10 +321,12 @@ class PromptCache:
                 checkpoint = self.disk.read_checkpoint(self._checkpoint_name(tokens))
                 mem_entry = self._add_mem(tokens, None, checkpoint)
             self.disk.touch(self._disk_ids[entry])
-        except CorruptFile:
+        except CorruptCacheFileError:
             self.stats.dropped_corrupt += 1
             self._remove_disk(entry)
             return None
+        except _DISK_ERRORS as exc:  # e.g. the index stayed locked by other processes
+            self._drop_disk(str(exc))
+            return None
         self._fit(skip=mem_entry, prompt=tokens)
         return mem_entry
-

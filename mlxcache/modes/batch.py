@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from mlxcache.engine import Engine, Request
-from mlxcache.errors import UserInputError
+from mlxcache.errors import OutputFileError, UserInputError
 from mlxcache.events import Done, Result
 
 _FIELDS = frozenset({"prompt", "vars", "id"})
@@ -143,7 +143,12 @@ class RecordWriter:
     """
 
     def __init__(self, path: Path, keep_bytes: int) -> None:
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        except OSError as exc:
+            raise OutputFileError(
+                f"cannot write output file {path}: {exc.strerror or exc}"
+            ) from exc
         if os.fstat(self._fd).st_size > keep_bytes:
             os.ftruncate(self._fd, keep_bytes)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from mlxcache.engine import Engine, Request
-from mlxcache.errors import UserInputError
+from mlxcache.errors import MlxcacheError, UserInputError
 from mlxcache.events import Done, Event, Token
 from mlxcache.fileio import write_atomic
 from mlxcache.sampling import SamplingParams
@@ -56,7 +56,8 @@ class ChatSession:
     def ask(self, engine: Engine, text: str) -> Iterator[Event]:
         """Generate the reply to `text` as a new turn; yields the engine's events.
 
-        If the consumer stops early (Ctrl-C), the partial reply is kept, marked interrupted.
+        If the consumer stops early (Ctrl-C), the partial reply is kept, marked interrupted;
+        if the request fails (an `MlxcacheError`), the conversation is left as it was.
         """
         if not text.strip():
             raise UserInputError("the message is empty")
@@ -69,7 +70,7 @@ class ChatSession:
         )
         self.generations += 1
         pieces: list[str] = []
-        done = False
+        done = failed = False
         try:
             for event in engine.generate(Request(ids, params)):
                 if isinstance(event, Token):
@@ -78,22 +79,36 @@ class ChatSession:
                     done = True
                     self.turns.append(Turn(text, event.result.text))
                 yield event
+        except MlxcacheError:
+            failed = True
+            raise
         finally:
-            if not done:
+            if not done and not failed:
                 self.turns.append(Turn(text, "".join(pieces), interrupted=True))
 
     def retry(self, engine: Engine) -> Iterator[Event]:
         """Regenerate the last reply (a fork from the last user message)."""
         if not self.turns:
             raise UserInputError("nothing to retry: the conversation is empty")
-        last = self.turns.pop()
-        return self.ask(engine, last.user)
+        return self._fork(engine, len(self.turns), self.turns[-1].user)
 
     def edit(self, engine: Engine, number: int, text: str) -> Iterator[Event]:
         """Rewrite turn `number` (1-based), drop the turns after it, and answer it."""
         self._check_turn(number)
+        return self._fork(engine, number, text)
+
+    def _fork(self, engine: Engine, number: int, text: str) -> Iterator[Event]:
+        """Answer `text` as turn `number`, replacing it and the turns after it.
+
+        A failed request puts the replaced turns back: a retry never loses a good reply.
+        """
+        removed = self.turns[number - 1 :]
         del self.turns[number - 1 :]
-        return self.ask(engine, text)
+        try:
+            yield from self.ask(engine, text)
+        except MlxcacheError:
+            self.turns[number - 1 :] = removed
+            raise
 
     def undo(self) -> Turn:
         """Remove the last turn and return it."""
@@ -156,7 +171,12 @@ def session_path(directory: Path, name: str) -> Path:
 
 
 def save(session: ChatSession, directory: Path, name: str) -> Path:
-    """Write the session atomically (temp file, then rename): a crash never leaves half a file."""
+    """Write the session atomically (temp file, then rename): a crash never leaves half a file.
+
+    Raises:
+        UserInputError: bad name.
+        OutputFileError: the file cannot be written (the old one, if any, is untouched).
+    """
     path = session_path(directory, name)
     write_atomic(path, json.dumps(session.to_json(), ensure_ascii=False, indent=1))
     return path

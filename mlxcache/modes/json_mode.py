@@ -17,7 +17,6 @@ from typing import Any
 
 from mlxcache.constrain import processor_for
 from mlxcache.engine import Engine, Request
-from mlxcache.errors import ContextLengthError
 from mlxcache.events import Result
 from mlxcache.modes.batch import (
     InputLine,
@@ -124,9 +123,7 @@ def request(engine: Engine, ids: list[int], task: JsonTask, params: SamplingPara
 def encode(engine: Engine, messages: list[dict[str, str]], where: str = "the prompt") -> list[int]:
     """Token ids of `messages`, refused early when they leave no room for a reply."""
     ids = engine.encode_chat(messages)
-    limit = engine.loaded.context_length
-    if len(ids) >= limit:
-        raise ContextLengthError(f"{where} has {len(ids)} tokens; the model's context is {limit}")
+    engine.check_fits(ids, where)
     return ids
 
 

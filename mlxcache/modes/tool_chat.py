@@ -19,7 +19,7 @@ from typing import Any
 
 from mlxcache.constrain import processor_for
 from mlxcache.engine import Engine, LogitsProcessor, Request
-from mlxcache.errors import ContextLengthError, UserInputError
+from mlxcache.errors import UserInputError
 from mlxcache.events import Result
 from mlxcache.modes.tools import (
     CALL_END,
@@ -27,6 +27,7 @@ from mlxcache.modes.tools import (
     Tool,
     ToolChoice,
     ToolReply,
+    call_arguments,
     parse_reply,
     tool_grammar,
 )
@@ -50,14 +51,9 @@ def _call(raw: Any, where: str) -> dict[str, Any]:
     fn = raw.get("function", raw) if isinstance(raw, dict) else None
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
         raise UserInputError(f'{where}: a tool call must be {{"name": ..., "arguments": {{...}}}}')
-    args = fn.get("arguments", {})
+    args = call_arguments(fn.get("arguments", {}))
     if isinstance(args, str):
-        try:
-            args = json.loads(args)
-        except json.JSONDecodeError as exc:
-            raise UserInputError(f"{where}: arguments are not JSON: {exc.msg}") from exc
-    if not isinstance(args, dict):
-        raise UserInputError(f"{where}: arguments must be a JSON object")
+        raise UserInputError(f"{where}: {args}")
     return {"name": fn["name"], "arguments": args}
 
 
@@ -194,11 +190,7 @@ class ToolsTask:
             ids = engine.encode_chat([*head, *map(_openai, messages)], tools=tools)
         else:
             ids = engine.encode_chat(hermes_messages(messages, self.tools, self.system))
-        limit = engine.loaded.context_length
-        if len(ids) >= limit:
-            raise ContextLengthError(
-                f"the conversation has {len(ids)} tokens; the model's context is {limit}"
-            )
+        engine.check_fits(ids, "the conversation")
         return ids
 
     def request(self, engine: Engine, ids: list[int], params: SamplingParams) -> Request:

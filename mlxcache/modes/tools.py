@@ -186,6 +186,21 @@ class ToolReply:
     error: str | None = None
 
 
+def call_arguments(args: Any) -> dict[str, Any] | str:
+    """A call's arguments as an object, or what is wrong with them.
+
+    Some models (and OpenAI's format) send the arguments as a JSON string: decoded here.
+    """
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError as exc:
+            return f"arguments are not JSON: {exc.msg}"
+    if not isinstance(args, dict):
+        return "arguments must be a JSON object"
+    return args
+
+
 def _check_call(raw: str, tools: dict[str, Tool]) -> ToolCall | str:
     try:
         obj = json.loads(raw)
@@ -196,12 +211,9 @@ def _check_call(raw: str, tools: dict[str, Tool]) -> ToolCall | str:
     tool = tools.get(obj["name"])
     if tool is None:
         return f"a tool call names an unknown tool {obj['name']!r}"
-    args = obj.get("arguments", {})
-    if isinstance(args, str):  # some models send arguments as a JSON string, as OpenAI does
-        try:
-            args = json.loads(args)
-        except json.JSONDecodeError:
-            return f"the arguments of {tool.name!r} are not JSON"
+    args = call_arguments(obj.get("arguments", {}))
+    if isinstance(args, str):
+        return f"{tool.name!r}: {args}"
     problem = validation_error(args, tool.parameters)
     if problem is not None:
         return f"the arguments of {tool.name!r} do not fit its parameters: {problem}"

@@ -134,7 +134,22 @@ def load_golden(path: Path) -> dict[str, Any]:
         or not isinstance(doc.get("cases"), dict)
     ):
         raise UserInputError(f"{path} is not a golden file ({FORMAT})")
+    for name, case in doc["cases"].items():
+        outputs = case.get("outputs") if isinstance(case, dict) else None
+        if not isinstance(outputs, list) or not all(_is_output(o) for o in outputs):
+            raise UserInputError(
+                f"{path}: case {name!r} has no valid 'outputs' (text, tokens, finish_reason)"
+            )
     return doc
+
+
+def _is_output(o: Any) -> bool:
+    return (
+        isinstance(o, dict)
+        and isinstance(o.get("text"), str)
+        and isinstance(o.get("tokens"), list)
+        and isinstance(o.get("finish_reason"), str)
+    )
 
 
 def check(runner: Runner, golden_path: Path, variants: tuple[str, ...] = VARIANTS) -> Report:

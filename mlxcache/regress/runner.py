@@ -185,8 +185,6 @@ class Runner:
 
         return engine_for, caches
 
-        return engine_for
-
     def run(self, variant: str) -> dict[str, list[Output]]:
         """Outputs of every case under `variant`."""
         if variant == "disk":
@@ -219,9 +217,8 @@ class Runner:
             text=True,
         )
         if proc.returncode != 0:
-            raise MlxcacheError(
-                f"the disk variant's process failed: {proc.stderr.strip().splitlines()[-1:]}"
-            )
+            last = (proc.stderr.strip().splitlines() or ["no message"])[-1]
+            raise MlxcacheError(f"the disk variant's process failed: {last}")
         doc = json.loads(proc.stdout)
         self.cache_stats["disk"] = doc["cache"]
         result: dict[str, list[Output]] = doc["outputs"]

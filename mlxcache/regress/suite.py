@@ -23,6 +23,8 @@ from typing import Any
 import yaml
 
 from mlxcache.errors import UserInputError
+from mlxcache.modes.schema import check_schema
+from mlxcache.modes.tools import ToolChoice, parse_tools
 from mlxcache.sampling import SamplingParams
 
 KINDS = ("plain", "chat", "json", "tools")
@@ -65,6 +67,21 @@ def _need(raw: dict[str, Any], key: str, kind: type | tuple[type, ...], where: s
     return value
 
 
+def _check_json(raw: dict[str, Any], where: str) -> None:
+    """A json case: a schema the grammar can enforce, prompts, optional instructions."""
+    prompts = raw.get("prompts", [raw.get("prompt")])
+    if (
+        not isinstance(prompts, list)
+        or not prompts
+        or not all(isinstance(p, str) and p.strip() for p in prompts)
+    ):
+        raise UserInputError(f"{where}: needs 'prompt' or a non-empty 'prompts' list of strings")
+    instructions = raw.get("instructions")
+    if instructions is not None and (not isinstance(instructions, str) or not instructions.strip()):
+        raise UserInputError(f"{where}: 'instructions' must be non-empty text")
+    check_schema(_need(raw, "schema", dict, where), f"{where} schema")
+
+
 def _case(raw: Any, i: int, model: str | None, defaults: dict[str, Any]) -> Case:
     where = f"case {i + 1}"
     if not isinstance(raw, dict):
@@ -81,12 +98,13 @@ def _case(raw: Any, i: int, model: str | None, defaults: dict[str, Any]) -> Case
         if not turns or not all(isinstance(t, str) and t.strip() for t in turns):
             raise UserInputError(f"{where}: 'turns' must be a list of non-empty strings")
     elif kind == "json":
-        _need(raw, "schema", dict, where)
-        if not isinstance(raw.get("prompt"), str) and not isinstance(raw.get("prompts"), list):
-            raise UserInputError(f"{where}: needs 'prompt' or 'prompts'")
+        _check_json(raw, where)
     else:
-        _need(raw, "tools", list, where)
         _need(raw, "prompt", str, where)
+        tools = parse_tools(_need(raw, "tools", list, where), f"{where} tools")
+        ToolChoice.parse(str(raw.get("tool_choice", "auto")), tools)
+    if not isinstance(raw.get("model", model), str | None):
+        raise UserInputError(f"{where}: 'model' must be a model spec string")
     settings = {**defaults, **{k: raw[k] for k in _SAMPLING_KEYS if k in raw}}
     try:
         sampling = SamplingParams(**settings)
