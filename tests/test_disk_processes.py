@@ -22,10 +22,20 @@ from mlxcache.sampling import SamplingParams
 WRITER = str(Path(__file__).parent / "writer.py")
 
 
-def writer(tiny: LoadedModel, root: Path, seed: int, count: int) -> subprocess.Popen[str]:
+def writer(
+    tiny: LoadedModel, root: Path, seed: int, count: int, *extra: int
+) -> subprocess.Popen[str]:
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent)}
     return subprocess.Popen(
-        [sys.executable, WRITER, str(tiny.path), str(root), str(seed), str(count)],
+        [
+            sys.executable,
+            WRITER,
+            str(tiny.path),
+            str(root),
+            str(seed),
+            str(count),
+            *map(str, extra),
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -73,3 +83,17 @@ def test_writer_killed_mid_write_leaves_a_consistent_directory(
     cache = PromptCache(tiny.model, tiny.key, CacheConfig(block_size=4), root=root)
     Engine(tiny, cache).complete(Request(list(range(10, 30)), SamplingParams(max_tokens=1)))
     assert cache.report()["disk_errors"] == 0 and entries(root) == kept + 1
+
+
+def test_writers_evicting_each_other_keep_the_directory_consistent(
+    tiny: LoadedModel, tmp_path: Path
+) -> None:
+    """A small disk budget: each process removes entries (and files) while the other writes
+    and links files of its own, some of them the very blocks being removed."""
+    root = tmp_path / "kv"
+    procs = [writer(tiny, root, seed, 15, 40_000) for seed in (5, 5)]  # same prompts: shared blocks
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert [o[0].strip() for o in outs] == ["0", "0"]
+    assert DiskTier(root).verify() == []
+    assert 0 < entries(root) < 15

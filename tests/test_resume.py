@@ -165,7 +165,7 @@ def test_disk_failure_warns_and_generation_goes_on(
     def full(*_args: object) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(DiskTier, "write_block", full)
+    monkeypatch.setattr(DiskTier, "_write_file", full)
     warnings: list[str] = []
     config = CacheConfig(block_size=B, directory=tmp_path)
     engine = Engine(

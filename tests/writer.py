@@ -14,9 +14,10 @@ from mlxcache.model import load
 from mlxcache.sampling import SamplingParams
 
 
-def main(model: str, root: str, seed: int, count: int) -> None:
+def main(model: str, root: str, seed: int, count: int, disk_bytes: int = 20 << 30) -> None:
     loaded = load(model)
-    cache = PromptCache(loaded.model, loaded.key, CacheConfig(block_size=4), root=Path(root))
+    config = CacheConfig(block_size=4, disk_bytes=disk_bytes)
+    cache = PromptCache(loaded.model, loaded.key, config, root=Path(root))
     engine = Engine(loaded, cache)
     rng = np.random.default_rng(seed)
     for _ in range(count):
@@ -27,4 +28,4 @@ def main(model: str, root: str, seed: int, count: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+    main(sys.argv[1], sys.argv[2], *map(int, sys.argv[3:]))

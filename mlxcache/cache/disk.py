@@ -8,10 +8,11 @@ file is reported to the caller (which drops the entry and counts it), never used
 
 from __future__ import annotations
 
+import fcntl
 import os
 import sqlite3
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,6 +73,10 @@ def _checksum(data: bytes) -> str:
 def digest_tokens(tokens: np.ndarray) -> str:
     """Identity of an entry's token sequence (within a namespace)."""
     return str(xxhash.xxh3_128_hexdigest(np.ascontiguousarray(tokens, np.int32).tobytes()))
+
+
+Writer = Callable[[Path], None]
+"""Writes one file's content to the given (temporary) path."""
 
 
 class DiskTier:
@@ -195,7 +200,7 @@ class DiskTier:
 
     # -- writing ----------------------------------------------------------------------------
 
-    def _write_file(self, name: str, ns: str, write: Any) -> None:
+    def _write_file(self, name: str, ns: str, write: Writer) -> None:
         """Write a file by calling write(tmp_path), then rename it into place and index it."""
         if self._db.execute("SELECT 1 FROM files WHERE name = ?", (name,)).fetchone():
             return
@@ -213,16 +218,38 @@ class DiskTier:
             (name, ns, len(data), _checksum(data)),
         )
 
-    def write_block(self, name: str, ns: str, block: mx.array) -> None:
-        self._write_file(name, ns, lambda p: mx.save_safetensors(str(p), {"kv": block}))
+    @contextmanager
+    def _writer(self) -> Iterator[None]:
+        """One writer at a time across processes (an OS file lock, gone with a dead process).
 
-    def write_checkpoint(self, name: str, ns: str, layers: list[Any]) -> None:
-        self._write_file(name, ns, lambda p: save_prompt_cache(str(p), layers))
+        Writing a file, indexing it and linking it to its entry happen under it, and so does
+        removing orphan files: another process can never unlink a file between its write
+        and its link.
+        """
+        with (self.root / "write.lock").open("a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
 
     def add_entry(
+        self,
+        ns: str,
+        tokens: np.ndarray,
+        trimmable: bool,
+        files: dict[str, Writer],
+        nbytes: int,
+    ) -> int:
+        """Write the entry's missing files, index them and the entry; returns its row id."""
+        with self._writer():
+            for name, write in files.items():
+                self._write_file(name, ns, write)
+            return self._link(ns, tokens, trimmable, list(files), nbytes)
+
+    def _link(
         self, ns: str, tokens: np.ndarray, trimmable: bool, names: list[str], nbytes: int
     ) -> int:
-        """Index an entry whose files are already written; returns its row id."""
         now = time.time_ns()
         data = np.ascontiguousarray(tokens, np.int32).tobytes()
         with self._tx() as db:
@@ -245,6 +272,15 @@ class DiskTier:
 
     def remove_entry(self, entry_id: int) -> None:
         """Drop an entry and every file no other entry uses."""
+        with self._writer():
+            self._unlink(self._drop_rows(entry_id))
+
+    def _unlink(self, names: list[str]) -> None:
+        for name in names:
+            self._path(name).unlink(missing_ok=True)
+
+    def _drop_rows(self, entry_id: int) -> list[str]:
+        """Delete an entry's rows; returns the files no entry uses any more."""
         with self._tx() as db:
             names = [
                 r[0]
@@ -257,19 +293,29 @@ class DiskTier:
                 if not db.execute("SELECT 1 FROM entry_files WHERE name = ?", (n,)).fetchone()
             ]
             db.executemany("DELETE FROM files WHERE name = ?", [(n,) for n in orphans])
-        for name in orphans:
-            self._path(name).unlink(missing_ok=True)
+        return orphans
 
     def clear(self) -> int:
         """Remove every entry and file; returns how many entries there were."""
-        with self._tx() as db:
-            n = int(db.execute("SELECT COUNT(*) FROM entries").fetchone()[0])
-            db.execute("DELETE FROM entry_files")
-            db.execute("DELETE FROM entries")
-            db.execute("DELETE FROM files")
-        for path in self.files.iterdir():
-            path.unlink(missing_ok=True)
+        with self._writer():
+            with self._tx() as db:
+                n = int(db.execute("SELECT COUNT(*) FROM entries").fetchone()[0])
+                db.execute("DELETE FROM entry_files")
+                db.execute("DELETE FROM entries")
+                db.execute("DELETE FROM files")
+            for path in self.files.iterdir():
+                path.unlink(missing_ok=True)
         return n
+
+
+def block_writer(block: mx.array) -> Writer:
+    """How to write one KV block file."""
+    return lambda path: mx.save_safetensors(str(path), {"kv": block})
+
+
+def checkpoint_writer(layers: list[Any]) -> Writer:
+    """How to write one whole-state checkpoint file."""
+    return lambda path: save_prompt_cache(str(path), layers)
 
 
 def _row(r: tuple[Any, ...]) -> DiskEntry:

@@ -21,7 +21,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from mlxcache.cache import blocks as kv
 from mlxcache.cache.base import Resume, is_trimmable
-from mlxcache.cache.disk import DiskTier, digest_tokens
+from mlxcache.cache.disk import DiskTier, block_writer, checkpoint_writer, digest_tokens
 from mlxcache.cache.index import Entry, PromptIndex
 from mlxcache.config import CacheConfig
 from mlxcache.errors import CacheStoreError, CorruptCacheFileError
@@ -278,18 +278,14 @@ class PromptCache:
     ) -> None:
         if not self.disk:
             return
+        if checkpoint is not None:
+            files = {names[0]: checkpoint_writer(checkpoint)}
+            nbytes = kv.state_nbytes(checkpoint)
+        else:
+            files = {h: block_writer(fresh.get(h, self._blocks[h].kv)) for h in names}
+            nbytes = sum(int(self._blocks[h].kv.nbytes) for h in names)
         try:
-            if checkpoint is not None:
-                self.disk.write_checkpoint(names[0], self.ns, checkpoint)
-                nbytes = kv.state_nbytes(checkpoint)
-            else:
-                for h in names:
-                    block = fresh.get(h)
-                    self.disk.write_block(
-                        h, self.ns, block if block is not None else self._blocks[h].kv
-                    )
-                nbytes = sum(int(self._blocks[h].kv.nbytes) for h in names)
-            row = self.disk.add_entry(self.ns, tokens, checkpoint is None, names, nbytes)
+            row = self.disk.add_entry(self.ns, tokens, checkpoint is None, files, nbytes)
         except _DISK_ERRORS as exc:  # full, read-only, locked
             self._drop_disk(str(exc))
             return
