@@ -24,6 +24,7 @@ def decode(
     """Decode tokens/s of mlxcache's loop vs mlx_lm.stream_generate (goal: ratio >= 0.97)."""
     from mlxcache.bench import decode_bench
 
+    o.positive(tokens=tokens, rounds=rounds)
     _report(decode_bench.run(model, tokens, rounds))
 
 
@@ -39,6 +40,7 @@ def index(
     """Prompt index lookup/keep/victim latency vs mlx-lm's LRUPromptCache on a forking chat."""
     from mlxcache.bench import index_bench
 
+    o.positive(slots=slots, runs=runs, turns=turns)
     _report(index_bench.run_scaled(slots, runs, turns, scale_slots))
 
 
@@ -54,6 +56,7 @@ def json(
     """JSON-mode tok/s vs plain generation; batch time per request with vs without the cache."""
     from mlxcache.bench import json_bench
 
+    o.positive(tokens=tokens, rounds=rounds, lines=lines, block_size=block_size)
     _report(json_bench.run(model, tokens, rounds, lines, block_size))
 
 
@@ -68,4 +71,5 @@ def resume(
     """TTFT with the prompt cache vs without: warm turns, disk tier, second process, fork bytes."""
     from mlxcache.bench import resume_bench
 
+    o.positive(turns=turns, block_size=block_size, prefix_tokens=prefix_tokens)
     _report(resume_bench.run(model, turns, block_size, prefix_tokens))

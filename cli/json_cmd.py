@@ -62,8 +62,7 @@ def json_cmd(
         read_json_arg(schema, "schema"), read_instructions(instructions)
     )
     params = run.sampling()
-    if lanes < 1:
-        raise UserInputError(f"--lanes must be >= 1, got {lanes}")
+    o.positive(lanes=lanes)
     if input_path is None:
         if output is not None:
             raise UserInputError("--output goes with --input (a JSONL batch)")

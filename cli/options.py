@@ -53,6 +53,13 @@ System = Annotated[str | None, typer.Option("--system", "-s", help="System messa
 Json = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of plain text.")]
 
 
+def positive(**values: int) -> None:
+    """Sizes and counts given as options must be >= 1."""
+    for name, value in values.items():
+        if value < 1:
+            raise UserInputError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+
+
 def sampling(max_tokens: int, temp: float, top_p: float, seed: int) -> SamplingParams:
     """Sampling settings from options; bad values become user errors."""
     try:

@@ -79,6 +79,7 @@ def record(
     as_json: o.Json = False,
 ) -> None:
     """Run SUITE under every variant and write the golden file (only if all variants agree)."""
+    o.positive(block_size=block_size)
     cases, chosen = suite_mod.load(suite), _variants(variants)
     with tempfile.TemporaryDirectory(prefix="mlxcache-regress-") as work:
         report = golden.record(Runner(cases, Path(work), block_size), output, chosen)
@@ -95,6 +96,7 @@ def check(
     as_json: o.Json = False,
 ) -> None:
     """Run SUITE again and compare every variant with GOLDEN byte for byte (exit 1 on a difference)."""
+    o.positive(block_size=block_size)
     cases, chosen = suite_mod.load(suite), _variants(variants)
     golden.load_golden(golden_file)  # fail on a bad golden before running anything
     with tempfile.TemporaryDirectory(prefix="mlxcache-regress-") as work:

@@ -203,3 +203,16 @@ def test_more_bad_input(cache_root: Path, tmp_path: Path) -> None:
                 ]
             }
         )
+
+
+def test_size_options_are_checked(cache_root: Path) -> None:
+    for args, message in [
+        (
+            ["regress", "check", "s.yaml", "g.json", "--block-size", "0"],
+            "error: --block-size must be >= 1, got 0\n",
+        ),
+        (["bench", "decode", "--rounds", "0"], "error: --rounds must be >= 1, got 0\n"),
+        (["bench", "index", "--slots", "0"], "error: --slots must be >= 1, got 0\n"),
+    ]:
+        result = runner.invoke(app, args)
+        assert (result.exit_code, result.stdout, result.stderr) == (2, "", message)
