@@ -265,3 +265,37 @@ def test_a_failing_lane_fails_alone(tiny: LoadedModel) -> None:
     with pytest.raises(GenerationError, match="grammar says no"):
         engine.complete(Request(prompt(10, 2), GREEDY, [broken]))
     assert engine._lanes == {}
+
+
+def test_store_eviction_order_follows_the_policy(tiny: LoadedModel) -> None:
+    """Exact eviction order of the memory tier: 512 bytes of KV per token, entries of two
+    4-token blocks, and a budget that holds two entries plus one 9-token prompt's prefill
+    (reserved before it runs)."""
+    cache = PromptCache(
+        tiny.model, tiny.key, CacheConfig(block_size=4, disk_bytes=0, mem_bytes=10_000)
+    )
+    engine = Engine(tiny, cache)
+    evicted: list[tuple[int, ...]] = []
+    remove = cache.mem.remove
+
+    def spy(e: object) -> None:
+        evicted.append(tuple(int(t) for t in e.tokens))  # type: ignore[attr-defined]
+        remove(e)  # type: ignore[arg-type]
+
+    cache.mem.remove = spy  # type: ignore[method-assign]
+    one = SamplingParams(max_tokens=1)
+    a, b, c, f = prompt(9, 1), prompt(9, 2), prompt(9, 3), prompt(9, 5)
+    for p in (a, b):
+        engine.complete(Request(p, one))
+    assert engine.complete(Request(a, one)).stats.cached_tokens == 8  # a is used again
+    engine.complete(Request(c, one))
+    assert evicted == [tuple(b[:8])]  # the least recently used, to make room for c's prefill
+    e = a[:8] + prompt(5, 4)  # resumes from a (pinned while it runs), then extends it
+    assert engine.complete(Request(e, one)).stats.cached_tokens == 8
+    assert evicted[1:] == [tuple(c[:8])]
+    assert sorted(len(x.tokens) for x in cache.mem) == [8, 12]
+    assert cache.report()["mem_bytes"] == 12 * 512  # e shares a's two blocks
+    engine.complete(Request(f, one))
+    # a is extended by e: it goes first, though that frees no shared block; then e.
+    assert evicted[2:] == [tuple(a[:8]), tuple(e[:12])]
+    assert [len(x.tokens) for x in cache.mem] == [8] and cache.report()["mem_bytes"] == 8 * 512
