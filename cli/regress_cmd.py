@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -71,6 +72,19 @@ def _describe(label: str, diff: dict[str, Any]) -> str:
     )
 
 
+def _run(
+    suite: Path,
+    variants: str,
+    block_size: int,
+    act: Callable[[Runner, tuple[str, ...]], golden.Report],
+) -> tuple[int, golden.Report]:
+    """Check the options, load the suite, and `act` in a scratch cache directory."""
+    o.positive(block_size=block_size)
+    cases, chosen = suite_mod.load(suite), _variants(variants)
+    with tempfile.TemporaryDirectory(prefix="mlxcache-regress-") as work:
+        return len(cases.cases), act(Runner(cases, Path(work), block_size), chosen)
+
+
 def record(
     suite: Annotated[Path, typer.Argument(help="Suite file (YAML, JSON or JSONL).")],
     output: Annotated[Path, typer.Option("--output", "-o", help="Golden file to write.")],
@@ -79,12 +93,9 @@ def record(
     as_json: o.Json = False,
 ) -> None:
     """Run SUITE under every variant and write the golden file (only if all variants agree)."""
-    o.positive(block_size=block_size)
-    cases, chosen = suite_mod.load(suite), _variants(variants)
-    with tempfile.TemporaryDirectory(prefix="mlxcache-regress-") as work:
-        report = golden.record(Runner(cases, Path(work), block_size), output, chosen)
+    n, report = _run(suite, variants, block_size, lambda r, v: golden.record(r, output, v))
     if report.ok and not as_json:
-        ui.info(f"recorded {len(cases.cases)} cases to {output}")
+        ui.info(f"recorded {n} cases to {output}")
     _show(report, as_json)
 
 
@@ -96,9 +107,5 @@ def check(
     as_json: o.Json = False,
 ) -> None:
     """Run SUITE again and compare every variant with GOLDEN byte for byte (exit 1 on a difference)."""
-    o.positive(block_size=block_size)
-    cases, chosen = suite_mod.load(suite), _variants(variants)
-    golden.load_golden(golden_file)  # fail on a bad golden before running anything
-    with tempfile.TemporaryDirectory(prefix="mlxcache-regress-") as work:
-        report = golden.check(Runner(cases, Path(work), block_size), golden_file, chosen)
+    _, report = _run(suite, variants, block_size, lambda r, v: golden.check(r, golden_file, v))
     _show(report, as_json)
