@@ -182,7 +182,10 @@ def _lines_from_pipe() -> Iterator[str]:
         yield "\n".join(parts)
 
 
-@o.with_run_options(max_tokens=512)
+# Chat turns add tens of tokens at a time: 32-token blocks let even the first retry resume
+# (at 256 nothing is reused before the context passes 256 tokens). The price: smaller
+# prefill chunks for a long pasted text, which Metal runs less efficiently.
+@o.with_run_options(max_tokens=512, block_size=32)
 def chat_cmd(
     system: o.System = None,
     resume: Annotated[

@@ -153,13 +153,13 @@ _RUN_OPTIONS: list[tuple[str, Any, Any]] = [
 F = TypeVar("F", bound=Callable[..., None])
 
 
-def with_run_options(max_tokens: int = 256) -> Callable[[F], F]:
+def with_run_options(max_tokens: int = 256, block_size: int = 256) -> Callable[[F], F]:
     """Give a command the shared options; it receives them as `run: RunOptions`.
 
     Typer reads a command's options from its signature, so the wrapper's signature is the
     command's own parameters (minus `run`) followed by the shared ones.
     """
-    defaults = {"max_tokens": max_tokens}
+    defaults = {"max_tokens": max_tokens, "block_size": block_size}
 
     def decorate(fn: F) -> F:
         own = [

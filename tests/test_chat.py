@@ -99,7 +99,7 @@ def invoke(args: list[str], stdin: str, cache: Path, model: str | None = None) -
 @pytest.mark.model
 def test_transcript_resume_and_retry(cache_root: Path, tmp_path: Path) -> None:
     stdin = "What is the capital of France?\n/save trip\n/retry\n"
-    result = invoke(["-n", "12", "--block-size", "16"], stdin, tmp_path)
+    result = invoke(["-n", "12"], stdin, tmp_path)  # chat's default block: 32 tokens
     assert result.exit_code == 0, result.stderr  # type: ignore[attr-defined]
     reply = "The capital of France is Paris.\n"
     assert result.stdout == reply * 2  # type: ignore[attr-defined]
@@ -108,7 +108,7 @@ def test_transcript_resume_and_retry(cache_root: Path, tmp_path: Path) -> None:
     assert lines[1].startswith("saved ")
     assert lines[2].startswith("32/37 prompt tokens cached, 5 prefilled")  # the retry is a fork
     # A new process reopens the session; its next turn resumes from the disk tier.
-    again = invoke(["--resume", "trip", "--block-size", "16"], "And of Spain?\n", tmp_path)
+    again = invoke(["--resume", "trip"], "And of Spain?\n", tmp_path)
     assert again.exit_code == 0, again.stderr  # type: ignore[attr-defined]
     assert again.stdout == "The capital of Spain is Madrid.\n"  # type: ignore[attr-defined]
     assert again.stderr.startswith("32/59 prompt tokens cached")  # type: ignore[attr-defined]
