@@ -3,34 +3,110 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Sequence
 from typing import Annotated, Any
 
 import typer
+from typer._click import exceptions as click_errors
+from typer.core import TyperGroup, TyperOption
 
-from mlxcache.errors import MlxcacheError
+from mlxcache import __version__
+from mlxcache.errors import MlxcacheError, UserInputError
 from mlxcache_cli import bench, cache_cmd, models_cmd, regress_cmd, ui
 from mlxcache_cli.chat_cmd import chat_cmd
 from mlxcache_cli.generate import generate
 from mlxcache_cli.json_cmd import json_cmd
 from mlxcache_cli.tools_cmd import tools_cmd
 
+
+class Group(TyperGroup):
+    """The top-level group: a usage error is one `error: ...` line (exit 2), bare help exits 0.
+
+    Typer's own handling draws a box around usage errors; scripts and terminals both read a
+    single line better, and asking for help (`mlxcache`, `mlxcache cache`) is not an error.
+    """
+
+    def main(  # type: ignore[override]
+        self,
+        args: Sequence[str] | None = None,
+        prog_name: str | None = None,
+        complete_var: str | None = None,
+        standalone_mode: bool = True,
+        **extra: Any,
+    ) -> Any:
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, False, **extra)
+        try:
+            code = super().main(args, prog_name, complete_var, False, **extra)
+        except click_errors.NoArgsIsHelpError as exc:
+            sys.stdout.write(exc.ctx.get_help() + "\n")
+            sys.exit(0)
+        except click_errors.ClickException as exc:
+            ui.error(usage_message(exc))
+            sys.exit(exc.exit_code)
+        except click_errors.Abort:
+            ui.error("aborted")
+            sys.exit(1)
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+_display_type = TyperOption.display_type_rich
+
+
+def _flag_display_type(self: TyperOption, ctx: Any) -> str | None:
+    """Flags take no value: show nothing where Typer would print `<bool>`."""
+    return None if self.is_flag else _display_type(self, ctx)
+
+
+TyperOption.display_type_rich = _flag_display_type  # type: ignore[method-assign]
+
+
+def usage_message(exc: click_errors.ClickException) -> str:
+    """Click's message on one line, pointing at the help of the command it came from."""
+    message = " ".join(exc.format_message().split())
+    ctx = getattr(exc, "ctx", None)
+    if isinstance(exc, click_errors.UsageError) and ctx is not None:
+        message += f" (see '{ctx.command_path} --help')"
+    return message
+
+
 app = typer.Typer(
     name="mlxcache",
+    cls=Group,
     help="Local LLM inference that resumes from cached prompt prefixes.",
+    epilog="Examples:  mlxcache generate 'Why is the sky blue?'  ·  mlxcache chat  ·  "
+    "mlxcache <command> -h",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
-    add_completion=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
 _state = {"debug": False}
+
+
+def _version(value: bool) -> None:
+    if value:
+        sys.stdout.write(f"mlxcache {__version__}\n")
+        raise typer.Exit()
 
 
 @app.callback()
 def main(
     debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks on errors.")] = False,
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", "-V", callback=_version, is_eager=True, help="Print the version."
+        ),
+    ] = False,
 ) -> None:
     """Local LLM inference that resumes from cached prompt prefixes."""
     _state["debug"] = debug
+
+
+def exit_code(exc: MlxcacheError) -> int:
+    """2 for a request that is wrong as given, 1 for a failure while serving it."""
+    return 2 if isinstance(exc, UserInputError) else 1
 
 
 def command(fn: Callable[..., None], name: str | None = None, app: typer.Typer = app) -> None:
@@ -44,7 +120,7 @@ def command(fn: Callable[..., None], name: str | None = None, app: typer.Typer =
             if _state["debug"]:
                 raise
             ui.error(str(exc))
-            raise typer.Exit(exc.exit_code) from None
+            raise typer.Exit(exit_code(exc)) from None
         except KeyboardInterrupt:
             ui.error("interrupted")
             raise typer.Exit(130) from None

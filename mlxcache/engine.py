@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -22,10 +22,7 @@ from mlxcache.errors import ContextLengthError, GenerationError, UserInputError
 from mlxcache.events import Done, Event, Prefill, Result, Stats, Token
 from mlxcache.model import LoadedModel
 from mlxcache.prefill import prefill
-from mlxcache.sampling import SamplingParams, make_sampler
-
-LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
-"""mlx-lm's contract: (prompt + generated token ids, logits (1, vocab)) -> logits."""
+from mlxcache.sampling import LogitsProcessor, SamplingParams, make_processors, make_sampler
 
 DEFAULT_BLOCK_SIZE = 256
 
@@ -204,6 +201,8 @@ class Engine:
     ) -> Generator[Event, None, Result]:
         sampling = req.sampling
         sampler = make_sampler(sampling)
+        # Sampling's own processors (repetition penalty) first, then the request's (grammar).
+        processors = [*make_processors(sampling), *req.processors]
         stop = req.stop_tokens
         if stop is None:
             stop = frozenset(self.loaded.tokenizer.eos_token_ids)
@@ -221,7 +220,7 @@ class Engine:
         finish = "length"
 
         def pick(logits: mx.array) -> mx.array:
-            for proc in req.processors:
+            for proc in processors:
                 logits = proc(history, logits)
             return sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
 
@@ -236,7 +235,7 @@ class Engine:
                 # overlaps compute (as mlx-lm does). Without processors the sampling is
                 # queued too; a processor (grammar) must see the token first.
                 nxt = self.model(y.reshape(1, 1), cache=layers)[:, -1, :]
-                nxt = pick(nxt) if not req.processors else nxt
+                nxt = pick(nxt) if not processors else nxt
                 mx.async_eval(nxt)
             token = cast(int, y.item())
             if not out:
@@ -251,7 +250,7 @@ class Engine:
             yield Token(rid, token, piece)
             if not more:
                 break
-            if req.processors:
+            if processors:
                 host[prompt.size + len(out) - 1] = token
                 history = mx.array(host[: prompt.size + len(out)])
                 nxt = pick(nxt)

@@ -18,3 +18,8 @@ def cache_dir(override: str | os.PathLike[str] | None = None) -> Path:
     from platformdirs import user_cache_dir
 
     return Path(user_cache_dir("mlxcache", appauthor=False))
+
+
+def kv_dir(override: str | os.PathLike[str] | None = None) -> Path:
+    """The disk tier of the prompt cache, inside the cache directory."""
+    return cache_dir(override) / "kv"

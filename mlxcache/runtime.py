@@ -9,9 +9,7 @@ from mlxcache.config import CacheConfig
 from mlxcache.engine import Engine
 from mlxcache.model import LoadedModel, load
 from mlxcache.model.gguf import Progress
-from mlxcache.paths import cache_dir
-
-KV_DIR = "kv"
+from mlxcache.paths import kv_dir
 
 
 def make_cache(
@@ -20,7 +18,7 @@ def make_cache(
     """The prompt cache `cache` describes for `loaded` (None when caching is off)."""
     if not cache.enabled:
         return None
-    root = cache_dir(cache.directory) / KV_DIR if cache.disk_bytes > 0 else None
+    root = kv_dir(cache.directory) if cache.disk_bytes > 0 else None
     return PromptCache(loaded.model, loaded.key, cache, root=root, on_warning=on_warning)
 
 

@@ -1,43 +1,70 @@
-"""Sampling settings and samplers with explicit randomness (no global `mx.random.seed`)."""
+"""Sampling settings and samplers with explicit randomness (no global `mx.random.seed`).
+
+The filters (top-p, min-p, top-k) and the repetition penalty are mlx-lm's own
+(`mlx_lm.sample_utils`); only the draw is ours, so that every request owns its key stream.
+"""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
 Sampler = Callable[[mx.array], mx.array]
 """logprobs (1, vocab) -> token id array (1,)."""
 
+LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
+"""mlx-lm's contract: (prompt + generated token ids, logits (1, vocab)) -> logits."""
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """How to pick tokens. temperature 0 is greedy; a seed makes sampling reproducible."""
+    """How to pick tokens. temperature 0 is greedy; a seed makes sampling reproducible.
+
+    top_k 0, min_p 0 and repetition_penalty 1 switch their step off. The penalty looks at
+    the last `repetition_context` tokens of prompt + reply, so it is the same whether the
+    prompt was resumed from the cache or prefilled.
+    """
 
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
     max_tokens: int = 256
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    repetition_context: int = 20
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0.0 <= self.min_p < 1.0:
+            raise ValueError(f"min_p must be in [0, 1), got {self.min_p}")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.repetition_context < 1:
+            raise ValueError(f"repetition_context must be >= 1, got {self.repetition_context}")
 
 
-def _top_p(logprobs: mx.array, top_p: float) -> mx.array:
-    sorted_lp = mx.sort(logprobs, axis=-1)
-    probs = mx.exp(sorted_lp)
-    mass_above = mx.cumsum(probs, axis=-1, reverse=True, inclusive=False)
-    dropped = (mass_above >= top_p).sum(axis=-1, keepdims=True)
-    threshold = mx.take_along_axis(sorted_lp, dropped, axis=-1)
-    return mx.where(logprobs < threshold, -mx.inf, logprobs)
+def make_processors(params: SamplingParams) -> list[LogitsProcessor]:
+    """The logits processors `params` asks for (none by default)."""
+    if params.repetition_penalty == 1.0:
+        return []
+    return make_logits_processors(
+        repetition_penalty=params.repetition_penalty,
+        repetition_context_size=params.repetition_context,
+    )
 
 
 def make_sampler(params: SamplingParams) -> Sampler:
@@ -50,12 +77,24 @@ def make_sampler(params: SamplingParams) -> Sampler:
 
     key = mx.random.key(params.seed)
     inv_temp = 1.0 / params.temperature
+    filters: list[Callable[[mx.array], mx.array]] = []
+    if params.top_p < 1.0:
+        filters.append(lambda lp: apply_top_p(lp, params.top_p))
+    if params.min_p > 0.0:
+        filters.append(lambda lp: apply_min_p(lp, params.min_p))
+    if params.top_k > 0:
+        filters.append(lambda lp: _top_k(lp, params.top_k))
 
     def sample(logprobs: mx.array) -> mx.array:
         nonlocal key
         key, sub = mx.random.split(key)
-        if params.top_p < 1.0:
-            logprobs = _top_p(logprobs, params.top_p)
+        for keep in filters:
+            logprobs = keep(logprobs)
         return mx.random.categorical(logprobs * inv_temp, key=sub)
 
     return sample
+
+
+def _top_k(logprobs: mx.array, k: int) -> mx.array:
+    # mlx-lm rejects k >= vocab; keeping every token is what such a k means.
+    return logprobs if k >= logprobs.shape[-1] else apply_top_k(logprobs, k)

@@ -7,12 +7,11 @@ from typing import Any
 
 from mlxcache.cache.disk import DiskEntry, DiskTier
 from mlxcache.cache.index import Entry, PromptIndex
-from mlxcache.paths import cache_dir
-from mlxcache.runtime import KV_DIR
+from mlxcache.paths import kv_dir
 
 
 def _open(directory: str | os.PathLike[str] | None) -> DiskTier:
-    return DiskTier(cache_dir(directory) / KV_DIR)
+    return DiskTier(kv_dir(directory))
 
 
 def report(directory: str | os.PathLike[str] | None = None, check: bool = False) -> dict[str, Any]:
