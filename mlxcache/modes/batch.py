@@ -20,6 +20,7 @@ from typing import Any
 from mlxcache.engine import Engine, Request
 from mlxcache.errors import OutputFileError, UserInputError
 from mlxcache.events import Done, Result
+from mlxcache.fileio import loads_json
 
 _FIELDS = frozenset({"prompt", "vars", "id"})
 _PLACEHOLDER = re.compile(r"\{\{\s*([A-Za-z_][A-Za-z0-9_]*)\s*\}\}")
@@ -41,7 +42,7 @@ class InputLine:
 
 def _parse_line(text: str, where: str, number: int) -> InputLine:
     try:
-        obj = json.loads(text)
+        obj = loads_json(text)
     except json.JSONDecodeError as exc:
         raise UserInputError(f"{where}: not JSON: {exc.msg} at column {exc.colno}") from exc
     if not isinstance(obj, dict):
@@ -126,7 +127,7 @@ def read_output(path: Path) -> OutputState:
     done: set[int] = set()
     for n, raw in enumerate(data[:keep].splitlines(), start=1):
         try:
-            record = json.loads(raw)
+            record = loads_json(raw)
             done.add(int(record["line"]))
         except (ValueError, KeyError, TypeError) as exc:
             raise UserInputError(

@@ -17,7 +17,7 @@ from typing import Any
 from mlxcache.engine import Engine, Request
 from mlxcache.errors import MlxcacheError, UserInputError
 from mlxcache.events import Done, Event, Token
-from mlxcache.fileio import write_atomic
+from mlxcache.fileio import loads_json, write_atomic
 from mlxcache.sampling import SamplingParams
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
@@ -190,7 +190,7 @@ def load(directory: Path, name: str) -> ChatSession:
     """
     path = session_path(directory, name)
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
+        doc = loads_json(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise UserInputError(f"no saved session {name!r} in {directory}") from None
     except (OSError, ValueError) as exc:

@@ -18,6 +18,7 @@ from typing import Any
 from mlxcache.constrain import processor_for
 from mlxcache.engine import Engine, Request
 from mlxcache.events import Result
+from mlxcache.fileio import loads_json
 from mlxcache.modes.batch import (
     InputLine,
     Job,
@@ -105,7 +106,7 @@ def read_reply(task: JsonTask, result: Result) -> JsonReply:
         )
         return JsonReply(None, result.text, result.finish_reason, stats, error)
     try:
-        doc = json.loads(result.text)
+        doc = loads_json(result.text)
     except json.JSONDecodeError as exc:
         return JsonReply(None, result.text, result.finish_reason, stats, f"not JSON: {exc}")
     problem = validation_error(doc, task.schema)

@@ -21,6 +21,7 @@ from typing import Any
 
 from mlxcache.constrain import JSON_OPTIONS, grammar_error, grammar_from_lark
 from mlxcache.errors import GrammarError, UserInputError
+from mlxcache.fileio import loads_json
 from mlxcache.modes.schema import check_schema, validation_error
 
 CALL_START = "<tool_call>"
@@ -193,7 +194,7 @@ def call_arguments(args: Any) -> dict[str, Any] | str:
     """
     if isinstance(args, str):
         try:
-            args = json.loads(args)
+            args = loads_json(args)
         except json.JSONDecodeError as exc:
             return f"arguments are not JSON: {exc.msg}"
     if not isinstance(args, dict):
@@ -203,7 +204,7 @@ def call_arguments(args: Any) -> dict[str, Any] | str:
 
 def _check_call(raw: str, tools: dict[str, Tool]) -> ToolCall | str:
     try:
-        obj = json.loads(raw)
+        obj = loads_json(raw)
     except json.JSONDecodeError as exc:
         return f"a tool call is not JSON: {exc.msg} at column {exc.colno}"
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):

@@ -11,7 +11,7 @@ import mlx.core as mx
 
 from mlxcache import __version__
 from mlxcache.errors import UserInputError
-from mlxcache.fileio import write_atomic
+from mlxcache.fileio import loads_json, write_atomic
 from mlxcache.regress.runner import VARIANTS, Output, Runner
 
 FORMAT = "mlxcache-golden-v1"
@@ -125,7 +125,7 @@ def record(runner: Runner, out: Path, variants: tuple[str, ...] = VARIANTS) -> R
 
 def load_golden(path: Path) -> dict[str, Any]:
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
+        doc = loads_json(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise UserInputError(f"cannot read golden file {path}: {exc}") from exc
     if (

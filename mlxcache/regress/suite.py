@@ -15,7 +15,6 @@ A JSONL suite has one case per line (suite-level keys then come from the default
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from typing import Any
 import yaml
 
 from mlxcache.errors import UserInputError
+from mlxcache.fileio import load_yaml, loads_json
 from mlxcache.modes.schema import check_schema
 from mlxcache.modes.tools import ToolChoice, parse_tools
 from mlxcache.sampling import SamplingParams
@@ -142,9 +142,9 @@ def load(path: Path) -> Suite:
         raise UserInputError(f"cannot read suite {path}: {exc}") from exc
     try:
         if path.suffix == ".jsonl":
-            doc: Any = [json.loads(line) for line in text.splitlines() if line.strip()]
+            doc: Any = [loads_json(line) for line in text.splitlines() if line.strip()]
         else:
-            doc = yaml.safe_load(text)
+            doc = load_yaml(text)
     except (ValueError, yaml.YAMLError) as exc:
         raise UserInputError(
             f"suite {path} is not valid {path.suffix[1:] or 'YAML'}: {exc}".replace("\n", " ")
