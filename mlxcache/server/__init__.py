@@ -1,0 +1,1 @@
+"""`mlxcache serve`: an OpenAI-compatible HTTP API over one engine worker."""

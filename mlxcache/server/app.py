@@ -1,0 +1,211 @@
+"""The routes: chat and text completions (streamed or not), models, health, cache report."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from mlxcache.engine import Engine
+from mlxcache.sampling import SamplingParams
+from mlxcache.server import errors, prepare
+from mlxcache.server.errors import APIError
+from mlxcache.server.guard import LOG_KEY, Guard
+from mlxcache.server.lane import Lane, Outcome, Worker
+from mlxcache.server.log import RequestLog
+from mlxcache.server.openai_format import SSE_DONE, Envelope, error_event, sse
+from mlxcache.server.prepare import Answer, Plan
+from mlxcache.server.schemas import ChatRequest, CompletionRequest
+
+DEFAULT_MAX_BODY = 8 << 20
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """What the server answers with: its model id, default sampling, key and limits."""
+
+    model_id: str
+    defaults: SamplingParams = field(default_factory=SamplingParams)
+    api_key: str | None = None
+    max_body: int = DEFAULT_MAX_BODY
+
+
+def _cache_report(engine: Engine) -> dict[str, Any]:
+    """The cache's counters, plus how many entries running requests pin right now."""
+    mem = getattr(engine.cache, "mem", ())
+    return {**engine.cache.report(), "pinned_entries": sum(1 for e in mem if e.pins)}
+
+
+def create_app(engine: Engine, worker: Worker, settings: Settings, log: RequestLog) -> Any:
+    """The ASGI app serving `engine` through `worker` (which must be started)."""
+    app = FastAPI(title="mlxcache", docs_url=None, redoc_url=None, openapi_url=None)
+    errors.install(app)
+    # Templates, tokenizer and grammar compilation run one request at a time: a fast
+    # tokenizer used from two threads at once can fail ("Already borrowed").
+    prepare_lock = threading.Lock()
+
+    async def prepared(fn: Callable[..., Plan], body: Any) -> Plan:
+        def locked() -> Plan:
+            with prepare_lock:
+                return fn(engine, body, settings.defaults)
+
+        return await run_in_threadpool(locked)
+
+    def check_model(model: str) -> None:
+        if model != settings.model_id:
+            raise APIError(
+                404,
+                f"model {model!r} is not served here (this server runs {settings.model_id!r})",
+                param="model",
+                code="model_not_found",
+            )
+
+    def note(request: Request, rid: str, outcome: Outcome | None = None) -> None:
+        fields = request.scope["state"].get(LOG_KEY, {})
+        fields["id"] = rid
+        if outcome is not None:
+            fields.update(
+                prompt_tokens=outcome.usage.prompt_tokens,
+                cached_tokens=outcome.usage.cached_tokens,
+                generated_tokens=outcome.usage.completion_tokens,
+                ttft_s=None if outcome.ttft_s is None else round(outcome.ttft_s, 4),
+                finish_reason=outcome.finish_reason,
+            )
+            if outcome.error:
+                fields["error"] = outcome.error
+
+    def warm(plan: Plan, answer: Answer) -> None:
+        turn = plan.next_turn(answer)
+        if turn is not None:
+            messages, kwargs = turn
+            worker.warm_chat(messages, **kwargs)
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "model": settings.model_id, "waiting": worker.waiting}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = {"id": settings.model_id, "object": "model", "created": 0, "owned_by": "mlxcache"}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/cache")
+    async def cache() -> dict[str, Any]:
+        report = await run_in_threadpool(worker.call, _cache_report)
+        return {**report, "waiting": worker.waiting}
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest, request: Request) -> Any:
+        check_model(body.model)
+        plan = await prepared(prepare.chat, body)
+        env = Envelope(f"chatcmpl-{uuid.uuid4().hex[:24]}", settings.model_id)
+        note(request, env.id)
+        lane = Lane(worker, plan.request, plan.reply_text())
+        if body.stream:
+            usage = bool(body.stream_options and body.stream_options.include_usage)
+            return _stream(_chat_events(lane, plan, env, usage, warm), request, env.id, note)
+        outcome = await lane.finish()
+        note(request, env.id, outcome)
+        _raise_failed(outcome)
+        answer = plan.answer(outcome.text, outcome.finish_reason)
+        warm(plan, answer)
+        return JSONResponse(
+            env.chat(answer.content, answer.calls, answer.finish_reason, outcome.usage)
+        )
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        check_model(body.model)
+        plan = await prepared(prepare.completion, body)
+        env = Envelope(f"cmpl-{uuid.uuid4().hex[:24]}", settings.model_id)
+        note(request, env.id)
+        lane = Lane(worker, plan.request, plan.reply_text())
+        if body.stream:
+            usage = bool(body.stream_options and body.stream_options.include_usage)
+            return _stream(_completion_events(lane, env, usage), request, env.id, note)
+        outcome = await lane.finish()
+        note(request, env.id, outcome)
+        _raise_failed(outcome)
+        return JSONResponse(env.completion(outcome.text, outcome.finish_reason, outcome.usage))
+
+    return Guard(app, log, settings.api_key, settings.max_body)
+
+
+def _raise_failed(outcome: Outcome) -> None:
+    if outcome.error is not None:
+        raise APIError(500, errors.one_line(outcome.error), type="server_error")
+
+
+Noter = Callable[[Request, str, Outcome | None], None]
+
+
+def _stream(
+    events: AsyncIterator[str | Outcome], request: Request, rid: str, note: Noter
+) -> StreamingResponse:
+    """SSE from an event generator whose items are text to send or the final outcome."""
+
+    async def body() -> AsyncIterator[str]:
+        async for item in events:
+            if isinstance(item, Outcome):
+                note(request, rid, item)
+            else:
+                yield item
+
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    return StreamingResponse(body(), media_type="text/event-stream", headers=headers)
+
+
+async def _chat_events(
+    lane: Lane,
+    plan: Plan,
+    env: Envelope,
+    include_usage: bool,
+    warm: Callable[[Plan, Answer], None],
+) -> AsyncIterator[str | Outcome]:
+    yield sse(env.chat_chunk({"role": "assistant", "content": ""}))
+    sent = ""
+    async for delta in lane.deltas():
+        sent += delta
+        yield sse(env.chat_chunk({"content": delta}))
+    outcome = lane.outcome()
+    yield outcome
+    if outcome.error is not None:
+        yield error_event(errors.one_line(outcome.error))
+        yield SSE_DONE
+        return
+    answer = plan.answer(outcome.text, outcome.finish_reason)
+    # `sent` is a prefix of the final content by construction (see ReplyText).
+    rest = answer.content[len(sent) :]
+    if rest:
+        yield sse(env.chat_chunk({"content": rest}))
+    for chunk in env.call_deltas(answer.calls):
+        yield sse(chunk)
+    yield sse(env.chat_chunk({}, answer.finish_reason))
+    if include_usage:
+        yield sse(env.usage_chunk(outcome.usage))
+    yield SSE_DONE
+    warm(plan, answer)
+
+
+async def _completion_events(
+    lane: Lane, env: Envelope, include_usage: bool
+) -> AsyncIterator[str | Outcome]:
+    async for delta in lane.deltas():
+        yield sse(env.completion_chunk(delta))
+    outcome = lane.outcome()
+    yield outcome
+    if outcome.error is not None:
+        yield error_event(errors.one_line(outcome.error))
+        yield SSE_DONE
+        return
+    yield sse(env.completion_chunk("", outcome.finish_reason))
+    if include_usage:
+        yield sse(env.usage_chunk(outcome.usage, "text_completion"))
+    yield SSE_DONE

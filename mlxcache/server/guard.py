@@ -1,0 +1,126 @@
+"""ASGI middleware around every HTTP request: bearer key, body size limit, request log.
+
+The body is read here (bounded) before any route sees it, so an oversized or
+unauthorized request never reaches the JSON parser or the engine.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import time
+from typing import Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from mlxcache.server.errors import APIError
+from mlxcache.server.log import RequestLog
+
+OPEN_PATHS = frozenset({"/health"})
+"""Answered without the API key (a liveness probe; it reveals nothing else)."""
+
+LOG_KEY = "mlxcache_log"
+"""Where a route leaves its numbers for the log line: `scope["state"][LOG_KEY]`."""
+
+
+class Guard:
+    def __init__(self, app: ASGIApp, log: RequestLog, api_key: str | None, max_body: int) -> None:
+        self.app = app
+        self.log = log
+        self.api_key = api_key
+        self.max_body = max_body
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        fields: dict[str, Any] = {}
+        scope.setdefault("state", {})[LOG_KEY] = fields
+        status = 0
+
+        async def send_logged(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            refusal = self._authorize(scope)
+            body = b""
+            if refusal is None:
+                body, refusal = await self._read_body(scope, receive)
+            if refusal is not None:
+                await _respond(refusal, send_logged)
+                return
+            await self.app(scope, _replay(body, receive), send_logged)
+        finally:
+            self.log.write(
+                {
+                    "id": fields.pop("id", None),
+                    "method": scope["method"],
+                    "path": scope["path"],
+                    "status": status or "disconnected",
+                    **fields,
+                    "total_s": round(time.perf_counter() - start, 4),
+                }
+            )
+
+    def _authorize(self, scope: Scope) -> APIError | None:
+        if self.api_key is None or scope["path"] in OPEN_PATHS:
+            return None
+        headers = dict(scope["headers"])
+        given = headers.get(b"authorization", b"").decode("latin-1")
+        if hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+            return None
+        return APIError(
+            401,
+            "missing or wrong API key (send Authorization: Bearer <key>)",
+            type="authentication_error",
+            code="invalid_api_key",
+        )
+
+    async def _read_body(self, scope: Scope, receive: Receive) -> tuple[bytes, APIError | None]:
+        too_big = APIError(
+            413,
+            f"the request body is over the server's limit of {self.max_body} bytes",
+            code="request_too_large",
+        )
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body:
+            return b"", too_big
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return b"", None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body:
+                return b"", too_big
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks), None
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """The body once, then the real channel (so a later disconnect is still seen)."""
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+async def _respond(error: APIError, send: Send) -> None:
+    body = json.dumps(error.body()).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers += [(k.lower().encode(), v.encode()) for k, v in (error.headers or {}).items()]
+    await send({"type": "http.response.start", "status": error.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})

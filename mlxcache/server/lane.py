@@ -1,0 +1,122 @@
+"""One request on the engine worker, seen from the event loop.
+
+The worker calls the sink on its own thread; events cross to the loop through
+`call_soon_threadsafe` into an asyncio queue. Whoever stops listening early (a client
+gone mid-stream, a stop string) cancels the lane, which releases its cache pin.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from mlxcache.engine import Engine, Request
+from mlxcache.events import Done, Event, Token
+from mlxcache.server.openai_format import Usage
+from mlxcache.server.text import ReplyText
+
+
+class Handle(Protocol):
+    def cancel(self) -> None: ...
+
+
+class Worker(Protocol):
+    """What the server needs of `mlxcache.worker.EngineWorker`."""
+
+    def submit(self, request: Request, sink: Callable[[Event], None]) -> Handle: ...
+
+    def warm_chat(self, messages: list[dict[str, Any]], **template_kwargs: Any) -> None: ...
+
+    def call(self, fn: Callable[[Engine], Any]) -> Any: ...
+
+    @property
+    def waiting(self) -> int: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """A finished lane: its (stop-cut) text, why it ended, and its numbers."""
+
+    text: str
+    finish_reason: str
+    usage: Usage
+    ttft_s: float | None
+    error: str | None = None
+
+
+class Lane:
+    """Submits `request` at once (raising what `Worker.submit` raises) and relays its events."""
+
+    def __init__(self, worker: Worker, request: Request, reply: ReplyText) -> None:
+        self.reply = reply
+        self._queue: asyncio.Queue[Event] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+
+        def sink(event: Event) -> None:
+            # A closed loop (the server stopped) has nobody listening.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(self._queue.put_nowait, event)
+
+        self._start = time.perf_counter()
+        self._ttft: float | None = None
+        self._tokens = 0
+        self._stop_at: int | None = None
+        self._done: Done | None = None
+        self._prompt_tokens = len(request.tokens)
+        self.handle = worker.submit(request, sink)
+
+    async def deltas(self) -> AsyncIterator[str]:
+        """New content as it becomes final; ends when the lane is done.
+
+        Leaving early (the consumer is cancelled or closes) cancels the lane.
+        """
+        sent = ""
+        try:
+            while True:
+                event = await self._queue.get()
+                if isinstance(event, Done):
+                    self._done = event
+                    return
+                if not isinstance(event, Token) or self.reply.stopped:
+                    continue
+                self._tokens += 1
+                if self._ttft is None:
+                    self._ttft = time.perf_counter() - self._start
+                if self.reply.add(event.text):
+                    self._stop_at = self._tokens
+                    self.handle.cancel()  # the rest would be cut anyway
+                safe = self.reply.safe()
+                if len(safe) > len(sent):
+                    yield safe[len(sent) :]
+                    sent = safe
+        finally:
+            if self._done is None:
+                self.handle.cancel()
+
+    async def finish(self) -> Outcome:
+        """Run to the end without streaming."""
+        async for _ in self.deltas():
+            pass
+        return self.outcome()
+
+    def outcome(self) -> Outcome:
+        """The finished lane's outcome (after `deltas()` ended)."""
+        if self._done is None:
+            raise RuntimeError("the lane has not finished")
+        result = self._done.result
+        stats = result.stats
+        generated = stats.generated_tokens
+        finish = result.finish_reason
+        if self._stop_at is not None:
+            # Cut by a stop string: count the tokens up to it, whether or not the lane
+            # ran further before the cancel reached it (the detokenizer's tail piece
+            # repeats the last token, hence min).
+            generated = min(self._stop_at, generated) if finish != "cancelled" else self._stop_at
+            finish = "stop"
+        usage = Usage(self._prompt_tokens, generated, stats.cached_tokens)
+        error = result.error if finish == "error" else None
+        return Outcome(self.reply.text, finish, usage, self._ttft, error)

@@ -1,0 +1,106 @@
+"""OpenAI response objects and server-sent-event chunks, built from plain values."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from mlxcache.modes.tools import ToolCall
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+
+
+def sse(data: dict[str, Any] | str) -> str:
+    """One server-sent event: `data: <json>` and a blank line."""
+    body = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    return f"data: {body}\n\n"
+
+
+SSE_DONE = sse("[DONE]")
+
+
+def call_id(request_id: str, index: int) -> str:
+    """A tool call's id: unique per reply and the same in streamed and plain replies."""
+    return f"call_{request_id.removeprefix('chatcmpl-')}_{index}"
+
+
+def tool_calls(request_id: str, calls: tuple[ToolCall, ...]) -> list[dict[str, Any]]:
+    return [
+        {
+            "id": call_id(request_id, i),
+            "type": "function",
+            "function": {
+                "name": c.name,
+                "arguments": json.dumps(c.arguments, ensure_ascii=False),
+            },
+        }
+        for i, c in enumerate(calls)
+    ]
+
+
+class Envelope:
+    """The fields every object of one reply shares (id, created, model)."""
+
+    def __init__(self, request_id: str, model: str, created: int | None = None) -> None:
+        self.id = request_id
+        self.model = model
+        self.created = int(time.time()) if created is None else created
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    # -- /v1/chat/completions ---------------------------------------------------------------
+
+    def chat(
+        self, content: str, calls: tuple[ToolCall, ...], finish: str, usage: Usage
+    ) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            message["content"] = content or None
+            message["tool_calls"] = tool_calls(self.id, calls)
+        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
+        return {**self._head("chat.completion"), "choices": [choice], "usage": usage.as_dict()}
+
+    def chat_chunk(self, delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return {**self._head("chat.completion.chunk"), "choices": [choice]}
+
+    def call_deltas(self, calls: tuple[ToolCall, ...]) -> list[dict[str, Any]]:
+        """One chunk per call, as OpenAI streams them (index, id, name and whole arguments)."""
+        return [
+            self.chat_chunk({"tool_calls": [{"index": i, **call}]})
+            for i, call in enumerate(tool_calls(self.id, calls))
+        ]
+
+    def usage_chunk(self, usage: Usage, obj: str = "chat.completion.chunk") -> dict[str, Any]:
+        return {**self._head(obj), "choices": [], "usage": usage.as_dict()}
+
+    # -- /v1/completions ----------------------------------------------------------------------
+
+    def completion(self, text: str, finish: str, usage: Usage) -> dict[str, Any]:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        return {**self._head("text_completion"), "choices": [choice], "usage": usage.as_dict()}
+
+    def completion_chunk(self, text: str, finish: str | None = None) -> dict[str, Any]:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        return {**self._head("text_completion"), "choices": [choice]}
+
+
+def error_event(message: str) -> str:
+    """A failure after the stream started: OpenAI's error object as the last event."""
+    return sse({"error": {"message": message, "type": "server_error", "param": None, "code": None}})

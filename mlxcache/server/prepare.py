@@ -1,0 +1,213 @@
+"""From a validated request body to token ids, an engine Request, and how to read the reply.
+
+Plain chat, JSON mode (`response_format`) and tools reuse the library's modes, so a reply
+over HTTP is bitwise what `mlxcache generate` / `json` / `tools` give on the same prompt.
+Everything here is plain Python (templates, tokenizer, grammar compilation): it runs on
+the handler's thread; only the returned Request goes to the engine worker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from mlxcache.engine import Engine, Request
+from mlxcache.errors import UserInputError
+from mlxcache.events import Result, Stats
+from mlxcache.modes import json_mode
+from mlxcache.modes.json_mode import JsonTask
+from mlxcache.modes.tool_chat import (
+    ToolsTask,
+    assistant_message,
+    hermes_messages,
+    native_tools,
+    read_messages,
+)
+from mlxcache.modes.tools import CALL_START, ToolCall, ToolChoice, ToolReply, parse_tools
+from mlxcache.sampling import SamplingParams
+from mlxcache.server.errors import APIError
+from mlxcache.server.schemas import ChatRequest, CompletionRequest, Message, SamplingFields
+from mlxcache.server.text import ReplyText
+
+SAMPLING_FIELDS = {"temperature", "top_p", "seed", "top_k", "min_p", "repetition_penalty"}
+"""Request fields that override the server's sampling settings."""
+
+Chat = tuple[list[dict[str, Any]], dict[str, Any]]
+"""Messages and chat-template keyword arguments, as `Engine.encode_chat` takes them."""
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """The reply as the client gets it."""
+
+    content: str
+    calls: tuple[ToolCall, ...]
+    finish_reason: str
+
+
+@dataclass(slots=True)
+class Plan:
+    """A request ready to submit, and how to turn its text into the answer."""
+
+    ids: list[int]
+    request: Request
+    stops: list[str]
+    tools: ToolsTask | None = None
+    next_turn: Callable[[Answer], Chat | None] = field(default=lambda answer: None)
+    """The conversation with this answer appended (for warm-ahead), when known."""
+
+    def reply_text(self) -> ReplyText:
+        if self.tools is None or self.tools.choice.mode == "none":
+            return ReplyText(self.stops, strip=self.tools is not None)
+        return ReplyText(self.stops, CALL_START, strip=True)
+
+    def answer(self, text: str, finish_reason: str) -> Answer:
+        """The final content and calls of a reply whose (stop-cut) text is `text`."""
+        if self.tools is None:
+            return Answer(text, (), finish_reason)
+        reply = self.tools.read(Result(text, [], finish_reason, Stats()))
+        return Answer(reply.content, reply.calls, "tool_calls" if reply.calls else finish_reason)
+
+
+def sampling(
+    body: SamplingFields, defaults: SamplingParams, max_tokens: int | None
+) -> SamplingParams:
+    """The request's sampling, the server's settings filling what it leaves out."""
+    if body.n != 1:
+        raise APIError(400, "n must be 1 (one choice per request)", param="n", code="invalid_value")
+    given = body.model_dump(include=SAMPLING_FIELDS, exclude_none=True)
+    try:
+        return replace(defaults, **given, max_tokens=max_tokens or defaults.max_tokens)
+    except ValueError as exc:
+        raise UserInputError(str(exc)) from exc
+
+
+def _tool_names(messages: list[Message]) -> dict[str, str]:
+    """Tool call id -> function name, from the assistant messages' calls."""
+    return {
+        c.id: c.function.name
+        for m in messages
+        for c in m.tool_calls or ()
+        if m.role == "assistant" and c.id
+    }
+
+
+def _plain(messages: list[Message]) -> list[dict[str, Any]]:
+    """OpenAI messages as the library's dicts (developer is system; parts joined)."""
+    names = _tool_names(messages)
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role}
+        msg["content"] = m.text()
+        if m.tool_calls:
+            msg["tool_calls"] = [c.model_dump(include={"function"}) for c in m.tool_calls]
+        if m.role == "tool":
+            name = m.name or names.get(m.tool_call_id or "")
+            if name is not None:
+                msg["name"] = name
+        out.append(msg)
+    return out
+
+
+def _split_system(messages: list[dict[str, Any]]) -> tuple[str | None, list[dict[str, Any]]]:
+    if messages and messages[0]["role"] == "system":
+        return messages[0]["content"], messages[1:]
+    return None, messages
+
+
+def _refuse_tool_turns(messages: list[dict[str, Any]]) -> None:
+    for i, m in enumerate(messages):
+        if m["role"] == "tool" or m.get("tool_calls"):
+            raise APIError(
+                400,
+                f"messages.{i}: tool calls and results need the request's tools",
+                param=f"messages.{i}",
+                code="invalid_value",
+            )
+
+
+def _choice(body: ChatRequest, names: list[str]) -> ToolChoice:
+    choice = body.tool_choice or "auto"
+    if isinstance(choice, str):
+        return ToolChoice(choice)
+    if choice.function.name not in names:
+        raise APIError(
+            400,
+            f"tool_choice names {choice.function.name!r}, which is not in tools "
+            f"({', '.join(names)})",
+            param="tool_choice",
+            code="invalid_value",
+        )
+    return ToolChoice("function", choice.function.name)
+
+
+def chat(engine: Engine, body: ChatRequest, defaults: SamplingParams) -> Plan:
+    """The plan of a chat completion.
+
+    Raises:
+        APIError, UserInputError, GrammarError, ContextLengthError: bad input (400).
+    """
+    params = sampling(body, defaults, body.max_completion_tokens or body.max_tokens)
+    messages = _plain(body.messages)
+    fmt = body.response_format
+    if body.tools:
+        if fmt is not None and fmt.type != "text":
+            raise APIError(400, "response_format cannot be combined with tools", param="tools")
+        return _tools_plan(engine, body, messages, params)
+    if body.tool_choice not in (None, "none", "auto"):
+        raise APIError(400, "tool_choice needs tools", param="tool_choice", code="invalid_value")
+    _refuse_tool_turns(messages)
+    if fmt is None or fmt.type == "text":
+        ids = engine.encode_chat(messages)
+        return Plan(ids, Request(ids, params), body.stops(), next_turn=_append_to(messages))
+    if fmt.type == "json_schema":
+        if fmt.json_schema is None:
+            raise APIError(400, "response_format.json_schema is required", param="response_format")
+        schema: dict[str, Any] = fmt.json_schema.schema_
+    else:
+        schema = {"type": "object"}
+    system, rest = _split_system(messages)
+    task = JsonTask.create(schema, instructions=system if system and system.strip() else None)
+    rendered = [task.messages("")[0], *rest]  # the schema's system message, then the chat
+    ids = json_mode.encode(engine, rendered)
+    request = json_mode.request(engine, ids, task, params)
+    return Plan(ids, request, body.stops(), next_turn=_append_to(rendered))
+
+
+def _append_to(rendered: list[dict[str, Any]]) -> Callable[[Answer], Chat]:
+    return lambda answer: ([*rendered, {"role": "assistant", "content": answer.content}], {})
+
+
+def _tools_plan(
+    engine: Engine, body: ChatRequest, messages: list[dict[str, Any]], params: SamplingParams
+) -> Plan:
+    tools = parse_tools([t.model_dump(exclude_none=True) for t in body.tools or ()])
+    choice = _choice(body, [t.name for t in tools])
+    system, rest = _split_system(messages)
+    conversation = read_messages(rest)
+    parallel = body.parallel_tool_calls is not False  # OpenAI's default: allowed
+    task = ToolsTask(tools, choice, system, parallel)
+    ids = task.encode(engine, conversation)
+    request = task.request(engine, ids, params)
+
+    def next_turn(answer: Answer) -> Chat | None:
+        if native_tools(engine.loaded.tokenizer):
+            return None  # rendered by the template with tools=: not warmed ahead (yet)
+        reply = assistant_message(ToolReply(answer.content, answer.calls))
+        return hermes_messages([*conversation, reply], tools, system), {}
+
+    return Plan(ids, request, body.stops(), task, next_turn)
+
+
+def completion(engine: Engine, body: CompletionRequest, defaults: SamplingParams) -> Plan:
+    """The plan of a raw text completion (no chat template)."""
+    params = sampling(body, defaults, body.max_tokens)
+    prompt = body.prompt
+    if isinstance(prompt, list):
+        if len(prompt) != 1:
+            raise APIError(400, "prompt must be one string", param="prompt", code="invalid_value")
+        prompt = prompt[0]
+    ids = engine.encode(prompt)
+    engine.check_fits(ids)
+    return Plan(ids, Request(ids, params), body.stops())

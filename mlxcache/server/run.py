@@ -1,0 +1,67 @@
+"""Run the server: one engine worker, uvicorn on the main thread, a drain on exit.
+
+Ctrl-C or SIGTERM stops accepting connections, lets running requests finish (uvicorn
+waits for open responses), then stops the worker and returns normally.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import uvicorn
+
+from mlxcache.engine import Engine
+from mlxcache.server.app import Settings, create_app
+from mlxcache.server.log import RequestLog
+from mlxcache.worker import EngineWorker
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, announcing its address once bound and exiting normally after a signal."""
+
+    def __init__(self, config: uvicorn.Config, on_listen: Callable[[str], None]) -> None:
+        super().__init__(config)
+        self._on_listen = on_listen
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            host, port = self.servers[0].sockets[0].getsockname()[:2]
+            self._on_listen(f"http://{host}:{port}")
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        super().handle_exit(sig, frame)
+        # uvicorn re-raises the signal after its graceful shutdown, which would kill the
+        # process before the worker is closed: the drain is the exit we want.
+        self._captured_signals.clear()
+
+
+def serve(
+    engine: Engine,
+    settings: Settings,
+    log: RequestLog,
+    host: str = "127.0.0.1",
+    port: int = 8080,
+    max_queue: int = 0,
+    on_listen: Callable[[str], None] | None = None,
+) -> None:
+    """Serve until Ctrl-C / SIGTERM, then drain. `port` 0 picks a free port."""
+
+    def announce(url: str) -> None:
+        print(f"mlxcache: serving {settings.model_id} on {url}", file=sys.stderr, flush=True)
+
+    with EngineWorker(engine, max_queue=max_queue) as worker:
+        app = create_app(engine, worker, settings, log)
+        config = uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            log_level="warning",
+            access_log=False,  # our own line per request (RequestLog)
+            lifespan="off",
+            timeout_graceful_shutdown=None,
+        )
+        _Server(config, on_listen or announce).run()

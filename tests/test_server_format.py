@@ -1,0 +1,170 @@
+"""The server's pure pieces: stop strings and held-back text, OpenAI objects, error bodies."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
+
+from mlxcache.errors import ContextLengthError, GrammarError, OutputError
+from mlxcache.modes.tools import ToolCall
+from mlxcache.server import errors
+from mlxcache.server.log import line
+from mlxcache.server.openai_format import SSE_DONE, Envelope, Usage, sse
+from mlxcache.server.schemas import ChatRequest
+from mlxcache.server.text import ReplyText
+
+
+def feed(reply: ReplyText, pieces: list[str]) -> list[str]:
+    """What a stream would send after each piece."""
+    sent, out = "", []
+    for piece in pieces:
+        reply.add(piece)
+        safe = reply.safe()
+        assert safe.startswith(sent)
+        out.append(safe[len(sent) :])
+        sent = safe
+    return out
+
+
+def test_stop_string_across_pieces_is_cut_and_never_streamed() -> None:
+    reply = ReplyText(["END"])
+    assert feed(reply, ["ab", "cE", "N", "Dxyz"]) == ["ab", "c", "", ""]
+    assert reply.stopped and reply.text == "abc"
+
+
+def test_held_text_is_released_when_it_is_not_a_stop() -> None:
+    reply = ReplyText(["END", "\n\n"])
+    assert feed(reply, ["a", "E", "Nx", "\n", "y"]) == ["a", "", "ENx", "", "\ny"]
+    assert not reply.stopped and reply.text == "aENx\ny"
+
+
+def test_earliest_stop_wins_and_later_pieces_are_ignored() -> None:
+    reply = ReplyText(["b", "abc"])
+    assert reply.add("xab") and reply.text == "xa"
+    assert reply.add("more") and reply.text == "xa"
+
+
+def test_tool_replies_stream_stripped_content_before_the_call_tag() -> None:
+    reply = ReplyText([], "<tool_call>", strip=True)
+    assert feed(reply, ["  Hi", " there ", "<tool", "_call>\n{", "}"]) == [
+        "Hi",
+        " there",
+        "",
+        "",
+        "",
+    ]
+    assert reply.text == "  Hi there <tool_call>\n{}"
+
+
+def test_sse_and_chat_objects() -> None:
+    env = Envelope("chatcmpl-abc", "m", created=7)
+    usage = Usage(10, 3, 8)
+    calls = (ToolCall("f", {"x": 1}),)
+    body = env.chat("", calls, "tool_calls", usage)
+    assert body == {
+        "id": "chatcmpl-abc",
+        "object": "chat.completion",
+        "created": 7,
+        "model": "m",
+        "choices": [
+            {
+                "index": 0,
+                "message": {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": "call_abc_0",
+                            "type": "function",
+                            "function": {"name": "f", "arguments": '{"x": 1}'},
+                        }
+                    ],
+                },
+                "logprobs": None,
+                "finish_reason": "tool_calls",
+            }
+        ],
+        "usage": {
+            "prompt_tokens": 10,
+            "completion_tokens": 3,
+            "total_tokens": 13,
+            "prompt_tokens_details": {"cached_tokens": 8},
+        },
+    }
+    [delta] = env.call_deltas(calls)
+    assert delta["choices"][0]["delta"] == {
+        "tool_calls": [{"index": 0, **body["choices"][0]["message"]["tool_calls"][0]}]
+    }
+    assert sse({"a": "é"}) == 'data: {"a": "é"}\n\n'
+    assert SSE_DONE == "data: [DONE]\n\n"
+
+
+def test_domain_errors_map_to_openai_errors() -> None:
+    ctx = errors.from_domain(ContextLengthError("the prompt has 300 tokens; the context is 256"))
+    assert (ctx.status, ctx.code, ctx.type) == (
+        400,
+        "context_length_exceeded",
+        "invalid_request_error",
+    )
+    bad = errors.from_domain(GrammarError("schema is not valid\n  at /x"))
+    assert (bad.status, bad.message) == (400, "schema is not valid at /x")
+    assert errors.from_domain(OutputError("boom")).status == 500
+    full = errors.queue_full("")
+    assert full.status == 429 and full.headers == {"Retry-After": "1"}
+    assert set(full.body()["error"]) == {"message", "type", "param", "code"}
+
+
+def _validation(body: object) -> errors.APIError:
+    with pytest.raises(ValidationError) as info:
+        ChatRequest.model_validate(body)
+    return errors.from_validation(RequestValidationError(info.value.errors()))
+
+
+def test_validation_errors_name_the_field() -> None:
+    err = _validation(
+        {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": "many"}
+    )
+    assert (err.status, err.param) == (400, "max_tokens")
+    assert err.message.startswith("max_tokens: ")
+    err = _validation({"model": "m", "messages": [{"role": "pirate", "content": "x"}]})
+    assert err.param == "messages.0.role"
+    err = _validation({"model": "m", "messages": []})
+    assert err.param == "messages"
+
+
+def test_content_parts_join() -> None:
+    req = ChatRequest.model_validate(
+        {
+            "model": "m",
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+                }
+            ],
+            "stop": "x",
+        }
+    )
+    assert req.messages[0].text() == "ab" and req.stops() == ["x"]
+
+
+def test_log_line() -> None:
+    record = {
+        "id": "chatcmpl-1",
+        "method": "POST",
+        "path": "/v1/chat/completions",
+        "status": 200,
+        "prompt_tokens": 37,
+        "cached_tokens": 32,
+        "generated_tokens": 7,
+        "ttft_s": 0.8213,
+        "total_s": 1.9,
+    }
+    assert line(record) == (
+        "chatcmpl-1 POST /v1/chat/completions 200 prompt=37 cached=32 generated=7 "
+        "ttft=0.821s total=1.900s"
+    )
+    json.dumps(record)
