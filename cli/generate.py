@@ -27,6 +27,7 @@ def generate(
 ) -> None:
     """Generate a reply to PROMPT, streamed to stdout; stats go to stderr."""
     text = o.read_prompt(prompt, prompt_file)
+    system = o.text_or_file(system, "system")
     params = run.sampling()
     if raw and system is not None:
         raise UserInputError("--system needs the chat template; drop --raw")
@@ -53,3 +54,5 @@ def generate(
             else:
                 ui.out_text("\n")
             ui.stats_line(result.stats.as_dict())
+            if result.finish_reason == "length" and not as_json:
+                ui.info(f"stopped at the token limit ({len(result.tokens)} tokens; -n for more)")

@@ -19,38 +19,168 @@ from mlxcache.runtime import open_engine
 from mlxcache.sampling import SamplingParams
 from mlxcache_cli import ui
 
+# Help panels: a command's own options stay under "Options"; the shared ones are grouped.
+MODEL_PANEL, SAMPLING_PANEL, CACHE_PANEL = "Model", "Sampling", "Cache"
+
 Model = Annotated[
     str | None,
     typer.Option(
-        "--model", "-m", help="smollm2-135m (default), a .gguf file, an mlx-lm folder or a Hub id."
+        "--model",
+        "-m",
+        metavar="MODEL",
+        help="smollm2-135m (default), a .gguf file, an mlx-lm folder or a Hub id.",
+        rich_help_panel=MODEL_PANEL,
     ),
 ]
-MaxTokens = Annotated[int, typer.Option("--max-tokens", "-n", help="Most tokens to generate.")]
-Temp = Annotated[float, typer.Option("--temp", "-t", help="Sampling temperature; 0 is greedy.")]
-TopP = Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass.")]
-Seed = Annotated[int, typer.Option("--seed", help="Seed: the same seed gives the same reply.")]
+MaxTokens = Annotated[
+    int,
+    typer.Option(
+        "--max-tokens",
+        "-n",
+        metavar="N",
+        help="Most tokens to generate.",
+        rich_help_panel=SAMPLING_PANEL,
+    ),
+]
+Temp = Annotated[
+    float,
+    typer.Option(
+        "--temp",
+        "-t",
+        metavar="T",
+        help="Sampling temperature; 0 is greedy.",
+        rich_help_panel=SAMPLING_PANEL,
+    ),
+]
+TopP = Annotated[
+    float,
+    typer.Option(
+        "--top-p",
+        metavar="P",
+        help="Nucleus sampling: keep the most likely tokens up to mass P.",
+        rich_help_panel=SAMPLING_PANEL,
+    ),
+]
+TopK = Annotated[
+    int,
+    typer.Option(
+        "--top-k",
+        metavar="K",
+        help="Sample among the K most likely tokens; 0 keeps all.",
+        rich_help_panel=SAMPLING_PANEL,
+    ),
+]
+MinP = Annotated[
+    float,
+    typer.Option(
+        "--min-p",
+        metavar="P",
+        help="Drop tokens less likely than P times the most likely one; 0 keeps all.",
+        rich_help_panel=SAMPLING_PANEL,
+    ),
+]
+RepetitionPenalty = Annotated[
+    float,
+    typer.Option(
+        "--repetition-penalty",
+        metavar="X",
+        help="Penalise the last 20 tokens' repeats (e.g. 1.1); 1 is off.",
+        rich_help_panel=SAMPLING_PANEL,
+    ),
+]
+Stop = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--stop",
+        metavar="TEXT",
+        help="End the reply before this text (repeatable).",
+        rich_help_panel=SAMPLING_PANEL,
+    ),
+]
+Seed = Annotated[
+    int,
+    typer.Option(
+        "--seed",
+        metavar="N",
+        help="Seed: the same seed gives the same reply.",
+        rich_help_panel=SAMPLING_PANEL,
+    ),
+]
 CacheDir = Annotated[
     Path | None,
     typer.Option(
         "--cache-dir",
         envvar="MLXCACHE_CACHE_DIR",
-        help="Cache directory (disk tier, converted models).",
+        metavar="DIR",
+        help="Cache directory (disk tier, converted models, chat sessions).",
+        rich_help_panel=CACHE_PANEL,
     ),
 ]
-NoCache = Annotated[bool, typer.Option("--no-cache", help="Prefill from token 0 and keep nothing.")]
-CacheMem = Annotated[str, typer.Option("--cache-mem", help="Memory tier budget, e.g. 2G.")]
+NoCache = Annotated[
+    bool,
+    typer.Option(
+        "--no-cache", help="Prefill from token 0 and keep nothing.", rich_help_panel=CACHE_PANEL
+    ),
+]
+CacheMem = Annotated[
+    str,
+    typer.Option(
+        "--cache-mem",
+        metavar="SIZE",
+        help="Memory tier budget, e.g. 2G.",
+        rich_help_panel=CACHE_PANEL,
+    ),
+]
 CacheDisk = Annotated[
-    str, typer.Option("--cache-disk", help="Disk tier budget, e.g. 20G; 0 disables it.")
+    str,
+    typer.Option(
+        "--cache-disk",
+        metavar="SIZE",
+        help="Disk tier budget, e.g. 20G; 0 disables it.",
+        rich_help_panel=CACHE_PANEL,
+    ),
 ]
 BlockSize = Annotated[
-    int, typer.Option("--block-size", help="Cache block / prefill chunk length in tokens.")
+    int,
+    typer.Option(
+        "--block-size",
+        metavar="TOKENS",
+        help="Cache block / prefill chunk length in tokens.",
+        rich_help_panel=CACHE_PANEL,
+    ),
 ]
-PromptArg = Annotated[str | None, typer.Argument(help="The prompt; '-' or nothing reads stdin.")]
+PromptArg = Annotated[
+    str | None, typer.Argument(metavar="PROMPT", help="The prompt; '-' or nothing reads stdin.")
+]
 PromptFile = Annotated[
-    Path | None, typer.Option("--prompt-file", "-f", help="Read the prompt from a file.")
+    Path | None,
+    typer.Option("--prompt-file", "-f", metavar="FILE", help="Read the prompt from a file."),
 ]
-System = Annotated[str | None, typer.Option("--system", "-s", help="System message.")]
+System = Annotated[
+    str | None,
+    typer.Option(
+        "--system",
+        "-s",
+        metavar="TEXT|@FILE",
+        help="System message: the text, or @FILE to read it.",
+    ),
+]
 Json = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of plain text.")]
+
+
+def text_or_file(value: str | None, what: str) -> str | None:
+    """A text option's value: `@FILE` reads FILE, anything else is the text itself."""
+    if value is None or not value.startswith("@"):
+        return value
+    path = Path(value[1:]).expanduser()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise UserInputError(f"cannot read {what} file {path}: {reason}") from exc
+    if not text.strip():
+        raise UserInputError(f"{what} file {path} is empty")
+    return text
 
 
 def positive(**values: int) -> None:
@@ -60,12 +190,15 @@ def positive(**values: int) -> None:
             raise UserInputError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
 
 
-def sampling(max_tokens: int, temp: float, top_p: float, seed: int) -> SamplingParams:
-    """Sampling settings from options; bad values become user errors."""
+def sampling(**options: Any) -> SamplingParams:
+    """Sampling settings from options (named as SamplingParams' fields); bad values become user
+    errors naming the option."""
     try:
-        return SamplingParams(temperature=temp, top_p=top_p, seed=seed, max_tokens=max_tokens)
+        return SamplingParams(**options)
     except ValueError as exc:
-        raise UserInputError(str(exc).replace("max_tokens", "--max-tokens")) from exc
+        field = str(exc).split(" ", 1)[0]
+        flag = "--temp" if field == "temperature" else f"--{field.replace('_', '-')}"
+        raise UserInputError(str(exc).replace(field, flag, 1)) from exc
 
 
 def cache_config(
@@ -119,6 +252,10 @@ class RunOptions:
     max_tokens: int
     temp: float
     top_p: float
+    top_k: int
+    min_p: float
+    repetition_penalty: float
+    stop: list[str] | None
     seed: int
     cache_dir: Path | None
     no_cache: bool
@@ -127,7 +264,21 @@ class RunOptions:
     block_size: int
 
     def sampling(self) -> SamplingParams:
-        return sampling(self.max_tokens, self.temp, self.top_p, self.seed)
+        return sampling(
+            max_tokens=self.max_tokens,
+            temperature=self.temp,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
+            seed=self.seed,
+        )
+
+    def stop_strings(self) -> tuple[str, ...]:
+        """--stop values; an empty one would end every reply at once."""
+        if any(not s for s in self.stop or ()):
+            raise UserInputError("--stop needs a non-empty text")
+        return tuple(self.stop or ())
 
     def cache(self) -> CacheConfig:
         return cache_config(
@@ -143,6 +294,10 @@ _RUN_OPTIONS: list[tuple[str, Any, Any]] = [
     ("max_tokens", MaxTokens, 256),
     ("temp", Temp, 0.0),
     ("top_p", TopP, 1.0),
+    ("top_k", TopK, 0),
+    ("min_p", MinP, 0.0),
+    ("repetition_penalty", RepetitionPenalty, 1.0),
+    ("stop", Stop, None),
     ("seed", Seed, 0),
     ("cache_dir", CacheDir, None),
     ("no_cache", NoCache, False),

@@ -72,7 +72,31 @@ def test_same_seed_same_bytes(cache_root: Path) -> None:
         (["generate", ""], None, "error: the prompt is empty"),
         (["generate", "-"], "  \n", "error: the prompt is empty"),
         (["generate", "hi", "--max-tokens", "0"], None, "error: --max-tokens must be >= 1, got 0"),
-        (["generate", "hi", "--top-p", "0"], None, "error: top_p must be in (0, 1], got 0.0"),
+        (["generate", "hi", "--top-p", "0"], None, "error: --top-p must be in (0, 1], got 0.0"),
+        (
+            ["generate", "hi", "--temp", "-1"],
+            None,
+            "error: --temp must be a finite number >= 0, got -1.0",
+        ),
+        (["generate", "hi", "--top-k", "-2"], None, "error: --top-k must be >= 0, got -2"),
+        (["generate", "hi", "--min-p", "1"], None, "error: --min-p must be in [0, 1), got 1.0"),
+        (
+            ["generate", "hi", "--repetition-penalty", "0"],
+            None,
+            "error: --repetition-penalty must be > 0, got 0.0",
+        ),
+        (
+            ["generate", "hi", "-n", "abc"],
+            None,
+            "error: Invalid value for '--max-tokens' / '-n': Input should be a valid integer, "
+            "unable to parse string as an integer (see 'mlxcache generate --help')",
+        ),
+        (
+            ["generate", "hi", "--bogus"],
+            None,
+            "error: No such option: --bogus (see 'mlxcache generate --help')",
+        ),
+        (["nope"], None, "error: No such command 'nope'. (see 'mlxcache --help')"),
         (
             ["generate", "hi", "--cache-mem", "lots"],
             None,
