@@ -19,15 +19,20 @@ def stats(
     check: Annotated[bool, typer.Option("--check", help="Verify every file's checksum.")] = False,
     as_json: o.Json = False,
 ) -> None:
-    """Entries, bytes and models in the disk cache."""
+    """Entries, bytes and models in the disk cache; with --check, exit 1 on any problem."""
     info = manage.report(cache_dir, check=check)
     if as_json:
         ui.out_json(info)
-        return
-    table = Table("", "", show_header=False, box=None)
-    for key, value in info.items():
-        table.add_row(key, "\n".join(value) or "none" if isinstance(value, list) else str(value))
-    ui.out_table(table)
+    else:
+        table = Table("", "", show_header=False, box=None)
+        for key, value in info.items():
+            table.add_row(
+                key, "\n".join(value) or "none" if isinstance(value, list) else str(value)
+            )
+        ui.out_table(table)
+    if info.get("problems"):
+        ui.error(f"the check found {len(info['problems'])} problem(s), listed on stdout")
+        raise typer.Exit(1)
 
 
 def ls(cache_dir: o.CacheDir = None, as_json: o.Json = False) -> None:
@@ -46,7 +51,7 @@ def ls(cache_dir: o.CacheDir = None, as_json: o.Json = False) -> None:
 
 def clear(cache_dir: o.CacheDir = None, as_json: o.Json = False) -> None:
     """Delete every cached entry."""
-    n = manage.clear(cache_dir)
+    n = manage.clear(cache_dir, on_warning=ui.warn)
     ui.out_json({"removed": n}) if as_json else ui.out_text(f"removed {n} entries\n")
 
 

@@ -39,6 +39,17 @@ class CorruptCacheFileError(CacheStoreError):
     """A cache block or checkpoint file that is missing or fails its checksum."""
 
 
+class CorruptIndexError(CacheStoreError):
+    """The disk tier's SQLite index is not a database or is damaged: `cache clear` resets it."""
+
+
+class ModelConversionError(MlxcacheError):
+    """A GGUF file could not be converted into the cache directory (full or read-only disk).
+
+    Nothing half-converted is left behind.
+    """
+
+
 class OutputFileError(MlxcacheError):
     """A result file (session, golden, JSONL output) could not be written; nothing was lost."""
 

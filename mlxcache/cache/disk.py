@@ -1,8 +1,10 @@
 """The disk tier: a SQLite index (WAL) plus one safetensors file per block or checkpoint.
 
 Files are content-addressed, written to a temporary name and renamed, so readers never
-see half a file and two processes writing the same block write the same bytes. Each
-file's checksum is kept in the index and verified on every read: a corrupt or missing
+see half a file and two processes writing the same block write the same bytes. An entry's
+new files, their index rows and the entry are added together: when any step fails (a full
+disk), the files written for it are removed again, so no file is left that no row names.
+Each file's checksum is kept in the index and verified on every read: a corrupt or missing
 file is reported to the caller (which drops the entry and counts it), never used.
 """
 
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import shutil
 import sqlite3
 import time
 from collections.abc import Callable, Iterator
@@ -23,7 +26,7 @@ import numpy as np
 import xxhash
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
-from mlxcache.errors import CacheStoreError, CorruptCacheFileError
+from mlxcache.errors import CacheStoreError, CorruptCacheFileError, CorruptIndexError
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS entries (
@@ -51,6 +54,8 @@ CREATE TABLE IF NOT EXISTS entry_files (
 CREATE INDEX IF NOT EXISTS entry_files_name ON entry_files(name);
 """
 _STALE_TMP_S = 600  # a temp file this old belongs to a writer that died
+INDEX = "index.sqlite"
+_FIX = "`mlxcache cache clear` resets the directory"
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,11 +84,21 @@ Writer = Callable[[Path], None]
 """Writes one file's content to the given (temporary) path."""
 
 
+def index_error(root: Path, exc: Exception) -> CacheStoreError:
+    """The domain error for an SQLite failure: a damaged index says how to recover."""
+    # OperationalError (locked, read-only, disk full) is transient or environmental;
+    # any other DatabaseError means the file itself is not a usable index.
+    if isinstance(exc, sqlite3.DatabaseError) and not isinstance(exc, sqlite3.OperationalError):
+        return CorruptIndexError(f"the cache index {root / INDEX} is damaged ({exc}); {_FIX}")
+    return CacheStoreError(f"cannot use the disk cache at {root}: {exc}")
+
+
 class DiskTier:
     """Blocks and checkpoints of every namespace under one directory.
 
     Raises:
-        CacheStoreError: when the directory or its index cannot be opened.
+        CorruptIndexError: the index file is not a database (`reset` recovers).
+        CacheStoreError: the directory or its index cannot be opened or created.
     """
 
     def __init__(self, root: Path) -> None:
@@ -91,12 +106,15 @@ class DiskTier:
         self.files = root / "files"
         try:
             self.files.mkdir(parents=True, exist_ok=True)
-            self._db = sqlite3.connect(root / "index.sqlite", timeout=30, isolation_level=None)
+        except OSError as exc:
+            raise CacheStoreError(f"cannot open the disk cache at {root}: {exc}") from exc
+        try:
+            self._db = sqlite3.connect(root / INDEX, timeout=30, isolation_level=None)
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA foreign_keys=ON")
             self._db.executescript(_SCHEMA)
-        except (OSError, sqlite3.Error) as exc:
-            raise CacheStoreError(f"cannot open the disk cache at {root}: {exc}") from exc
+        except sqlite3.Error as exc:
+            raise index_error(root, exc) from exc
         self._sweep_temp()
 
     def close(self) -> None:
@@ -184,7 +202,11 @@ class DiskTier:
         return int(n), int(b)
 
     def verify(self) -> list[str]:
-        """Problems found: indexed files missing or failing their checksum, dangling links."""
+        """Problems found: a damaged index, indexed files missing or failing their checksum,
+        dangling links."""
+        damage = [r[0] for r in self._db.execute("PRAGMA quick_check").fetchall()]
+        if damage != ["ok"]:
+            return [f"the cache index {self.root / INDEX} is damaged ({damage[0]}); {_FIX}"]
         problems = []
         for (name,) in self._db.execute("SELECT name FROM files").fetchall():
             try:
@@ -200,23 +222,24 @@ class DiskTier:
 
     # -- writing ----------------------------------------------------------------------------
 
-    def _write_file(self, name: str, ns: str, write: Writer) -> None:
-        """Write a file by calling write(tmp_path), then rename it into place and index it."""
-        if self._db.execute("SELECT 1 FROM files WHERE name = ?", (name,)).fetchone():
-            return
+    def _write_file(self, name: str, write: Writer) -> tuple[int, str]:
+        """Write a file by calling write(tmp_path), then rename it into place.
+
+        Returns its size and checksum. Raises CacheStoreError when it cannot be written
+        (MLX reports a full disk as a plain RuntimeError); nothing is left behind then.
+        """
         final = self._path(name)
         tmp = self.files / f"{name}.tmp{os.getpid()}.safetensors"
         try:
             write(tmp)
             data = tmp.read_bytes()
             os.replace(tmp, final)
-        except BaseException:
+        except BaseException as exc:
             tmp.unlink(missing_ok=True)
+            if isinstance(exc, Exception):
+                raise CacheStoreError(f"cannot write {final}: {exc}") from exc
             raise
-        self._db.execute(
-            "INSERT OR IGNORE INTO files (name, ns, nbytes, checksum) VALUES (?, ?, ?, ?)",
-            (name, ns, len(data), _checksum(data)),
-        )
+        return len(data), _checksum(data)
 
     @contextmanager
     def _writer(self) -> Iterator[None]:
@@ -241,18 +264,46 @@ class DiskTier:
         files: dict[str, Writer],
         nbytes: int,
     ) -> int:
-        """Write the entry's missing files, index them and the entry; returns its row id."""
+        """Write the entry's missing files, index them and the entry; returns its row id.
+
+        All or nothing: if a write or the index update fails, the files written here are
+        removed (under the writer lock no other process can have linked them yet).
+
+        Raises:
+            CacheStoreError: a file or the index could not be written.
+        """
         with self._writer():
-            for name, write in files.items():
-                self._write_file(name, ns, write)
-            return self._link(ns, tokens, trimmable, list(files), nbytes)
+            written: dict[str, tuple[int, str]] = {}
+            try:
+                for name, write in files.items():
+                    if not self._db.execute(
+                        "SELECT 1 FROM files WHERE name = ?", (name,)
+                    ).fetchone():
+                        written[name] = self._write_file(name, write)
+                return self._link(ns, tokens, trimmable, list(files), nbytes, written)
+            except BaseException as exc:
+                self._unlink(list(written))
+                if isinstance(exc, sqlite3.Error):
+                    raise index_error(self.root, exc) from exc
+                raise
 
     def _link(
-        self, ns: str, tokens: np.ndarray, trimmable: bool, names: list[str], nbytes: int
+        self,
+        ns: str,
+        tokens: np.ndarray,
+        trimmable: bool,
+        names: list[str],
+        nbytes: int,
+        written: dict[str, tuple[int, str]],
     ) -> int:
+        """Index the new files, the entry and its links in one transaction."""
         now = time.time_ns()
         data = np.ascontiguousarray(tokens, np.int32).tobytes()
         with self._tx() as db:
+            db.executemany(
+                "INSERT OR IGNORE INTO files (name, ns, nbytes, checksum) VALUES (?, ?, ?, ?)",
+                [(name, ns, size, checksum) for name, (size, checksum) in written.items()],
+            )
             db.execute(
                 "INSERT INTO entries (ns, digest, tokens, trimmable, nbytes, created_ns, used_ns)"
                 " VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (ns, digest) DO UPDATE SET used_ns = ?",
@@ -306,6 +357,29 @@ class DiskTier:
             for path in self.files.iterdir():
                 path.unlink(missing_ok=True)
         return n
+
+
+def reset(root: Path) -> None:
+    """Delete the index and every block file of the disk tier at `root`, whatever state
+    they are in (the way out of a damaged index). Holds the writer lock meanwhile.
+
+    Raises:
+        CacheStoreError: the files cannot be removed (e.g. a read-only directory).
+    """
+    try:
+        if root.exists() and not root.is_dir():
+            root.unlink()  # our own path name, taken by a stray file
+        root.mkdir(parents=True, exist_ok=True)
+        with (root / "write.lock").open("a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            for name in (INDEX, f"{INDEX}-wal", f"{INDEX}-shm", "files"):
+                path = root / name
+                if path.is_dir() and not path.is_symlink():
+                    shutil.rmtree(path)
+                else:
+                    path.unlink(missing_ok=True)
+    except OSError as exc:
+        raise CacheStoreError(f"cannot reset the disk cache at {root}: {exc}") from exc
 
 
 def block_writer(block: mx.array) -> Writer:

@@ -1,43 +1,84 @@
-"""Managing the disk tier without loading a model: report, list, clear, prune."""
+"""Managing the disk tier without loading a model: report, list, clear, prune.
+
+Looking (report, entries, prune) never creates the cache directory; a damaged index is
+reported with its fix, and `clear` always gets the directory back to empty.
+"""
 
 from __future__ import annotations
 
 import os
+import sqlite3
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
-from mlxcache.cache.disk import DiskEntry, DiskTier
+from mlxcache.cache.disk import INDEX, DiskEntry, DiskTier, index_error, reset
 from mlxcache.cache.index import Entry, PromptIndex
+from mlxcache.errors import CorruptIndexError
 from mlxcache.paths import kv_dir
 
-
-def _open(directory: str | os.PathLike[str] | None) -> DiskTier:
-    return DiskTier(kv_dir(directory))
+Directory = str | os.PathLike[str] | None
 
 
-def report(directory: str | os.PathLike[str] | None = None, check: bool = False) -> dict[str, Any]:
-    """Entries, bytes and namespaces of the disk tier; with `check`, verify every file."""
-    disk = _open(directory)
+@contextmanager
+def _opened(directory: Directory) -> Iterator[DiskTier | None]:
+    """The disk tier, or None when there is none yet; SQLite errors become domain errors.
+
+    Raises:
+        CorruptIndexError: the index is not a database or is damaged.
+        CacheStoreError: it cannot be opened (permissions, locked).
+    """
+    root = kv_dir(directory)
+    if not (root / INDEX).is_file():
+        yield None
+        return
+    disk = DiskTier(root)
     try:
-        rows = disk.all_entries()
-        n, nbytes = disk.usage()
-        out: dict[str, Any] = {
-            "directory": str(disk.root),
-            "entries": n,
-            "bytes": nbytes,
-            "namespaces": len({r.ns for r in rows}),
-            "tokens": sum(len(r.tokens) for r in rows),
-        }
-        if check:
-            out["problems"] = disk.verify()
-        return out
+        yield disk
+    except sqlite3.Error as exc:
+        raise index_error(root, exc) from exc
     finally:
         disk.close()
 
 
-def entries(directory: str | os.PathLike[str] | None = None) -> list[dict[str, Any]]:
-    """One dict per disk entry, least recently used first within each namespace."""
-    disk = _open(directory)
+def report(directory: Directory = None, check: bool = False) -> dict[str, Any]:
+    """Entries, bytes and namespaces of the disk tier; with `check`, verify every file.
+
+    With `check`, a damaged index is listed under "problems" instead of raised.
+    """
     try:
+        with _opened(directory) as disk:
+            return _report(disk, check) if disk else _empty(directory, check)
+    except CorruptIndexError as exc:
+        if not check:
+            raise
+        return {"directory": str(kv_dir(directory)), "problems": [str(exc)]}
+
+
+def _empty(directory: Directory, check: bool) -> dict[str, Any]:
+    out = {"directory": str(kv_dir(directory)), "entries": 0, "bytes": 0, "namespaces": 0}
+    out |= {"tokens": 0}
+    return {**out, "problems": []} if check else out
+
+
+def _report(disk: DiskTier, check: bool) -> dict[str, Any]:
+    rows = disk.all_entries()
+    n, nbytes = disk.usage()
+    out: dict[str, Any] = {
+        "directory": str(disk.root),
+        "entries": n,
+        "bytes": nbytes,
+        "namespaces": len({r.ns for r in rows}),
+        "tokens": sum(len(r.tokens) for r in rows),
+    }
+    if check:
+        out["problems"] = disk.verify()
+    return out
+
+
+def entries(directory: Directory = None) -> list[dict[str, Any]]:
+    """One dict per disk entry, least recently used first within each namespace."""
+    with _opened(directory) as disk:
         return [
             {
                 "id": r.id,
@@ -48,43 +89,56 @@ def entries(directory: str | os.PathLike[str] | None = None) -> list[dict[str, A
                 "created_ns": r.created_ns,
                 "used_ns": r.used_ns,
             }
-            for r in disk.all_entries()
+            for r in (disk.all_entries() if disk else [])
         ]
-    finally:
-        disk.close()
 
 
-def clear(directory: str | os.PathLike[str] | None = None) -> int:
-    """Delete every entry and file; returns how many entries went."""
-    disk = _open(directory)
+def clear(directory: Directory = None, on_warning: Callable[[str], None] | None = None) -> int:
+    """Delete every entry and file; returns how many entries went.
+
+    Without a usable index (none, or damaged: `on_warning` says so) the directory is reset
+    to empty and 0 is returned.
+    """
+    root = kv_dir(directory)
     try:
-        return disk.clear()
-    finally:
-        disk.close()
+        with _opened(directory) as disk:
+            if disk:
+                return disk.clear()
+        if root.exists():
+            reset(root)  # block files that no index names
+        return 0
+    except CorruptIndexError as exc:
+        reset(root)
+        if on_warning:
+            on_warning(
+                f"the cache index was damaged ({exc.__cause__}): deleted it and every block file"
+            )
+        return 0
 
 
-def prune(max_bytes: int, directory: str | os.PathLike[str] | None = None) -> int:
+def prune(max_bytes: int, directory: Directory = None) -> int:
     """Evict until the disk tier is under `max_bytes`; returns how many entries went.
 
     Within a model (namespace) the index's victim order decides; across models, the victim
     whose entry was used longest ago (wall clock: processes share no logical clock).
     """
-    disk = _open(directory)
+    with _opened(directory) as disk:
+        return _prune(disk, max_bytes) if disk else 0
+
+
+def _prune(disk: DiskTier, max_bytes: int) -> int:
     removed = 0
-    try:
-        indexes: dict[str, tuple[PromptIndex, dict[Entry, DiskEntry]]] = {}  # per namespace
-        for row in disk.all_entries():  # oldest use first: each index's clock follows it
-            index, rows = indexes.setdefault(row.ns, (PromptIndex(block_size=1), {}))
-            rows[index.add(row.tokens, trimmable=row.trimmable, nbytes=row.nbytes)] = row
-        while disk.usage()[1] > max_bytes:
-            victims = [(idx, rows, v) for idx, rows in indexes.values() if (v := idx.victim())]
-            if not victims:
-                break
-            index, rows, victim = min(victims, key=lambda c: (c[1][c[2]].used_ns, c[1][c[2]].id))
-            row = rows.pop(victim)
-            index.remove(victim)
-            disk.remove_entry(row.id)
-            removed += 1
-        return removed
-    finally:
-        disk.close()
+    indexes: dict[str, tuple[PromptIndex, dict[Entry, DiskEntry]]] = {}  # per namespace
+    for row in disk.all_entries():  # oldest use first: each index's clock follows it
+        index, rows = indexes.setdefault(row.ns, (PromptIndex(block_size=1), {}))
+        rows[index.add(row.tokens, trimmable=row.trimmable, nbytes=row.nbytes)] = row
+    while disk.usage()[1] > max_bytes:
+        victims = [(idx, rows, v) for idx, rows in indexes.values() if (v := idx.victim())]
+        if not victims:
+            break
+        index, rows, victim = min(victims, key=lambda c: (c[1][c[2]].used_ns, c[1][c[2]].id))
+        row = rows.pop(victim)
+        index.remove(victim)
+        disk.remove_entry(row.id)
+        removed += 1
+    return removed

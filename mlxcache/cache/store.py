@@ -21,13 +21,19 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from mlxcache.cache import blocks as kv
 from mlxcache.cache.base import Resume, is_trimmable
-from mlxcache.cache.disk import DiskTier, block_writer, checkpoint_writer, digest_tokens
+from mlxcache.cache.disk import (
+    DiskTier,
+    Writer,
+    block_writer,
+    checkpoint_writer,
+    digest_tokens,
+)
 from mlxcache.cache.index import Entry, PromptIndex
 from mlxcache.config import CacheConfig
 from mlxcache.errors import CacheStoreError, CorruptCacheFileError
 
 # What the disk tier can raise that means "go on without it" (a corrupt file is handled apart).
-_DISK_ERRORS = (sqlite3.Error, OSError)
+_DISK_ERRORS = (sqlite3.Error, OSError, CacheStoreError)
 
 
 @dataclass(slots=True)
@@ -131,12 +137,12 @@ class PromptCache:
                 if h not in self._blocks
             }
             mx.eval(list(fresh.values()))
-            entry = self._add_mem(tokens, names, fresh)
-            self._write_disk(tokens, names, fresh, None)
+            entry = self._add_blocks(tokens, names, fresh)
+            self._write_blocks(tokens, names)
         else:
             checkpoint = kv.snapshot(layers)
-            entry = self._add_mem(tokens, None, checkpoint)
-            self._write_disk(tokens, [self._checkpoint_name(tokens)], {}, checkpoint)
+            entry = self._add_checkpoint(tokens, checkpoint)
+            self._write_checkpoint(tokens, checkpoint)
         self._fit(skip=entry, prompt=tokens)
 
     def release(self, resume: Resume) -> None:
@@ -173,16 +179,20 @@ class PromptCache:
         names = self._entry_blocks[entry][: length // self.block_size]
         return kv.join_blocks([self._blocks[h].kv for h in names], self._n_layers)
 
-    def _add_mem(self, tokens: np.ndarray, names: list[str] | None, data: Any) -> Entry:
-        """Add an entry backed by block `names` (new ones in `data`) or a checkpoint `data`."""
-        if names is None:
-            entry = self.mem.add(tokens, trimmable=False, nbytes=kv.state_nbytes(data))
-            if entry not in self._checkpoints:
-                self._checkpoints[entry] = data
-                self._mem_bytes += entry.nbytes
-            return entry
+    def _add_checkpoint(self, tokens: np.ndarray, checkpoint: list[Any]) -> Entry:
+        """Add a memory entry backed by a whole-state checkpoint."""
+        entry = self.mem.add(tokens, trimmable=False, nbytes=kv.state_nbytes(checkpoint))
+        if entry not in self._checkpoints:
+            self._checkpoints[entry] = checkpoint
+            self._mem_bytes += entry.nbytes
+        return entry
+
+    def _add_blocks(
+        self, tokens: np.ndarray, names: list[str], fresh: dict[str, mx.array]
+    ) -> Entry:
+        """Add a memory entry backed by blocks `names`; `fresh` holds those not stored yet."""
         added = 0
-        for h, block in data.items():
+        for h, block in fresh.items():
             self._blocks[h] = _Block(block)
             added += int(block.nbytes)
             self._token_bytes = int(block.nbytes) // self.block_size
@@ -269,27 +279,27 @@ class PromptCache:
             self._disk_ids[entry] = row.id
             self._disk_seen = max(self._disk_seen, row.id)
 
+    def _write_blocks(self, tokens: np.ndarray, names: list[str]) -> None:
+        """Store an entry of blocks `names` (all in memory now) on disk."""
+        files = {h: block_writer(self._blocks[h].kv) for h in names}
+        nbytes = sum(int(self._blocks[h].kv.nbytes) for h in names)
+        self._write_disk(tokens, True, files, nbytes)
+
+    def _write_checkpoint(self, tokens: np.ndarray, checkpoint: list[Any]) -> None:
+        files = {self._checkpoint_name(tokens): checkpoint_writer(checkpoint)}
+        self._write_disk(tokens, False, files, kv.state_nbytes(checkpoint))
+
     def _write_disk(
-        self,
-        tokens: np.ndarray,
-        names: list[str],
-        fresh: dict[str, mx.array],
-        checkpoint: list[Any] | None,
+        self, tokens: np.ndarray, trimmable: bool, files: dict[str, Writer], nbytes: int
     ) -> None:
         if not self.disk:
             return
-        if checkpoint is not None:
-            files = {names[0]: checkpoint_writer(checkpoint)}
-            nbytes = kv.state_nbytes(checkpoint)
-        else:
-            files = {h: block_writer(fresh.get(h, self._blocks[h].kv)) for h in names}
-            nbytes = sum(int(self._blocks[h].kv.nbytes) for h in names)
         try:
-            row = self.disk.add_entry(self.ns, tokens, checkpoint is None, files, nbytes)
-        except _DISK_ERRORS as exc:  # full, read-only, locked
+            row = self.disk.add_entry(self.ns, tokens, trimmable, files, nbytes)
+        except _DISK_ERRORS as exc:  # full, read-only, locked: nothing was left half-written
             self._drop_disk(str(exc))
             return
-        entry = self.disk_index.add(tokens, trimmable=checkpoint is None, nbytes=nbytes)
+        entry = self.disk_index.add(tokens, trimmable=trimmable, nbytes=nbytes)
         self._disk_ids[entry] = row
 
     def _remove_disk(self, entry: Entry) -> None:
@@ -312,10 +322,10 @@ class PromptCache:
                 names = kv.chain_hashes(tokens, self.block_size, self.ns)
                 fresh = {h: self.disk.read_block(h) for h in names if h not in self._blocks}
                 mx.eval(list(fresh.values()))
-                mem_entry = self._add_mem(tokens, names, fresh)
+                mem_entry = self._add_blocks(tokens, names, fresh)
             else:
                 checkpoint = self.disk.read_checkpoint(self._checkpoint_name(tokens))
-                mem_entry = self._add_mem(tokens, None, checkpoint)
+                mem_entry = self._add_checkpoint(tokens, checkpoint)
             self.disk.touch(self._disk_ids[entry])
         except CorruptCacheFileError:
             self.stats.dropped_corrupt += 1

@@ -18,7 +18,14 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlxcache.errors import ModelNotFoundError, UnsupportedModelError
+from mlxcache.errors import (
+    MlxcacheError,
+    ModelConversionError,
+    ModelNotFoundError,
+    UnsupportedModelError,
+)
+from mlxcache.fileio import loads_json
+from mlxcache.model.digest import file_digest
 from mlxcache.model.gguf_tokenizer import build_tokenizer
 
 Progress = Callable[[str, int, int], None]
@@ -39,6 +46,8 @@ _LAYER_NAMES = {
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _PARTS = ("weight", "scales", "biases")
 _GROUP_SIZE = 32  # every GGUF quant type MLX reads (Q4_0, Q4_1, Q8_0)
+MANIFEST = "mlxcache-manifest.json"
+"""Checksums of every other file of a converted folder, written last (see `check_folder`)."""
 
 
 def _scalar(meta: dict[str, Any], key: str, default: Any = None) -> Any:
@@ -148,27 +157,65 @@ def convert_weights(
     return out, config
 
 
+def check_folder(folder: Path) -> str | None:
+    """What is wrong with a converted folder, or None when every file matches its manifest."""
+    try:
+        listed = loads_json((folder / MANIFEST).read_text(encoding="utf-8"))["files"]
+        if not isinstance(listed, dict) or not listed:
+            raise ValueError
+    except FileNotFoundError:
+        return "no checksum manifest: converted by an older mlxcache, or interrupted"
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"{MANIFEST} is unreadable"
+    for name, digest in listed.items():
+        path = folder / str(name)
+        if not path.is_file():
+            return f"{name} is missing"
+        if file_digest(path) != digest:
+            return f"{name} does not match its checksum"
+    return None
+
+
 def convert_gguf(path: Path, out_dir: Path, progress: Progress | None = None) -> Path:
-    """Convert `path` into an mlx-lm folder at `out_dir` (atomically: temp dir, then rename)."""
+    """Convert `path` into an mlx-lm folder at `out_dir` (atomically: temp dir, then rename).
+
+    The folder's manifest is written last, so a folder that passes `check_folder` is whole.
+
+    Raises:
+        ModelConversionError: the folder cannot be written (full or read-only disk); no
+            part of it is left behind.
+    """
     weights, meta = read_gguf(path)
     converted, config = convert_weights(weights, meta, progress)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=out_dir.parent))
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=out_dir.parent))
+    except OSError as exc:
+        raise ModelConversionError(
+            f"cannot convert {path.name} into {out_dir.parent}: {exc}"
+        ) from exc
     try:
         build_tokenizer(meta, tmp)
         mx.eval(converted)
         mx.save_safetensors(str(tmp / "model.safetensors"), converted, metadata={"format": "mlx"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
         (tmp / "mlxcache-source.json").write_text(json.dumps({"gguf": str(path)}))
+        digests = {f.name: file_digest(f) for f in sorted(tmp.iterdir())}
+        (tmp / MANIFEST).write_text(json.dumps({"files": digests}, indent=1))
         if progress:
             progress("write", 1, 1)
         try:
             tmp.rename(out_dir)
         except OSError:
-            if not (out_dir / "config.json").exists():  # not a concurrent converter's win
+            if check_folder(out_dir) is not None:  # not a concurrent converter's win
                 raise
             shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        if isinstance(exc, MlxcacheError) or not isinstance(exc, Exception):
+            raise
+        # MLX reports a full disk as a plain RuntimeError ("[write] Unable to write ...").
+        raise ModelConversionError(
+            f"cannot convert {path.name} into {out_dir.parent}: {exc}"
+        ) from exc
     return out_dir

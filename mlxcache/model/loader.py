@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
+import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import xxhash
 
-from mlxcache.errors import ModelNotFoundError, UnsupportedModelError
-from mlxcache.model.gguf import Progress, convert_gguf
+from mlxcache.errors import ModelConversionError, ModelNotFoundError, UnsupportedModelError
+from mlxcache.fileio import loads_json
+from mlxcache.model.digest import file_digest, hash_file
+from mlxcache.model.gguf import Progress, check_folder, convert_gguf
 from mlxcache.paths import cache_dir
 
 # transformers announces at import time that PyTorch is missing; we never need it.
@@ -24,7 +27,7 @@ _DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when the converter's output changes, so old conversions are not reused.
 _CONVERTER_VERSION = "1"
 _KEY_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
-_CHUNK = 1 << 22
+Warn = Callable[[str], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,19 +58,6 @@ def default_model_path() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / _DEFAULT_FILE
 
 
-def _hash_file(hasher: Any, path: Path) -> None:
-    with path.open("rb") as f:
-        while chunk := f.read(_CHUNK):
-            hasher.update(chunk)
-
-
-def file_digest(path: Path) -> str:
-    """Content hash of one file (xxh3-128, hex)."""
-    hasher = xxhash.xxh3_128()
-    _hash_file(hasher, path)
-    return str(hasher.hexdigest())
-
-
 def folder_key(path: Path) -> str:
     """Model key of an mlx-lm folder: config, tokenizer files and every weight file's bytes.
 
@@ -78,27 +68,47 @@ def folder_key(path: Path) -> str:
     names += sorted(p.name for p in path.glob("*.safetensors"))
     for name in names:
         hasher.update(name.encode() + b"\0")
-        _hash_file(hasher, path / name)
+        hash_file(hasher, path / name)
     return str(hasher.hexdigest())
 
 
-def _converted(gguf: Path, root: Path, progress: Progress | None) -> Path:
-    """The mlx-lm folder converted from `gguf` (converting it on first use)."""
+def _converted(gguf: Path, root: Path, progress: Progress | None, warn: Warn) -> Path:
+    """The mlx-lm folder converted from `gguf`: converted on first use, and again (with a
+    warning) when the folder fails its checksum manifest."""
     if not gguf.is_file():
         raise ModelNotFoundError(f"model file not found: {gguf}")
     out = root / "models" / f"{gguf.stem}-{file_digest(gguf)[:16]}-v{_CONVERTER_VERSION}"
-    if not (out / "config.json").exists():
-        convert_gguf(gguf, out, progress)
+    if out.exists():
+        problem = check_folder(out)
+        if problem is None:
+            return out
+        warn(f"converted model {out} is damaged ({problem}): converting {gguf.name} again")
+        _discard(out)
+    convert_gguf(gguf, out, progress)
     return out
 
 
-def _resolve(spec: str, root: Path, progress: Progress | None) -> tuple[str, Path]:
+def _discard(folder: Path) -> None:
+    """Remove a damaged conversion: renamed aside first, so no process loads half of it."""
+    aside = folder.with_name(f".discard-{os.getpid()}-{folder.name}")
+    try:
+        folder.rename(aside)
+    except FileNotFoundError:
+        return  # another process discarded it first
+    except OSError as exc:
+        raise ModelConversionError(
+            f"cannot replace the damaged conversion {folder}: {exc}"
+        ) from exc
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def _resolve(spec: str, root: Path, progress: Progress | None, warn: Warn) -> tuple[str, Path]:
     """Turn a model spec into (display name, local mlx-lm folder)."""
     if spec == DEFAULT_MODEL:
-        return DEFAULT_MODEL, _converted(default_model_path(), root, progress)
+        return DEFAULT_MODEL, _converted(default_model_path(), root, progress, warn)
     candidate = Path(spec).expanduser()
     if candidate.suffix.lower() == ".gguf":
-        return candidate.name, _converted(candidate, root, progress)
+        return candidate.name, _converted(candidate, root, progress, warn)
     if candidate.is_dir():
         return candidate.name, candidate
     if candidate.exists() or spec.startswith((".", "/", "~")) or spec.count("/") != 1:
@@ -118,18 +128,22 @@ def load(
     *,
     cache_root: str | os.PathLike[str] | None = None,
     progress: Progress | None = None,
+    on_warning: Warn | None = None,
 ) -> LoadedModel:
     """Load a model by spec: `smollm2-135m` (default), a .gguf path, an mlx-lm folder or a Hub id.
 
-    GGUF files are converted once into an mlx-lm folder under the cache directory.
+    GGUF files are converted once into an mlx-lm folder under the cache directory; a
+    damaged conversion is converted again (`on_warning` is told).
 
     Raises:
         ModelNotFoundError: the path does not exist or cannot be read.
         UnsupportedModelError: the file's architecture or tensor types are not supported.
+        ModelConversionError: the converted folder cannot be written (full disk).
     """
     from mlx_lm.utils import load_model, load_tokenizer
 
-    name, path = _resolve(spec or DEFAULT_MODEL, cache_dir(cache_root), progress)
+    warn = on_warning or (lambda _msg: None)
+    name, path = _resolve(spec or DEFAULT_MODEL, cache_dir(cache_root), progress, warn)
     if not (path / "config.json").is_file():
         raise ModelNotFoundError(f"not an mlx-lm model folder (no config.json): {path}")
     try:
@@ -158,8 +172,16 @@ def converted(root: str | os.PathLike[str] | None = None) -> list[dict[str, Any]
     """The GGUF conversions kept in the cache directory (`mlxcache models ls`)."""
     out = []
     for folder in sorted((cache_dir(root) / "models").glob("*/config.json")):
-        source = folder.parent / "mlxcache-source.json"
-        gguf = json.loads(source.read_text()).get("gguf") if source.exists() else None
+        gguf = _source(folder.parent / "mlxcache-source.json")
         size = sum(p.stat().st_size for p in folder.parent.iterdir() if p.is_file())
         out.append({"folder": str(folder.parent), "gguf": gguf, "bytes": size})
     return out
+
+
+def _source(path: Path) -> str | None:
+    """The GGUF path a conversion came from, as recorded beside it (None if unreadable)."""
+    try:
+        gguf = loads_json(path.read_text(encoding="utf-8")).get("gguf")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return gguf if isinstance(gguf, str) else None
