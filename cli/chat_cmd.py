@@ -171,8 +171,8 @@ def _lines_from_tty(history: Path) -> Iterator[str]:
 
 def _lines_from_pipe() -> Iterator[str]:
     parts: list[str] = []
-    for raw in sys.stdin:
-        line = raw.rstrip("\n")
+    for number, raw in enumerate(sys.stdin.buffer, start=1):
+        line = o.utf8(raw, f"stdin line {number}").rstrip("\n")
         if line.endswith("\\"):
             parts.append(line[:-1])
             continue

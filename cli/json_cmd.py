@@ -9,6 +9,7 @@ import typer
 
 from mlxcache.engine import Engine
 from mlxcache.errors import OutputError, UserInputError
+from mlxcache.fileio import check_output_dir
 from mlxcache.modes import json_mode
 from mlxcache.modes.batch import read_input
 from mlxcache.modes.schema import read_json_arg
@@ -17,49 +18,51 @@ from mlxcache_cli import options as o
 from mlxcache_cli import ui
 
 
-def read_instructions(path: Path | None) -> str | None:
-    if path is None:
-        return None
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise UserInputError(f"cannot read instructions file {path}: {exc}") from exc
-    if not text.strip():
-        raise UserInputError(f"instructions file {path} is empty")
-    return text
-
-
 @o.with_run_options()
 def json_cmd(
     prompt: o.PromptArg = None,
+    *,
     schema: Annotated[
-        str, typer.Option("--schema", help="JSON Schema: a file, or the schema itself inline.")
-    ] = "",
+        str,
+        typer.Option(
+            "--schema", metavar="JSON|FILE", help="JSON Schema: inline JSON, a file or @FILE."
+        ),
+    ],
     prompt_file: o.PromptFile = None,
     instructions: Annotated[
-        Path | None,
+        str | None,
         typer.Option(
-            "--instructions", help="File of instructions put before every prompt (cached)."
+            "--instructions",
+            metavar="TEXT|@FILE",
+            help="Instructions put before every prompt (cached): the text, @FILE or a file's path.",
         ),
     ] = None,
     input_path: Annotated[
         Path | None,
-        typer.Option("--input", help='JSONL batch: {"prompt": ..., "vars": {...}, "id": ...}.'),
+        typer.Option(
+            "--input",
+            metavar="FILE",
+            help='JSONL batch: {"prompt": ..., "vars": {...}, "id": ...}.',
+        ),
     ] = None,
     output: Annotated[
         Path | None,
-        typer.Option("--output", help="JSONL results of --input; a rerun skips lines done."),
+        typer.Option(
+            "--output",
+            "-o",
+            metavar="FILE",
+            help="JSONL results of --input; a rerun skips lines done.",
+        ),
     ] = None,
-    lanes: Annotated[int, typer.Option("--lanes", help="Batch requests run together.")] = 1,
+    lanes: Annotated[
+        int, typer.Option("--lanes", metavar="N", help="Batch requests run together.")
+    ] = 1,
     as_json: o.Json = False,
-    *,
     run: o.RunOptions,
 ) -> None:
     """Reply with one JSON document valid against --schema (printed on stdout)."""
-    if not schema:
-        raise UserInputError("--schema is required (a JSON Schema file or inline JSON)")
     task = json_mode.JsonTask.create(
-        read_json_arg(schema, "schema"), read_instructions(instructions)
+        read_json_arg(schema, "schema"), o.text_or_file(instructions, "instructions")
     )
     params = run.sampling()
     o.positive(lanes=lanes)
@@ -73,6 +76,7 @@ def json_cmd(
         raise UserInputError("give prompts in the --input file or as an argument, not both")
     if output is None:
         raise UserInputError("--input needs --output FILE (the file a rerun resumes)")
+    check_output_dir(output, "--output")
     lines = read_input(input_path)
     engine = run.engine()
     plan = json_mode.plan_batch(engine, task, lines, input_path, output)
