@@ -3,6 +3,13 @@
 Requests run as lanes over one model and one cache. Each lane makes exactly the forward
 calls it would make alone (batch 1, canonical prefill), and lanes are interleaved call
 by call, so a reply never depends on what runs beside it.
+
+Warm-ahead lanes are low-priority work: they canonically prefill a token prefix the next
+request is expected to start with (a conversation plus its last reply) and keep its full
+blocks, only while no request is running. A request that arrives meanwhile takes over:
+an overlapping warm lane is stopped between two chunks and keeps what it computed, and
+the request resumes from there instead of redoing it. Warm lanes compute exactly the
+chunks a fresh prefill computes, so what they keep is canonical KV like any other.
 """
 
 from __future__ import annotations
@@ -11,20 +18,23 @@ import itertools
 import time
 from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
 from mlxcache.cache.base import NoCache, PrefixCache
-from mlxcache.detok import TextStream
+from mlxcache.config import default_block_size
+from mlxcache.decode import decode
 from mlxcache.errors import ContextLengthError, GenerationError, UserInputError
-from mlxcache.events import Done, Event, Prefill, Result, Stats, Token
+from mlxcache.events import Done, Event, Prefill, Result, Stats
 from mlxcache.model import LoadedModel
 from mlxcache.prefill import prefill
-from mlxcache.sampling import LogitsProcessor, SamplingParams, make_processors, make_sampler
+from mlxcache.sampling import LogitsProcessor, SamplingParams
 
-DEFAULT_BLOCK_SIZE = 256
+# Placeholder user messages: what two renders with different next messages share is the
+# part of the next prompt that does not depend on what the user types.
+_PROBES = ("\x01", "Z z")
 
 
 @dataclass(slots=True)
@@ -36,6 +46,22 @@ class Request:
     processors: list[LogitsProcessor] = field(default_factory=list)
     stop_tokens: frozenset[int] | None = None
     """Token ids that end the reply; default: the tokenizer's end-of-turn ids."""
+    stop_strings: tuple[str, ...] = ()
+    """Texts that end the reply; the reply's text stops before the first one."""
+
+
+@dataclass(slots=True)
+class _Lane:
+    gen: Generator[Event, None, None]
+    tokens: np.ndarray
+    warm: bool
+
+
+def common_prefix(a: Sequence[int] | np.ndarray, b: Sequence[int] | np.ndarray) -> int:
+    """Length of the longest common prefix of two token sequences."""
+    n = min(len(a), len(b))
+    diff = np.nonzero(np.asarray(a[:n]) != np.asarray(b[:n]))[0]
+    return int(diff[0]) if diff.size else n
 
 
 class Engine:
@@ -44,26 +70,35 @@ class Engine:
     Args:
         loaded: the model, tokenizer and model key from `mlxcache.model.load`.
         cache: a prefix cache (see `mlxcache.cache.store.PromptCache`); None keeps nothing.
-        block_size: the prefill chunk and cache block length (ignored when `cache` is given).
+        block_size: the prefill chunk of an engine without a cache (default: the device's
+            default block size); given with a cache, it must equal the cache's.
+
+    Raises:
+        ValueError: a block size below 1, or one that differs from the cache's.
     """
 
     def __init__(
         self,
         loaded: LoadedModel,
         cache: PrefixCache | None = None,
-        block_size: int = DEFAULT_BLOCK_SIZE,
+        *,
+        block_size: int | None = None,
     ) -> None:
-        if block_size < 1:
+        if block_size is not None and block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if cache is not None and block_size not in (None, cache.block_size):
+            raise ValueError(f"block_size {block_size} differs from the cache's {cache.block_size}")
         self.loaded = loaded
-        self.cache: PrefixCache = cache or NoCache(loaded.model, block_size)
+        self.cache: PrefixCache = cache or NoCache(loaded.model, block_size or default_block_size())
         self._ids = itertools.count()
-        self._lanes: dict[int, Generator[Event, None, None]] = {}
+        self._lanes: dict[int, _Lane] = {}  # insertion order = round-robin order
 
     @property
     def model(self) -> Any:
         """The mlx-lm model module (forward calls go through this attribute)."""
         return self.loaded.model
+
+    # -- encoding ---------------------------------------------------------------------------
 
     def encode_chat(self, messages: list[dict[str, Any]], **template_kwargs: Any) -> list[int]:
         """Token ids of `messages` rendered with the model's chat template, ready to reply."""
@@ -71,6 +106,20 @@ class Engine:
             messages, add_generation_prompt=True, **template_kwargs
         )
         return [int(t) for t in ids]
+
+    def encode_next_turn(self, messages: list[dict[str, Any]], **template_kwargs: Any) -> list[int]:
+        """The token prefix every next prompt of this conversation starts with.
+
+        `messages` ends with the last reply. The next prompt renders it followed by a new
+        user message; templates may render earlier turns differently once a turn follows
+        (e.g. dropping an assistant's reasoning), so this renders exactly that, with two
+        different placeholder messages, and keeps what both renders share.
+        """
+        a, b = (
+            self.encode_chat([*messages, {"role": "user", "content": p}], **template_kwargs)
+            for p in _PROBES
+        )
+        return a[: common_prefix(a, b)]
 
     def encode(self, text: str) -> list[int]:
         """Token ids of raw text (no template, no special tokens added)."""
@@ -88,8 +137,8 @@ class Engine:
                 f"{where} has {len(ids)} tokens; the model's context is {limit}"
             )
 
-    def submit(self, request: Request) -> int:
-        """Queue a request as a new lane; returns its id. Validates it first.
+    def check(self, request: Request) -> np.ndarray:
+        """The request's prompt as int32 ids, validated (safe to call from any thread).
 
         Raises:
             UserInputError: empty prompt.
@@ -99,24 +148,92 @@ class Engine:
         if tokens.size == 0:
             raise UserInputError("the prompt is empty")
         self.check_fits(tokens, "the prompt")
+        return tokens
+
+    # -- lanes ------------------------------------------------------------------------------
+
+    def submit(self, request: Request) -> int:
+        """Queue a request as a new lane; returns its id. Validates it first.
+
+        Warm lanes whose work this request would repeat stop now and keep what they
+        computed, so the request resumes from it.
+
+        Raises:
+            UserInputError: empty prompt.
+            ContextLengthError: the prompt leaves no room in the model's context.
+        """
+        tokens = self.check(request)
+        block = self.cache.block_size
+        for rid, lane in list(self._lanes.items()):
+            if lane.warm and common_prefix(lane.tokens, tokens) >= block:
+                self.cancel(rid)
         rid = next(self._ids)
-        self._lanes[rid] = self._lane(rid, tokens, request)
+        self._lanes[rid] = _Lane(self._lane(rid, tokens, request), tokens, warm=False)
         return rid
 
-    def run(self) -> Iterator[Event]:
-        """Advance every lane one model call at a time, round robin, until all are done."""
-        while self._lanes:
-            for rid in list(self._lanes):
-                event = next(self._lanes[rid], None)
-                if event is None:
-                    del self._lanes[rid]
-                    continue
-                yield event
-                if isinstance(event, Done):
-                    del self._lanes[rid]
+    def warm(self, tokens: Sequence[int] | np.ndarray) -> int | None:
+        """Queue low-priority work: prefill `tokens`' full blocks and keep them.
+
+        Runs only while no request does (`step`, `run(warm=True)`); a prefix already
+        cached costs a lookup. Returns the lane id, or None when there is nothing to do
+        (no cache, or shorter than one block).
+        """
+        ids = np.asarray(tokens, dtype=np.int32).reshape(-1)
+        block = self.cache.block_size
+        target = min(len(ids), self.loaded.context_length - 1) // block * block
+        if isinstance(self.cache, NoCache) or target == 0:
+            return None
+        ids = ids[:target]
+        for rid, lane in list(self._lanes.items()):  # superseded: the same or a shorter prefix
+            if lane.warm and common_prefix(lane.tokens, ids) == len(lane.tokens):
+                self.cancel(rid)
+        rid = next(self._ids)
+        self._lanes[rid] = _Lane(self._warm_lane(rid, ids), ids, warm=True)
+        return rid
+
+    def warm_chat(self, messages: list[dict[str, Any]], **template_kwargs: Any) -> int | None:
+        """Warm ahead for a conversation whose last message is the reply just given."""
+        return self.warm(self.encode_next_turn(messages, **template_kwargs))
+
+    @property
+    def busy(self) -> bool:
+        """Whether a request (not only warm-ahead work) is queued or running."""
+        return any(not lane.warm for lane in self._lanes.values())
+
+    @property
+    def warming(self) -> bool:
+        """Whether warm-ahead work is queued."""
+        return any(lane.warm for lane in self._lanes.values())
+
+    def step(self) -> list[Event]:
+        """One model call: the next request lane, round robin, else the oldest warm lane.
+
+        Returns the events of requests it produced (warm lanes produce none).
+        """
+        rid = next((r for r, lane in self._lanes.items() if not lane.warm), None)
+        if rid is None:
+            rid = next(iter(self._lanes), None)
+        if rid is None:
+            return []
+        lane = self._lanes.pop(rid)
+        try:
+            event = next(lane.gen, None)
+        except Exception as exc:  # a broken lane ends alone; its finally released its pin
+            event = (
+                None if lane.warm else Done(rid, Result("", [], "error", Stats(), error=str(exc)))
+            )
+        if event is None or isinstance(event, Done):
+            return [event] if event is not None and not lane.warm else []
+        self._lanes[rid] = lane  # to the back of the round
+        return [] if lane.warm else [event]
+
+    def run(self, warm: bool = False) -> Iterator[Event]:
+        """Advance the lanes until every request is done (and, with `warm`, warm-ahead too)."""
+        while self.busy or (warm and self._lanes):
+            yield from self.step()
 
     def generate(self, request: Request) -> Iterator[Event]:
-        """Run one request (other queued lanes advance too); yields its events.
+        """Run one request alone and yield its events; other lanes wait, untouched.
 
         Closing the iterator early (Ctrl-C, a consumer that stops) cancels the request.
         A failed request raises GenerationError here; `run()` instead ends it with a
@@ -124,20 +241,31 @@ class Engine:
         """
         rid = self.submit(request)
         try:
-            for event in self.run():
-                if event.request_id != rid:
-                    continue
-                if isinstance(event, Done) and event.result.error is not None:
-                    raise GenerationError(event.result.error)
+            while rid in self._lanes:
+                event = next(self._lanes[rid].gen, None)
+                if event is None:
+                    break
+                if isinstance(event, Done):
+                    del self._lanes[rid]
+                    if event.result.error is not None:
+                        raise GenerationError(event.result.error)
                 yield event
         finally:
             self.cancel(rid)
 
     def cancel(self, rid: int) -> None:
-        """Stop a request now: its pin is released and it yields nothing more."""
+        """Stop a lane now: its pin is released and it yields nothing more.
+
+        A lane stopped during prefill keeps the full blocks it has computed.
+        """
         lane = self._lanes.pop(rid, None)
         if lane is not None:
-            lane.close()
+            lane.gen.close()
+
+    def cancel_warm(self) -> None:
+        """Stop every warm-ahead lane (each keeps the full blocks it has computed)."""
+        for rid in [r for r, lane in self._lanes.items() if lane.warm]:
+            self.cancel(rid)
 
     def complete(self, request: Request) -> Result:
         """Run one request to the end and return its result.
@@ -152,16 +280,48 @@ class Engine:
 
     # -- one lane -----------------------------------------------------------------------
 
+    def _miss_reason(self, n: int) -> str:
+        """Why a request of n tokens resumed nothing."""
+        if isinstance(self.cache, NoCache):
+            return "cache off"
+        if n <= self.cache.block_size:
+            return f"shorter than one block ({self.cache.block_size} tokens)"
+        return "no cached prefix"
+
     def _lane(self, rid: int, tokens: np.ndarray, req: Request) -> Generator[Event, None, None]:
-        stats = Stats(prompt_tokens=int(tokens.size))
+        n = int(tokens.size)
+        stats = Stats(prompt_tokens=n)
         start = time.perf_counter()
         resume = self.cache.restore(tokens)
         try:
             stats.cached_tokens = resume.length
-            stats.prefilled_tokens = int(tokens.size) - resume.length
+            stats.prefilled_tokens = n - resume.length
+            stats.miss_reason = "" if resume.length else self._miss_reason(n)
             stats.restore_s = time.perf_counter() - start
-            logits = yield from self._prefill(rid, tokens, resume.layers, resume.length)
-            result = yield from self._decode(rid, tokens, req, resume.layers, logits, stats, start)
+            block = self.cache.block_size
+            # Trimmable KV is kept after the prompt's last full block; a whole-state
+            # checkpoint (recurrent / rotating layers) must be taken at the last boundary
+            # before the end, so that the same prompt can resume from it.
+            keep_at = (n // block if self.cache.trimmable else (n - 1) // block) * block
+            logits = yield from self._prefill(rid, tokens, resume.layers, resume.length, keep_at)
+            stop = req.stop_tokens
+            if stop is None:
+                stop = frozenset(self.loaded.tokenizer.eos_token_ids)
+            result = yield from decode(
+                self.model,
+                self.loaded.tokenizer,
+                rid,
+                tokens,
+                resume.layers,
+                logits,
+                sampling=req.sampling,
+                processors=req.processors,
+                stop_tokens=stop,
+                stop_strings=req.stop_strings,
+                budget=min(req.sampling.max_tokens, self.loaded.context_length - n),
+                stats=stats,
+                start=start,
+            )
         except GenerationError as exc:
             # This request fails alone: the lanes beside it go on.
             result = Result("", [], "error", stats, error=str(exc))
@@ -169,97 +329,49 @@ class Engine:
             self.cache.release(resume)
         yield Done(rid, result)  # after the release: a finished request holds no pin
 
+    def _warm_lane(self, rid: int, tokens: np.ndarray) -> Generator[Event, None, None]:
+        # A request needs one token left to prefill, so lookups stop a block short of a
+        # prompt that is all full blocks; a warm lane needs no logits: look up one more.
+        probe = np.append(tokens, np.int32(-1))
+        resume = self.cache.restore(probe)
+        try:
+            if resume.length < len(tokens):
+                yield from self._prefill(rid, tokens, resume.layers, resume.length, len(tokens))
+        finally:
+            self.cache.release(resume)
+
     def _prefill(
-        self, rid: int, tokens: np.ndarray, layers: list[Any], start: int
+        self,
+        rid: int,
+        tokens: np.ndarray,
+        layers: list[Any],
+        start: int,
+        keep_at: int,
     ) -> Generator[Event, None, mx.array]:
-        """Prefill tokens[start:] canonically, keep the prompt's blocks; returns last logits."""
+        """Prefill tokens[start:] canonically and keep tokens[:keep_at]; returns last logits.
+
+        Stopped early (cancelled, interrupted), it keeps the full blocks it computed.
+        """
         n, block = int(tokens.size), self.cache.block_size
-        # Trimmable KV is kept after the prompt (its full blocks); a whole-state checkpoint
-        # (recurrent / rotating layers) must be taken at the last boundary before the end.
-        keep_at = (n // block if self.cache.trimmable else (n - 1) // block) * block
+        done = kept = start
         logits = None
-        for stop, out in prefill(self.model, layers, tokens, start, block):
-            logits = out
-            if stop == keep_at and keep_at > start and not self.cache.trimmable:
-                self.cache.keep(tokens[:keep_at], layers)
-            yield Prefill(rid, stop, n)
-        if keep_at > start and self.cache.trimmable:
-            self.cache.keep(tokens[:keep_at], layers)
+        at_chunk_end = False  # the layers hold exactly `done` tokens
+        try:
+            for stop, out in prefill(self.model, layers, tokens, start, block):
+                done, logits, at_chunk_end = stop, out, True
+                if stop == keep_at and keep_at > start:
+                    self.cache.keep(tokens[:keep_at], layers)
+                    kept = keep_at
+                yield Prefill(rid, stop, n)
+                at_chunk_end = False
+        except BaseException:
+            # Cancelled between chunks (GeneratorExit) or interrupted inside one: what is
+            # fully computed is canonical KV. A trimmable cache cuts it out of any state; a
+            # whole-state checkpoint needs the layers to hold exactly `done` tokens.
+            usable = done % block == 0 and (self.cache.trimmable or at_chunk_end)
+            if done > kept and usable:
+                self.cache.keep(tokens[:done], layers)
+            raise
         if logits is None:  # prefill() always ends with the logits chunk
             raise GenerationError("prefill produced no logits")
         return logits
-
-    def _decode(
-        self,
-        rid: int,
-        prompt: np.ndarray,
-        req: Request,
-        layers: list[Any],
-        logits: mx.array,
-        stats: Stats,
-        start: float,
-    ) -> Generator[Event, None, Result]:
-        sampling = req.sampling
-        sampler = make_sampler(sampling)
-        # Sampling's own processors (repetition penalty) first, then the request's (grammar).
-        processors = [*make_processors(sampling), *req.processors]
-        stop = req.stop_tokens
-        if stop is None:
-            stop = frozenset(self.loaded.tokenizer.eos_token_ids)
-        room = self.loaded.context_length - int(prompt.size)
-        budget = min(sampling.max_tokens, room)
-        # Token history for processors, kept on the host: an mx.array made from host data is
-        # readable at once, while a lazy concatenate would queue behind the forward in flight
-        # and stall the grammar's mask computation that should overlap it.
-        host = np.empty(prompt.size + budget, dtype=np.int32)
-        host[: prompt.size] = prompt
-        history = mx.array(prompt)
-        text = TextStream(self.loaded.tokenizer)
-        out: list[int] = []
-        pieces: list[str] = []
-        finish = "length"
-
-        def pick(logits: mx.array) -> mx.array:
-            for proc in processors:
-                logits = proc(history, logits)
-            return sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
-
-        y = pick(logits)
-        mx.async_eval(y)
-        decode_start = 0.0
-        nxt = y
-        while True:
-            more = len(out) + 1 < budget
-            if more:
-                # Queue the next forward before waiting on this token: graph building
-                # overlaps compute (as mlx-lm does). Without processors the sampling is
-                # queued too; a processor (grammar) must see the token first.
-                nxt = self.model(y.reshape(1, 1), cache=layers)[:, -1, :]
-                nxt = pick(nxt) if not processors else nxt
-                mx.async_eval(nxt)
-            token = cast(int, y.item())
-            if not out:
-                stats.ttft_s = time.perf_counter() - start
-                decode_start = time.perf_counter()
-            if token in stop:
-                finish = "stop"
-                break
-            out.append(token)
-            piece = text.add(token)
-            pieces.append(piece)
-            yield Token(rid, token, piece)
-            if not more:
-                break
-            if processors:
-                host[prompt.size + len(out) - 1] = token
-                history = mx.array(host[: prompt.size + len(out)])
-                nxt = pick(nxt)
-                mx.async_eval(nxt)
-            y = nxt
-        tail = text.flush()
-        if tail:
-            pieces.append(tail)
-            yield Token(rid, out[-1], tail)
-        stats.generated_tokens = len(out)
-        stats.decode_s = time.perf_counter() - decode_start
-        return Result("".join(pieces), out, finish, stats)

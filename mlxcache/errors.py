@@ -64,3 +64,7 @@ class GenerationError(MlxcacheError):
 
 class OutputError(GenerationError):
     """A constrained reply that cannot be used: cut off at the token limit, or invalid."""
+
+
+class QueueFullError(MlxcacheError):
+    """Too many requests are waiting for the engine; try again later."""

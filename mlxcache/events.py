@@ -17,6 +17,8 @@ class Stats:
     restore_s: float = 0.0
     ttft_s: float = 0.0
     decode_s: float = 0.0
+    miss_reason: str = ""
+    """Why nothing was resumed, when `cached_tokens` is 0 (e.g. shorter than one block)."""
 
     @property
     def decode_tps(self) -> float:

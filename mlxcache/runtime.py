@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from mlxcache.cache.base import NoCache, PrefixCache
 from mlxcache.cache.store import PromptCache
 from mlxcache.config import CacheConfig
 from mlxcache.engine import Engine
@@ -14,10 +15,10 @@ from mlxcache.paths import kv_dir
 
 def make_cache(
     loaded: LoadedModel, cache: CacheConfig, on_warning: Callable[[str], None] | None = None
-) -> PromptCache | None:
-    """The prompt cache `cache` describes for `loaded` (None when caching is off)."""
+) -> PrefixCache:
+    """The prompt cache `cache` describes for `loaded` (one that keeps nothing when off)."""
     if not cache.enabled:
-        return None
+        return NoCache(loaded.model, cache.block_size)
     root = kv_dir(cache.directory) if cache.disk_bytes > 0 else None
     return PromptCache(loaded.model, loaded.key, cache, root=root, on_warning=on_warning)
 
@@ -37,5 +38,5 @@ def open_engine(
         on_warning: called with one-line warnings (e.g. the disk tier had to be disabled).
     """
     cache = cache or CacheConfig()
-    loaded = load(model, cache_root=cache.directory, progress=progress)
-    return Engine(loaded, make_cache(loaded, cache, on_warning), block_size=cache.block_size)
+    loaded = load(model, cache_root=cache.directory, progress=progress, on_warning=on_warning)
+    return Engine(loaded, make_cache(loaded, cache, on_warning))

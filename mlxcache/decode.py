@@ -1,0 +1,100 @@
+"""The decode loop of one request: sample, stream text, stop on end tokens or stop strings."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Generator
+from typing import Any, cast
+
+import mlx.core as mx
+import numpy as np
+
+from mlxcache.detok import TextStream
+from mlxcache.events import Result, Stats, Token
+from mlxcache.sampling import SamplingParams, make_processors, make_sampler
+from mlxcache.stops import StopScanner
+
+
+def decode(
+    model: Any,
+    tokenizer: Any,
+    rid: int,
+    prompt: np.ndarray,
+    layers: list[Any],
+    logits: mx.array,
+    *,
+    sampling: SamplingParams,
+    processors: list[Any],
+    stop_tokens: frozenset[int],
+    stop_strings: tuple[str, ...],
+    budget: int,
+    stats: Stats,
+    start: float,
+) -> Generator[Token, None, Result]:
+    """Generate up to `budget` tokens after `prompt`, whose last logits are `logits`.
+
+    Yields one `Token` per generated token (its text may be empty while a character or a
+    possible stop string is incomplete) and returns the `Result`.
+    """
+    sampler = make_sampler(sampling)
+    # Sampling's own processors (repetition penalty) first, then the request's (grammar).
+    procs = [*make_processors(sampling), *processors]
+    # Token history for processors, kept on the host: an mx.array made from host data is
+    # readable at once, while a lazy concatenate would queue behind the forward in flight
+    # and stall the grammar's mask computation that should overlap it.
+    host = np.empty(prompt.size + budget, dtype=np.int32)
+    host[: prompt.size] = prompt
+    history = mx.array(prompt)
+    text = TextStream(tokenizer)
+    stops = StopScanner(stop_strings)
+    out: list[int] = []
+    pieces: list[str] = []
+    finish = "length"
+
+    def pick(logits: mx.array) -> mx.array:
+        for proc in procs:
+            logits = proc(history, logits)
+        return sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+
+    y = pick(logits)
+    mx.async_eval(y)
+    decode_start = 0.0
+    nxt = y
+    while True:
+        more = len(out) + 1 < budget
+        if more:
+            # Queue the next forward before waiting on this token: graph building overlaps
+            # compute (as mlx-lm does). Without processors the sampling is queued too; a
+            # processor (grammar) must see the token first.
+            nxt = model(y.reshape(1, 1), cache=layers)[:, -1, :]
+            nxt = pick(nxt) if not procs else nxt
+            mx.async_eval(nxt)
+        token = cast(int, y.item())
+        if not out:
+            stats.ttft_s = time.perf_counter() - start
+            decode_start = time.perf_counter()
+        if token in stop_tokens:
+            finish = "stop"
+            break
+        out.append(token)
+        piece = stops.feed(text.add(token))
+        pieces.append(piece)
+        yield Token(rid, token, piece)
+        if stops.stopped:
+            finish = "stop"
+            break
+        if not more:
+            break
+        if procs:
+            host[prompt.size + len(out) - 1] = token
+            history = mx.array(host[: prompt.size + len(out)])
+            nxt = pick(nxt)
+            mx.async_eval(nxt)
+        y = nxt
+    tail = stops.feed(text.flush()) + stops.flush()
+    if tail:
+        pieces.append(tail)
+        yield Token(rid, out[-1], tail)
+    stats.generated_tokens = len(out)
+    stats.decode_s = time.perf_counter() - decode_start
+    return Result("".join(pieces), out, finish, stats)

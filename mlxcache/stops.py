@@ -1,0 +1,58 @@
+"""Stop strings over streamed text: hold back what may begin a stop, cut at the first one."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class StopScanner:
+    """Filters streamed text pieces so that no stop string (nor the text after it) is emitted.
+
+    Text that could be the start of a stop string is held back until the next piece
+    decides it; `flush()` releases it at the end of the reply.
+    """
+
+    __slots__ = ("_sent", "_stops", "_text", "stopped")
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self._stops = [s for s in stops if s]
+        self._text = ""
+        self._sent = 0  # characters of _text already emitted
+        self.stopped = False
+
+    def _held(self) -> int:
+        """Length of the longest tail of the text that is a proper prefix of a stop."""
+        best = 0
+        for stop in self._stops:
+            for n in range(min(len(stop) - 1, len(self._text)), best, -1):
+                if self._text.endswith(stop[:n]):
+                    best = n
+                    break
+        return best
+
+    def feed(self, piece: str) -> str:
+        """Add a piece of reply text; return the text that is safe to emit now."""
+        if self.stopped:
+            return ""
+        if not self._stops:
+            return piece
+        # A stop may begin in text held back earlier, never before it.
+        start = self._sent
+        self._text += piece
+        hits = [i for s in self._stops if (i := self._text.find(s, start)) >= 0]
+        if hits:
+            end = min(hits)
+            self.stopped = True
+        else:
+            end = max(self._sent, len(self._text) - self._held())
+        out = self._text[self._sent : end]
+        self._sent = end
+        return out
+
+    def flush(self) -> str:
+        """The text still held back (none after a stop)."""
+        if self.stopped:
+            return ""
+        out = self._text[self._sent :]
+        self._sent = len(self._text)
+        return out

@@ -1,0 +1,271 @@
+"""A thread that owns the engine: every MLX call runs on it; other threads send it work.
+
+MLX streams belong to the thread that made them, so one thread drives the model, and
+other threads (a chat prompt waiting for the user, HTTP handlers) talk to it through a
+queue. While no request runs, the worker advances warm-ahead lanes; a request that
+arrives waits at most for the model call in flight.
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import queue
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import mlx.core as mx
+
+from mlxcache.engine import Engine, Request
+from mlxcache.errors import GenerationError, QueueFullError, UserInputError
+from mlxcache.events import Done, Event, Result, Stats
+
+T = TypeVar("T")
+Sink = Callable[[Event], None]
+"""Receives a request's events, on the worker thread; the last one is always a `Done`."""
+
+CANCELLED = "cancelled"
+"""finish_reason of the `Done` a cancelled request's sink receives."""
+
+
+@dataclass(eq=False, slots=True)
+class Handle:
+    """A submitted request. `cancel()` is thread-safe."""
+
+    id: int
+    _worker: EngineWorker = field(repr=False)
+
+    def cancel(self) -> None:
+        """Stop the request before its next model call; its cache pin is released."""
+        self._worker._send(("cancel", self))
+
+
+@dataclass(eq=False, slots=True)
+class _Job:
+    handle: Handle
+    request: Request
+    sink: Sink
+    rid: int | None = None  # the engine's lane id, once admitted
+
+
+def _cancelled() -> Result:
+    return Result("", [], CANCELLED, Stats())
+
+
+class EngineWorker:
+    """Runs `engine` on its own thread.
+
+    Args:
+        engine: the engine; once started, only the worker thread may use it.
+        max_lanes: requests run together (interleaved); more wait in a queue.
+        max_queue: requests that may wait; one more raises QueueFullError (0: no limit).
+    """
+
+    def __init__(self, engine: Engine, *, max_lanes: int = 4, max_queue: int = 0) -> None:
+        if max_lanes < 1 or max_queue < 0:
+            raise ValueError("max_lanes must be >= 1 and max_queue >= 0")
+        self.engine = engine
+        self.max_lanes = max_lanes
+        self.max_queue = max_queue
+        self._inbox: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self._waiting = 0  # submitted, not yet admitted to the engine
+        self._pending: deque[_Job] = deque()
+        self._active: dict[int, _Job] = {}  # engine lane id -> job
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="mlxcache-engine", daemon=True)
+
+    # -- any thread -------------------------------------------------------------------------
+
+    def start(self) -> EngineWorker:
+        self._thread.start()
+        return self
+
+    def __enter__(self) -> EngineWorker:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self, cancel: bool = False) -> None:
+        """Stop taking requests, finish (or, with `cancel`, cancel) the ones in flight, join."""
+        self._send(("stop", cancel))
+        if self._thread.is_alive():
+            self._thread.join()
+        # Arrays the worker's stream made and that only cycles still hold must go now: freed
+        # at interpreter exit, after MLX's own teardown, they abort the process.
+        gc.collect()
+
+    @property
+    def waiting(self) -> int:
+        """Requests submitted and not yet started."""
+        return self._waiting
+
+    def submit(self, request: Request, sink: Sink) -> Handle:
+        """Queue a request; `sink` receives its events on the worker thread.
+
+        Raises:
+            UserInputError: empty prompt, or the worker is closed.
+            ContextLengthError: the prompt leaves no room in the model's context.
+            QueueFullError: `max_queue` requests are already waiting.
+        """
+        self.engine.check(request)
+        with self._lock:
+            if self._stopping:
+                raise UserInputError("the engine is shutting down")
+            if self.max_queue and self._waiting >= self.max_queue:
+                raise QueueFullError(f"{self._waiting} requests are already waiting")
+            self._waiting += 1
+        handle = Handle(next(self._ids), self)
+        self._send(("submit", _Job(handle, request, sink)))
+        return handle
+
+    def generate(self, request: Request) -> Iterator[Event]:
+        """Run a request and yield its events here (as `Engine.generate` does).
+
+        Closing the iterator early cancels the request.
+
+        Raises:
+            GenerationError: the request failed.
+        """
+        events: queue.SimpleQueue[Event] = queue.SimpleQueue()
+        handle = self.submit(request, events.put)
+        done = False
+        try:
+            while not done:
+                event = events.get()
+                if isinstance(event, Done):
+                    done = True
+                    if event.result.error is not None:
+                        raise GenerationError(event.result.error)
+                yield event
+        finally:
+            if not done:
+                handle.cancel()
+
+    def complete(self, request: Request) -> Result:
+        """Run a request to the end and return its result."""
+        for event in self.generate(request):
+            if isinstance(event, Done):
+                return event.result
+        raise GenerationError("the request ended without a result")  # unreachable by design
+
+    def encode_chat(self, messages: list[dict[str, Any]], **template_kwargs: Any) -> list[int]:
+        """`Engine.encode_chat` (tokenizing is pure Python: it runs on the caller's thread)."""
+        return self.engine.encode_chat(messages, **template_kwargs)
+
+    def warm(self, tokens: Any) -> None:
+        """Queue warm-ahead of a token prefix (see `Engine.warm`)."""
+        self._send(("call", lambda e: e.warm(tokens), None))
+
+    def warm_chat(self, messages: list[dict[str, Any]], **template_kwargs: Any) -> None:
+        """Queue warm-ahead of a conversation ending with the reply just given."""
+        self._send(("call", lambda e: e.warm_chat(messages, **template_kwargs), None))
+
+    def call(self, fn: Callable[[Engine], T]) -> T:
+        """Run `fn(engine)` on the worker thread, between two model calls; return its result."""
+        future: Future[T] = Future()
+        self._send(("call", fn, future))
+        return future.result()
+
+    def _send(self, message: tuple[Any, ...]) -> None:
+        self._inbox.put(message)
+
+    # -- the worker thread ------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        # MLX streams are per thread: this one gets its own on the engine's device.
+        stream = mx.new_stream(mx.default_device())
+        mx.set_default_stream(stream)
+        while True:
+            idle = not (self._active or self._pending or self.engine.warming)
+            if self._stopping and not (self._active or self._pending):
+                break
+            self._read_inbox(block=idle)
+            self._admit()
+            for event in self.engine.step():
+                self._deliver(event)
+        self.engine.cancel_warm()
+        mx.synchronize(stream)  # work still queued on this thread's stream must not outlive it
+
+    def _read_inbox(self, block: bool) -> None:
+        try:
+            message = self._inbox.get(block=block)
+        except queue.Empty:
+            return
+        while True:
+            self._handle(message)
+            try:
+                message = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, message: tuple[Any, ...]) -> None:
+        kind = message[0]
+        if kind == "submit":
+            self._pending.append(message[1])
+        elif kind == "cancel":
+            self._cancel(message[1])
+        elif kind == "call":
+            _, fn, future = message
+            try:
+                value = fn(self.engine)
+            except Exception as exc:
+                if future is not None:
+                    future.set_exception(exc)
+            else:
+                if future is not None:
+                    future.set_result(value)
+        elif kind == "stop":
+            with self._lock:
+                self._stopping = True
+            if message[1]:
+                for job in [*self._pending, *self._active.values()]:
+                    self._cancel(job.handle)
+
+    def _admit(self) -> None:
+        while self._pending and len(self._active) < self.max_lanes:
+            job = self._pending.popleft()
+            with self._lock:
+                self._waiting -= 1
+            try:
+                job.rid = self.engine.submit(job.request)
+            except Exception as exc:  # checked at submit already; the state may have changed
+                self._send_to(job, Done(-1, Result("", [], "error", Stats(), error=str(exc))))
+                continue
+            self._active[job.rid] = job
+
+    def _cancel(self, handle: Handle) -> None:
+        job = next((j for j in self._pending if j.handle is handle), None)
+        if job is not None:
+            self._pending.remove(job)
+            with self._lock:
+                self._waiting -= 1
+        else:
+            job = next((j for j in self._active.values() if j.handle is handle), None)
+            if job is None or job.rid is None:
+                return  # already finished
+            self.engine.cancel(job.rid)
+            del self._active[job.rid]
+        self._send_to(job, Done(-1 if job.rid is None else job.rid, _cancelled()))
+
+    def _deliver(self, event: Event) -> None:
+        job = self._active.get(event.request_id)
+        if job is None:
+            return
+        if isinstance(event, Done):
+            del self._active[event.request_id]
+        self._send_to(job, event)
+
+    def _send_to(self, job: _Job, event: Event) -> None:
+        try:
+            job.sink(event)
+        except Exception:  # a broken consumer must not stop the engine: drop its request
+            if job.rid is not None and job.rid in self._active:
+                self.engine.cancel(job.rid)
+                del self._active[job.rid]
