@@ -109,7 +109,11 @@ class DiskTier:
         except OSError as exc:
             raise CacheStoreError(f"cannot open the disk cache at {root}: {exc}") from exc
         try:
-            self._db = sqlite3.connect(root / INDEX, timeout=30, isolation_level=None)
+            # Opened where the engine is built, then used by the engine worker's thread
+            # (one thread at a time): sqlite3's same-thread check would refuse that.
+            self._db = sqlite3.connect(
+                root / INDEX, timeout=30, isolation_level=None, check_same_thread=False
+            )
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA foreign_keys=ON")
             self._db.executescript(_SCHEMA)
