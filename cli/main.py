@@ -45,7 +45,7 @@ class Group(TyperGroup):
         except click_errors.ClickException as exc:
             ui.error(usage_message(exc))
             sys.exit(exc.exit_code)
-        except click_errors.Abort:
+        except typer.Abort:
             ui.error("aborted")
             sys.exit(1)
         sys.exit(code if isinstance(code, int) else 0)
@@ -109,8 +109,10 @@ def exit_code(exc: MlxcacheError) -> int:
     return 2 if isinstance(exc, UserInputError) else 1
 
 
-def command(fn: Callable[..., None], name: str | None = None, app: typer.Typer = app) -> None:
-    """Register `fn`, turning domain errors into one red line and an exit code."""
+def command(
+    fn: Callable[..., None], name: str | None = None, app: typer.Typer = app, examples: str = ""
+) -> None:
+    """Register `fn` with its examples, turning domain errors into one red line and an exit code."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> None:
@@ -125,34 +127,85 @@ def command(fn: Callable[..., None], name: str | None = None, app: typer.Typer =
             ui.error("interrupted")
             raise typer.Exit(130) from None
 
-    app.command(name)(wrapper)
+    epilog = "Examples:\n" + "\n".join(f"  {line}" for line in examples.strip().splitlines())
+    app.command(name, epilog=epilog if examples else None)(wrapper)
 
 
-command(generate)
-command(chat_cmd, "chat")
-
+command(
+    generate,
+    examples="""
+mlxcache generate "Why is the sky blue?"
+mlxcache generate -s @system.txt -n 512 -f notes.txt
+git diff | mlxcache generate --raw --stop "\\n\\n" -
+mlxcache generate --json --temp 0.7 --top-k 40 --seed 1 "A haiku about caches"
+""",
+)
+command(
+    chat_cmd,
+    "chat",
+    examples="""
+mlxcache chat -s "Answer in one sentence."
+mlxcache chat --list
+mlxcache chat --resume work -t 0.7
+printf 'hi\\nand again\\n' | mlxcache chat
+""",
+)
+command(
+    json_cmd,
+    "json",
+    examples="""
+mlxcache json --schema person.json "Ada Lovelace, born 1815 in London"
+mlxcache json --schema '{"type": "object"}' -f letter.txt
+mlxcache json --schema person.json --instructions @rules.txt --input people.jsonl -o out.jsonl
+""",
+)
+command(
+    tools_cmd,
+    "tools",
+    examples="""
+mlxcache tools --tools tools.json "What is the weather in Paris?"
+mlxcache tools --tools tools.json --messages prev.json --tool-result get_weather='{"c": 21}'
+""",
+)
 cache_app = typer.Typer(help="Show and manage the prompt cache's disk tier.", no_args_is_help=True)
-for fn in (cache_cmd.stats, cache_cmd.ls, cache_cmd.clear, cache_cmd.prune):
-    command(fn, app=cache_app)
+command(
+    cache_cmd.stats, app=cache_app, examples="mlxcache cache stats\nmlxcache cache stats --check"
+)
+command(cache_cmd.ls, app=cache_app, examples="mlxcache cache ls\nmlxcache cache ls --json | jq .")
+command(cache_cmd.clear, app=cache_app, examples="mlxcache cache clear")
+command(cache_cmd.prune, app=cache_app, examples="mlxcache cache prune --max-size 5G")
 app.add_typer(cache_app, name="cache")
 
 bench_app = typer.Typer(
     help="Benchmarks: one JSON line each, against a baseline run beside.", no_args_is_help=True
 )
-for fn in (bench.decode, bench.index, bench.resume, bench.json):
-    command(fn, app=bench_app)
+command(bench.decode, app=bench_app, examples="mlxcache bench decode --tokens 64 --rounds 5")
+command(bench.index, app=bench_app, examples="mlxcache bench index --slots 500")
+command(bench.resume, app=bench_app, examples="mlxcache bench resume --turns 6")
+command(bench.json, app=bench_app, examples="mlxcache bench json --lines 12")
 app.add_typer(bench_app, name="bench")
 
 models_app = typer.Typer(help="Converted models and what a model spec loads.", no_args_is_help=True)
-for fn in (models_cmd.ls, models_cmd.info):
-    command(fn, app=models_app)
+command(models_cmd.ls, app=models_app, examples="mlxcache models ls")
+command(
+    models_cmd.info,
+    app=models_app,
+    examples="mlxcache models info\nmlxcache models info -m ./llama-3.2-1b.Q4_0.gguf --json",
+)
 app.add_typer(models_app, name="models")
 
 regress_app = typer.Typer(
     help="Byte-identical regression runs against a golden file.", no_args_is_help=True
 )
-for fn in (regress_cmd.record, regress_cmd.check):
-    command(fn, app=regress_app)
+command(
+    regress_cmd.record,
+    app=regress_app,
+    examples="mlxcache regress record suite.yaml -o golden.json",
+)
+command(
+    regress_cmd.check,
+    app=regress_app,
+    examples="mlxcache regress check suite.yaml golden.json\n"
+    "mlxcache regress check suite.yaml golden.json --variants cold,warm --json",
+)
 app.add_typer(regress_app, name="regress")
-command(json_cmd, "json")
-command(tools_cmd, "tools")

@@ -162,17 +162,19 @@ System = Annotated[
         "--system",
         "-s",
         metavar="TEXT|@FILE",
-        help="System message: the text, or @FILE to read it.",
+        help="System message: the text, or @FILE (or a file's path) to read it.",
     ),
 ]
 Json = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of plain text.")]
 
 
 def text_or_file(value: str | None, what: str) -> str | None:
-    """A text option's value: `@FILE` reads FILE, anything else is the text itself."""
-    if value is None or not value.startswith("@"):
-        return value
-    path = Path(value[1:]).expanduser()
+    """A text option's value: `@FILE` or the path of an existing file is read; else the text."""
+    if value is None:
+        return None
+    path = Path(value[1:] if value.startswith("@") else value).expanduser()
+    if not value.startswith("@") and not path.is_file():
+        return utf8(value, f"--{what}")
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
@@ -222,6 +224,19 @@ def engine(model: str | None, cache: CacheConfig) -> Engine:
         return open_engine(model, cache, progress=update, on_warning=ui.warn)
 
 
+def utf8(value: str | bytes, what: str) -> str:
+    """`value` as text, refusing bytes that are not UTF-8.
+
+    Stdin and argv may carry any bytes; Python keeps undecodable ones as lone surrogates,
+    which no tokenizer takes.
+    """
+    try:
+        data = value if isinstance(value, bytes) else value.encode("utf-8", "surrogateescape")
+        return data.decode("utf-8")
+    except UnicodeError as exc:
+        raise UserInputError(f"{what} is not valid UTF-8") from exc
+
+
 def read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
     """The prompt from the argument, `-` (stdin) or --prompt-file; never empty."""
     if prompt is not None and prompt_file is not None:
@@ -236,9 +251,9 @@ def read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
             raise UserInputError(
                 "no prompt: pass it as an argument, '-' for stdin, or --prompt-file"
             )
-        text = sys.stdin.read()
+        text = utf8(sys.stdin.buffer.read(), "stdin")
     else:
-        text = prompt
+        text = utf8(prompt, "the prompt")
     if not text.strip():
         raise UserInputError("the prompt is empty")
     return text

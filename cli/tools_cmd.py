@@ -45,35 +45,51 @@ def tools_cmd(
         str | None,
         typer.Argument(help="The user message; '-' reads stdin (optional with --messages)."),
     ] = None,
+    *,
     tools_file: Annotated[
-        str, typer.Option("--tools", help="Function definitions (OpenAI style), file or JSON.")
-    ] = "",
+        str,
+        typer.Option(
+            "--tools",
+            metavar="JSON|FILE",
+            help="Function definitions (OpenAI style): inline JSON, a file or @FILE.",
+        ),
+    ],
     tool_choice: Annotated[
-        str, typer.Option("--tool-choice", help="auto | required | none | a function name.")
+        str,
+        typer.Option(
+            "--tool-choice", metavar="CHOICE", help="auto | required | none | a function name."
+        ),
     ] = "auto",
     prompt_file: o.PromptFile = None,
     system: o.System = None,
     messages_file: Annotated[
         str | None,
-        typer.Option("--messages", help='Prior conversation: the "messages" of a --json output.'),
+        typer.Option(
+            "--messages",
+            metavar="FILE",
+            help='Prior conversation: the "messages" of a --json output.',
+        ),
     ] = None,
     tool_result: Annotated[
         list[str] | None,
-        typer.Option("--tool-result", help="NAME=JSON: a called function's result (repeatable)."),
+        typer.Option(
+            "--tool-result",
+            metavar="NAME=JSON",
+            help="A called function's result (repeatable).",
+        ),
     ] = None,
     parallel: Annotated[
         bool, typer.Option("--parallel", help="Allow several calls in one reply.")
     ] = False,
     as_json: o.Json = False,
-    *,
     run: o.RunOptions,
 ) -> None:
     """Reply to PROMPT with text and/or calls to the functions in --tools."""
-    if not tools_file:
-        raise UserInputError("--tools is required (a JSON file of function definitions)")
     tools = parse_tools(read_json_arg(tools_file, "tools"), f"tools {tools_file}")
     choice = ToolChoice.parse(tool_choice, tools)
-    messages, system = _conversation(messages_file, system, tool_result or [])
+    messages, system = _conversation(
+        messages_file, o.text_or_file(system, "system"), tool_result or []
+    )
     if prompt is not None or prompt_file is not None or not messages:
         messages.append({"role": "user", "content": o.read_prompt(prompt, prompt_file)})
     if messages[-1]["role"] == "assistant":

@@ -145,7 +145,7 @@ def test_cut_off_reply_says_so(cache_root: Path, tiny_gguf: Path) -> None:
 # -- bad input: exit 2, one line, nothing written -----------------------------------------
 
 BAD = [
-    (["hi"], "error: --schema is required (a JSON Schema file or inline JSON)"),
+    (["hi"], "error: Missing option '--schema'. (see 'mlxcache json --help')"),
     (
         ["hi", "--schema", '{"type": "object",'],
         "error: schema is not JSON: Expecting property name enclosed in double quotes at line 1 column 19",
@@ -181,8 +181,8 @@ BAD = [
         "error: {bad} line 2: not JSON: Expecting value at column 1",
     ),
     (
-        ["hi", "--schema", SHORT, "--instructions", "/no/instr.txt"],
-        "error: cannot read instructions file /no/instr.txt: [Errno 2] No such file or directory: '/no/instr.txt'",
+        ["hi", "--schema", SHORT, "--instructions", "@/no/instr.txt"],
+        "error: cannot read instructions file /no/instr.txt: No such file or directory",
     ),
 ]
 

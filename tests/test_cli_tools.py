@@ -85,7 +85,7 @@ CONV = [
     },
 ]
 BAD = [
-    (["hi"], "error: --tools is required (a JSON file of function definitions)"),
+    (["hi"], "error: Missing option '--tools'. (see 'mlxcache tools --help')"),
     (
         ["hi", "--tools", "/no/tools.json"],
         "error: cannot read tools file /no/tools.json: No such file or directory",

@@ -1,0 +1,74 @@
+"""The `mlxcache` command itself: version, help, usage errors as one line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from mlxcache import __version__
+from mlxcache_cli.main import app
+
+runner = CliRunner()
+
+COMMANDS = [
+    ["generate"], ["chat"], ["json"], ["tools"],
+    ["cache", "stats"], ["cache", "ls"], ["cache", "clear"], ["cache", "prune"],
+    ["bench", "decode"], ["bench", "index"], ["bench", "resume"], ["bench", "json"],
+    ["models", "ls"], ["models", "info"], ["regress", "record"], ["regress", "check"],
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("flag", ["--version", "-V"])
+def test_version(flag: str) -> None:
+    result = runner.invoke(app, [flag])
+    assert (result.exit_code, result.stdout, result.stderr) == (0, f"mlxcache {__version__}\n", "")
+
+
+@pytest.mark.parametrize("args", [[], ["-h"], ["--help"], ["cache"], ["models"], ["regress"]])
+def test_bare_and_short_help_exit_0(args: list[str]) -> None:
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0 and result.stderr == ""
+    assert "Usage: mlxcache" in result.stdout and "Commands" in result.stdout
+
+
+def test_completion_is_offered() -> None:
+    assert "--install-completion" in runner.invoke(app, ["-h"]).stdout
+
+
+@pytest.mark.parametrize("args", COMMANDS, ids=" ".join)
+def test_every_command_help_has_examples_and_no_type_noise(args: list[str]) -> None:
+    result = runner.invoke(app, [*args, "-h"], terminal_width=200)
+    assert result.exit_code == 0
+    examples = result.stdout.split("Examples:", 1)[1]
+    assert f"mlxcache {' '.join(args)}" in examples
+    assert "<bool>" not in result.stdout and "list[" not in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["cache", "prune"], "error: Missing option '--max-size'. (see 'mlxcache cache prune --help')"),
+        (["cache", "nope"], "error: No such command 'nope'. (see 'mlxcache cache --help')"),
+        (["models", "ls", "--json", "x"], "error: Got unexpected extra argument(s) (x) (see 'mlxcache models ls --help')"),
+    ],
+)  # fmt: skip
+def test_usage_errors_are_one_line(args: list[str], message: str) -> None:
+    result = runner.invoke(app, args)
+    assert (result.exit_code, result.stdout, result.stderr) == (2, "", message + "\n")
+
+
+def test_text_options_read_at_file(tmp_path: Path) -> None:
+    missing = runner.invoke(app, ["generate", "hi", "-s", "@/no/system.txt"])
+    assert (missing.exit_code, missing.stdout) == (2, "")
+    assert (
+        missing.stderr
+        == "error: cannot read system file /no/system.txt: No such file or directory\n"
+    )
+    (tmp_path / "empty.txt").write_text(" \n")
+    empty = runner.invoke(app, ["generate", "hi", "-s", f"@{tmp_path / 'empty.txt'}"])
+    assert (empty.exit_code, empty.stderr) == (
+        2,
+        f"error: system file {tmp_path / 'empty.txt'} is empty\n",
+    )
