@@ -28,7 +28,7 @@ def generate(
     """Generate a reply to PROMPT, streamed to stdout; stats go to stderr."""
     text = o.read_prompt(prompt, prompt_file)
     system = o.text_or_file(system, "system")
-    params = run.sampling()
+    params, stops = run.sampling(), run.stop_strings()
     if raw and system is not None:
         raise UserInputError("--system needs the chat template; drop --raw")
     engine = run.engine()
@@ -37,7 +37,7 @@ def generate(
     else:
         messages = [{"role": "system", "content": system}] if system is not None else []
         ids = engine.encode_chat([*messages, {"role": "user", "content": text}])
-    for event in engine.generate(Request(ids, params)):
+    for event in engine.generate(Request(ids, params, stop_strings=stops)):
         if isinstance(event, Token) and not as_json:
             ui.out_text(event.text)
         elif isinstance(event, Done):

@@ -79,6 +79,7 @@ def test_same_seed_same_bytes(cache_root: Path) -> None:
             "error: --temp must be a finite number >= 0, got -1.0",
         ),
         (["generate", "hi", "--top-k", "-2"], None, "error: --top-k must be >= 0, got -2"),
+        (["generate", "hi", "--stop", ""], None, "error: --stop needs a non-empty text"),
         (["generate", "hi", "--min-p", "1"], None, "error: --min-p must be in [0, 1), got 1.0"),
         (
             ["generate", "hi", "--repetition-penalty", "0"],
