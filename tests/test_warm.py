@@ -1,0 +1,261 @@
+"""Warm-ahead, the lane scheduler and the engine's API: exact forward calls, exact bits."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import mlx.core as mx
+import numpy as np
+import pytest
+from spy import Spy, spied
+
+from mlxcache.cache.store import PromptCache
+from mlxcache.config import CacheConfig
+from mlxcache.engine import Engine, Request
+from mlxcache.events import Done, Prefill, Result, Token
+from mlxcache.model import LoadedModel
+from mlxcache.prefill import schedule
+from mlxcache.sampling import SamplingParams
+from mlxcache.worker import CANCELLED, EngineWorker
+
+B = 4
+GREEDY = SamplingParams(max_tokens=6)
+
+# Drops the reasoning of assistant messages that a later message follows (as Qwen3's does).
+REWRITING = (
+    "{% for m in messages %}{% set c = m['content'] %}"
+    "{% if m['role'] == 'assistant' and not loop.last %}{% set c = c.split('</think>')[-1] %}"
+    "{% endif %}{{'<|im_start|>' + m['role'] + '\\n' + c + '<|im_end|>\\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(3, 250, size=n)]
+
+
+def cached(loaded: LoadedModel, tmp_path: Path | None = None) -> tuple[Engine, Spy]:
+    model, spy = spied(loaded)
+    disk = tmp_path is not None
+    config = CacheConfig(block_size=B, directory=tmp_path, disk_bytes=(1 << 30) if disk else 0)
+    root = tmp_path / "kv" if tmp_path is not None else None
+    return Engine(model, PromptCache(model.model, model.key, config, root=root)), spy
+
+
+def cold(
+    loaded: LoadedModel, tokens: list[int], params: SamplingParams = GREEDY
+) -> tuple[Result, Spy]:
+    model, spy = spied(loaded)
+    return Engine(model, block_size=B).complete(Request(tokens, params)), spy
+
+
+def same_as_cold(loaded: LoadedModel, warm: Result, spy: Spy, tokens: list[int]) -> None:
+    """Same tokens and bytes, and the same last-prompt-token logits, bit for bit."""
+    ref, ref_spy = cold(loaded, tokens)
+    assert warm.tokens == ref.tokens and warm.text == ref.text
+    final = next(i for i, (s, n) in enumerate(spy.calls) if s + n == len(tokens))
+    final_ref = next(i for i, (s, n) in enumerate(ref_spy.calls) if s + n == len(tokens))
+    assert mx.array_equal(spy.last_logits[final], ref_spy.last_logits[final_ref])
+
+
+class Templated:
+    """A tokenizer whose chat template is `template` (the tiny model's otherwise)."""
+
+    def __init__(self, tokenizer: Any, template: str) -> None:
+        self._tok = tokenizer
+        self._template = jinja2.Template(template)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tok, name)
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = False, **_: Any
+    ) -> list[int]:
+        text = self._template.render(messages=messages, add_generation_prompt=add_generation_prompt)
+        return list(self._tok.encode(text, add_special_tokens=False))
+
+
+def test_turn_two_starts_where_warm_ahead_ended(tiny: LoadedModel) -> None:
+    engine, spy = cached(tiny)
+    convo: list[dict[str, Any]] = [{"role": "user", "content": "hello there, model"}]
+    first = engine.complete(Request(engine.encode_chat(convo), GREEDY))
+    convo.append({"role": "assistant", "content": first.text})
+    kept_before = len(engine.encode_chat(convo[:1])) // B * B
+    ahead = engine.encode_next_turn(convo)
+    target = len(ahead) // B * B
+    assert target > kept_before  # the reply adds blocks to warm
+    spy.reset()
+    assert engine.warm_chat(convo) is not None
+    assert list(engine.run()) == []  # run() serves requests only: warm-ahead waits
+    assert spy.calls == []
+    assert list(engine.run(warm=True)) == []  # warm lanes yield no events
+    assert spy.calls == [(s, e - s) for s, e in schedule(kept_before, target, B)]
+    assert not engine.warming
+
+    nxt = engine.encode_chat([*convo, {"role": "user", "content": "and then?"}])
+    assert nxt[: len(ahead)] == ahead  # what was warmed is what the next prompt starts with
+    spy.reset()
+    second = engine.complete(Request(nxt, GREEDY))
+    assert second.stats.cached_tokens == target
+    assert spy.calls[0] == (target, min(B, len(nxt) - target))
+    same_as_cold(tiny, second, spy, nxt)
+
+
+def test_warm_ahead_of_a_cached_prefix_costs_no_call(tiny: LoadedModel) -> None:
+    engine, spy = cached(tiny)
+    p = prompt(16)
+    engine.warm(p)
+    list(engine.run(warm=True))
+    spy.reset()
+    engine.warm(p)  # all four blocks are cached: the lookup finds them all
+    list(engine.run(warm=True))
+    assert spy.calls == []
+    assert engine.warm(p[:3]) is None  # shorter than a block: nothing to do
+
+
+def test_request_arriving_mid_warm_ahead_makes_none_of_its_calls(tiny: LoadedModel) -> None:
+    engine, spy = cached(tiny)
+    p = prompt(30)
+    engine.warm(p)
+    assert engine.step() == [] and engine.step() == []  # two warm chunks: [0,4) and [4,8)
+    assert spy.calls == [(0, B), (B, B)]
+    spy.reset()
+    result = engine.complete(Request(p + prompt(5, seed=1), GREEDY))
+    assert not engine.warming  # the overlapping warm lane stopped, keeping its two blocks
+    assert result.stats.cached_tokens == 2 * B
+    assert spy.calls[0] == (2 * B, B)
+    assert not {(0, B), (B, B)} & set(spy.calls)
+    same_as_cold(tiny, result, spy, p + prompt(5, seed=1))
+
+
+def test_a_request_goes_before_warm_ahead(tiny: LoadedModel) -> None:
+    engine, spy = cached(tiny)
+    engine.warm(prompt(20, seed=3))
+    assert engine.step() == []  # one warm chunk in flight when the request arrives
+    rid = engine.submit(Request(prompt(9, seed=4), GREEDY))  # shares no block: warm waits
+    spy.reset()
+    events = engine.step()
+    assert [type(e) for e in events] == [Prefill] and events[0].request_id == rid
+    assert spy.calls == [(0, B)] and engine.warming
+    done = [e for e in engine.run() if isinstance(e, Done)]
+    assert [d.request_id for d in done] == [rid] and engine.warming  # warm still queued
+    assert spy.calls[:3] == [(0, B), (B, B), (2 * B, 1)]
+
+
+def test_template_rewriting_earlier_turns(tiny: LoadedModel) -> None:
+    loaded = dataclasses.replace(tiny, tokenizer=Templated(tiny.tokenizer, REWRITING))
+    engine, spy = cached(loaded)
+    convo = [
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "<think>two and two make four, surely</think>4"},
+    ]
+    naive = loaded.tokenizer.apply_chat_template(convo)
+    ahead = engine.encode_next_turn(convo)
+    nxt = engine.encode_chat([*convo, {"role": "user", "content": "and 3+3?"}])
+    assert nxt[: len(ahead)] == ahead
+    assert nxt[: len(naive)] != naive  # rendering the reply as last message would keep reasoning
+    engine.warm_chat(convo)
+    list(engine.run(warm=True))
+    spy.reset()
+    result = engine.complete(Request(nxt, GREEDY))
+    assert result.stats.cached_tokens == len(ahead) // B * B
+    same_as_cold(loaded, result, spy, nxt)
+
+
+def test_interrupted_prefill_keeps_its_full_blocks(tiny: LoadedModel) -> None:
+    engine, spy = cached(tiny)
+    p = prompt(23)
+    events = engine.generate(Request(p, GREEDY))
+    assert [next(events), next(events)] == [Prefill(0, B, 23), Prefill(0, 2 * B, 23)]
+    events.close()  # Ctrl-C after two chunks
+    spy.reset()
+    result = engine.complete(Request(p, GREEDY))
+    assert result.stats.cached_tokens == 2 * B and spy.calls[0] == (2 * B, B)
+    same_as_cold(tiny, result, spy, p)
+
+
+def test_generate_leaves_other_lanes_alone(tiny: LoadedModel) -> None:
+    engine, _spy = cached(tiny)
+    a, b = prompt(9, seed=1), prompt(11, seed=2)
+    rid = engine.submit(Request(a, GREEDY))
+    got_b = engine.complete(Request(b, GREEDY))
+    done = [e for e in engine.run() if isinstance(e, Done)]
+    assert [d.request_id for d in done] == [rid]  # submitted before, not lost
+    assert done[0].result.tokens == cold(tiny, a)[0].tokens
+    assert got_b.tokens == cold(tiny, b)[0].tokens
+
+
+def test_cancel_during_run_ends_only_that_lane(tiny: LoadedModel) -> None:
+    engine, _spy = cached(tiny)
+    a, b = (engine.submit(Request(prompt(9, seed=s), GREEDY)) for s in (1, 2))
+    finished = []
+    for event in engine.run():
+        if isinstance(event, Token) and event.request_id == a:
+            engine.cancel(a)
+        if isinstance(event, Done):
+            finished.append(event.request_id)
+    assert finished == [b]
+    assert engine.cache.report()["mem_entries"] >= 1  # type: ignore[attr-defined]
+
+
+def test_stop_strings_cut_the_reply(tiny: LoadedModel) -> None:
+    engine, _spy = cached(tiny)
+    p = prompt(9, seed=7)
+    full = engine.complete(Request(p, SamplingParams(max_tokens=12), stop_tokens=frozenset()))
+    at = next(i for i in range(1, len(full.text) - 1) if full.text.find(full.text[i : i + 2]) == i)
+    stop = full.text[at : at + 2]
+    cut = engine.complete(
+        Request(p, SamplingParams(max_tokens=12), stop_tokens=frozenset(), stop_strings=(stop,))
+    )
+    assert cut.text == full.text[:at] and cut.finish_reason == "stop"
+    assert cut.tokens == full.tokens[: len(cut.tokens)]
+
+
+def test_miss_reasons(tiny: LoadedModel) -> None:
+    engine, _spy = cached(tiny)
+    assert engine.complete(Request(prompt(3), GREEDY)).stats.miss_reason.startswith("shorter")
+    assert engine.complete(Request(prompt(9), GREEDY)).stats.miss_reason == "no cached prefix"
+    assert engine.complete(Request(prompt(9), GREEDY)).stats.miss_reason == ""
+    nocache = Engine(tiny, block_size=B)
+    assert nocache.complete(Request(prompt(9), GREEDY)).stats.miss_reason == "cache off"
+
+
+def test_worker_serves_bitwise_and_cancels(tiny: LoadedModel) -> None:
+    engine, _spy = cached(tiny)
+    p = prompt(14, seed=5)
+    ref = cold(tiny, p)[0]
+    with EngineWorker(engine) as worker:
+        assert worker.complete(Request(p, GREEDY)).tokens == ref.tokens
+        convo = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+        worker.warm_chat(convo)
+        again = worker.complete(Request(p, GREEDY))
+        assert again.tokens == ref.tokens and again.stats.cached_tokens == 12
+        stream = worker.generate(Request(prompt(40, seed=6), SamplingParams(max_tokens=50)))
+        next(stream)
+        stream.close()  # cancels: the lane's pin goes
+        pins = worker.call(lambda e: sum(x.pins for x in e.cache.mem))  # type: ignore[attr-defined]
+        assert pins == 0
+        got: list[Any] = []
+        handle = worker.submit(Request(prompt(40, seed=8), GREEDY), got.append)
+        handle.cancel()
+        worker.call(lambda e: None)  # both messages handled in order
+    assert isinstance(got[-1], Done) and got[-1].result.finish_reason in (
+        CANCELLED,
+        "length",
+        "stop",
+    )
+
+
+def test_worker_refuses_beyond_its_queue(tiny: LoadedModel) -> None:
+    from mlxcache.errors import QueueFullError
+
+    engine, _spy = cached(tiny)
+    worker = EngineWorker(engine, max_lanes=1, max_queue=1)  # not started: nothing is admitted
+    worker.submit(Request(prompt(9), GREEDY), lambda e: None)
+    with pytest.raises(QueueFullError):
+        worker.submit(Request(prompt(9), GREEDY), lambda e: None)
+    worker.start()
+    worker.close(cancel=True)
