@@ -17,6 +17,7 @@ from mlxcache_cli import bench, cache_cmd, models_cmd, regress_cmd, ui
 from mlxcache_cli.chat_cmd import chat_cmd
 from mlxcache_cli.generate import generate
 from mlxcache_cli.json_cmd import json_cmd
+from mlxcache_cli.serve_cmd import serve_cmd
 from mlxcache_cli.tools_cmd import tools_cmd
 
 
@@ -167,6 +168,12 @@ mlxcache tools --tools tools.json "What is the weather in Paris?"
 mlxcache tools --tools tools.json --messages prev.json --tool-result get_weather='{"c": 21}'
 """,
 )
+command(
+    serve_cmd,
+    "serve",
+    examples="mlxcache serve\nmlxcache serve --port 9000 --api-key secret -m ./model.gguf",
+)
+
 cache_app = typer.Typer(help="Show and manage the prompt cache's disk tier.", no_args_is_help=True)
 command(
     cache_cmd.stats, app=cache_app, examples="mlxcache cache stats\nmlxcache cache stats --check"

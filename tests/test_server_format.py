@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
 from mlxcache.errors import ContextLengthError, GrammarError, OutputError
@@ -120,7 +119,7 @@ def test_domain_errors_map_to_openai_errors() -> None:
 def _validation(body: object) -> errors.APIError:
     with pytest.raises(ValidationError) as info:
         ChatRequest.model_validate(body)
-    return errors.from_validation(RequestValidationError(info.value.errors()))
+    return errors.from_validation(info.value.errors())
 
 
 def test_validation_errors_name_the_field() -> None:
@@ -162,9 +161,10 @@ def test_log_line() -> None:
         "generated_tokens": 7,
         "ttft_s": 0.8213,
         "total_s": 1.9,
+        "finish_reason": "stop",
     }
     assert line(record) == (
         "chatcmpl-1 POST /v1/chat/completions 200 prompt=37 cached=32 generated=7 "
-        "ttft=0.821s total=1.900s"
+        "ttft=0.821s total=1.900s finish=stop"
     )
     json.dumps(record)

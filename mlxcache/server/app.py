@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from mlxcache.engine import Engine
@@ -24,7 +25,7 @@ from mlxcache.server.prepare import Answer, Plan
 from mlxcache.server.schemas import ChatRequest, CompletionRequest
 
 DEFAULT_MAX_BODY = 8 << 20
-T = TypeVar("T")
+B = TypeVar("B", bound=BaseModel)
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,7 +103,8 @@ def create_app(engine: Engine, worker: Worker, settings: Settings, log: RequestL
         return {**report, "waiting": worker.waiting}
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatRequest, request: Request) -> Any:
+    async def chat(request: Request) -> Any:
+        body = await _body(request, ChatRequest)
         check_model(body.model)
         plan = await prepared(prepare.chat, body)
         env = Envelope(f"chatcmpl-{uuid.uuid4().hex[:24]}", settings.model_id)
@@ -121,7 +123,8 @@ def create_app(engine: Engine, worker: Worker, settings: Settings, log: RequestL
         )
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Any:
+    async def completions(request: Request) -> Any:
+        body = await _body(request, CompletionRequest)
         check_model(body.model)
         plan = await prepared(prepare.completion, body)
         env = Envelope(f"cmpl-{uuid.uuid4().hex[:24]}", settings.model_id)
@@ -138,6 +141,15 @@ def create_app(engine: Engine, worker: Worker, settings: Settings, log: RequestL
     return Guard(app, log, settings.api_key, settings.max_body)
 
 
+async def _body(request: Request, model: type[B]) -> B:
+    """The body checked against `model` (400 naming the first bad field)."""
+    doc = errors.parse_json(await request.body())
+    try:
+        return model.model_validate(doc)
+    except ValidationError as exc:
+        raise errors.from_validation(exc.errors()) from None
+
+
 def _raise_failed(outcome: Outcome) -> None:
     if outcome.error is not None:
         raise APIError(500, errors.one_line(outcome.error), type="server_error")
@@ -152,11 +164,17 @@ def _stream(
     """SSE from an event generator whose items are text to send or the final outcome."""
 
     async def body() -> AsyncIterator[str]:
-        async for item in events:
-            if isinstance(item, Outcome):
-                note(request, rid, item)
-            else:
-                yield item
+        finished = False
+        try:
+            async for item in events:
+                if isinstance(item, Outcome):
+                    finished = True
+                    note(request, rid, item)
+                else:
+                    yield item
+        finally:
+            if not finished:  # the client left mid-stream: the lane was cancelled
+                request.scope["state"][LOG_KEY]["finish_reason"] = "disconnected"
 
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
     return StreamingResponse(body(), media_type="text/event-stream", headers=headers)

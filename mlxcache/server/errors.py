@@ -6,15 +6,16 @@ anything unexpected is a one-line 500 (the traceback goes to the server log only
 
 from __future__ import annotations
 
-import traceback
+import json
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from mlxcache.errors import ContextLengthError, MlxcacheError, UserInputError
+from mlxcache.fileio import loads_json
 
 RETRY_AFTER_S = 1
 """What a refused client is told to wait (the queue moves one request at a time)."""
@@ -79,24 +80,42 @@ def queue_full(message: str) -> APIError:
     )
 
 
-def from_validation(exc: RequestValidationError) -> APIError:
-    """The first problem pydantic found, as `field: reason` (malformed JSON included)."""
-    errors = exc.errors()
-    if not errors:
+def from_validation(problems: Sequence[Any]) -> APIError:
+    """The first problem pydantic found (`ValidationError.errors()`), as `field: reason`."""
+    if not problems:
         return APIError(400, "invalid request body")
-    first = errors[0]
-    if first.get("type") == "json_invalid":
-        ctx = first.get("ctx") or {}
-        reason = ctx.get("error", "invalid JSON")
-        return APIError(400, f"the request body is not valid JSON: {reason}", code="invalid_json")
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    # Union members show up as loc parts naming types ("str", "list[...]"): drop them.
-    loc = [p for p in loc if not p[:1].islower() or "[" not in p]
+    first = problems[0]
+    # Union members show up in loc as type names ("str", "list[TextPart]"): drop them.
+    loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _is_type_name(p)]
     param = ".".join(loc) or None
     message = one_line(str(first.get("msg", "invalid value")))
     if param:
         message = f"{param}: {message}"
     return APIError(400, message, param=param, code="invalid_value")
+
+
+def _is_type_name(part: Any) -> bool:
+    return isinstance(part, str) and (part in _TYPE_NAMES or "[" in part or part[:1].isupper())
+
+
+_TYPE_NAMES = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "literal"})
+
+
+def parse_json(raw: bytes) -> Any:
+    """The request body as JSON (whatever its content type: curl -d sends form's).
+
+    Raises:
+        APIError: 400 when it is not JSON or not UTF-8.
+    """
+    try:
+        return loads_json(raw)
+    except json.JSONDecodeError as exc:
+        message = (
+            f"the request body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
+        )
+        raise APIError(400, message, code="invalid_json") from None
+    except UnicodeDecodeError:
+        raise APIError(400, "the request body is not UTF-8", code="invalid_json") from None
 
 
 def install(app: FastAPI) -> None:
@@ -105,10 +124,6 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api(request: Request, exc: APIError) -> JSONResponse:
         return exc.response()
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return from_validation(exc).response()
 
     @app.exception_handler(MlxcacheError)
     async def _domain(request: Request, exc: MlxcacheError) -> JSONResponse:
@@ -121,6 +136,6 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        traceback.print_exception(exc)
+        # The client gets one line; uvicorn logs the traceback on the server's stderr.
         message = one_line(f"internal error: {type(exc).__name__}: {exc}")
         return APIError(500, message, type="server_error").response()

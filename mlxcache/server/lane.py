@@ -1,8 +1,8 @@
 """One request on the engine worker, seen from the event loop.
 
 The worker calls the sink on its own thread; events cross to the loop through
-`call_soon_threadsafe` into an asyncio queue. Whoever stops listening early (a client
-gone mid-stream, a stop string) cancels the lane, which releases its cache pin.
+`call_soon_threadsafe` into an asyncio queue. A consumer that stops listening early (a
+client gone mid-stream) cancels the lane, which releases its cache pin at once.
 """
 
 from __future__ import annotations
@@ -87,8 +87,8 @@ class Lane:
                 if self._ttft is None:
                     self._ttft = time.perf_counter() - self._start
                 if self.reply.add(event.text):
+                    # Not cancelled: a cancelled lane's Done carries no stats (cached tokens).
                     self._stop_at = self._tokens
-                    self.handle.cancel()  # the rest would be cut anyway
                 safe = self.reply.safe()
                 if len(safe) > len(sent):
                     yield safe[len(sent) :]
@@ -112,10 +112,9 @@ class Lane:
         generated = stats.generated_tokens
         finish = result.finish_reason
         if self._stop_at is not None:
-            # Cut by a stop string: count the tokens up to it, whether or not the lane
-            # ran further before the cancel reached it (the detokenizer's tail piece
-            # repeats the last token, hence min).
-            generated = min(self._stop_at, generated) if finish != "cancelled" else self._stop_at
+            # Cut by a stop string: the tokens up to it count (the detokenizer's tail
+            # piece repeats the last token, hence min).
+            generated = min(self._stop_at, generated)
             finish = "stop"
         usage = Usage(self._prompt_tokens, generated, stats.cached_tokens)
         error = result.error if finish == "error" else None

@@ -42,7 +42,7 @@ class RequestLog:
 
 
 def line(record: dict[str, Any]) -> str:
-    """`<id> <method> <path> <status> prompt=.. cached=.. generated=.. ttft=..s total=..s`."""
+    """`<id> <method> <path> <status> prompt=.. cached=.. generated=.. ttft=.. total=.. finish=..`."""
     parts = [str(record.get("id") or "-"), record["method"], record["path"], str(record["status"])]
     for key in ("prompt_tokens", "cached_tokens", "generated_tokens"):
         if key in record:
@@ -50,6 +50,8 @@ def line(record: dict[str, Any]) -> str:
     if record.get("ttft_s") is not None:
         parts.append(f"ttft={record['ttft_s']:.3f}s")
     parts.append(f"total={record['total_s']:.3f}s")
+    if record.get("finish_reason"):
+        parts.append(f"finish={record['finish_reason']}")
     if record.get("error"):
         parts.append(f"error={record['error']}")
     return " ".join(parts)

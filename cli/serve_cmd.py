@@ -1,0 +1,68 @@
+"""`mlxcache serve`: the OpenAI-compatible HTTP API over one engine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from mlxcache.config import parse_size
+from mlxcache.errors import UserInputError
+from mlxcache_cli import options as o
+from mlxcache_cli import ui
+
+LOOPBACK = ("127.0.0.1", "::1", "localhost")
+
+
+@o.with_run_options()
+def serve_cmd(
+    host: Annotated[str, typer.Option("--host", help="Address to bind (loopback by default).")] = (
+        "127.0.0.1"
+    ),
+    port: Annotated[int, typer.Option("--port", "-p", help="Port; 0 picks a free one.")] = 8080,
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            "--api-key",
+            envvar="MLXCACHE_API_KEY",
+            help="Require 'Authorization: Bearer KEY' on every endpoint but /health.",
+        ),
+    ] = None,
+    max_queue: Annotated[
+        int,
+        typer.Option("--max-queue", help="Waiting requests beyond this get 429; 0 = no limit."),
+    ] = 64,
+    max_body: Annotated[
+        str, typer.Option("--max-body", help="Largest request body, e.g. 8M (else 413).")
+    ] = "8M",
+    log_file: Annotated[
+        Path | None, typer.Option("--log-file", help="Append one JSON line per request.")
+    ] = None,
+    *,
+    run: o.RunOptions,
+) -> None:
+    """Serve the model over an OpenAI-compatible HTTP API (Ctrl-C drains and stops)."""
+    from mlxcache.server.app import Settings
+    from mlxcache.server.log import RequestLog
+    from mlxcache.server.run import serve
+
+    if not 0 <= port <= 65535:
+        raise UserInputError(f"--port must be in 0..65535, got {port}")
+    if max_queue < 0:
+        raise UserInputError(f"--max-queue must be >= 0, got {max_queue}")
+    try:
+        body_limit = parse_size(max_body)
+    except ValueError as exc:
+        raise UserInputError(f"--max-body: {exc}") from exc
+    o.positive(max_body=body_limit)
+    defaults = run.sampling()
+    engine = run.engine()
+    if host not in LOOPBACK and not api_key:
+        ui.warn(f"serving on {host} without --api-key: anyone who can reach it can use it")
+    log = RequestLog(log_file)
+    try:
+        settings = Settings(engine.loaded.name, defaults, api_key or None, body_limit)
+        serve(engine, settings, log, host, port, max_queue)
+    finally:
+        log.close()
