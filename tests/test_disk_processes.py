@@ -1,16 +1,20 @@
-"""Several processes on one cache directory: concurrent writers, a writer killed mid-write."""
+"""Several processes on one cache directory: concurrent writers, a writer killed mid-write.
+
+Every child is started through the `spawn` fixture, which kills whatever is still running
+when the test ends, passed or failed.
+"""
 
 from __future__ import annotations
 
 import os
-import signal
 import sqlite3
 import subprocess
 import sys
-import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from mlxcache.cache.disk import DiskTier
 from mlxcache.cache.store import PromptCache
@@ -20,27 +24,40 @@ from mlxcache.model import LoadedModel
 from mlxcache.sampling import SamplingParams
 
 WRITER = str(Path(__file__).parent / "writer.py")
+Spawn = Callable[..., "subprocess.Popen[str]"]
 
 
-def writer(
-    tiny: LoadedModel, root: Path, seed: int, count: int, *extra: int
-) -> subprocess.Popen[str]:
+@pytest.fixture
+def spawn(tiny: LoadedModel) -> Iterator[Spawn]:
+    """Start writer.py children (tiny model, a cache root, seed, count, [disk bytes])."""
+    procs: list[subprocess.Popen[str]] = []
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent)}
-    return subprocess.Popen(
-        [
-            sys.executable,
-            WRITER,
-            str(tiny.path),
-            str(root),
-            str(seed),
-            str(count),
-            *map(str, extra),
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
+
+    def start(root: Path, seed: int, count: int, *extra: int) -> subprocess.Popen[str]:
+        args = [str(tiny.path), str(root), str(seed), str(count), *map(str, extra)]
+        proc = subprocess.Popen(
+            [sys.executable, WRITER, *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        procs.append(proc)
+        return proc
+
+    try:
+        yield start
+    finally:
+        for proc in procs:
+            proc.kill()  # no-op for a child that has exited
+            proc.communicate()
+
+
+def finish(procs: list[subprocess.Popen[str]]) -> list[str]:
+    """Wait for the children; each must exit 0 and report no disk error."""
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0] * len(procs), outs
+    return [out.splitlines()[-1] for out, _ in outs]
 
 
 def entries(root: Path) -> int:
@@ -48,12 +65,10 @@ def entries(root: Path) -> int:
         return int(db.execute("SELECT COUNT(*) FROM entries").fetchone()[0])
 
 
-def test_two_writers_at_once(tiny: LoadedModel, tmp_path: Path) -> None:
+def test_two_writers_at_once(tiny: LoadedModel, tmp_path: Path, spawn: Spawn) -> None:
     root = tmp_path / "kv"
-    procs = [writer(tiny, root, seed, 12) for seed in (1, 2)]
-    outs = [p.communicate(timeout=300) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outs
-    assert [o[0].strip() for o in outs] == ["0", "0"]  # no disk errors in either
+    procs = [spawn(root, seed, 12) for seed in (1, 2)]
+    assert finish(procs) == ["disk_errors 0", "disk_errors 0"]
     assert entries(root) == 24
     assert DiskTier(root).verify() == []
     # A third process sees both writers' entries and resumes from them.
@@ -64,16 +79,15 @@ def test_two_writers_at_once(tiny: LoadedModel, tmp_path: Path) -> None:
 
 
 def test_writer_killed_mid_write_leaves_a_consistent_directory(
-    tiny: LoadedModel, tmp_path: Path
+    tiny: LoadedModel, tmp_path: Path, spawn: Spawn
 ) -> None:
     root = tmp_path / "kv"
-    proc = writer(tiny, root, 3, 100_000)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and (
-        not (root / "index.sqlite").exists() or entries(root) < 5
-    ):
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGKILL)
+    proc = spawn(root, 3, 100_000)
+    assert proc.stdout is not None
+    # The child says when each entry is kept: no polling of an index being created.
+    lines = [proc.stdout.readline() for _ in range(5)]
+    assert lines == [f"kept {n}\n" for n in range(1, 6)], lines
+    proc.kill()  # somewhere in the middle of writing the next entries
     proc.wait()
     disk = DiskTier(root)
     assert disk.verify() == []
@@ -86,14 +100,12 @@ def test_writer_killed_mid_write_leaves_a_consistent_directory(
 
 
 def test_writers_evicting_each_other_keep_the_directory_consistent(
-    tiny: LoadedModel, tmp_path: Path
+    tiny: LoadedModel, tmp_path: Path, spawn: Spawn
 ) -> None:
     """A small disk budget: each process removes entries (and files) while the other writes
     and links files of its own, some of them the very blocks being removed."""
     root = tmp_path / "kv"
-    procs = [writer(tiny, root, seed, 15, 40_000) for seed in (5, 5)]  # same prompts: shared blocks
-    outs = [p.communicate(timeout=300) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outs
-    assert [o[0].strip() for o in outs] == ["0", "0"]
+    procs = [spawn(root, seed, 15, 40_000) for seed in (5, 5)]  # same prompts: shared blocks
+    assert finish(procs) == ["disk_errors 0", "disk_errors 0"]
     assert DiskTier(root).verify() == []
     assert 0 < entries(root) < 15

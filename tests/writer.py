@@ -1,4 +1,8 @@
-"""A child process that keeps random prompts of the tiny model into a shared cache directory."""
+"""A child process that keeps random prompts of the tiny model into a shared cache directory.
+
+Prints "kept N" after each entry is kept (the parent can wait for progress without reading
+the index while it is written) and "disk_errors N" at the end.
+"""
 
 from __future__ import annotations
 
@@ -20,11 +24,12 @@ def main(model: str, root: str, seed: int, count: int, disk_bytes: int = 20 << 3
     cache = PromptCache(loaded.model, loaded.key, config, root=Path(root))
     engine = Engine(loaded, cache)
     rng = np.random.default_rng(seed)
-    for _ in range(count):
+    for n in range(1, count + 1):
         engine.complete(
             Request(rng.integers(3, 250, size=24).tolist(), SamplingParams(max_tokens=1))
         )
-    print(cache.report()["disk_errors"])
+        print(f"kept {n}", flush=True)
+    print(f"disk_errors {cache.report()['disk_errors']}", flush=True)
 
 
 if __name__ == "__main__":
