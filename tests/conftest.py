@@ -7,7 +7,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from tinymodel import write_tiny_gguf
+from guarantees import Variant
+from tinymodel import write_sliding, write_tiny_gguf
 
 from mlxcache.model import LoadedModel, load
 
@@ -42,3 +43,32 @@ def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny(tiny_gguf: Path, cache_root: Path) -> LoadedModel:
     """A tiny random-weight llama (2 layers, vocab 262, context 256)."""
     return load(str(tiny_gguf), cache_root=cache_root)
+
+
+@pytest.fixture(scope="session")
+def sliding(tiny: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    """The tiny model with a sliding-window first layer: its state cannot be rewound."""
+    return load(str(write_sliding(tiny.path, tmp_path_factory.mktemp("sliding") / "model")))
+
+
+@pytest.fixture(scope="session")
+def variants(tiny: LoadedModel, sliding: LoadedModel) -> dict[str, Variant]:
+    """The models the exactness checks run on (tests/guarantees.py): the tiny model and
+    its sliding-window version, each plain and shape-sensitive (tests/shapemodel.py)."""
+    return {
+        name: Variant.of(name, base, is_shaped)
+        for name, base, is_shaped in [
+            ("plain", tiny, False),
+            ("shaped", tiny, True),
+            ("sliding", sliding, False),
+            ("shaped-sliding", sliding, True),
+        ]
+    }
+
+
+@pytest.fixture(scope="session")
+def other_tiny(tmp_path_factory: pytest.TempPathFactory, cache_root: Path) -> LoadedModel:
+    """A second tiny model (other weights) for two models in one cache directory."""
+    path = tmp_path_factory.mktemp("other") / "other.gguf"
+    write_tiny_gguf(path, seed=9)
+    return load(str(path), cache_root=cache_root)

@@ -11,11 +11,14 @@ from mlxcache.model import LoadedModel
 
 
 class Spy:
-    """Forwards to the model; records (start position, tokens in the call, last logits)."""
+    """Forwards to the model; records each call's (start position, tokens in the call), its
+    batch size, which cache list it ran on (one per lane) and its last logits."""
 
     def __init__(self, model: Any) -> None:
         self._model = model
         self.calls: list[tuple[int, int]] = []
+        self.batch_sizes: list[int] = []
+        self.lanes: list[int] = []
         self.last_logits: list[mx.array] = []
 
     def __getattr__(self, name: str) -> Any:
@@ -23,12 +26,16 @@ class Spy:
 
     def __call__(self, x: mx.array, cache: list[Any]) -> mx.array:
         self.calls.append((int(cache[0].offset), int(x.shape[1])))
+        self.batch_sizes.append(int(x.shape[0]))
+        self.lanes.append(id(cache))
         out = self._model(x, cache=cache)
         self.last_logits.append(out[:, -1, :])
         return out
 
     def reset(self) -> None:
         self.calls.clear()
+        self.batch_sizes.clear()
+        self.lanes.clear()
         self.last_logits.clear()
 
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import mlx.core as mx
@@ -193,17 +191,6 @@ def test_memory_budget_evicts_by_policy(tiny: LoadedModel, tmp_path: Path) -> No
     # Over budget right after the keep: the new entry is evicted once its request ends.
     assert cache.report()["mem_entries"] == 0 and cache.report()["mem_bytes"] == 0
     assert cache.report()["evictions_mem"] == 1
-
-
-@pytest.fixture(scope="module")
-def sliding(tiny: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
-    """The tiny model with a sliding-window first layer: its state cannot be rewound."""
-    folder = tmp_path_factory.mktemp("sliding") / "model"
-    shutil.copytree(tiny.path, folder)
-    config = json.loads((folder / "config.json").read_text())
-    config |= {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 8}
-    (folder / "config.json").write_text(json.dumps(config))
-    return load(str(folder))
 
 
 def test_non_trimmable_model(sliding: LoadedModel, tmp_path: Path) -> None:

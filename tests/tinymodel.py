@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -120,6 +122,18 @@ def write_tiny_gguf(
     }
     mx.save_gguf(str(path), tensors, meta)
     return hf
+
+
+def write_sliding(model_dir: Path, dest: Path, window: int = 8) -> Path:
+    """A copy of an mlx-lm model folder whose first layer is sliding-window attention.
+
+    Its rotating cache cannot be rewound: the store keeps whole-state checkpoints for it.
+    """
+    shutil.copytree(model_dir, dest)
+    config = json.loads((dest / "config.json").read_text())
+    config |= {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": window}
+    (dest / "config.json").write_text(json.dumps(config))
+    return dest
 
 
 def write_quantized_gguf(path: Path, qtype_name: str, seed: int = 0) -> dict[str, np.ndarray]:

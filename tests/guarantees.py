@@ -1,0 +1,378 @@
+"""The exactness guarantees as plain check functions, for the tests and the mutation suite.
+
+Each check runs one scenario on a `Rig` (a model variant and a fresh cache directory) and
+raises AssertionError when a guarantee breaks:
+- every reply's tokens and last-prompt-token logits equal a cold run's (NoCache), bit
+  for bit, and a resumed run makes exactly the cold run's forward calls from its resume
+  point on, each of batch size 1;
+- the resume point and the kept entries are what the cache geometry says (`Geometry`),
+  never read back from the run itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import make_prompt_cache
+from shapemodel import shaped
+from spy import Spy, spied
+
+from mlxcache.cache.base import NoCache, is_trimmable
+from mlxcache.cache.store import PromptCache
+from mlxcache.config import CacheConfig
+from mlxcache.engine import Engine, Request
+from mlxcache.events import Done, Result
+from mlxcache.model import LoadedModel, load
+from mlxcache.sampling import SamplingParams
+
+B = 4
+GREEDY = SamplingParams(max_tokens=6)
+CHILD = Path(__file__).with_name("exact_child.py")
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(3, 250, size=n)]
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A model under test: `source` is what `load` takes (a child process loads it too)."""
+
+    name: str
+    source: str
+    is_shaped: bool
+    loaded: LoadedModel
+
+    @classmethod
+    def of(cls, name: str, plain: LoadedModel, is_shaped: bool) -> Variant:
+        return cls(name, str(plain.path), is_shaped, shaped(plain) if is_shaped else plain)
+
+    @property
+    def trimmable(self) -> bool:
+        return is_trimmable(make_prompt_cache(self.loaded.model))
+
+
+class Geometry:
+    """What the cache keeps and where a prompt resumes, from B and the model kind alone.
+
+    A trimmable model keeps the prompt's full blocks and resumes at the longest common
+    prefix with an entry, cut to leave one token to prefill and floored to a block; a
+    non-trimmable one keeps a checkpoint at the last block boundary before the end and
+    resumes only from an entry that is a whole prefix of the prompt, shorter than it.
+    """
+
+    def __init__(self, trimmable: bool) -> None:
+        self.trimmable = trimmable
+        self.kept: set[tuple[int, ...]] = set()
+
+    def resume(self, tokens: Sequence[int]) -> int:
+        n, best = len(tokens), 0
+        for entry in self.kept:
+            common = _common_prefix(entry, tokens)
+            if self.trimmable:
+                best = max(best, min(common, n - 1) // B * B)
+            elif common == len(entry) < n:
+                best = max(best, len(entry))
+        return best
+
+    def ran(self, tokens: Sequence[int], start: int) -> None:
+        """Record a run of `tokens` that resumed at `start`."""
+        n = len(tokens)
+        keep_at = (n // B if self.trimmable else (n - 1) // B) * B
+        if keep_at > start:
+            self.kept.add(tuple(tokens[:keep_at]))
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+@dataclass
+class Run:
+    """One request as the spy saw it."""
+
+    tokens: list[int]
+    cached: int
+    calls: list[tuple[int, int]]
+    batch_sizes: list[int]
+    logits: mx.array
+    """The last prompt token's logits."""
+
+
+def _run_of(result: Result, n_prompt: int, calls: list[int], spy: Spy) -> Run:
+    final = [i for i in calls if sum(spy.calls[i]) == n_prompt]
+    return Run(
+        result.tokens,
+        result.stats.cached_tokens,
+        [spy.calls[i] for i in calls],
+        [spy.batch_sizes[i] for i in calls],
+        # No single call ending the prompt is a wrong schedule, which `same_as_cold` reports.
+        spy.last_logits[final[0]] if len(final) == 1 else mx.zeros((0,)),
+    )
+
+
+def run(engine: Engine, spy: Spy, tokens: list[int], params: SamplingParams = GREEDY) -> Run:
+    spy.reset()
+    result = engine.complete(Request(tokens, params))
+    return _run_of(result, len(tokens), list(range(len(spy.calls))), spy)
+
+
+def same_as_cold(got: Run, cold: Run) -> None:
+    """Same tokens and last-prompt logits (bitwise); the cold run's calls from the resume on."""
+    assert got.tokens == cold.tokens, f"tokens {got.tokens} != cold {cold.tokens}"
+    assert got.cached % B == 0, f"resumed inside a block, at {got.cached}"
+    assert got.calls == [c for c in cold.calls if c[0] >= got.cached], (
+        f"calls {got.calls} != cold {cold.calls} from {got.cached}"
+    )
+    assert set(got.batch_sizes) == {1}, f"batch sizes {got.batch_sizes}"
+    assert mx.array_equal(got.logits, cold.logits), "last-prompt logits differ from cold"
+
+
+class Rig:
+    """One variant on one cache directory: cached engines, cold runs and the geometry.
+
+    Every cached engine of a rig uses the same disk directory, so a new engine sees what
+    the earlier ones kept (through its disk tier) and one `Geometry` tracks them all.
+    `mutant` names a mutant (tests/mutants.py) that child processes apply as well.
+    """
+
+    def __init__(self, variant: Variant, directory: Path, mutant: str | None = None) -> None:
+        self.variant = variant
+        self.dir = directory
+        self.mutant = mutant
+        self.geo = Geometry(variant.trimmable)
+        loaded, self._cold_spy = spied(variant.loaded)
+        self._cold = Engine(loaded, NoCache(loaded.model, B))
+
+    def engine(self) -> tuple[Engine, Spy]:
+        """A cached engine with a new PromptCache (empty memory) on the rig's directory."""
+        loaded, spy = spied(self.variant.loaded)
+        config = CacheConfig(block_size=B, directory=self.dir)
+        cache = PromptCache(loaded.model, loaded.key, config, root=self.dir / "kv")
+        return Engine(loaded, cache), spy
+
+    def cold(self, tokens: list[int], params: SamplingParams = GREEDY) -> Run:
+        return run(self._cold, self._cold_spy, tokens, params)
+
+    def warm(
+        self, engine: Engine, spy: Spy, tokens: list[int], params: SamplingParams = GREEDY
+    ) -> Run:
+        """Run on a cached engine; check resume point, entries and bits against cold."""
+        expect = self.geo.resume(tokens)
+        got = run(engine, spy, tokens, params)
+        self.check(got, tokens, expect, self.cold(tokens, params))
+        self.entries(engine.cache)
+        return got
+
+    def check(self, got: Run, tokens: list[int], expect: int, cold: Run) -> None:
+        assert got.cached == expect, f"resumed at {got.cached}, the geometry says {expect}"
+        self.geo.ran(tokens, expect)
+        same_as_cold(got, cold)
+
+    def entries(self, cache: object) -> None:
+        """The directory holds exactly the entries the geometry says (all runs keep there)."""
+        assert isinstance(cache, PromptCache) and cache.disk is not None
+        on_disk = {tuple(int(t) for t in e.tokens) for e in cache.disk.entries(cache.ns)}
+        assert on_disk == self.geo.kept, (
+            f"kept {sorted(map(len, on_disk))}, the geometry says {sorted(map(len, self.geo.kept))}"
+        )
+
+    def child(self, prompts: list[list[int]]) -> list[Run]:
+        """Run `prompts` in order in a new process on the same directory (checked here)."""
+        out = self.dir / "child-out"
+        spec = {
+            "source": self.variant.source,
+            "shaped": self.variant.is_shaped,
+            "dir": str(self.dir),
+            "prompts": prompts,
+            "mutant": self.mutant,
+            "out": str(out),
+        }
+        env = {**os.environ, "PYTHONPATH": str(CHILD.parent)}
+        done = subprocess.run(
+            [sys.executable, str(CHILD), json.dumps(spec)],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=300,
+        )
+        if done.returncode:
+            raise RuntimeError(f"child process failed:\n{done.stderr}")
+        runs = json.loads(out.with_suffix(".json").read_text())
+        logits = mx.load(str(out.with_suffix(".safetensors")))
+        assert isinstance(logits, dict)
+        return [
+            Run(
+                r["tokens"],
+                r["cached"],
+                [tuple(c) for c in r["calls"]],
+                r["batch_sizes"],
+                logits[str(i)],
+            )
+            for i, r in enumerate(runs)
+        ]
+
+
+def save_runs(runs: list[Run], out: Path) -> None:
+    """What `Rig.child` reads back (written by the child process)."""
+    docs = [
+        {"tokens": r.tokens, "cached": r.cached, "calls": r.calls, "batch_sizes": r.batch_sizes}
+        for r in runs
+    ]
+    out.with_suffix(".json").write_text(json.dumps(docs))
+    mx.save_safetensors(
+        str(out.with_suffix(".safetensors")), {str(i): r.logits for i, r in enumerate(runs)}
+    )
+
+
+# -- the checks -----------------------------------------------------------------------------
+
+
+def check_warm(rig: Rig) -> None:
+    """A prompt run twice: the second resumes from memory at the last full block."""
+    engine, spy = rig.engine()
+    p = prompt(23)
+    rig.warm(engine, spy, p)
+    rig.warm(engine, spy, p)
+    rig.warm(engine, spy, p + prompt(6, seed=1))
+
+
+def check_fork(rig: Rig) -> None:
+    """A prompt that leaves an earlier one in the middle of a block."""
+    engine, spy = rig.engine()
+    base = prompt(30)
+    rig.warm(engine, spy, base)
+    rig.warm(engine, spy, base[:17] + prompt(9, seed=5))
+    rig.warm(engine, spy, base[:8] + prompt(3, seed=6))
+
+
+def check_chat(rig: Rig) -> None:
+    """Three turns, each prompt = the history so far; every turn checked, then turn 3 again."""
+    engine, spy = rig.engine()
+    history: list[int] = []
+    for turn in range(3):
+        history = history + prompt(7, seed=10 + turn)
+        asked = history
+        history = history + rig.warm(engine, spy, asked).tokens
+    rig.warm(engine, spy, asked)
+
+
+def check_lanes(rig: Rig) -> None:
+    """Two sampled lanes at once, twice (the second time resuming): each equals its solo run."""
+    engine, spy = rig.engine()
+    shared = prompt(12)
+    prompts = [shared + prompt(5, seed=1), shared + prompt(9, seed=2)]
+    params = [SamplingParams(temperature=0.9, seed=s, max_tokens=8) for s in (3, 4)]
+    solo = [rig.cold(p, s) for p, s in zip(prompts, params, strict=True)]
+    for order in ([0, 1], [1, 0]):
+        # Each lane restores before the other keeps anything (keeps come after a prefill).
+        expect = [rig.geo.resume(prompts[i]) for i in order]
+        spy.reset()
+        ids = [engine.submit(Request(prompts[i], params[i])) for i in order]
+        done = {e.request_id: e.result for e in engine.run() if isinstance(e, Done)}
+        assert set(spy.batch_sizes) == {1}, f"batched forward calls: {set(spy.batch_sizes)}"
+        lanes = list(dict.fromkeys(spy.lanes))  # one cache list per lane, in start order
+        assert len(lanes) == 2, f"{len(lanes)} cache lists for two lanes"
+        for i, rid, lane, start in zip(order, ids, lanes, expect, strict=True):
+            calls = [j for j, x in enumerate(spy.lanes) if x == lane]
+            got = _run_of(done[rid], len(prompts[i]), calls, spy)
+            rig.check(got, prompts[i], start, solo[i])
+        rig.entries(engine.cache)
+
+
+def check_disk(rig: Rig) -> None:
+    """A new PromptCache on the same directory resumes from the disk tier."""
+    engine, spy = rig.engine()
+    p = prompt(26)
+    rig.warm(engine, spy, p)
+    reopened, spy2 = rig.engine()
+    rig.warm(reopened, spy2, p)
+    assert reopened.cache.report()["disk_hits"] == 1
+    rig.warm(reopened, spy2, p + prompt(5, seed=6))
+
+
+def check_new_process(rig: Rig) -> None:
+    """A child process on the same directory resumes from what this one kept."""
+    engine, spy = rig.engine()
+    p = prompt(26)
+    rig.warm(engine, spy, p)
+    prompts = [p, p + prompt(5, seed=6)]
+    expected = []
+    for tokens, got in zip(prompts, rig.child(prompts), strict=True):
+        expected.append(rig.geo.resume(tokens))
+        rig.check(got, tokens, expected[-1], rig.cold(tokens))
+    assert expected[0] > 0
+
+
+def check_restore_repeatedly(rig: Rig) -> None:
+    """One entry restored from memory three times, then from disk in two new caches."""
+    engine, spy = rig.engine()
+    p = prompt(22)
+    rig.warm(engine, spy, p)
+    for _ in range(3):
+        assert rig.warm(engine, spy, p).cached == 20
+    for _ in range(2):
+        reopened, spy2 = rig.engine()
+        assert rig.warm(reopened, spy2, p).cached == 20
+        assert reopened.cache.report()["disk_hits"] == 1
+
+
+def flip_bits(path: Path) -> None:
+    """Flip one bit in the last value of a safetensors file (its data, not its header)."""
+    data = bytearray(path.read_bytes())
+    data[-2] ^= 0x04  # a float32's mantissa: the file still loads, the number is wrong
+    path.write_bytes(bytes(data))
+
+
+def check_bit_flip(rig: Rig) -> None:
+    """A flipped bit in a block (or checkpoint) file: caught by the checksum, dropped and
+    counted; the request prefills instead and equals the cold run."""
+    engine, spy = rig.engine()
+    p = prompt(18)
+    rig.warm(engine, spy, p)
+    files = sorted((rig.dir / "kv" / "files").glob("*.safetensors"))
+    assert len(files) == (4 if rig.variant.trimmable else 1)
+    flip_bits(files[-1])
+    reopened, spy2 = rig.engine()
+    got = run(reopened, spy2, p)
+    same_as_cold(got, rig.cold(p))
+    report = reopened.cache.report()
+    assert report["dropped_corrupt"] == 1, f"dropped {report['dropped_corrupt']} files"
+    assert got.cached == 0
+    # The entry was dropped; the re-prefilled prompt was kept again, intact.
+    again, spy3 = rig.engine()
+    rig.warm(again, spy3, p)
+
+
+def check_two_models(rig: Rig, other: Variant) -> None:
+    """Two models in one directory: the second never sees the first's entries, and a new
+    process of the second resumes from its own."""
+    engine, spy = rig.engine()
+    p = prompt(20)
+    rig.warm(engine, spy, p)
+    second = Rig(other, rig.dir, rig.mutant)
+    engine2, spy2 = second.engine()
+    assert second.warm(engine2, spy2, p).cached == 0
+    prompts = [p, p + prompt(5, seed=7)]
+    for tokens, got in zip(prompts, second.child(prompts), strict=True):
+        second.check(got, tokens, second.geo.resume(tokens), second.cold(tokens))
+    rig.warm(engine, spy, p)  # the first model's own entries are intact
+
+
+def load_variant(source: str, is_shaped: bool) -> Variant:
+    """A variant as a child process loads it."""
+    plain = load(source)
+    return Variant.of("child", plain, is_shaped)

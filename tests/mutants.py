@@ -1,0 +1,190 @@
+"""Plausible exactness bugs, each applied through a setattr-like `patch` at a stable seam.
+
+A test applies one with `monkeypatch.setattr` (undone after the test); a child process
+(tests/exact_child.py) applies the same one with plain `setattr`. tests/test_mutations.py
+checks that each is caught by a guarantee check of tests/guarantees.py.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Generator
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import KVCache
+
+import mlxcache.decode as decode_mod
+import mlxcache.engine as engine_mod
+import mlxcache.prefill as prefill_mod
+import mlxcache.sampling as sampling_mod
+from mlxcache.cache import blocks
+from mlxcache.cache.disk import DiskTier
+from mlxcache.cache.store import PromptCache
+from mlxcache.engine import Engine
+from mlxcache.events import Event, Result
+
+Patch = Callable[[Any, str, Any], None]
+
+
+def shared_checkpoint(patch: Patch) -> None:
+    """Restore hands out a stored non-trimmable checkpoint's cache objects, not copies."""
+    patch(blocks, "from_snapshot", lambda checkpoint: checkpoint)
+
+
+def no_checksum(patch: Patch) -> None:
+    """The disk tier reads files without verifying their checksum."""
+    patch(DiskTier, "_read", lambda self, name: self._path(name))
+
+
+def hash_without_namespace(patch: Patch) -> None:
+    """Block names chained without the namespace: two models' blocks of the same tokens
+    get one name (the second model links the first one's file instead of writing its own)."""
+    chain = blocks.chain_hashes
+    patch(blocks, "chain_hashes", lambda tokens, size, ns: chain(tokens, size, ""))
+
+
+def keep_decode_kv(patch: Patch) -> None:
+    """After a reply, the store also keeps the reply's KV (computed by decode steps)."""
+    seen: dict[int, np.ndarray] = {}  # id(layers) -> the tokens they hold
+
+    def noting(decode: Callable[..., Generator[Event, None, Result]]) -> Any:
+        def wrapped(*args: Any, **kwargs: Any) -> Generator[Event, None, Result]:
+            result = yield from decode(*args, **kwargs)
+            prompt = next(a for a in args if isinstance(a, np.ndarray))
+            layers = next(a for a in args if isinstance(a, list) and hasattr(a[0], "offset"))
+            reply = np.asarray(result.tokens, np.int32)
+            seen[id(layers)] = np.concatenate([prompt, reply])[: int(layers[0].offset)]
+            return result
+
+        return wrapped
+
+    if hasattr(Engine, "_decode"):
+        patch(Engine, "_decode", noting(Engine._decode))
+    else:
+        patch(engine_mod, "decode", noting(engine_mod.decode))
+    release = PromptCache.release
+
+    def release_keeping(self: PromptCache, resume: Any) -> None:
+        tokens = seen.pop(id(resume.layers), None)
+        n = 0 if tokens is None else len(tokens) // self.block_size * self.block_size
+        if tokens is not None and self.trimmable and n:
+            self.keep(tokens[:n], resume.layers)
+        release(self, resume)
+
+    patch(PromptCache, "release", release_keeping)
+
+
+class _Batched:
+    """Runs each decode step as a batch of 2 (the lane's row twice), as batching lanes into
+    one forward would: the model sees batch size 2."""
+
+    def __init__(self, model: Any) -> None:
+        self._model = model
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+    def __call__(self, x: mx.array, cache: list[Any]) -> mx.array:
+        if x.shape[1] != 1:
+            return self._model(x, cache=cache)
+        wide = [_map_arrays(c, lambda a: mx.concatenate([a, a])) for c in cache]
+        out = self._model(mx.concatenate([x, x]), cache=wide)
+        for c, w in zip(cache, wide, strict=True):
+            vars(c).update(vars(_map_arrays(w, lambda a: a[:1])))
+        return out[:1]
+
+
+def _map_arrays(cache: Any, f: Callable[[mx.array], mx.array]) -> Any:
+    out = copy.copy(cache)
+    for name, value in vars(cache).items():
+        if isinstance(value, mx.array):
+            setattr(out, name, f(value))
+    return out
+
+
+def lanes_batched(patch: Patch) -> None:
+    patch(Engine, "model", property(lambda self: _Batched(self.loaded.model)))
+
+
+def partial_last_block(patch: Patch) -> None:
+    """The store also keeps the whole prompt, its partial last block included (when the
+    request ends)."""
+    restore, release, keep = PromptCache.restore, PromptCache.release, PromptCache.keep
+    prompts: dict[int, np.ndarray] = {}  # id(layers) -> the prompt they were restored for
+
+    def restore_noting(self: PromptCache, tokens: np.ndarray) -> Any:
+        resume = restore(self, tokens)
+        prompts[id(resume.layers)] = np.asarray(tokens)
+        return resume
+
+    def release_keeping(self: PromptCache, resume: Any) -> None:
+        tokens = prompts.pop(id(resume.layers), None)
+        if tokens is not None and len(tokens) % self.block_size and self.trimmable:
+            keep(self, tokens, resume.layers)
+        release(self, resume)
+
+    patch(PromptCache, "restore", restore_noting)
+    patch(PromptCache, "release", release_keeping)
+
+
+def unaligned_chunks(patch: Patch) -> None:
+    """Prefill chunks of B counted back from the end, not from absolute multiples of B."""
+
+    def schedule(start: int, end: int, block_size: int) -> list[tuple[int, int]]:
+        stops = list(range(end, start, -block_size))[::-1]
+        return list(zip([start, *stops[:-1]], stops, strict=True))
+
+    patch(prefill_mod, "schedule", schedule)
+
+
+def restore_without_copy(patch: Patch) -> None:
+    """join_blocks hands the same restored caches to every restore of the same blocks
+    (no fresh copy), so a lane's writes reach the next restore."""
+    join = blocks.join_blocks
+    handed: dict[tuple[int, ...], list[KVCache]] = {}
+
+    def join_blocks(parts: list[mx.array], n_layers: int) -> list[Any]:
+        key = tuple(id(b) for b in parts)
+        if key not in handed:
+            handed[key] = join(parts, n_layers)
+        return handed[key]
+
+    patch(blocks, "join_blocks", join_blocks)
+
+
+def shared_sampler(patch: Patch) -> None:
+    """Every sampler draws from one global key stream instead of its own seed's."""
+    state = {"key": mx.random.key(0)}
+    make = sampling_mod.make_sampler
+
+    def make_sampler(params: sampling_mod.SamplingParams) -> sampling_mod.Sampler:
+        if params.temperature == 0:
+            return make(params)
+
+        def sample(logprobs: mx.array) -> mx.array:
+            state["key"], sub = mx.random.split(state["key"])
+            return mx.random.categorical(logprobs / params.temperature, key=sub)
+
+        return sample
+
+    for module in (sampling_mod, engine_mod, decode_mod):
+        if hasattr(module, "make_sampler"):
+            patch(module, "make_sampler", make_sampler)
+
+
+MUTANTS: dict[str, Callable[[Patch], None]] = {
+    f.__name__: f
+    for f in (
+        shared_checkpoint,
+        no_checksum,
+        hash_without_namespace,
+        keep_decode_kv,
+        lanes_batched,
+        partial_last_block,
+        unaligned_chunks,
+        restore_without_copy,
+        shared_sampler,
+    )
+}

@@ -1,0 +1,77 @@
+"""Every exactness guarantee on the tiny model and its sliding-window version, each plain
+and shape-sensitive (tests/guarantees.py has the checks and what they compare)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from guarantees import (
+    B,
+    Rig,
+    Variant,
+    check_bit_flip,
+    check_chat,
+    check_disk,
+    check_fork,
+    check_lanes,
+    check_new_process,
+    check_restore_repeatedly,
+    check_two_models,
+    check_warm,
+    prompt,
+)
+from spy import spied
+
+from mlxcache.cache.base import NoCache
+from mlxcache.engine import Engine, Request
+from mlxcache.model import LoadedModel
+from mlxcache.sampling import SamplingParams
+
+VARIANTS = ["plain", "shaped", "sliding", "shaped-sliding"]
+CHECKS: list[Callable[[Rig], None]] = [
+    check_warm,
+    check_fork,
+    check_chat,
+    check_lanes,
+    check_disk,
+    check_new_process,
+    check_restore_repeatedly,
+    check_bit_flip,
+]
+
+
+@pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__.removeprefix("check_"))
+@pytest.mark.parametrize("name", VARIANTS)
+def test_guarantee(
+    name: str, check: Callable[[Rig], None], variants: dict[str, Variant], tmp_path: Path
+) -> None:
+    check(Rig(variants[name], tmp_path))
+
+
+@pytest.mark.parametrize("name", ["plain", "shaped"])
+def test_two_models_in_one_directory(
+    name: str, variants: dict[str, Variant], other_tiny: LoadedModel, tmp_path: Path
+) -> None:
+    other = Variant.of("other", other_tiny, variants[name].is_shaped)
+    check_two_models(Rig(variants[name], tmp_path), other)
+
+
+def last_logits(loaded: LoadedModel, tokens: list[int], block: int) -> mx.array:
+    spied_model, spy = spied(loaded)
+    Engine(spied_model, NoCache(spied_model.model, block)).complete(
+        Request(tokens, SamplingParams(max_tokens=1))
+    )
+    return spy.last_logits[[sum(c) for c in spy.calls].index(len(tokens))]
+
+
+@pytest.mark.parametrize("name", ["shaped", "shaped-sliding"])
+def test_the_shaped_model_has_teeth(name: str, variants: dict[str, Variant]) -> None:
+    """Another chunking of the same prompt gives other bits (the plain model on CPU: the same)."""
+    p = prompt(16)
+    shaped = variants[name].loaded
+    assert not mx.array_equal(last_logits(shaped, p, B), last_logits(shaped, p, 2 * B))
+    plain = variants[name.replace("shaped-", "").replace("shaped", "plain")].loaded
+    assert mx.array_equal(last_logits(plain, p, B), last_logits(plain, p, 2 * B))

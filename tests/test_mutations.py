@@ -1,0 +1,65 @@
+"""The guarantee checks have teeth: each plausible exactness bug (tests/mutants.py),
+patched in for one test, makes the checks that guard against it fail."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from guarantees import (
+    Rig,
+    Variant,
+    check_bit_flip,
+    check_chat,
+    check_fork,
+    check_lanes,
+    check_restore_repeatedly,
+    check_two_models,
+    check_warm,
+)
+from mutants import MUTANTS
+
+from mlxcache.model import LoadedModel
+
+# Which checks, on which variant, must catch each mutant (every one of them must fail).
+CAUGHT_BY: dict[str, list[tuple[str, str]]] = {
+    "shared_checkpoint": [("sliding", "restore_repeatedly")],
+    "no_checksum": [("plain", "bit_flip"), ("sliding", "bit_flip")],
+    "hash_without_namespace": [("plain", "two_models")],
+    "keep_decode_kv": [("plain", "chat"), ("shaped", "chat")],
+    "lanes_batched": [("plain", "lanes"), ("shaped", "lanes")],
+    "partial_last_block": [("plain", "warm")],
+    "unaligned_chunks": [("plain", "warm"), ("shaped", "fork"), ("sliding", "warm")],
+    "restore_without_copy": [("plain", "restore_repeatedly")],
+    "shared_sampler": [("plain", "lanes")],
+}
+
+
+@pytest.fixture(params=sorted(MUTANTS))
+def mutant(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The name of a mutant, patched in for this test."""
+    name = str(request.param)
+    MUTANTS[name](monkeypatch.setattr)
+    return name
+
+
+def test_every_mutant_has_checks() -> None:
+    assert sorted(CAUGHT_BY) == sorted(MUTANTS)
+
+
+def test_mutant_is_caught(
+    mutant: str, variants: dict[str, Variant], other_tiny: LoadedModel, tmp_path: Path
+) -> None:
+    checks: dict[str, Callable[[Rig], None]] = {
+        "warm": check_warm,
+        "fork": check_fork,
+        "chat": check_chat,
+        "lanes": check_lanes,
+        "restore_repeatedly": check_restore_repeatedly,
+        "bit_flip": check_bit_flip,
+        "two_models": lambda rig: check_two_models(rig, Variant.of("other", other_tiny, False)),
+    }
+    for i, (variant, check) in enumerate(CAUGHT_BY[mutant]):
+        with pytest.raises(AssertionError):
+            checks[check](Rig(variants[variant], tmp_path / str(i), mutant))
