@@ -12,7 +12,7 @@ from mlxcache.errors import OutputError, UserInputError
 from mlxcache.fileio import check_output_dir
 from mlxcache.modes import json_mode
 from mlxcache.modes.batch import read_input
-from mlxcache.modes.schema import read_json_arg
+from mlxcache.modes.schema import CompiledSchema, check_schema, read_json_arg
 from mlxcache.sampling import SamplingParams
 from mlxcache_cli import options as o
 from mlxcache_cli import ui
@@ -57,13 +57,37 @@ def json_cmd(
     lanes: Annotated[
         int, typer.Option("--lanes", metavar="N", help="Batch requests run together.")
     ] = 1,
+    strict: Annotated[
+        bool,
+        typer.Option(
+            "--strict",
+            help="Refuse schema features the grammar cannot enforce (default: enforce what "
+            "it can, validate the rest after decoding).",
+        ),
+    ] = False,
+    allow_extra_keys: Annotated[
+        bool,
+        typer.Option(
+            "--allow-extra-keys",
+            help="Let the model add keys to objects that do not say additionalProperties "
+            "(default: only the listed properties).",
+        ),
+    ] = False,
+    check: Annotated[
+        bool,
+        typer.Option("--check", help="Only check and compile --schema (exit 0 or 2); no model."),
+    ] = False,
     as_json: o.Json = False,
     run: o.RunOptions,
 ) -> None:
     """Reply with one JSON document valid against --schema (printed on stdout)."""
-    task = json_mode.JsonTask.create(
-        read_json_arg(schema, "schema"), o.text_or_file(instructions, "instructions")
+    compiled = check_schema(
+        read_json_arg(schema, "schema"), strict=strict, allow_extra_keys=allow_extra_keys
     )
+    if check:
+        _report_check(compiled, as_json)
+        return
+    task = json_mode.JsonTask(compiled, o.text_or_file(instructions, "instructions"))
     params = run.sampling()
     o.positive(lanes=lanes)
     if input_path is None:
@@ -81,6 +105,15 @@ def json_cmd(
     engine = run.engine()
     plan = json_mode.plan_batch(engine, task, lines, input_path, output)
     _batch(engine, task, plan, params, lanes)
+
+
+def _report_check(compiled: CompiledSchema, as_json: bool) -> None:
+    if as_json:
+        ui.out_json({"ok": True, "unenforced": list(compiled.unenforced)})
+        return
+    ui.out_text("ok\n")
+    for rule in compiled.unenforced:
+        ui.warn(f"checked after decoding, not while: {rule}")
 
 
 def _single(

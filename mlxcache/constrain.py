@@ -58,9 +58,15 @@ def ll_tokenizer(tokenizer: Any, key: str) -> LLTokenizer:
         return built
 
 
-def grammar_from_json_schema(schema: dict[str, Any]) -> str:
+LENIENT_OPTIONS: dict[str, Any] = {"lenient": True, "coerce_one_of": True}
+"""Enforce what the grammar can: unknown formats become plain strings, keywords it cannot
+enforce are skipped (reported as warnings), `oneOf` is decoded as `anyOf`."""
+
+
+def grammar_from_json_schema(schema: dict[str, Any], lenient: bool = False) -> str:
     """The llguidance grammar enforcing `schema`, laid out as JSON_OPTIONS says."""
-    return str(LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS))  # type: ignore[arg-type]
+    options = {**JSON_OPTIONS, **LENIENT_OPTIONS} if lenient else JSON_OPTIONS
+    return str(LLMatcher.grammar_from_json_schema(schema, overrides=options))  # type: ignore[arg-type]
 
 
 def grammar_from_lark(lark: str) -> str:
@@ -68,15 +74,22 @@ def grammar_from_lark(lark: str) -> str:
     return str(LLMatcher.grammar_from_lark(lark))
 
 
-def grammar_error(grammar: str) -> str | None:
-    """Why llguidance cannot compile `grammar` (one line), or None when it can.
+def grammar_check(grammar: str) -> tuple[str | None, list[str]]:
+    """(why llguidance cannot compile `grammar` or None, its warnings), each one line.
 
-    Checked without a tokenizer, so bad schemas are refused before a model is loaded.
+    Checked without a tokenizer, so bad schemas are refused before a model is loaded, and
+    within llguidance's default limits (grammar size, lexer fuel), so none runs for long.
     """
-    is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar)
-    if not is_error:
-        return None
-    return " ".join(messages[0].split()) if messages else "invalid grammar"
+    is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, limits=LLParserLimits())
+    lines = [" ".join(m.split()) for m in messages]
+    if is_error:
+        return (lines[0] if lines else "invalid grammar"), []
+    return None, lines
+
+
+def grammar_error(grammar: str) -> str | None:
+    """Why llguidance cannot compile `grammar` (one line), or None when it can."""
+    return grammar_check(grammar)[0]
 
 
 def bitmask_to_bool(bitmask: np.ndarray, width: int) -> np.ndarray:

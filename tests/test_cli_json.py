@@ -152,11 +152,15 @@ BAD = [
     ),
     (
         ["hi", "--schema", '{"properties": {"age": {"type": "int"}}}'],
-        "error: schema is not valid JSON Schema: 'int' is not valid under any of the given schemas at /properties/age/type",
+        "error: schema is not valid JSON Schema at /properties/age/type (anyOf): 'int' is not valid under any of the given schemas",
     ),
     (
-        ["hi", "--schema", '{"properties": {"tags": {"uniqueItems": true}}}'],
-        'error: schema uses what constrained decoding cannot enforce: Unimplemented keys: ["uniqueItems"] at /properties/tags/uniqueItems (remove or rewrite that part)',
+        ["hi", "--strict", "--schema", '{"properties": {"tags": {"uniqueItems": true}}}'],
+        'error: schema uses what constrained decoding cannot enforce: Unimplemented keys: ["uniqueItems"] at /properties/tags/uniqueItems (remove or rewrite that part, or drop --strict)',
+    ),
+    (
+        ["--check", "--schema", '{"$ref": "#"}'],
+        "error: schema has a $ref cycle that never reaches a value at /$ref",
     ),
     (
         ["hi", "--schema", "/no/schema.json"],
@@ -242,3 +246,44 @@ def test_unwritable_output_is_one_line(cache_root: Path, tiny_gguf: Path, tmp_pa
     assert result.exit_code != 0 and result.stdout == ""
     assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1
     assert (tmp_path / "file").read_text() == "not a directory"
+
+
+# -- lenient by default: what the grammar cannot enforce is checked after decoding ---------
+
+TWINS = json.dumps(
+    {"type": "array", "items": {"enum": ["a"]}, "minItems": 2, "maxItems": 2, "uniqueItems": True}
+)
+
+
+def test_check_compiles_without_a_model() -> None:
+    args = ["json", "--check", "--schema", TWINS, "-m", "/no/such/model"]
+    plain = runner.invoke(app, args)
+    assert plain.exit_code == 0, plain.stderr
+    assert plain.stdout == "ok\n"
+    assert (
+        'checked after decoding, not while: Unimplemented keys: ["uniqueItems"] at /uniqueItems'
+        in plain.stderr
+    )
+    as_json = runner.invoke(app, [*args, "--json"])
+    assert as_json.exit_code == 0, as_json.stderr
+    assert json.loads(as_json.stdout) == {
+        "ok": True,
+        "unenforced": ['Unimplemented keys: ["uniqueItems"] at /uniqueItems'],
+    }
+    strict = runner.invoke(app, [*args, "--strict"])
+    assert strict.exit_code == 2 and strict.stdout == ""
+    assert strict.stderr.startswith("error: schema uses what constrained decoding cannot enforce")
+
+
+def test_output_breaking_an_unenforced_rule_fails_keeping_the_text(
+    cache_root: Path, tiny_gguf: Path
+) -> None:
+    # The grammar can only write ["a", "a"]: uniqueItems, checked after, refuses it.
+    args = ["json", "x", "--schema", TWINS, "-m", str(tiny_gguf), "-n", "12", "--no-cache"]
+    result = runner.invoke(app, [*args, "--json"])
+    assert result.exit_code == 1
+    doc = json.loads(result.stdout)
+    assert (doc["output"], doc["text"], doc["finish_reason"]) == (None, '["a", "a"]', "stop")
+    rule = "uniqueItems at /: ['a', 'a'] has non-unique elements"
+    assert doc["error"] == f"the reply does not satisfy the schema: {rule}"
+    assert result.stderr.strip().endswith(f"error: the reply does not satisfy the schema: {rule}")

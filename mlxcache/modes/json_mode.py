@@ -18,7 +18,6 @@ from typing import Any
 from mlxcache.constrain import processor_for
 from mlxcache.engine import Engine, Request
 from mlxcache.events import Result
-from mlxcache.fileio import loads_json
 from mlxcache.modes.batch import (
     InputLine,
     Job,
@@ -27,7 +26,7 @@ from mlxcache.modes.batch import (
     run_lanes,
     substitute,
 )
-from mlxcache.modes.schema import check_schema, validation_error
+from mlxcache.modes.schema import CompiledSchema, check_schema, parse_json, validation_error
 from mlxcache.sampling import SamplingParams
 
 SCHEMA_INTRO = "Reply with one JSON document that follows this JSON Schema:\n"
@@ -35,26 +34,39 @@ SCHEMA_INTRO = "Reply with one JSON document that follows this JSON Schema:\n"
 
 @dataclass(frozen=True, slots=True)
 class JsonTask:
-    """What every request of a JSON run shares: the schema and optional instructions.
+    """What every request of a JSON run shares: the compiled schema and optional instructions.
 
     Build it with `JsonTask.create`, which checks the schema and compiles its grammar.
     """
 
-    schema: dict[str, Any]
-    grammar: str
+    compiled: CompiledSchema
     instructions: str | None = None
 
     def __post_init__(self) -> None:
-        if not self.grammar:
-            raise ValueError("grammar must not be empty (use JsonTask.create)")
         if self.instructions is not None and not self.instructions.strip():
             raise ValueError("instructions must not be blank")
 
+    @property
+    def schema(self) -> dict[str, Any]:
+        """The schema as given: what replies are validated against."""
+        return self.compiled.schema
+
     @classmethod
-    def create(cls, schema: Any, instructions: str | None = None) -> JsonTask:
-        """Check `schema` (raises GrammarError naming the location) and build the task."""
-        grammar = check_schema(schema)
-        return cls(schema, grammar, instructions)
+    def create(
+        cls,
+        schema: Any,
+        instructions: str | None = None,
+        strict: bool = False,
+        allow_extra_keys: bool = False,
+    ) -> JsonTask:
+        """Check `schema` and build the task (see `schema.check_schema` for the options).
+
+        Raises:
+            GrammarError: one line, naming the location in the schema when known.
+        """
+        return cls(
+            check_schema(schema, strict=strict, allow_extra_keys=allow_extra_keys), instructions
+        )
 
     def messages(
         self, prompt: str, values: Mapping[str, str] | None = None, where: str = "prompt"
@@ -106,8 +118,8 @@ def read_reply(task: JsonTask, result: Result) -> JsonReply:
         )
         return JsonReply(None, result.text, result.finish_reason, stats, error)
     try:
-        doc = loads_json(result.text)
-    except json.JSONDecodeError as exc:
+        doc = parse_json(result.text)
+    except ValueError as exc:
         return JsonReply(None, result.text, result.finish_reason, stats, f"not JSON: {exc}")
     problem = validation_error(doc, task.schema)
     if problem is not None:
@@ -118,7 +130,7 @@ def read_reply(task: JsonTask, result: Result) -> JsonReply:
 
 def request(engine: Engine, ids: list[int], task: JsonTask, params: SamplingParams) -> Request:
     """A constrained request (a fresh grammar matcher each time)."""
-    return Request(ids, params, [processor_for(engine.loaded, task.grammar)])
+    return Request(ids, params, [processor_for(engine.loaded, task.compiled.grammar)])
 
 
 def encode(engine: Engine, messages: list[dict[str, str]], where: str = "the prompt") -> list[int]:

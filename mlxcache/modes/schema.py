@@ -1,33 +1,63 @@
-"""JSON Schema input: reading, checking (jsonschema + llguidance) and validating output.
+"""JSON Schema input: reading, compiling to a grammar, and validating output.
 
-Every refusal names where the problem is, as a JSON pointer into the schema, so the user
-can find it: "schema is not valid JSON Schema: 'strin' is not valid ... at /properties/age/type".
+Lenient by default: the grammar enforces what llguidance can (`oneOf` as `anyOf`, unknown
+formats as plain strings, keywords it cannot enforce skipped) and every output is then
+validated against the schema as given, formats included. `strict` refuses up front what
+the grammar cannot enforce. Every refusal is one line and names its location as a JSON
+pointer into the schema when it is known for sure, never a guess:
+"schema uses what constrained decoding cannot enforce: Unimplemented keys: ["not"] at /properties/age/not".
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import re
-from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 import jsonschema
 from jsonschema.exceptions import SchemaError, ValidationError
+from llguidance import LLMatcher
 
-from mlxcache.constrain import grammar_error, grammar_from_json_schema
+from mlxcache.constrain import grammar_check, grammar_error, grammar_from_json_schema
 from mlxcache.errors import GrammarError, UserInputError
+from mlxcache.fileio import loads_json
+from mlxcache.modes.schema_walk import (
+    close_objects,
+    keyword_at,
+    pointer,
+    reachable,
+    ref_cycle,
+    resolve,
+    strip_ref_siblings,
+    value_at,
+)
+
+_ONE_OF_HINT = re.compile(r"\.?\s*Enable 'coerce_one_of'[^.]*\.?")
+_CIRCULAR = "circular references with sibling keys"
+
+MAX_ERROR = 300
+"""Longest error line: long quotes of the schema are cut, the location is always kept."""
+
+
+def one_line(text: str, limit: int = MAX_ERROR) -> str:
+    """`text` on one line, cut to `limit` characters (an ellipsis marks the cut)."""
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else flat[: limit - 1] + "…"
 
 
 def read_json_arg(value: str, what: str) -> Any:
-    """A JSON value given inline or as a file path (`value` starting with `{` or `[` is inline).
+    """A JSON value given inline or as a file: a path or @path (`{` or `[` first is inline).
 
     Raises:
         UserInputError: unreadable file or not JSON (with line and column).
     """
     text, origin = value, what
     if not value.lstrip().startswith(("{", "[")):
-        path = Path(value).expanduser()
+        path = Path(value.removeprefix("@")).expanduser()
         try:
             text = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
@@ -35,83 +65,178 @@ def read_json_arg(value: str, what: str) -> Any:
             raise UserInputError(f"cannot read {what} file {value}: {reason}") from exc
         origin = f"{what} file {value}"
     try:
-        return json.loads(text)
+        return loads_json(text)
     except json.JSONDecodeError as exc:
         raise UserInputError(
             f"{origin} is not JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
         ) from exc
 
 
-def pointer(parts: Any) -> str:
-    """A JSON pointer ("/properties/age") from path parts; "/" for the root."""
-    items = [str(p).replace("~", "~0").replace("/", "~1") for p in parts]
-    return "/" + "/".join(items) if items else "/"
+@dataclass(frozen=True, slots=True)
+class CompiledSchema:
+    """A checked schema and the grammar that decodes it.
+
+    `schema` is what outputs are validated against (as given); `decoding` is what the
+    grammar enforces (objects closed, lenient options set: embed it in a Lark `%json`);
+    `unenforced` lists what only the validation after decoding checks.
+    """
+
+    schema: dict[str, Any]
+    decoding: dict[str, Any]
+    grammar: str
+    unenforced: tuple[str, ...] = ()
 
 
-def _walk(node: Any, parts: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], Any]]:
-    yield parts, node
-    if isinstance(node, dict):
-        for key, value in node.items():
-            yield from _walk(value, (*parts, key))
-    elif isinstance(node, list):
-        for i, value in enumerate(node):
-            yield from _walk(value, (*parts, i))
+@lru_cache(maxsize=4096)
+def _regex_ok(pattern: str) -> bool:
+    return grammar_error(LLMatcher.grammar_from_regex(pattern)) is None
 
 
-def locate(schema: Any, message: str) -> str | None:
-    """Best guess of where in `schema` llguidance's `message` points (it names no location).
+def _drop_bad_patterns(root: dict[str, Any]) -> list[str]:
+    """Remove (in place) `pattern`s the grammar cannot compile (look-around...); say where."""
+    dropped = []
+    for parts, node in reachable(root):
+        pattern = node.get("pattern")
+        if isinstance(pattern, str) and not _regex_ok(pattern):
+            del node["pattern"]
+            dropped.append(f"pattern at {pointer((*parts, 'pattern'))}")
+    return dropped
 
-    "Unimplemented keys: [\"uniqueItems\"]" points at the first object with such a key;
-    other messages quote a value of the schema (a regex, a $ref), found by its text.
+
+def problem_location(schema: Any, message: str) -> str | None:
+    """Where in `schema` llguidance's `message` points, when that is certain; else None.
+
+    llguidance names no location: unimplemented keywords and unknown formats are found
+    by name among the subschemas decoding reaches, a bad regex by its text.
     """
     keys = re.search(r"Unimplemented keys: \[([^\]]*)\]", message)
     if keys:
-        names = set(re.findall(r'"([^"]*)"', keys.group(1)))
-        for parts, node in _walk(schema):
-            if isinstance(node, dict):
-                hit = next((k for k in node if k in names), None)
-                if hit is not None:
-                    return pointer((*parts, hit))
-    for parts, node in _walk(schema):
-        quoted = isinstance(node, str) and len(node) >= 3 and parts
-        if quoted and (node in message or (node.startswith("#") and node[1:] in message)):
-            return pointer(parts)
+        return keyword_at(schema, set(re.findall(r'"([^"]*)"', keys.group(1))))
+    fmt = re.search(r"Unknown format: (\S+)", message)
+    if fmt:
+        return value_at(schema, "format", fmt.group(1))
+    if "regex" in message:
+        for parts, node in reachable(schema):
+            pattern = node.get("pattern")
+            if isinstance(pattern, str) and pattern and pattern in message:
+                return pointer((*parts, "pattern"))
+    missing = re.search(r"Pointer '([^']*)' does not exist", message)
+    if missing:
+        return value_at(schema, "$ref", "#" + missing.group(1))
+    remote = re.search(r"Resource 'json-schema:///([^'#]+)", message)
+    if remote:
+        refs = [(p, n["$ref"]) for p, n in reachable(schema) if isinstance(n.get("$ref"), str)]
+        hit = next((p for p, ref in refs if ref.split("#")[0] == remote.group(1)), None)
+        return pointer((*hit, "$ref")) if hit is not None else None
+    named = re.search(r"json-schema:///(#/\S*)", message)  # llguidance naming a definition
+    if named:
+        target = resolve(schema, named.group(1))
+        return pointer(target[0]) if target else None
+    if "oneOf" in message or "one_of" in message:
+        found = [parts for parts, node in reachable(schema) if "oneOf" in node]
+        return pointer((*found[0], "oneOf")) if len(found) == 1 else None
     return None
 
 
-def check_schema(schema: Any, what: str = "schema") -> str:
-    """Check `schema` is valid JSON Schema that llguidance can enforce; returns its grammar.
+def _located(schema: dict[str, Any], warning: str) -> str:
+    """An llguidance warning (what it skips) as one short line, with its location if known."""
+    text = "oneOf decoded as anyOf" if warning.startswith("oneOf not fully") else warning
+    where = problem_location(schema, warning)
+    return one_line(f"{text} at {where}" if where else text, 160)
 
-    Raises:
-        GrammarError: not an object, not valid JSON Schema, or a feature constrained
-            decoding cannot enforce; the message names the location.
-    """
-    if not isinstance(schema, dict):
-        raise GrammarError(f"{what} must be a JSON object, got {type(schema).__name__}")
+
+def _metaschema_error(schema: dict[str, Any], what: str) -> str | None:
     try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except SchemaError as exc:
+        where = pointer(tuple(exc.absolute_path))
+        return f"{what} is not valid JSON Schema at {where} ({exc.validator}): {one_line(exc.message, 200)}"
+    return None
+
+
+def check_schema(
+    schema: Any, what: str = "schema", strict: bool = False, allow_extra_keys: bool = False
+) -> CompiledSchema:
+    """Check `schema` and compile its grammar, without a model (fast, bounded).
+
+    Args:
+        strict: refuse what the grammar cannot enforce instead of checking it after decoding.
+        allow_extra_keys: leave objects open where the schema does (by default an object
+            with `properties` and no `additionalProperties` gets no other keys).
+
+    Raises:
+        GrammarError: not an object, not valid JSON Schema, a `$ref` cycle, or (strict, or
+            beyond what lenient decoding can skip) a feature the grammar cannot enforce.
+    """
+    if not isinstance(schema, dict):
+        raise GrammarError(f"{what} must be a JSON object, got {type(schema).__name__}")
+    invalid = _metaschema_error(schema, what)
+    if invalid is not None:
+        raise GrammarError(invalid)
+    cycle = ref_cycle(schema)
+    if cycle is not None:
         raise GrammarError(
-            f"{what} is not valid JSON Schema: {exc.message} at {pointer(exc.path)}"
-        ) from exc
-    grammar = grammar_from_json_schema(schema)
-    problem = grammar_error(grammar)
-    if problem is not None:
-        where = locate(schema, problem)
-        at = f" at {where}" if where else ""
-        raise GrammarError(
-            f"{what} uses what constrained decoding cannot enforce: {problem}{at} "
-            "(remove or rewrite that part)"
+            f"{what} has a $ref cycle that never reaches a value at {pointer(cycle)}"
         )
-    return grammar
+    decoding = copy.deepcopy(schema)
+    unenforced = [] if strict else _drop_bad_patterns(decoding)
+    if not allow_extra_keys:
+        close_objects(decoding)
+    grammar = grammar_from_json_schema(decoding, lenient=not strict)
+    problem, warnings = grammar_check(grammar)
+    if problem is not None and not strict and problem.startswith(_CIRCULAR):
+        unenforced += strip_ref_siblings(decoding)
+        grammar = grammar_from_json_schema(decoding, lenient=True)
+        problem, warnings = grammar_check(grammar)
+    if problem is not None:
+        where = problem_location(schema, problem)
+        at = f" at {where}" if where else ""
+        hint = "remove or rewrite that part" + (", or drop --strict" if strict else "")
+        cause = one_line(_ONE_OF_HINT.sub("", problem), 180)
+        raise GrammarError(
+            f"{what} uses what constrained decoding cannot enforce: {cause}{at} ({hint})"
+        )
+    unenforced += [_located(schema, w) for w in warnings]
+    return CompiledSchema(schema, decoding, grammar, tuple(unenforced))
+
+
+class DuplicateKeyError(ValueError):
+    """A JSON object with the same key twice (valid JSON text, ambiguous data)."""
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise DuplicateKeyError(f"key {key!r} appears twice in an object")
+        out[key] = value
+    return out
+
+
+def parse_json(text: str) -> Any:
+    """`text` as JSON, refusing duplicate keys.
+
+    Raises:
+        ValueError: not JSON (json.JSONDecodeError) or a duplicate key (DuplicateKeyError).
+    """
+    return loads_json(text, object_pairs_hook=_no_duplicates)
 
 
 def validation_error(instance: Any, schema: dict[str, Any]) -> str | None:
-    """Why `instance` does not satisfy `schema` (with location), or None when it does."""
-    validator = jsonschema.validators.validator_for(schema)(schema)
-    error: ValidationError | None = jsonschema.exceptions.best_match(
-        validator.iter_errors(instance)
-    )
+    """Why `instance` does not satisfy `schema` (formats checked), or None when it does.
+
+    One line naming the rule broken and where: "uniqueItems at /tags: [...] has non-unique
+    elements".
+    """
+    cls = jsonschema.validators.validator_for(schema)
+    validator = cls(schema, format_checker=cls.FORMAT_CHECKER)
+    try:
+        error: ValidationError | None = jsonschema.exceptions.best_match(
+            validator.iter_errors(instance)
+        )
+    except Exception as exc:  # an unresolvable remote $ref, an unknown type: no common base
+        return one_line(f"the schema cannot be checked: {type(exc).__name__}: {exc}")
     if error is None:
         return None
-    return f"{error.message} at {pointer(error.absolute_path)}"
+    where = pointer(tuple(error.absolute_path))
+    return f"{error.validator} at {where}: {one_line(error.message, 200)}"

@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlxcache.constrain import JSON_OPTIONS, grammar_error, grammar_from_lark
+from mlxcache.constrain import JSON_OPTIONS, LENIENT_OPTIONS, grammar_error, grammar_from_lark
 from mlxcache.errors import GrammarError, UserInputError
 from mlxcache.fileio import loads_json
 from mlxcache.modes.schema import check_schema, validation_error
@@ -28,6 +28,10 @@ CALL_START = "<tool_call>"
 CALL_END = "</tool_call>"
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _CALL = re.compile(re.escape(CALL_START) + r"(.*?)" + re.escape(CALL_END), re.DOTALL)
+
+
+NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+"""The parameters of a function defined without any: no arguments."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,12 +66,7 @@ def _tool(entry: Any, where: str) -> Tool:
     name = fn.get("name")
     if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise UserInputError(f"{where}: name must be a string of [A-Za-z0-9_-], got {name!r}")
-    params = fn.get("parameters")
-    if params is None:
-        raise UserInputError(
-            f'{where}: tool {name!r} has no parameters schema (add "parameters": '
-            '{"type": "object", "properties": {...}})'
-        )
+    params = fn.get("parameters", NO_PARAMETERS)  # OpenAI allows a function without any
     if not isinstance(params, dict) or params.get("type") != "object":
         raise UserInputError(
             f'{where}: tool {name!r}: parameters must be a JSON Schema with "type": "object"'
@@ -144,7 +143,8 @@ def tool_grammar(tools: tuple[Tool, ...], choice: ToolChoice, parallel: bool = F
     chosen = [t for t in tools if choice.name in (None, t.name)]
     rules = []
     for i, tool in enumerate(chosen):
-        args = {**tool.parameters, "x-guidance": JSON_OPTIONS}
+        decoding = check_schema(tool.parameters, f"tool {tool.name!r} parameters").decoding
+        args = {**decoding, "x-guidance": {**JSON_OPTIONS, **LENIENT_OPTIONS}}
         head = _lark_string(f'{{"name": "{tool.name}", "arguments": ')
         rules.append(f"call_{i}: {head} args_{i} " + _lark_string("}"))
         rules.append(f"args_{i}: %json {json.dumps(args)}")
