@@ -90,6 +90,10 @@ class Geometry:
         if keep_at > start:
             self.kept.add(tuple(tokens[:keep_at]))
 
+    def prefilled(self, tokens: Sequence[int], chunks: int) -> None:
+        """Record a prefill from 0 stopped after `chunks` chunks (it keeps what it computed)."""
+        self.kept.add(tuple(tokens[: chunks * B]))
+
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = 0
@@ -291,6 +295,41 @@ def check_lanes(rig: Rig) -> None:
             got = _run_of(done[rid], len(prompts[i]), calls, spy)
             rig.check(got, prompts[i], start, solo[i])
         rig.entries(engine.cache)
+
+
+def check_interrupted(rig: Rig) -> None:
+    """A request cancelled after three prefill chunks keeps them; the next run resumes there."""
+    engine, spy = rig.engine()
+    p = prompt(23)
+    rid = engine.submit(Request(p, GREEDY))
+    for _ in range(3):
+        engine.step()
+    engine.cancel(rid)
+    rig.geo.prefilled(p, 3)
+    rig.entries(engine.cache)
+    rig.warm(engine, spy, p)
+
+
+def check_warm_ahead(rig: Rig) -> None:
+    """Warm-ahead work run to its end keeps canonical KV; a request resumes from it."""
+    engine, spy = rig.engine()
+    history = prompt(21)
+    engine.warm(history)
+    list(engine.run(warm=True))
+    rig.geo.prefilled(history, len(history) // B)
+    rig.entries(engine.cache)
+    rig.warm(engine, spy, history + prompt(6, seed=1))
+
+
+def check_warm_preempted(rig: Rig) -> None:
+    """A request stops warm-ahead work after two chunks; it keeps them, the request resumes."""
+    engine, spy = rig.engine()
+    history = prompt(19, seed=2)
+    engine.warm(history)
+    for _ in range(2):
+        engine.step()
+    rig.geo.prefilled(history, 2)  # the request below stops the warm lane first
+    rig.warm(engine, spy, history + prompt(3, seed=3))
 
 
 def check_disk(rig: Rig) -> None:

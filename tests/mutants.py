@@ -23,7 +23,7 @@ from mlxcache.cache import blocks
 from mlxcache.cache.disk import DiskTier
 from mlxcache.cache.store import PromptCache
 from mlxcache.engine import Engine
-from mlxcache.events import Event, Result
+from mlxcache.events import Event, Prefill, Result
 
 Patch = Callable[[Any, str, Any], None]
 
@@ -139,6 +139,25 @@ def unaligned_chunks(patch: Patch) -> None:
     patch(prefill_mod, "schedule", schedule)
 
 
+def warm_in_one_chunk(patch: Patch) -> None:
+    """Warm-ahead prefills its prefix in one forward call (fewer, larger calls), not in
+    canonical chunks. The request that resumes from it makes the right calls; only the
+    bits of the KV it resumes from differ (on the shape-sensitive model)."""
+
+    def _warm_lane(self: Engine, rid: int, tokens: np.ndarray) -> Generator[Event, None, None]:
+        resume = self.cache.restore(np.append(tokens, np.int32(-1)))  # as the engine looks up
+        try:
+            if resume.length < len(tokens):
+                self.model(mx.array(tokens[None, resume.length :]), cache=resume.layers)
+                mx.eval([c.state for c in resume.layers])
+                self.cache.keep(tokens, resume.layers)
+                yield Prefill(rid, len(tokens), len(tokens))
+        finally:
+            self.cache.release(resume)
+
+    patch(Engine, "_warm_lane", _warm_lane)
+
+
 def restore_without_copy(patch: Patch) -> None:
     """join_blocks hands the same restored caches to every restore of the same blocks
     (no fresh copy), so a lane's writes reach the next restore."""
@@ -186,5 +205,6 @@ MUTANTS: dict[str, Callable[[Patch], None]] = {
         unaligned_chunks,
         restore_without_copy,
         shared_sampler,
+        warm_in_one_chunk,
     )
 }

@@ -17,6 +17,7 @@ from guarantees import (
     check_restore_repeatedly,
     check_two_models,
     check_warm,
+    check_warm_ahead,
 )
 from mutants import MUTANTS
 
@@ -33,6 +34,7 @@ CAUGHT_BY: dict[str, list[tuple[str, str]]] = {
     "unaligned_chunks": [("plain", "warm"), ("shaped", "fork"), ("sliding", "warm")],
     "restore_without_copy": [("plain", "restore_repeatedly")],
     "shared_sampler": [("plain", "lanes")],
+    "warm_in_one_chunk": [("shaped", "warm_ahead"), ("shaped-sliding", "warm_ahead")],
 }
 
 
@@ -58,8 +60,20 @@ def test_mutant_is_caught(
         "lanes": check_lanes,
         "restore_repeatedly": check_restore_repeatedly,
         "bit_flip": check_bit_flip,
+        "warm_ahead": check_warm_ahead,
         "two_models": lambda rig: check_two_models(rig, Variant.of("other", other_tiny, False)),
     }
     for i, (variant, check) in enumerate(CAUGHT_BY[mutant]):
         with pytest.raises(AssertionError):
             checks[check](Rig(variants[variant], tmp_path / str(i), mutant))
+
+
+def test_only_the_shaped_model_catches_non_canonical_warm_ahead(
+    variants: dict[str, Variant], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The request after warm-ahead makes the cold run's calls from the right resume point:
+    the spy and the geometry see nothing, only the bits of the KV differ."""
+    MUTANTS["warm_in_one_chunk"](monkeypatch.setattr)
+    check_warm_ahead(Rig(variants["plain"], tmp_path / "plain"))
+    with pytest.raises(AssertionError, match="logits differ"):
+        check_warm_ahead(Rig(variants["shaped"], tmp_path / "shaped"))
