@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Annotated
@@ -11,11 +13,11 @@ import typer
 from rich.live import Live
 from rich.markdown import Markdown
 
-from mlxcache.engine import Engine
 from mlxcache.errors import MlxcacheError, UserInputError
 from mlxcache.events import Done, Event, Token
 from mlxcache.modes import chat
 from mlxcache.paths import cache_dir as resolve_cache_dir
+from mlxcache.worker import EngineWorker
 from mlxcache_cli import options as o
 from mlxcache_cli import ui
 
@@ -24,9 +26,11 @@ HELP = """commands:
   /edit N TEXT      rewrite turn N and continue from there
   /undo             remove the last turn
   /system TEXT      set the system message (/system alone clears it)
+  /history          the conversation so far, numbered
   /save NAME        save the session (later turns are saved too)
   /load NAME        open a saved session
-  /stats            session and cache statistics
+  /sessions         the saved sessions
+  /stats            session, settings and cache (/stats --json: every counter)
   /clear            forget every turn
   /help             this list
   /exit             leave (Ctrl-D too)
@@ -37,9 +41,15 @@ class Repl:
     """Holds the session and what the commands act on."""
 
     def __init__(
-        self, engine: Engine, session: chat.ChatSession, sessions: Path, markdown: bool
+        self,
+        engine: EngineWorker,
+        session: chat.ChatSession,
+        sessions: Path,
+        markdown: bool,
+        quiet: bool = False,
     ) -> None:
-        self.engine = engine
+        self.engine = engine  # a worker thread runs the model: warm-ahead fills idle time
+        self.quiet = quiet
         self.session = session
         self.sessions = sessions
         self.markdown = markdown
@@ -51,10 +61,12 @@ class Repl:
         text = ""
         stats = None
         live = Live(Markdown(""), console=ui.out, auto_refresh=False) if self.markdown else None
+        bar = ui.PrefillBar(self.quiet)
         try:
             if live:
                 live.start()
             for event in events:
+                bar(event)
                 if isinstance(event, Token):
                     text += event.text
                     if live:
@@ -68,12 +80,18 @@ class Repl:
             if close:
                 close()
         finally:
+            bar.close()
             if live:
                 live.stop()  # before anything else is printed: Live owns the cursor until then
         if not live:
             ui.out_text("\n")
         if stats is None:
-            ui.warn("reply stopped; it stays in the session (/retry to regenerate)")
+            kept = bool(self.session.turns) and self.session.turns[-1].interrupted
+            ui.warn(
+                "reply stopped; it stays in the session (/retry to regenerate)"
+                if kept
+                else "reply stopped before its first token; the message was not kept"
+            )
         else:
             ui.stats_line(stats)
         self.autosave()
@@ -90,9 +108,11 @@ class Repl:
             "edit": self._edit,
             "undo": lambda _: self._undo(),
             "system": self._system,
+            "history": lambda _: self._history(),
             "save": self._save,
             "load": self._load,
-            "stats": lambda _: self._stats(),
+            "sessions": lambda _: ui.info(saved_sessions(self.sessions)),
+            "stats": self._stats,
             "clear": lambda _: self.session.clear(),
             "help": lambda _: ui.info(HELP),
             "exit": lambda _: False,
@@ -117,6 +137,20 @@ class Repl:
     def _system(self, arg: str) -> None:
         self.session.system = arg or None
         self.autosave()
+        ui.info(
+            f"system message set ({len(arg)} characters), used from the next reply"
+            if arg
+            else "system message cleared"
+        )
+
+    def _history(self) -> None:
+        if not self.session.turns:
+            ui.info("no turns yet")
+        for number, turn in enumerate(self.session.turns, start=1):
+            mark = " (stopped)" if turn.interrupted else ""
+            ui.info(
+                f"{number} you> {ui.preview(turn.user, 70)}\n  {ui.preview(turn.reply, 72)}{mark}"
+            )
 
     def _save(self, arg: str) -> None:
         if arg != self.name and chat.session_path(self.sessions, arg).exists():
@@ -130,11 +164,39 @@ class Repl:
     def _load(self, arg: str) -> None:
         self.session = chat.load(self.sessions, arg)
         self.name = arg
-        ui.info(f"loaded {arg}: {len(self.session.turns)} turns")
+        ui.info(describe_session(arg, self.session))
 
-    def _stats(self) -> None:
-        report = {"turns": len(self.session.turns), **self.engine.cache.report()}
-        ui.info(" · ".join(f"{k} {v}" for k, v in report.items()))
+    def _stats(self, arg: str) -> None:
+        cache = self.engine.call(lambda e: e.cache.report())
+        if arg == "--json":
+            ui.out_json(
+                {
+                    "session": self.name,
+                    "turns": len(self.session.turns),
+                    "model": self.engine.engine.loaded.name,
+                    "sampling": dataclasses.asdict(self.session.sampling),
+                    "stop": list(self.session.stop),
+                    "cache": cache,
+                }
+            )
+            return
+        if arg:
+            raise UserInputError("usage: /stats or /stats --json")
+        p = self.session.sampling
+        ui.info(
+            f"session {self.name or '(not saved)'} · {len(self.session.turns)} turns · "
+            f"model {self.engine.engine.loaded.name}\n"
+            f"sampling: temp {p.temperature} · top-p {p.top_p} · top-k {p.top_k} · "
+            f"min-p {p.min_p} · repetition penalty {p.repetition_penalty} · "
+            f"max {p.max_tokens} tokens · seed {p.seed}\n"
+            f"cache: {cache.get('hits', 0)} hits, {cache.get('misses', 0)} misses · "
+            f"{cache.get('cached_tokens', 0)} prompt tokens reused · "
+            f"memory {cache.get('mem_entries', 0)} entries, "
+            f"{ui.human_bytes(cache.get('mem_bytes', 0))} · "
+            f"disk {cache.get('disk_entries', 0)} entries, "
+            f"{ui.human_bytes(cache.get('disk_bytes', 0))} · "
+            f"blocks of {cache.get('block_size', '?')} tokens"
+        )
 
     def handle(self, line: str) -> bool:
         """One input line: a command or a message. False means leave."""
@@ -148,6 +210,72 @@ class Repl:
             self.failed = True
             ui.error(str(exc))
         return True
+
+
+def describe_session(name: str, session: chat.ChatSession) -> str:
+    """What a reopened session holds: its size and the last exchange."""
+    text = f"session {name}: {len(session.turns)} turns"
+    if session.system is not None:
+        text += f", system: {ui.preview(session.system, 50)}"
+    if session.turns:
+        last = session.turns[-1]
+        text += f"\n  last: you> {ui.preview(last.user, 66)}\n        {ui.preview(last.reply, 70)}"
+    return text
+
+
+def saved_sessions(directory: Path) -> str:
+    """One line per saved session, most recently used first."""
+    files = sorted(directory.glob("*.json"), key=lambda p: p.stat().st_mtime, reverse=True)
+    lines = []
+    now = time.time()
+    for path in files:
+        try:
+            session = chat.load(directory, path.stem)
+        except MlxcacheError:
+            continue  # not a session (or a bad name): nothing to resume there
+        first = ui.preview(session.turns[0].user, 40) if session.turns else ""
+        when = ui.age(now - path.stat().st_mtime)
+        lines.append(f"{path.stem:<20} {len(session.turns):>3} turns  {when:>4} ago  {first}")
+    return "\n".join(lines) if lines else f"no saved sessions in {directory}"
+
+
+# RunOptions names of the sampling settings a session keeps, and their SamplingParams fields.
+_SESSION_OPTIONS = {
+    "max_tokens": "max_tokens",
+    "temp": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "seed": "seed",
+}
+
+
+def _given(ctx: typer.Context, name: str) -> bool:
+    """Whether option `name` was set on the command line or by its environment variable."""
+    source = ctx.get_parameter_source(name)
+    return source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT")
+
+
+def apply_options(
+    ctx: typer.Context, session: chat.ChatSession, run: o.RunOptions, system: str | None
+) -> list[str]:
+    """Apply the options given with --resume to the session; returns what changed."""
+    params = run.sampling()
+    updates = {
+        field: getattr(params, field)
+        for option, field in _SESSION_OPTIONS.items()
+        if _given(ctx, option) and getattr(params, field) != getattr(session.sampling, field)
+    }
+    changed = [f"{k} {getattr(session.sampling, k)} -> {v}" for k, v in updates.items()]
+    session.sampling = dataclasses.replace(session.sampling, **updates)
+    if _given(ctx, "stop") and run.stop_strings() != session.stop:
+        changed.append(f"stop {list(session.stop)} -> {list(run.stop_strings())}")
+        session.stop = run.stop_strings()
+    if system is not None and system != session.system:
+        changed.append("system message")
+        session.system = system
+    return changed
 
 
 def _lines_from_tty(history: Path) -> Iterator[str]:
@@ -182,18 +310,23 @@ def _lines_from_pipe() -> Iterator[str]:
         yield "\n".join(parts)
 
 
-# Chat turns add tens of tokens at a time: 32-token blocks let even the first retry resume
-# (at 256 nothing is reused before the context passes 256 tokens). The price: smaller
-# prefill chunks for a long pasted text, which Metal runs less efficiently.
-@o.with_run_options(max_tokens=512, block_size=32)
+@o.with_run_options(max_tokens=512)
 def chat_cmd(
+    ctx: typer.Context,
     system: o.System = None,
     resume: Annotated[
         str | None,
         typer.Option(
-            "--resume", "-r", help="Reopen a saved session (later turns are saved to it)."
+            "--resume",
+            "-r",
+            metavar="NAME",
+            help="Reopen a saved session (later turns are saved to it); options given "
+            "beside it change its settings.",
         ),
     ] = None,
+    list_sessions: Annotated[
+        bool, typer.Option("--list", "-l", help="List the saved sessions and exit.")
+    ] = False,
     markdown: Annotated[
         bool, typer.Option("--markdown", help="Render replies as Markdown.")
     ] = False,
@@ -201,20 +334,33 @@ def chat_cmd(
     run: o.RunOptions,
 ) -> None:
     """Chat in the terminal; every turn resumes the conversation from the prompt cache."""
-    params = run.sampling()
     sessions = resolve_cache_dir(run.cache_dir) / "sessions"
+    if list_sessions:
+        ui.out_text(saved_sessions(sessions) + "\n")
+        return
+    params, stops = run.sampling(), run.stop_strings()
+    system = o.text_or_file(system, "system")
     if resume is not None:
         session = chat.load(sessions, resume)
-        if system is not None:
-            session.system = system
+        ui.info(describe_session(resume, session))
+        changed = apply_options(ctx, session, run, system)
+        if changed:
+            ui.info("changed: " + ", ".join(changed))
     else:
-        session = chat.ChatSession(system=system, sampling=params)
-    engine = run.engine()
-    repl = Repl(engine, session, sessions, markdown)
+        session = chat.ChatSession(system=system, sampling=params, stop=stops)
+    with EngineWorker(run.engine()) as worker:
+        _repl(Repl(worker, session, sessions, markdown, run.quiet), resume, run)
+
+
+def _repl(repl: Repl, resume: str | None, run: o.RunOptions) -> None:
     repl.name = resume
     interactive = sys.stdin.isatty()
     if interactive:
-        ui.err.print("mlxcache chat · /help for commands · Ctrl-D to leave", style="stats")
+        ui.err.print(
+            f"mlxcache chat · {repl.engine.engine.loaded.name} · /help for commands · "
+            "Ctrl-D to leave",
+            style="stats",
+        )
     lines = (
         _lines_from_tty(resolve_cache_dir(run.cache_dir) / "chat_history")
         if interactive

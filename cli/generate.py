@@ -8,7 +8,7 @@ import typer
 
 from mlxcache.engine import Request
 from mlxcache.errors import UserInputError
-from mlxcache.events import Done, Token
+from mlxcache.events import Done, Event, Token
 from mlxcache_cli import options as o
 from mlxcache_cli import ui
 
@@ -37,22 +37,28 @@ def generate(
     else:
         messages = [{"role": "system", "content": system}] if system is not None else []
         ids = engine.encode_chat([*messages, {"role": "user", "content": text}])
-    for event in engine.generate(Request(ids, params, stop_strings=stops)):
-        if isinstance(event, Token) and not as_json:
-            ui.out_text(event.text)
-        elif isinstance(event, Done):
-            result = event.result
-            if as_json:
-                ui.out_json(
-                    {
-                        "text": result.text,
-                        "tokens": result.tokens,
-                        "finish_reason": result.finish_reason,
-                        "stats": result.stats.as_dict(),
-                    }
-                )
-            else:
-                ui.out_text("\n")
-            ui.stats_line(result.stats.as_dict())
-            if result.finish_reason == "length" and not as_json:
-                ui.info(f"stopped at the token limit ({len(result.tokens)} tokens; -n for more)")
+    with ui.PrefillBar(run.quiet) as bar:
+        for event in engine.generate(Request(ids, params, stop_strings=stops)):
+            bar(event)
+            _show(event, as_json)
+
+
+def _show(event: Event, as_json: bool) -> None:
+    if isinstance(event, Token) and not as_json:
+        ui.out_text(event.text)
+    elif isinstance(event, Done):
+        result = event.result
+        if as_json:
+            ui.out_json(
+                {
+                    "text": result.text,
+                    "tokens": result.tokens,
+                    "finish_reason": result.finish_reason,
+                    "stats": result.stats.as_dict(),
+                }
+            )
+        else:
+            ui.out_text("\n")
+        ui.stats_line(result.stats.as_dict())
+        if result.finish_reason == "length" and not as_json:
+            ui.info(f"stopped at the token limit ({len(result.tokens)} tokens; -n for more)")

@@ -12,7 +12,7 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 
-from mlxcache.config import CacheConfig, parse_size
+from mlxcache.config import CPU_BLOCK_SIZE, METAL_BLOCK_SIZE, CacheConfig, parse_size
 from mlxcache.engine import Engine
 from mlxcache.errors import UserInputError
 from mlxcache.runtime import open_engine
@@ -141,13 +141,29 @@ CacheDisk = Annotated[
     ),
 ]
 BlockSize = Annotated[
-    int,
+    int | None,
     typer.Option(
         "--block-size",
         metavar="TOKENS",
-        help="Cache block / prefill chunk length in tokens.",
+        help=(
+            "Cache block / prefill chunk length in tokens (default: $MLXCACHE_BLOCK_SIZE, "
+            f"else {CPU_BLOCK_SIZE} on CPU, {METAL_BLOCK_SIZE} on Metal). Every command "
+            "shares entries made with the same size."
+        ),
         rich_help_panel=CACHE_PANEL,
     ),
+]
+WarmAhead = Annotated[
+    bool,
+    typer.Option(
+        "--warm-ahead/--no-warm-ahead",
+        help="After a reply, prefill the conversation as the next turn will start (idle time).",
+        rich_help_panel=CACHE_PANEL,
+    ),
+]
+Quiet = Annotated[
+    bool,
+    typer.Option("--quiet", "-q", help="No progress bars on stderr.", rich_help_panel=MODEL_PANEL),
 ]
 PromptArg = Annotated[
     str | None, typer.Argument(metavar="PROMPT", help="The prompt; '-' or nothing reads stdin.")
@@ -204,18 +220,26 @@ def sampling(**options: Any) -> SamplingParams:
 
 
 def cache_config(
-    cache_dir: Path | None, no_cache: bool, mem: str, disk: str, block_size: int
+    cache_dir: Path | None,
+    no_cache: bool,
+    mem: str,
+    disk: str,
+    block_size: int | None,
+    warm_ahead: bool = True,
 ) -> CacheConfig:
+    """Cache settings from options; None keeps `CacheConfig`'s default (one home for it)."""
     try:
+        size = {} if block_size is None else {"block_size": block_size}
         return CacheConfig(
             enabled=not no_cache,
             directory=cache_dir,
-            block_size=block_size,
             mem_bytes=parse_size(mem),
             disk_bytes=parse_size(disk),
+            warm_ahead=warm_ahead,
+            **size,  # type: ignore[arg-type]
         )
     except ValueError as exc:
-        raise UserInputError(str(exc)) from exc
+        raise UserInputError(str(exc).replace("block size", "--block-size", 1)) from exc
 
 
 def engine(model: str | None, cache: CacheConfig) -> Engine:
@@ -276,7 +300,9 @@ class RunOptions:
     no_cache: bool
     cache_mem: str
     cache_disk: str
-    block_size: int
+    block_size: int | None
+    warm_ahead: bool
+    quiet: bool
 
     def sampling(self) -> SamplingParams:
         return sampling(
@@ -297,7 +323,12 @@ class RunOptions:
 
     def cache(self) -> CacheConfig:
         return cache_config(
-            self.cache_dir, self.no_cache, self.cache_mem, self.cache_disk, self.block_size
+            self.cache_dir,
+            self.no_cache,
+            self.cache_mem,
+            self.cache_disk,
+            self.block_size,
+            self.warm_ahead,
         )
 
     def engine(self) -> Engine:
@@ -306,7 +337,7 @@ class RunOptions:
 
 _RUN_OPTIONS: list[tuple[str, Any, Any]] = [
     ("model", Model, None),
-    ("max_tokens", MaxTokens, 256),
+    ("max_tokens", MaxTokens, SamplingParams().max_tokens),
     ("temp", Temp, 0.0),
     ("top_p", TopP, 1.0),
     ("top_k", TopK, 0),
@@ -318,18 +349,20 @@ _RUN_OPTIONS: list[tuple[str, Any, Any]] = [
     ("no_cache", NoCache, False),
     ("cache_mem", CacheMem, "2G"),
     ("cache_disk", CacheDisk, "20G"),
-    ("block_size", BlockSize, 256),
+    ("block_size", BlockSize, None),
+    ("warm_ahead", WarmAhead, True),
+    ("quiet", Quiet, False),
 ]
 F = TypeVar("F", bound=Callable[..., None])
 
 
-def with_run_options(max_tokens: int = 256, block_size: int = 256) -> Callable[[F], F]:
+def with_run_options(max_tokens: int = SamplingParams().max_tokens) -> Callable[[F], F]:
     """Give a command the shared options; it receives them as `run: RunOptions`.
 
     Typer reads a command's options from its signature, so the wrapper's signature is the
     command's own parameters (minus `run`) followed by the shared ones.
     """
-    defaults = {"max_tokens": max_tokens, "block_size": block_size}
+    defaults = {"max_tokens": max_tokens}
 
     def decorate(fn: F) -> F:
         own = [

@@ -4,13 +4,25 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    Progress,
+    ProgressColumn,
+    Task,
+    TaskID,
+    TextColumn,
+    TimeRemainingColumn,
+)
+from rich.text import Text
 from rich.theme import Theme
+
+from mlxcache.events import Prefill
 
 THEME = Theme({"error": "bold red", "stats": "dim", "cached": "green", "warn": "yellow"})
 err = Console(stderr=True, theme=THEME, highlight=False)
@@ -36,6 +48,32 @@ def out_table(table: Any) -> None:
     out.print(table)
 
 
+def human_bytes(n: int) -> str:
+    """A size the way people read it: 2.8 MiB, 512 B."""
+    if n < 1024:
+        return f"{n} B"
+    size, unit = n / 1024, "KiB"
+    for bigger in ("MiB", "GiB", "TiB"):
+        if size < 1024:
+            break
+        size, unit = size / 1024, bigger
+    return f"{size:.1f} {unit}"
+
+
+def age(seconds: float) -> str:
+    """How long ago, coarsely: 45s, 12m, 3h, 2d."""
+    for unit, length in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= length:
+            return f"{int(seconds // length)}{unit}"
+    return f"{max(0, int(seconds))}s"
+
+
+def preview(text: str, width: int = 60) -> str:
+    """One line of at most `width` characters: whitespace folded, the cut marked with …."""
+    flat = " ".join(text.split())
+    return flat if len(flat) <= width else flat[: width - 1] + "…"
+
+
 def error(message: str) -> None:
     """The one red line a failed command prints."""
     err.print(f"error: {message}", style="error", markup=False, soft_wrap=True)
@@ -51,14 +89,72 @@ def warn(message: str) -> None:
 
 
 def stats_line(stats: dict[str, Any]) -> None:
-    """Per-request stats: the user sees how much of the prompt came from the cache."""
+    """Per-request stats: the user sees how much of the prompt came from the cache (and why
+    nothing did, when nothing did)."""
     cached, prompt = stats["cached_tokens"], stats["prompt_tokens"]
+    why = f" ({stats['miss_reason']})" if not cached and stats.get("miss_reason") else ""
     err.print(
-        f"[cached]{cached}[/cached]/{prompt} prompt tokens cached, "
+        f"[cached]{cached}[/cached]/{prompt} prompt tokens cached{why}, "
         f"{stats['prefilled_tokens']} prefilled · TTFT {stats['ttft_s']:.2f}s · "
         f"{stats['generated_tokens']} tokens at {stats['decode_tps']:.1f} tok/s",
         style="stats",
+        markup=True,
+        highlight=False,
+        soft_wrap=True,  # one line, whatever the width: scripts and tests read it
     )
+
+
+class _Rate(ProgressColumn):
+    def render(self, task: Task) -> Text:
+        return Text(f"{task.speed:.1f} tok/s" if task.speed else "", style="stats")
+
+
+class PrefillBar:
+    """A transient prefill progress bar on stderr (tokens done/total, tok/s, ETA).
+
+    Feed it a request's events. It shows up only on a terminal, only once a prefill has
+    run for `delay` seconds, and goes away when the prefill ends; stdout never sees it.
+    """
+
+    def __init__(self, quiet: bool = False, delay: float = 1.0) -> None:
+        self._on = not quiet and err.is_terminal
+        self._delay = delay
+        self._start = time.monotonic()
+        self._bar: Progress | None = None
+        self._task: TaskID | None = None
+
+    def __call__(self, event: object) -> None:
+        if not self._on or not isinstance(event, Prefill):
+            return
+        if event.done >= event.total:
+            self.close()
+            return
+        if self._bar is None and time.monotonic() - self._start >= self._delay:
+            self._bar = Progress(
+                TextColumn("prefill"),
+                BarColumn(),
+                TextColumn("{task.completed}/{task.total} tokens"),
+                _Rate(),
+                TimeRemainingColumn(),
+                console=err,
+                transient=True,
+            )
+            self._task = self._bar.add_task("prefill", total=event.total)
+            self._bar.start()
+        if self._bar is not None and self._task is not None:
+            self._bar.update(self._task, completed=event.done, total=event.total)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+        self._bar = None
+        self._start = time.monotonic()  # the next request's prefill waits its own delay
+
+    def __enter__(self) -> PrefillBar:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 @contextmanager

@@ -59,6 +59,8 @@ class CacheConfig:
         mem_bytes: memory tier budget.
         disk_bytes: disk tier budget; 0 disables the disk tier.
         max_entries: slot limit of the prompt index.
+        warm_ahead: after a reply, prefill the conversation as its next turn will start, in
+            idle time (`Engine.warm_chat`), so the next turn resumes past the reply.
     """
 
     enabled: bool = True
@@ -67,6 +69,7 @@ class CacheConfig:
     mem_bytes: int = 2 << 30
     disk_bytes: int = 20 << 30
     max_entries: int = 256
+    warm_ahead: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

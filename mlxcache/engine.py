@@ -72,6 +72,8 @@ class Engine:
         cache: a prefix cache (see `mlxcache.cache.store.PromptCache`); None keeps nothing.
         block_size: the prefill chunk of an engine without a cache (default: the device's
             default block size); given with a cache, it must equal the cache's.
+        warm_ahead: whether `warm_chat` (called by the modes after each reply) queues work;
+            `warm` always does.
 
     Raises:
         ValueError: a block size below 1, or one that differs from the cache's.
@@ -83,6 +85,7 @@ class Engine:
         cache: PrefixCache | None = None,
         *,
         block_size: int | None = None,
+        warm_ahead: bool = True,
     ) -> None:
         if block_size is not None and block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -90,6 +93,7 @@ class Engine:
             raise ValueError(f"block_size {block_size} differs from the cache's {cache.block_size}")
         self.loaded = loaded
         self.cache: PrefixCache = cache or NoCache(loaded.model, block_size or default_block_size())
+        self.warm_ahead = warm_ahead
         self._ids = itertools.count()
         self._lanes: dict[int, _Lane] = {}  # insertion order = round-robin order
 
@@ -192,7 +196,13 @@ class Engine:
         return rid
 
     def warm_chat(self, messages: list[dict[str, Any]], **template_kwargs: Any) -> int | None:
-        """Warm ahead for a conversation whose last message is the reply just given."""
+        """Warm ahead for a conversation whose last message is the reply just given.
+
+        `template_kwargs` must be those the next turn is rendered with (e.g. its tools).
+        Returns None when warm-ahead is off or there is nothing to do.
+        """
+        if not self.warm_ahead:
+            return None
         return self.warm(self.encode_next_turn(messages, **template_kwargs))
 
     @property

@@ -39,4 +39,4 @@ def open_engine(
     """
     cache = cache or CacheConfig()
     loaded = load(model, cache_root=cache.directory, progress=progress, on_warning=on_warning)
-    return Engine(loaded, make_cache(loaded, cache, on_warning))
+    return Engine(loaded, make_cache(loaded, cache, on_warning), warm_ahead=cache.warm_ahead)

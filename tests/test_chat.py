@@ -104,14 +104,19 @@ def test_transcript_resume_and_retry(cache_root: Path, tmp_path: Path) -> None:
     reply = "The capital of France is Paris.\n"
     assert result.stdout == reply * 2  # type: ignore[attr-defined]
     lines = result.stderr.splitlines()  # type: ignore[attr-defined]
-    assert lines[0].startswith("0/37 prompt tokens cached, 37 prefilled")
+    assert lines[0].startswith("0/37 prompt tokens cached (no cached prefix), 37 prefilled")
     assert lines[1].startswith("saved ")
     assert lines[2].startswith("32/37 prompt tokens cached, 5 prefilled")  # the retry is a fork
     # A new process reopens the session; its next turn resumes from the disk tier.
     again = invoke(["--resume", "trip"], "And of Spain?\n", tmp_path)
     assert again.exit_code == 0, again.stderr  # type: ignore[attr-defined]
     assert again.stdout == "The capital of Spain is Madrid.\n"  # type: ignore[attr-defined]
-    assert again.stderr.startswith("32/59 prompt tokens cached")  # type: ignore[attr-defined]
+    assert again.stderr.splitlines()[:3] == [  # type: ignore[attr-defined]
+        "session trip: 1 turns",
+        "  last: you> What is the capital of France?",
+        "        The capital of France is Paris.",
+    ]
+    assert again.stderr.splitlines()[3].startswith("32/59 prompt tokens cached")  # type: ignore[attr-defined]
     saved = json.loads((tmp_path / "sessions" / "trip.json").read_text())
     assert [t["user"] for t in saved["turns"]] == [
         "What is the capital of France?",

@@ -10,15 +10,26 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-from mlxcache.engine import Engine, Request
+from mlxcache.engine import Request
 from mlxcache.errors import MlxcacheError, UserInputError
 from mlxcache.events import Done, Event, Token
 from mlxcache.fileio import loads_json, write_atomic
 from mlxcache.sampling import SamplingParams
+
+
+class Runner(Protocol):
+    """What a chat needs to run turns: an `Engine`, or an `EngineWorker` driving one."""
+
+    def encode_chat(self, messages: list[dict[str, Any]], **template_kwargs: Any) -> list[int]: ...
+
+    def generate(self, request: Request) -> Iterator[Event]: ...
+
+    def warm_chat(self, messages: list[dict[str, Any]], **template_kwargs: Any) -> object: ...
+
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 FORMAT = "mlxcache-chat-v1"
@@ -40,6 +51,8 @@ class ChatSession:
     system: str | None = None
     turns: list[Turn] = field(default_factory=list)
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: tuple[str, ...] = ()
+    """Stop strings: a reply ends before the first one."""
     generations: int = 0
     """Replies generated so far (retries included): seeds each one differently."""
 
@@ -53,51 +66,51 @@ class ChatSession:
             ]
         return out
 
-    def ask(self, engine: Engine, text: str) -> Iterator[Event]:
+    def ask(self, engine: Runner, text: str) -> Iterator[Event]:
         """Generate the reply to `text` as a new turn; yields the engine's events.
 
-        If the consumer stops early (Ctrl-C), the partial reply is kept, marked interrupted;
+        When the reply is done, warm-ahead of the next turn is queued (the engine runs it
+        in idle time, if warm-ahead is on).
+
+        If the consumer stops early (Ctrl-C), the partial reply is kept, marked interrupted
+        (a turn stopped before its first token is dropped: there is nothing to continue);
         if the request fails (an `MlxcacheError`), the conversation is left as it was.
         """
         if not text.strip():
             raise UserInputError("the message is empty")
         ids = engine.encode_chat([*self.messages(), {"role": "user", "content": text}])
-        params = SamplingParams(
-            temperature=self.sampling.temperature,
-            top_p=self.sampling.top_p,
-            seed=(self.sampling.seed + self.generations) % 2**63,
-            max_tokens=self.sampling.max_tokens,
-        )
+        params = replace(self.sampling, seed=(self.sampling.seed + self.generations) % 2**63)
         self.generations += 1
         pieces: list[str] = []
         done = failed = False
         try:
-            for event in engine.generate(Request(ids, params)):
+            for event in engine.generate(Request(ids, params, stop_strings=self.stop)):
                 if isinstance(event, Token):
                     pieces.append(event.text)
                 elif isinstance(event, Done):
                     done = True
                     self.turns.append(Turn(text, event.result.text))
+                    engine.warm_chat(self.messages())
                 yield event
         except MlxcacheError:
             failed = True
             raise
         finally:
-            if not done and not failed:
+            if not done and not failed and "".join(pieces):
                 self.turns.append(Turn(text, "".join(pieces), interrupted=True))
 
-    def retry(self, engine: Engine) -> Iterator[Event]:
+    def retry(self, engine: Runner) -> Iterator[Event]:
         """Regenerate the last reply (a fork from the last user message)."""
         if not self.turns:
             raise UserInputError("nothing to retry: the conversation is empty")
         return self._fork(engine, len(self.turns), self.turns[-1].user)
 
-    def edit(self, engine: Engine, number: int, text: str) -> Iterator[Event]:
+    def edit(self, engine: Runner, number: int, text: str) -> Iterator[Event]:
         """Rewrite turn `number` (1-based), drop the turns after it, and answer it."""
         self._check_turn(number)
         return self._fork(engine, number, text)
 
-    def _fork(self, engine: Engine, number: int, text: str) -> Iterator[Event]:
+    def _fork(self, engine: Runner, number: int, text: str) -> Iterator[Event]:
         """Answer `text` as turn `number`, replacing it and the turns after it.
 
         A failed request puts the replaced turns back: a retry never loses a good reply.
@@ -131,6 +144,7 @@ class ChatSession:
             "system": self.system,
             "turns": [asdict(t) for t in self.turns],
             "sampling": asdict(self.sampling),
+            "stop": list(self.stop),
             "generations": self.generations,
         }
 
@@ -153,6 +167,7 @@ class ChatSession:
                 system=None if system is None else str(system),
                 turns=turns,
                 sampling=SamplingParams(**doc["sampling"]),
+                stop=tuple(str(s) for s in doc.get("stop", ())),
                 generations=int(doc["generations"]),
             )
         except (KeyError, TypeError, ValueError) as exc:
