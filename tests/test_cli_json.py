@@ -220,7 +220,7 @@ def test_bad_input(tmp_path: Path, args: list[str], message: str) -> None:
         (
             '{"prompt": "a"}\n',
             "junk\n",
-            "error: output file {out} line 1 is not a record of this command; fix or remove it, or choose another --output",
+            "error: output file {out} line 1 is not a record of this command; fix or remove it, or write to another file",
         ),
     ],
 )

@@ -20,10 +20,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from mlxcache.cache.store import PromptCache
 from mlxcache.config import CacheConfig
 from mlxcache.engine import Engine, Request
 from mlxcache.model import LoadedModel, load
+from mlxcache.runtime import make_cache
 from mlxcache.sampling import SamplingParams
 
 TURN = "Tell me one more short fact about the sea, the sky, and the mountains, please."
@@ -58,7 +58,7 @@ def _chat(
 
 def _fork_bytes(loaded: LoadedModel, base: list[dict[str, str]], block_size: int) -> float:
     """Bytes stored for two branches off one prefix, over the bytes of their unique tokens."""
-    cache = PromptCache(loaded.model, loaded.key, CacheConfig(block_size=block_size, disk_bytes=0))
+    cache = make_cache(loaded, CacheConfig(block_size=block_size, disk_bytes=0))
     forked = Engine(loaded, cache)
     unique: set[tuple[int, ...]] = set()
     for branch in ("rivers", "deserts"):
@@ -123,15 +123,14 @@ def run(
 ) -> dict[str, Any]:
     """Run the three measurements; context grows by ~`turns` x 25 tokens (slow CPUs: keep small)."""
     loaded = load(model)
-    cold = Engine(loaded, block_size=block_size)
+    cold = Engine(loaded, make_cache(loaded, CacheConfig(enabled=False, block_size=block_size)))
     with tempfile.TemporaryDirectory(prefix="mlxcache-bench-") as tmp:
         config = CacheConfig(block_size=block_size, directory=Path(tmp))
-        kv = Path(tmp) / "kv"
-        warm = Engine(loaded, PromptCache(loaded.model, loaded.key, config, root=kv))
+        warm = Engine(loaded, make_cache(loaded, config))
         rows, ratios, messages = _chat(warm, cold, turns)
         # A new cache instance: memory empty, the disk tier holds the conversation's blocks.
         ids = warm.encode_chat(messages)
-        reopened = Engine(loaded, PromptCache(loaded.model, loaded.key, config, root=kv))
+        reopened = Engine(loaded, make_cache(loaded, config))
         disk = reopened.complete(Request(ids, PARAMS)).stats
     fresh = cold.complete(Request(ids, PARAMS)).stats
     stored_ratio = _fork_bytes(loaded, messages[:-2], block_size)

@@ -14,12 +14,14 @@ import os
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+from mlxcache import lanes as lanes_mod
 from mlxcache.engine import Engine, Request
 from mlxcache.errors import OutputFileError, UserInputError
-from mlxcache.events import Done, Result
+from mlxcache.events import Result
 from mlxcache.fileio import loads_json
 
 _FIELDS = frozenset({"prompt", "vars", "id"})
@@ -132,7 +134,7 @@ def read_output(path: Path) -> OutputState:
         except (ValueError, KeyError, TypeError) as exc:
             raise UserInputError(
                 f"output file {path} line {n} is not a record of this command; "
-                "fix or remove it, or choose another --output"
+                "fix or remove it, or write to another file"
             ) from exc
     return OutputState(frozenset(done), keep, keep < len(data))
 
@@ -179,32 +181,7 @@ class Job:
 
 
 def run_lanes(engine: Engine, jobs: Sequence[Job], lanes: int) -> Iterator[tuple[int, Result]]:
-    """Run `jobs` with up to `lanes` in flight; yield (key, result) in job order.
-
-    Lanes only interleave model calls, so each result is the one the job gets alone.
-    """
-    if lanes < 1:
-        raise ValueError(f"lanes must be >= 1, got {lanes}")
-    queue = iter(jobs)
-    order = [job.key for job in jobs]
-    flying: dict[int, int] = {}  # request id -> job key
-    finished: dict[int, Result] = {}
-    emitted = 0
-
-    def fill() -> None:
-        while len(flying) < lanes:
-            job = next(queue, None)
-            if job is None:
-                return
-            flying[engine.submit(job.make())] = job.key
-
-    fill()
-    for event in engine.run():
-        if not isinstance(event, Done) or event.request_id not in flying:
-            continue
-        finished[flying.pop(event.request_id)] = event.result
-        fill()  # before yielding: the next request starts while the caller writes
-        while emitted < len(order) and order[emitted] in finished:
-            key = order[emitted]
-            emitted += 1
-            yield key, finished.pop(key)
+    """Run `jobs` with up to `lanes` in flight; yield (key, result) in job order."""
+    return lanes_mod.run_lanes(
+        engine, ((job.key, partial(lanes_mod.one_request, job.make)) for job in jobs), lanes
+    )

@@ -14,24 +14,27 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Callable, Generator
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+from mlxcache import lanes
 from mlxcache.cache.store import PromptCache
 from mlxcache.config import CacheConfig
 from mlxcache.engine import Engine, Request
 from mlxcache.errors import MlxcacheError
-from mlxcache.events import Done, Result
+from mlxcache.events import Result
 from mlxcache.model import LoadedModel, load
 from mlxcache.modes import json_mode
 from mlxcache.modes.tool_chat import ToolsTask
 from mlxcache.modes.tools import ToolChoice, parse_tools
-from mlxcache.regress.suite import Case, Suite
+from mlxcache.regress.suite import SAMPLING_KEYS, Case, Suite
+from mlxcache.runtime import make_cache
 
 VARIANTS = ("cold", "warm", "disk", "lanes")
 Output = dict[str, Any]
-Steps = Generator[list[Request], list[Result], list[Output]]
+Steps = lanes.Steps[list[Output]]
 
 
 def _output(result: Result) -> Output:
@@ -103,45 +106,10 @@ def run_lanes(
     """Up to `width` cases at once per model; a step's requests are all in flight together."""
     out: dict[str, list[Output]] = {}
     for model in dict.fromkeys(c.model for c in cases):
-        group = [c for c in cases if c.model == model]
-        out |= _lanes(engine_for(group[0]), group, width)
+        engine = engine_for(next(c for c in cases if c.model == model))
+        units = ((c.name, partial(steps, engine, c)) for c in cases if c.model == model)
+        out |= dict(lanes.run_lanes(engine, units, width))
     return {c.name: out[c.name] for c in cases}
-
-
-def _lanes(engine: Engine, cases: list[Case], width: int) -> dict[str, list[Output]]:
-    out: dict[str, list[Output]] = {}
-    pending = list(cases)
-    active: dict[str, tuple[Steps, list[int], dict[int, Result]]] = {}
-    owner: dict[int, str] = {}
-
-    def submit(name: str, gen: Steps, reqs: list[Request]) -> None:
-        rids = [engine.submit(r) for r in reqs]
-        active[name] = (gen, rids, {})
-        owner.update(dict.fromkeys(rids, name))
-
-    def fill() -> None:
-        while pending and len(active) < width:
-            case = pending.pop(0)
-            gen = steps(engine, case)
-            submit(case.name, gen, next(gen))
-
-    fill()
-    while active:
-        for event in engine.run():  # lanes submitted meanwhile join the next round
-            if not isinstance(event, Done):
-                continue
-            name = owner.pop(event.request_id)
-            gen, rids, got = active[name]
-            got[event.request_id] = event.result
-            if len(got) < len(rids):
-                continue
-            del active[name]
-            try:
-                submit(name, gen, gen.send([got[r] for r in rids]))
-            except StopIteration as stop:
-                out[name] = stop.value
-            fill()
-    return out
 
 
 class Runner:
@@ -167,6 +135,7 @@ class Runner:
         engines: dict[str | None, Engine] = {}
         caches: list[PromptCache] = []
         config = CacheConfig(
+            enabled=cached,
             block_size=self.block_size,
             directory=self.work_dir,
             disk_bytes=(20 << 30) if disk else 0,
@@ -175,12 +144,10 @@ class Runner:
         def engine_for(case: Case) -> Engine:
             if case.model not in engines:
                 loaded = self.model(case)
-                cache = None
-                if cached:
-                    root = self.work_dir / "kv" if disk else None
-                    cache = PromptCache(loaded.model, loaded.key, config, root=root)
+                cache = make_cache(loaded, config)
+                if isinstance(cache, PromptCache):
                     caches.append(cache)
-                engines[case.model] = Engine(loaded, cache, block_size=self.block_size)
+                engines[case.model] = Engine(loaded, cache)
             return engines[case.model]
 
         return engine_for, caches
@@ -230,7 +197,5 @@ class Runner:
 
 
 def _case_doc(case: Case) -> dict[str, Any]:
-    sampling = {
-        k: getattr(case.sampling, k) for k in ("temperature", "top_p", "seed", "max_tokens")
-    }
+    sampling = {k: getattr(case.sampling, k) for k in SAMPLING_KEYS}
     return {"name": case.name, "kind": case.kind, "model": case.model, **sampling, **case.data}

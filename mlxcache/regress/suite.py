@@ -15,7 +15,7 @@ A JSONL suite has one case per line (suite-level keys then come from the default
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,7 @@ from mlxcache.modes.tools import ToolChoice, parse_tools
 from mlxcache.sampling import SamplingParams
 
 KINDS = ("plain", "chat", "json", "tools")
-_SAMPLING_KEYS = ("temperature", "top_p", "seed", "max_tokens")
+SAMPLING_KEYS = tuple(f.name for f in fields(SamplingParams))
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,12 +105,12 @@ def _case(raw: Any, i: int, model: str | None, defaults: dict[str, Any]) -> Case
         ToolChoice.parse(str(raw.get("tool_choice", "auto")), tools)
     if not isinstance(raw.get("model", model), str | None):
         raise UserInputError(f"{where}: 'model' must be a model spec string")
-    settings = {**defaults, **{k: raw[k] for k in _SAMPLING_KEYS if k in raw}}
+    settings = {**defaults, **{k: raw[k] for k in SAMPLING_KEYS if k in raw}}
     try:
         sampling = SamplingParams(**settings)
     except (TypeError, ValueError) as exc:
         raise UserInputError(f"{where}: {exc}") from exc
-    data = {k: v for k, v in raw.items() if k not in (*_SAMPLING_KEYS, "name", "kind", "model")}
+    data = {k: v for k, v in raw.items() if k not in (*SAMPLING_KEYS, "name", "kind", "model")}
     return Case(name, kind, raw.get("model", model), sampling, data)
 
 
@@ -125,8 +125,8 @@ def parse(doc: Any, origin: str = "suite") -> Suite:
     if not isinstance(doc, dict) or not isinstance(doc.get("cases"), list):
         raise UserInputError(f"{origin}: expected a mapping with a 'cases' list")
     defaults = doc.get("defaults") or {}
-    if not isinstance(defaults, dict) or set(defaults) - set(_SAMPLING_KEYS):
-        raise UserInputError(f"{origin}: 'defaults' may set only {', '.join(_SAMPLING_KEYS)}")
+    if not isinstance(defaults, dict) or set(defaults) - set(SAMPLING_KEYS):
+        raise UserInputError(f"{origin}: 'defaults' may set only {', '.join(SAMPLING_KEYS)}")
     cases = tuple(_case(c, i, doc.get("model"), defaults) for i, c in enumerate(doc["cases"]))
     try:
         return Suite(cases)
