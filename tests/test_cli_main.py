@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
+import typer
 from typer.testing import CliRunner
 
 from mlxcache import __version__
@@ -12,12 +14,17 @@ from mlxcache_cli.main import app
 
 runner = CliRunner()
 
-COMMANDS = [
-    ["generate"], ["chat"], ["json"], ["tools"],
-    ["cache", "stats"], ["cache", "ls"], ["cache", "clear"], ["cache", "prune"],
-    ["bench", "decode"], ["bench", "index"], ["bench", "resume"], ["bench", "json"],
-    ["models", "ls"], ["models", "info"], ["regress", "record"], ["regress", "check"],
-]  # fmt: skip
+
+def _commands(group: Any, path: tuple[str, ...] = ()) -> list[list[str]]:
+    """Every leaf command's words, found from the app (a new command is checked too)."""
+    out = []
+    for name, cmd in group.commands.items():
+        sub = getattr(cmd, "commands", None)
+        out += _commands(cmd, (*path, name)) if sub is not None else [[*path, name]]
+    return out
+
+
+COMMANDS = _commands(typer.main.get_command(app))
 
 
 @pytest.mark.parametrize("flag", ["--version", "-V"])
@@ -35,6 +42,10 @@ def test_bare_and_short_help_exit_0(args: list[str]) -> None:
 
 def test_completion_is_offered() -> None:
     assert "--install-completion" in runner.invoke(app, ["-h"]).stdout
+
+
+def test_every_command_is_found() -> None:
+    assert ["generate"] in COMMANDS and ["cache", "prune"] in COMMANDS and len(COMMANDS) >= 16
 
 
 @pytest.mark.parametrize("args", COMMANDS, ids=" ".join)

@@ -1,0 +1,114 @@
+"""`mlxcache chat` sessions from the command line (tiny model, piped stdin)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from mlxcache.cache.store import PromptCache
+from mlxcache.config import CacheConfig
+from mlxcache.engine import Engine
+from mlxcache.events import Token
+from mlxcache.model import LoadedModel
+from mlxcache.modes import chat
+from mlxcache.sampling import SamplingParams
+from mlxcache_cli.main import app
+
+runner = CliRunner()
+
+
+def invoke(tmp_path: Path, tiny_gguf: Path, *args: str, stdin: str = "") -> tuple[int, str, str]:
+    extra = ["-m", str(tiny_gguf), "--cache-dir", str(tmp_path), "--cache-disk", "0"]
+    result = runner.invoke(app, ["chat", *args, *extra], input=stdin)
+    return result.exit_code, result.stdout, result.stderr
+
+
+def test_list_sessions(tmp_path: Path, tiny_gguf: Path) -> None:
+    code, out, _ = invoke(tmp_path, tiny_gguf, "--list")
+    assert (code, out) == (0, f"no saved sessions in {tmp_path / 'sessions'}\n")
+    chat.save(
+        chat.ChatSession(turns=[chat.Turn("the first  question", "a")]),
+        tmp_path / "sessions",
+        "one",
+    )
+    (tmp_path / "sessions" / "junk.json").write_text("{}")  # not a session: not listed
+    code, out, _ = invoke(tmp_path, tiny_gguf, "--list")
+    assert code == 0 and out.split() == [
+        "one",
+        "1",
+        "turns",
+        "0s",
+        "ago",
+        "the",
+        "first",
+        "question",
+    ]
+
+
+def test_resume_shows_the_session_and_applies_given_options(
+    cache_root: Path, tmp_path: Path, tiny_gguf: Path
+) -> None:
+    saved = chat.ChatSession(
+        system="be brief",
+        turns=[chat.Turn("hello", "world")],
+        sampling=SamplingParams(max_tokens=2, temperature=0.5, seed=4),
+    )
+    chat.save(saved, tmp_path / "sessions", "s")
+    code, out, err = invoke(
+        tmp_path, tiny_gguf, "--resume", "s", "-n", "3", "--seed", "4", "--top-k", "5",
+        stdin="/stats --json\n",
+    )  # fmt: skip
+    assert code == 0, err
+    assert err.splitlines() == [
+        "session s: 1 turns, system: be brief",
+        "  last: you> hello",
+        "        world",
+        "changed: max_tokens 2 -> 3, top_k 0 -> 5",  # --seed 4 is no change; -t not given
+    ]
+    stats = json.loads(out)
+    assert stats["sampling"] == {
+        **json.loads((tmp_path / "sessions" / "s.json").read_text())["sampling"],
+        "max_tokens": 3,
+        "top_k": 5,
+    }
+    assert stats["session"] == "s" and stats["turns"] == 1
+
+
+def test_repl_commands_confirm(cache_root: Path, tmp_path: Path, tiny_gguf: Path) -> None:
+    stdin = "/system Answer in French.\n/system\n/history\nhello\n/history\n/save mine\n/sessions\n/stats\n"
+    code, out, err = invoke(tmp_path, tiny_gguf, "-n", "2", "--block-size", "4", stdin=stdin)
+    assert code == 0, err
+    lines = err.splitlines()
+    assert lines[:3] == [
+        "system message set (17 characters), used from the next reply",
+        "system message cleared",
+        "no turns yet",
+    ]
+    reply = out.removesuffix("\n")
+    rest = lines[lines.index("1 you> hello") :]  # after the reply's stats line
+    assert rest[1] == f"  {' '.join(reply.split())}"
+    assert rest[2] == f"saved {tmp_path / 'sessions' / 'mine.json'}"
+    assert rest[3].split()[:3] == ["mine", "1", "turns"]
+    assert rest[4] == f"session mine · 1 turns · model {rest[4].split('model ')[1]}"
+    assert rest[5].startswith("sampling: temp 0.0 · top-p 1.0 · top-k 0 ")
+    cache = r"cache: \d+ hits, \d+ misses · \d+ prompt tokens reused · memory 1 entries, "
+    assert re.fullmatch(cache + r"[\d.]+ KiB · disk 0 entries, 0 B · blocks of 4 tokens", rest[6])
+
+
+def test_a_turn_stopped_before_its_first_token_is_not_kept(tiny: LoadedModel) -> None:
+    engine = Engine(
+        tiny, PromptCache(tiny.model, tiny.key, CacheConfig(block_size=4, disk_bytes=0))
+    )
+    s = chat.ChatSession(sampling=SamplingParams(max_tokens=5))
+    events = s.ask(engine, "hello")
+    first = next(events)
+    assert not isinstance(first, Token)
+    events.close()  # type: ignore[attr-defined]
+    assert s.turns == []
+    events = s.ask(engine, "hello")
+    assert isinstance(next(e for e in events if isinstance(e, Token)), Token)
+    events.close()  # type: ignore[attr-defined]
+    assert [(t.user, t.interrupted) for t in s.turns] == [("hello", True)]
