@@ -4,15 +4,11 @@ from __future__ import annotations
 
 
 class MlxcacheError(Exception):
-    """Base of every error the library raises on purpose."""
-
-    exit_code = 1
+    """Base of every error the library raises on purpose (`cli/` maps each kind to an exit code)."""
 
 
 class UserInputError(MlxcacheError):
     """The request itself is wrong (empty prompt, bad option value, bad schema, ...)."""
-
-    exit_code = 2
 
 
 class ModelNotFoundError(UserInputError):
