@@ -82,7 +82,15 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         path = d / name
         path.write_bytes(text if isinstance(text, bytes) else text.encode())
     (d / "no_config").mkdir()
-    return {**{name: d / name for name in contents}, "dir": d, "missing": d / "missing"}
+    # A cache directory with a damaged index and saved sessions that are not sessions.
+    cache = d / "cache"
+    (cache / "kv").mkdir(parents=True)
+    (cache / "kv" / "index.sqlite").write_bytes(b"garbage" * 1000)
+    (cache / "sessions").mkdir()
+    (cache / "sessions" / "deep.json").write_text(deep_json())
+    (cache / "sessions" / "garbage.json").write_bytes(BAD_UTF8)
+    named = {name: d / name for name in contents}
+    return {**named, "dir": d, "missing": d / "missing", "cache": cache}
 
 
 def cases(f: dict[str, Path], tiny: str) -> dict[str, Case]:
@@ -181,6 +189,11 @@ def cases(f: dict[str, Path], tiny: str) -> dict[str, Case]:
         tools = [] if fault.startswith("tools") else ["--tools", str(f["tools.json"])]
         out[f"tools/{fault}"] = Case([*t, *tools, *extra], needle=needle)
     out["chat/resume-missing-session"] = Case(["chat", *m, "--resume", "nope"], b"", needle="nope")
+    out["chat/resume-bad-name"] = Case(["chat", *m, "--resume", "../x"], b"", needle="../x")
+    for session in ("deep", "garbage"):
+        out[f"chat/resume-{session}-session"] = Case(
+            ["chat", *m, "--cache-dir", str(f["cache"]), "--resume", session], b"", needle=session
+        )
     for verb in ("record", "check"):
         golden = ["-o", str(f["dir"] / "g.json")] if verb == "record" else [str(f["deep.json"])]
         for fault, suite, needle in [
@@ -209,6 +222,11 @@ def cases(f: dict[str, Path], tiny: str) -> dict[str, Case]:
     for verb in ("stats", "ls", "clear"):
         out[f"cache-{verb}/cache-dir-file"] = Case(
             ["cache", verb, "--cache-dir", str(f["regular_file"])], needle="not a directory"
+        )
+    for verb in (["stats"], ["ls"], ["prune", "--max-size", "1"]):
+        # The environment failed, not the request: exit 1, and the line says how to recover.
+        out[f"cache-{verb[0]}/damaged-index"] = Case(
+            ["cache", *verb, "--cache-dir", str(f["cache"])], code=1, needle="cache clear"
         )
     out["cache-prune/size-text"] = Case(["cache", "prune", "--max-size", "lots"], needle="lots")
     out["cache-prune/size-missing"] = Case(["cache", "prune"], needle="--max-size")
