@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,9 +30,10 @@ from mlxcache.cache.base import NoCache, is_trimmable
 from mlxcache.cache.store import PromptCache
 from mlxcache.config import CacheConfig
 from mlxcache.engine import Engine, Request
-from mlxcache.events import Done, Result
+from mlxcache.events import Done, Event, Result
 from mlxcache.model import LoadedModel, load
 from mlxcache.sampling import SamplingParams
+from mlxcache.worker import EngineWorker
 
 B = 4
 GREEDY = SamplingParams(max_tokens=6)
@@ -295,6 +297,45 @@ def check_lanes(rig: Rig) -> None:
             got = _run_of(done[rid], len(prompts[i]), calls, spy)
             rig.check(got, prompts[i], start, solo[i])
         rig.entries(engine.cache)
+
+
+def check_worker(rig: Rig) -> None:
+    """Four sampled requests sent at once to the engine's worker thread (two lanes at a time,
+    warm-ahead work queued before them): each reply equals its cold run. When each request
+    starts depends on the threads, so the resume points are not fixed: each run must make
+    the cold run's calls from wherever it resumed."""
+    engine, spy = rig.engine()
+    shared = prompt(12)
+    prompts = [shared + prompt(5 + 2 * i, seed=i) for i in range(4)]
+    params = [SamplingParams(temperature=0.9, seed=i, max_tokens=6) for i in range(4)]
+    solo = [rig.cold(p, s) for p, s in zip(prompts, params, strict=True)]
+    results: list[list[Result]] = [[] for _ in prompts]
+    finished: queue.SimpleQueue[int] = queue.SimpleQueue()
+
+    def sink(i: int) -> Callable[[Event], None]:
+        def put(event: Event) -> None:
+            if isinstance(event, Done):
+                # Arrays of the worker's stream are usable on this thread once evaluated.
+                mx.eval(spy.last_logits)
+                results[i].append(event.result)
+                finished.put(i)
+
+        return put
+
+    spy.reset()
+    with EngineWorker(engine, max_lanes=2) as worker:
+        worker.warm(shared + prompt(8, seed=9))
+        for i, (p, s) in enumerate(zip(prompts, params, strict=True)):
+            worker.submit(Request(p, s), sink(i))
+        for _ in prompts:
+            finished.get(timeout=120)
+    assert set(spy.batch_sizes) == {1}, f"batched forward calls: {set(spy.batch_sizes)}"
+    lanes = {lane: [j for j, x in enumerate(spy.lanes) if x == lane] for lane in spy.lanes}
+    for i, (result,) in enumerate(results):
+        expected = [c for c in solo[i].calls if c[0] >= result.stats.cached_tokens]
+        match = [js for js in lanes.values() if [spy.calls[j] for j in js] == expected]
+        assert match, f"no lane made the calls {expected}"
+        same_as_cold(_run_of(result, len(prompts[i]), match[0], spy), solo[i])
 
 
 def check_interrupted(rig: Rig) -> None:

@@ -18,7 +18,8 @@ class Spy:
         self._model = model
         self.calls: list[tuple[int, int]] = []
         self.batch_sizes: list[int] = []
-        self.lanes: list[int] = []
+        self.lanes: list[int] = []  # id() of each call's cache list
+        self._held: list[Any] = []  # ...kept alive, so that no other lane reuses an id
         self.last_logits: list[mx.array] = []
 
     def __getattr__(self, name: str) -> Any:
@@ -28,6 +29,7 @@ class Spy:
         self.calls.append((int(cache[0].offset), int(x.shape[1])))
         self.batch_sizes.append(int(x.shape[0]))
         self.lanes.append(id(cache))
+        self._held.append(cache)
         out = self._model(x, cache=cache)
         self.last_logits.append(out[:, -1, :])
         return out
@@ -36,6 +38,7 @@ class Spy:
         self.calls.clear()
         self.batch_sizes.clear()
         self.lanes.clear()
+        self._held.clear()
         self.last_logits.clear()
 
 

@@ -24,6 +24,7 @@ from guarantees import (
     check_warm,
     check_warm_ahead,
     check_warm_preempted,
+    check_worker,
     prompt,
 )
 from spy import spied
@@ -42,6 +43,7 @@ CHECKS: list[Callable[[Rig], None]] = [
     check_interrupted,
     check_warm_ahead,
     check_warm_preempted,
+    check_worker,
     check_disk,
     check_new_process,
     check_restore_repeatedly,
