@@ -34,8 +34,8 @@ BLOCK = 16
 MAX_TOKENS = 24
 SCHEMA = {
     "type": "object",
-    "properties": {"city": {"type": "string", "maxLength": 8}, "n": {"type": "integer"}},
-    "required": ["city", "n"],
+    "properties": {"city": {"type": "string", "maxLength": 8}, "ok": {"type": "boolean"}},
+    "required": ["city", "ok"],
 }
 TOOLS = [
     {
@@ -183,8 +183,12 @@ def test_stop_strings_cut_streamed_and_plain_alike(server: ServerProcess, ref: E
     full = chat_ref(ref, messages, params())
     stop = full[3:5]  # something the reply does contain
     plain, streamed, _ = chat_both(server, messages=messages, stop=[stop, "\x00never"])
-    assert plain.choices[0].message.content == streamed == full[: full.index(stop)]
+    ids = ref.encode_chat(messages)
+    expected = ref.complete(Request(ids, params(), stop_strings=(stop, "\x00never")))
+    assert plain.choices[0].message.content == streamed == expected.text
+    assert expected.text == full[: full.index(stop)]
     assert plain.choices[0].finish_reason == "stop"
+    assert plain.usage.completion_tokens == expected.stats.generated_tokens
 
 
 def test_completions_equal_the_library(server: ServerProcess, ref: Engine) -> None:
@@ -224,19 +228,19 @@ def test_json_schema_equals_json_mode(server: ServerProcess, ref: Engine) -> Non
     plain, streamed, _ = chat_both(server, **json_kw("Where?"))
     expected = json_ref(ref, "Where?")
     assert plain.choices[0].message.content == streamed == expected
-    assert set(json.loads(expected)) == {"city", "n"}
+    assert set(json.loads(expected)) == {"city", "ok"}
 
 
 def tools_ref(ref: Engine, prompt: str, choice: ToolChoice) -> Any:
     task = ToolsTask(parse_tools(TOOLS), choice)
     ids = task.encode(ref, [{"role": "user", "content": prompt}])
-    return task.read(ref.complete(task.request(ref, ids, params(max_tokens=40))))
+    return task.read(ref.complete(task.request(ref, ids, params(max_tokens=120))))
 
 
 def tools_kw(prompt: str, choice: Any = "required") -> dict[str, Any]:
     return {
         "messages": [{"role": "user", "content": prompt}],
-        "max_tokens": 40,
+        "max_tokens": 120,
         "tools": TOOLS,
         "tool_choice": choice,
         "parallel_tool_calls": False,
@@ -259,12 +263,15 @@ def test_tool_calls_equal_tools_mode(server: ServerProcess, ref: Engine) -> None
     for choice, mode in [
         ("required", ToolChoice("required")),
         (named, ToolChoice("function", "get_weather")),
+        ("auto", ToolChoice("auto")),  # text (streamed stripped), maybe then a call
     ]:
         plain, streamed_text, chunks = chat_both(server, **tools_kw("Weather in Paris?", choice))
         expected = tools_ref(ref, "Weather in Paris?", mode)
         msg = plain.choices[0].message
-        assert plain.choices[0].finish_reason == "tool_calls" == chunks[-2].choices[0].finish_reason
-        got = [(c.id, c.function.name, c.function.arguments) for c in msg.tool_calls]
+        finish = plain.choices[0].finish_reason
+        assert finish == chunks[-2].choices[0].finish_reason
+        assert (finish == "tool_calls") == bool(expected.calls) == (choice != "auto")
+        got = [(c.id, c.function.name, c.function.arguments) for c in msg.tool_calls or ()]
         assert [(n, json.loads(a)) for _, n, a in got] == [
             (c.name, c.arguments) for c in expected.calls
         ]
@@ -436,7 +443,18 @@ def chat_body(srv: ServerProcess, **kw: Any) -> str:
             None,
             "invalid_value",
         ),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, None, "invalid_value"),
+        (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {"name": "f", "parameters": {"type": "string"}},
+                    }
+                ]
+            },
+            None,
+            "invalid_value",
+        ),
         (
             {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
             "tool_choice",

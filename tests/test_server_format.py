@@ -1,4 +1,4 @@
-"""The server's pure pieces: stop strings and held-back text, OpenAI objects, error bodies."""
+"""The server's pure pieces: streamed tool-reply content, OpenAI objects, error bodies, log lines."""
 
 from __future__ import annotations
 
@@ -28,26 +28,8 @@ def feed(reply: ReplyText, pieces: list[str]) -> list[str]:
     return out
 
 
-def test_stop_string_across_pieces_is_cut_and_never_streamed() -> None:
-    reply = ReplyText(["END"])
-    assert feed(reply, ["ab", "cE", "N", "Dxyz"]) == ["ab", "c", "", ""]
-    assert reply.stopped and reply.text == "abc"
-
-
-def test_held_text_is_released_when_it_is_not_a_stop() -> None:
-    reply = ReplyText(["END", "\n\n"])
-    assert feed(reply, ["a", "E", "Nx", "\n", "y"]) == ["a", "", "ENx", "", "\ny"]
-    assert not reply.stopped and reply.text == "aENx\ny"
-
-
-def test_earliest_stop_wins_and_later_pieces_are_ignored() -> None:
-    reply = ReplyText(["b", "abc"])
-    assert reply.add("xab") and reply.text == "xa"
-    assert reply.add("more") and reply.text == "xa"
-
-
 def test_tool_replies_stream_stripped_content_before_the_call_tag() -> None:
-    reply = ReplyText([], "<tool_call>", strip=True)
+    reply = ReplyText("<tool_call>", strip=True)
     assert feed(reply, ["  Hi", " there ", "<tool", "_call>\n{", "}"]) == [
         "Hi",
         " there",
@@ -147,7 +129,7 @@ def test_content_parts_join() -> None:
             "stop": "x",
         }
     )
-    assert req.messages[0].text() == "ab" and req.stops() == ["x"]
+    assert req.messages[0].text() == "ab" and req.stops() == ("x",)
 
 
 def test_log_line() -> None:

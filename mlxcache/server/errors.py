@@ -14,7 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from mlxcache.errors import ContextLengthError, MlxcacheError, UserInputError
+from mlxcache.errors import ContextLengthError, MlxcacheError, QueueFullError, UserInputError
 from mlxcache.fileio import loads_json
 
 RETRY_AFTER_S = 1
@@ -65,7 +65,7 @@ def from_domain(exc: MlxcacheError) -> APIError:
         return APIError(400, one_line(str(exc)), param="messages", code="context_length_exceeded")
     if isinstance(exc, UserInputError):
         return APIError(400, one_line(str(exc)), code="invalid_value")
-    if type(exc).__name__ == "QueueFullError":
+    if isinstance(exc, QueueFullError):
         return queue_full(one_line(str(exc)))
     return APIError(500, one_line(str(exc)), type="server_error")
 

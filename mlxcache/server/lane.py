@@ -39,7 +39,7 @@ class Worker(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class Outcome:
-    """A finished lane: its (stop-cut) text, why it ended, and its numbers."""
+    """A finished lane: its text, why it ended, and its numbers."""
 
     text: str
     finish_reason: str
@@ -63,8 +63,6 @@ class Lane:
 
         self._start = time.perf_counter()
         self._ttft: float | None = None
-        self._tokens = 0
-        self._stop_at: int | None = None
         self._done: Done | None = None
         self._prompt_tokens = len(request.tokens)
         self.handle = worker.submit(request, sink)
@@ -81,14 +79,11 @@ class Lane:
                 if isinstance(event, Done):
                     self._done = event
                     return
-                if not isinstance(event, Token) or self.reply.stopped:
+                if not isinstance(event, Token):
                     continue
-                self._tokens += 1
                 if self._ttft is None:
                     self._ttft = time.perf_counter() - self._start
-                if self.reply.add(event.text):
-                    # Not cancelled: a cancelled lane's Done carries no stats (cached tokens).
-                    self._stop_at = self._tokens
+                self.reply.add(event.text)
                 safe = self.reply.safe()
                 if len(safe) > len(sent):
                     yield safe[len(sent) :]
@@ -109,13 +104,6 @@ class Lane:
             raise RuntimeError("the lane has not finished")
         result = self._done.result
         stats = result.stats
-        generated = stats.generated_tokens
-        finish = result.finish_reason
-        if self._stop_at is not None:
-            # Cut by a stop string: the tokens up to it count (the detokenizer's tail
-            # piece repeats the last token, hence min).
-            generated = min(self._stop_at, generated)
-            finish = "stop"
-        usage = Usage(self._prompt_tokens, generated, stats.cached_tokens)
-        error = result.error if finish == "error" else None
-        return Outcome(self.reply.text, finish, usage, self._ttft, error)
+        usage = Usage(self._prompt_tokens, stats.generated_tokens, stats.cached_tokens)
+        error = result.error if result.finish_reason == "error" else None
+        return Outcome(self.reply.text, result.finish_reason, usage, self._ttft, error)

@@ -52,18 +52,17 @@ class Plan:
 
     ids: list[int]
     request: Request
-    stops: list[str]
     tools: ToolsTask | None = None
     next_turn: Callable[[Answer], Chat | None] = field(default=lambda answer: None)
     """The conversation with this answer appended (for warm-ahead), when known."""
 
     def reply_text(self) -> ReplyText:
         if self.tools is None or self.tools.choice.mode == "none":
-            return ReplyText(self.stops, strip=self.tools is not None)
-        return ReplyText(self.stops, CALL_START, strip=True)
+            return ReplyText(strip=self.tools is not None)
+        return ReplyText(CALL_START, strip=True)
 
     def answer(self, text: str, finish_reason: str) -> Answer:
-        """The final content and calls of a reply whose (stop-cut) text is `text`."""
+        """The final content and calls of a reply whose text is `text`."""
         if self.tools is None:
             return Answer(text, (), finish_reason)
         reply = self.tools.read(Result(text, [], finish_reason, Stats()))
@@ -160,7 +159,8 @@ def chat(engine: Engine, body: ChatRequest, defaults: SamplingParams) -> Plan:
     _refuse_tool_turns(messages)
     if fmt is None or fmt.type == "text":
         ids = engine.encode_chat(messages)
-        return Plan(ids, Request(ids, params), body.stops(), next_turn=_append_to(messages))
+        request = Request(ids, params, stop_strings=body.stops())
+        return Plan(ids, request, next_turn=_append_to(messages))
     if fmt.type == "json_schema":
         if fmt.json_schema is None:
             raise APIError(400, "response_format.json_schema is required", param="response_format")
@@ -171,8 +171,8 @@ def chat(engine: Engine, body: ChatRequest, defaults: SamplingParams) -> Plan:
     task = JsonTask.create(schema, instructions=system if system and system.strip() else None)
     rendered = [task.messages("")[0], *rest]  # the schema's system message, then the chat
     ids = json_mode.encode(engine, rendered)
-    request = json_mode.request(engine, ids, task, params)
-    return Plan(ids, request, body.stops(), next_turn=_append_to(rendered))
+    request = replace(json_mode.request(engine, ids, task, params), stop_strings=body.stops())
+    return Plan(ids, request, next_turn=_append_to(rendered))
 
 
 def _append_to(rendered: list[dict[str, Any]]) -> Callable[[Answer], Chat]:
@@ -189,7 +189,7 @@ def _tools_plan(
     parallel = body.parallel_tool_calls is not False  # OpenAI's default: allowed
     task = ToolsTask(tools, choice, system, parallel)
     ids = task.encode(engine, conversation)
-    request = task.request(engine, ids, params)
+    request = replace(task.request(engine, ids, params), stop_strings=body.stops())
 
     def next_turn(answer: Answer) -> Chat | None:
         if native_tools(engine.loaded.tokenizer):
@@ -197,7 +197,7 @@ def _tools_plan(
         reply = assistant_message(ToolReply(answer.content, answer.calls))
         return hermes_messages([*conversation, reply], tools, system), {}
 
-    return Plan(ids, request, body.stops(), task, next_turn)
+    return Plan(ids, request, task, next_turn)
 
 
 def completion(engine: Engine, body: CompletionRequest, defaults: SamplingParams) -> Plan:
@@ -210,4 +210,4 @@ def completion(engine: Engine, body: CompletionRequest, defaults: SamplingParams
         prompt = prompt[0]
     ids = engine.encode(prompt)
     engine.check_fits(ids)
-    return Plan(ids, Request(ids, params), body.stops())
+    return Plan(ids, Request(ids, params, stop_strings=body.stops()))

@@ -97,10 +97,10 @@ class SamplingFields(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
 
-    def stops(self) -> list[str]:
+    def stops(self) -> tuple[str, ...]:
         """The stop strings, empty ones dropped."""
         items = [self.stop] if isinstance(self.stop, str) else self.stop or []
-        return [s for s in items if s]
+        return tuple(s for s in items if s)
 
 
 class ChatRequest(SamplingFields):

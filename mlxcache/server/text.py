@@ -1,8 +1,10 @@
-"""The reply text as the client sees it: cut at stop strings, tool calls held back.
+"""The content of a tool reply as the client sees it while it streams.
 
-Streaming sends `safe()` as it grows; the finished reply's content is computed from the
-whole text. `safe()` is always a prefix of that content, so the streamed deltas join to
-exactly the non-streamed content.
+A tool reply's content is its text with the calls taken out, stripped. Streaming sends
+`safe()` as it grows: text before the call tag, without leading whitespace, holding back
+trailing whitespace and anything that may begin the tag. `safe()` is always a prefix of
+the finished reply's content, so the streamed deltas join to exactly that content.
+(Stop strings are cut by the engine before the text gets here.)
 """
 
 from __future__ import annotations
@@ -20,42 +22,24 @@ class ReplyText:
     """Accumulates a reply's pieces.
 
     Args:
-        stops: strings that end the reply (not included in it).
         call_tag: where tool calls start (text from it on is never streamed as content);
-            None for replies without tools.
+            None for a reply whose whole text is content.
         strip: the final content is stripped (tool replies), so stream it stripped too.
     """
 
-    def __init__(self, stops: list[str], call_tag: str | None = None, strip: bool = False) -> None:
-        self.stops = stops
+    def __init__(self, call_tag: str | None = None, strip: bool = False) -> None:
         self.call_tag = call_tag
         self.strip = strip
         self.text = ""
-        self.stopped = False
 
-    def add(self, piece: str) -> bool:
-        """Append a piece; True when it completed a stop string (the text is then final)."""
-        if self.stopped:
-            return True
+    def add(self, piece: str) -> None:
         self.text += piece
-        # A stop string may straddle pieces: search the tail that could contain a new one.
-        start = max(0, len(self.text) - len(piece) - max(map(len, self.stops), default=0))
-        hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
-        if hits:
-            self.text = self.text[: min(hits)]
-            self.stopped = True
-        return self.stopped
 
     def safe(self) -> str:
         """The content that no later piece can change."""
         text = self.text
-        if not self.stopped:
-            text = text[: len(text) - max((_held(text, s) for s in self.stops), default=0)]
         if self.call_tag is not None:
             cut = text.find(self.call_tag)
             text = text[:cut] if cut >= 0 else text[: len(text) - _held(text, self.call_tag)]
-        if self.strip:
-            text = text.lstrip()
-            # Trailing whitespace may be stripped from the final content, so it waits.
-            text = text.rstrip()
-        return text
+        # Stripped content: leading whitespace never shows, trailing waits for more text.
+        return text.strip() if self.strip else text
