@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
+from mlxcache.errors import UserInputError
 from mlxcache_cli import options as o
 from mlxcache_cli import ui
 
@@ -73,3 +75,26 @@ def resume(
 
     o.positive(turns=turns, block_size=block_size, prefix_tokens=prefix_tokens)
     _report(resume_bench.run(model, turns, block_size, prefix_tokens))
+
+
+def schemas(
+    folder: Annotated[
+        Path, typer.Argument(metavar="DIR", help="Folder of JSON Schemas (*.json, recursively).")
+    ],
+    generate: Annotated[
+        int, typer.Option("--generate", metavar="N", help="Also run the first N compiled ones.")
+    ] = 0,
+    model: o.Model = None,
+    max_tokens: Annotated[
+        int, typer.Option("--max-tokens", "-n", help="Token limit of each --generate reply.")
+    ] = 256,
+) -> None:
+    """JSON Schema coverage: compiled, refused by kind, crashes, compile time (lenient vs --strict)."""
+    from mlxcache.bench import schemas_bench
+
+    if not folder.is_dir():
+        raise UserInputError(f"{folder} is not a folder of JSON Schemas")
+    o.positive(max_tokens=max_tokens)
+    if generate < 0:
+        raise UserInputError(f"--generate must be >= 0, got {generate}")
+    _report(schemas_bench.run(folder, generate, model, max_tokens))
