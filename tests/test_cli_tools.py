@@ -74,7 +74,7 @@ def test_required_call_then_result_then_text(cache_root: Path, tools: Path, tmp_
 
 # -- bad input: exit 2, one line -----------------------------------------------------------
 
-NO_PARAMS = [{"name": "f", "description": "no schema"}]
+NO_PARAMS = [{"name": "f", "parameters": {"type": "string"}}]  # not an object schema
 CONV = [
     {"role": "system", "content": "Be brief."},
     {"role": "user", "content": "Weather?"},
@@ -96,7 +96,7 @@ BAD = [
     ),
     (
         ["hi", "--tools", "{dir}/noparams.json"],
-        'error: tools {dir}/noparams.json entry 0: tool \'f\' has no parameters schema (add "parameters": {"type": "object", "properties": {...}})',
+        'error: tools {dir}/noparams.json entry 0: tool \'f\': parameters must be a JSON Schema with "type": "object"',
     ),
     (
         ["hi", "--tools", "{tools}", "--tool-choice", "get_time"],

@@ -9,8 +9,7 @@ from typing import Any
 import pytest
 from grammar_accepts import accepts
 
-from mlxcache.constrain import processor_for
-from mlxcache.engine import Engine, Request
+from mlxcache.engine import Engine
 from mlxcache.errors import GrammarError, UserInputError
 from mlxcache.model import LoadedModel
 from mlxcache.modes.tool_chat import (
@@ -21,6 +20,7 @@ from mlxcache.modes.tool_chat import (
     native_tools,
     read_messages,
 )
+from mlxcache.modes.tool_formats import HERMES
 from mlxcache.modes.tools import Tool, ToolChoice, parse_reply, parse_tools, tool_grammar
 from mlxcache.sampling import SamplingParams
 
@@ -149,10 +149,8 @@ def test_none_has_no_grammar() -> None:
 def test_required_makes_even_a_random_model_call(tiny: LoadedModel) -> None:
     engine = Engine(tiny)
     task = ToolsTask(TOOLS, ToolChoice("required"))
-    assert task.grammar is not None
-    req = Request(
-        engine.encode("x"), SamplingParams(max_tokens=120), [processor_for(tiny, task.grammar)]
-    )
+    req = task.request(engine, engine.encode("x"), SamplingParams(max_tokens=120))
+    assert task.style is not None and task.style.grammar is not None and not task.style.native
     result = engine.complete(req)
     reply = task.read(result)
     assert result.finish_reason == "stop" and reply.error is None
@@ -174,7 +172,10 @@ def test_parse_reply() -> None:
 @pytest.mark.parametrize(
     ("text", "error"),
     [
-        ("<tool_call>{nope}</tool_call>", "a tool call is not JSON: Expecting property name"),
+        (
+            "<tool_call>{nope}</tool_call>",
+            "a tool call cannot be read (json_tools format): Expecting property name",
+        ),
         ('<tool_call>{"name": "mul"}</tool_call>', "a tool call names an unknown tool 'mul'"),
         (
             '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>',
@@ -246,8 +247,7 @@ def test_tool_results_must_answer_the_last_calls() -> None:
 class FakeTemplate:
     """A tokenizer whose template renders tools in the Hermes format (as Qwen's does)."""
 
-    tool_call_start = "<tool_call>"
-    tool_call_end = "</tool_call>"
+    chat_template = "... <tool_call> {{ tool_call.name }} ..."  # what mlx-lm infers json_tools from
 
     def __init__(self, renders_tools: bool) -> None:
         self.renders_tools = renders_tools
@@ -257,9 +257,9 @@ class FakeTemplate:
 
 
 def test_native_tools_detection(tiny: LoadedModel) -> None:
-    assert native_tools(FakeTemplate(True))
-    assert not native_tools(FakeTemplate(False))  # has the tags but ignores tools=
-    assert not native_tools(tiny.tokenizer)  # ChatML without tools
+    assert native_tools(FakeTemplate(True)) is HERMES
+    assert native_tools(FakeTemplate(False)) is None  # has the tags but ignores tools=
+    assert native_tools(tiny.tokenizer) is None  # ChatML without tools
 
 
 def test_tool_is_validated() -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import json
 import re
+import warnings
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -147,7 +148,9 @@ def _located(schema: dict[str, Any], warning: str) -> str:
 
 def _metaschema_error(schema: dict[str, Any], what: str) -> str | None:
     try:
-        jsonschema.validators.validator_for(schema).check_schema(schema)
+        with warnings.catch_warnings():  # Python's `re` warns about odd patterns it compiles
+            warnings.simplefilter("ignore")
+            jsonschema.validators.validator_for(schema).check_schema(schema)
     except SchemaError as exc:
         where = pointer(tuple(exc.absolute_path))
         return f"{what} is not valid JSON Schema at {where} ({exc.validator}): {one_line(exc.message, 200)}"

@@ -18,9 +18,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mlxcache.constrain import processor_for
-from mlxcache.engine import Engine, LogitsProcessor, Request
+from mlxcache.engine import Engine, LogitsProcessor, Request, next_turn_prefix
 from mlxcache.errors import UserInputError
 from mlxcache.events import Result
+from mlxcache.modes.tool_formats import HERMES, ToolFormat, format_for
 from mlxcache.modes.tools import (
     CALL_END,
     CALL_START,
@@ -113,20 +114,46 @@ def add_tool_results(
     return [*messages, *({"role": "tool", "name": n, "content": r} for n, r in results)]
 
 
-def native_tools(tokenizer: Any) -> bool:
-    """True when the model's chat template renders tools and calls in the Hermes format."""
-    if getattr(tokenizer, "tool_call_start", None) != CALL_START:
-        return False
-    if getattr(tokenizer, "tool_call_end", None) != CALL_END:
-        return False
+def native_tools(tokenizer: Any) -> ToolFormat | None:
+    """The model's own call format when its chat template renders tools, else None."""
+    fmt = format_for(tokenizer)
+    if fmt is None:
+        return None
     probe = [{"role": "user", "content": "x"}]
     tool = Tool("probe_fn", {"type": "object", "properties": {}}).as_openai()
     try:
         plain = tokenizer.apply_chat_template(probe, tokenize=False)
         with_tools = tokenizer.apply_chat_template(probe, tools=[tool], tokenize=False)
     except Exception:  # a template that chokes on tools= cannot render them
-        return False
-    return bool(plain != with_tools)
+        return None
+    return fmt if plain != with_tools else None
+
+
+@dataclass(frozen=True, slots=True)
+class ToolStyle:
+    """How one model takes part in a tool conversation.
+
+    `native`: its template renders tools and calls, and calls are written in `fmt`, the
+    model's own format. Otherwise the tools are described in the system message and calls
+    are Hermes-tagged text (any chat model; also a native model asked to force a format
+    we cannot force).
+    """
+
+    fmt: ToolFormat
+    native: bool
+    grammar: str | None
+
+
+def tool_style(
+    tokenizer: Any, tools: tuple[Tool, ...], choice: ToolChoice, parallel: bool = False
+) -> ToolStyle:
+    """The style and grammar (None: a free reply) of a conversation on this tokenizer."""
+    fmt = native_tools(tokenizer)
+    forced = choice.mode in ("required", "function")
+    if fmt is None or (fmt.call is None and forced):
+        return ToolStyle(HERMES, False, tool_grammar(tools, choice, parallel))
+    grammar = tool_grammar(tools, choice, parallel, fmt) if fmt.call is not None else None
+    return ToolStyle(fmt, True, grammar)
 
 
 def _call_text(call: dict[str, Any]) -> str:
@@ -164,27 +191,40 @@ def _openai(msg: dict[str, Any]) -> dict[str, Any]:
     return msg
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ToolsTask:
-    """What the turns of a tool conversation share."""
+    """What the turns of a tool conversation share.
+
+    `encode` fixes the style for the engine's model (its own call format, or Hermes in
+    the system message); `request` and `read` then use it.
+    """
 
     tools: tuple[Tool, ...]
     choice: ToolChoice
     system: str | None = None
     parallel: bool = False
-    grammar: str | None = field(init=False, repr=False)
-    """Compiled once from the above (None: `none`, a free reply)."""
+    style: ToolStyle | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.tools:
             raise ValueError("a tools task needs at least one tool")
-        object.__setattr__(self, "grammar", tool_grammar(self.tools, self.choice, self.parallel))
+
+    def style_for(self, engine: Engine) -> ToolStyle:
+        """The style on `engine`'s model (worked out once, the grammar compiled then)."""
+        if self.style is None:
+            self.style = tool_style(engine.loaded.tokenizer, self.tools, self.choice, self.parallel)
+        return self.style
+
+    @property
+    def call_start(self) -> str:
+        """The text that opens a call in replies (after `encode`; Hermes before)."""
+        return (self.style.fmt if self.style else HERMES).start
 
     def encode(self, engine: Engine, messages: list[dict[str, Any]]) -> list[int]:
         """Token ids of the conversation with the tools described, ready for the reply."""
         if messages and messages[0]["role"] == "system":
             raise ValueError("pass the system message as ToolsTask.system")
-        if native_tools(engine.loaded.tokenizer):
+        if self.style_for(engine).native:
             head = [{"role": "system", "content": self.system}] if self.system else []
             tools = [t.as_openai() for t in self.tools]
             ids = engine.encode_chat([*head, *map(_openai, messages)], tools=tools)
@@ -195,24 +235,43 @@ class ToolsTask:
 
     def request(self, engine: Engine, ids: list[int], params: SamplingParams) -> Request:
         """A request for the reply (a fresh grammar matcher each time)."""
+        grammar = self.style_for(engine).grammar
         processors: list[LogitsProcessor] = []
-        if self.grammar is not None:
-            processors.append(processor_for(engine.loaded, self.grammar))
+        if grammar is not None:
+            processors.append(processor_for(engine.loaded, grammar))
         return Request(ids, params, processors)
 
     def read(self, result: Result) -> ToolReply:
-        """The reply's content and checked calls (`none`: all text, no calls parsed)."""
+        """The reply's content and checked calls (`none`: all text, no calls parsed).
+
+        A forced call cut off at the token limit is an error saying so.
+        """
         if self.choice.mode == "none":
             return ToolReply(result.text.strip(), ())
-        reply = parse_reply(result.text, self.tools)
+        fmt = self.style.fmt if self.style else HERMES
+        reply = parse_reply(result.text, self.tools, fmt)
         forced = self.choice.mode != "auto"  # `required` / a name: the reply must be a call
-        if forced and reply.error is None and not reply.calls and result.finish_reason == "length":
+        unfinished = reply.error is not None or (forced and not reply.calls)
+        if result.finish_reason == "length" and unfinished:
             error = (
                 "the reply reached the token limit before the tool call was complete "
                 '(finish_reason "length"); raise --max-tokens'
             )
             return ToolReply(reply.content, (), error)
         return reply
+
+
+def next_turn(
+    task: ToolsTask, engine: Engine, messages: list[dict[str, Any]], reply: ToolReply
+) -> list[int]:
+    """What the next prompt after `reply` starts with, for warm-ahead (`Engine.warm`): a
+    tool result follows a call, a user message follows text (see `next_turn_prefix`)."""
+    convo = [*messages, assistant_message(reply)]
+    if reply.calls:
+        return next_turn_prefix(
+            lambda m: task.encode(engine, m), convo, "tool", name=reply.calls[0].name
+        )
+    return next_turn_prefix(lambda m: task.encode(engine, m), convo)
 
 
 def assistant_message(reply: ToolReply) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """Tool calls: definitions, tool_choice, the call grammar, and parsing calls out of a reply.
 
-Calls use the Hermes format (what mlx-lm's `json_tools` parser reads, and what Qwen and
-Hermes models are trained on):
+Calls are written in the model family's own format (`tool_formats`), by default Hermes
+(what mlx-lm's `json_tools` parser reads, and what Qwen and Hermes models are trained on):
 
     <tool_call>
     {"name": "get_weather", "arguments": {"city": "Paris"}}
@@ -19,15 +19,15 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlxcache.constrain import JSON_OPTIONS, LENIENT_OPTIONS, grammar_error, grammar_from_lark
+from mlxcache.constrain import grammar_error, grammar_from_lark
 from mlxcache.errors import GrammarError, UserInputError
 from mlxcache.fileio import loads_json
-from mlxcache.modes.schema import check_schema, validation_error
+from mlxcache.modes.schema import check_schema, one_line, validation_error
+from mlxcache.modes.tool_formats import HERMES, ToolFormat, blocks, grammar_lines
 
 CALL_START = "<tool_call>"
 CALL_END = "</tool_call>"
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
-_CALL = re.compile(re.escape(CALL_START) + r"(.*?)" + re.escape(CALL_END), re.DOTALL)
 
 
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
@@ -128,41 +128,25 @@ class ToolChoice:
         return cls("function", text)
 
 
-def _lark_string(text: str) -> str:
-    return json.dumps(text)  # JSON string escapes are valid in llguidance's Lark literals
-
-
-def tool_grammar(tools: tuple[Tool, ...], choice: ToolChoice, parallel: bool = False) -> str | None:
-    """The llguidance grammar for `choice`, or None when the reply is free (`none`).
+def tool_grammar(
+    tools: tuple[Tool, ...], choice: ToolChoice, parallel: bool = False, fmt: ToolFormat = HERMES
+) -> str | None:
+    """The llguidance grammar for `choice` in the call format `fmt`, or None when the reply
+    is free (`none`).
 
     Args:
         parallel: allow several calls in one reply (otherwise the reply ends after one).
+        fmt: the model family's call syntax (`tool_formats.format_for`); it must be forcing.
     """
     if choice.mode == "none":
         return None
-    chosen = [t for t in tools if choice.name in (None, t.name)]
-    rules = []
-    for i, tool in enumerate(chosen):
-        decoding = check_schema(tool.parameters, f"tool {tool.name!r} parameters").decoding
-        args = {**decoding, "x-guidance": {**JSON_OPTIONS, **LENIENT_OPTIONS}}
-        head = _lark_string(f'{{"name": "{tool.name}", "arguments": ')
-        rules.append(f"call_{i}: {head} args_{i} " + _lark_string("}"))
-        rules.append(f"args_{i}: %json {json.dumps(args)}")
-    body = " | ".join(f"call_{i}" for i in range(len(chosen)))
-    more = f" ({_lark_string(chr(10) + CALL_START)} body)*" if parallel else ""
-    lines = ["%llguidance {}"]
-    if choice.mode == "auto":
-        # Text may not contain the call tag, so once the model writes it a valid call must
-        # follow (the lazy `pre` lexeme ends right at the tag).
-        lines += [
-            f"start: TEXT | pre body{more}",
-            f"TEXT: /(?s:.*)/ & ~/(?s:.*){re.escape(CALL_START)}(?s:.*)/",
-            f"pre[lazy]: /(?s:.*){re.escape(CALL_START)}/",
-        ]
-    else:
-        lines.append(f"start: {_lark_string(CALL_START)} body{more}")
-    lines.append(f"body: {_lark_string(chr(10))} ({body}) {_lark_string(chr(10) + CALL_END)}")
-    grammar = grammar_from_lark("\n".join(lines + rules) + "\n")
+    chosen = [
+        (t.name, check_schema(t.parameters, f"tool {t.name!r} parameters").decoding)
+        for t in tools
+        if choice.name in (None, t.name)
+    ]
+    lines = grammar_lines(fmt, chosen, auto=choice.mode == "auto", parallel=parallel)
+    grammar = grammar_from_lark("\n".join(["%llguidance {}", *lines]) + "\n")
     problem = grammar_error(grammar)
     if problem is not None:  # each schema compiled alone, so this is our bug, not the user's
         raise GrammarError(f"cannot build the tool call grammar: {problem}")
@@ -202,17 +186,14 @@ def call_arguments(args: Any) -> dict[str, Any] | str:
     return args
 
 
-def _check_call(raw: str, tools: dict[str, Tool]) -> ToolCall | str:
-    try:
-        obj = loads_json(raw)
-    except json.JSONDecodeError as exc:
-        return f"a tool call is not JSON: {exc.msg} at column {exc.colno}"
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+def check_call(raw: Any, tools: dict[str, Tool]) -> ToolCall | str:
+    """A parsed call ({"name", "arguments"}) checked against its tool, or what is wrong."""
+    if not isinstance(raw, dict) or not isinstance(raw.get("name"), str):
         return 'a tool call is not {"name": ..., "arguments": {...}}'
-    tool = tools.get(obj["name"])
+    tool = tools.get(raw["name"])
     if tool is None:
-        return f"a tool call names an unknown tool {obj['name']!r}"
-    args = call_arguments(obj.get("arguments", {}))
+        return f"a tool call names an unknown tool {raw['name']!r}"
+    args = call_arguments(raw.get("arguments", {}))
     if isinstance(args, str):
         return f"{tool.name!r}: {args}"
     problem = validation_error(args, tool.parameters)
@@ -221,17 +202,24 @@ def _check_call(raw: str, tools: dict[str, Tool]) -> ToolCall | str:
     return ToolCall(tool.name, args)
 
 
-def parse_reply(text: str, tools: tuple[Tool, ...]) -> ToolReply:
-    """Split `text` into content and Hermes calls, each checked against its tool's schema."""
+def parse_reply(text: str, tools: tuple[Tool, ...], fmt: ToolFormat = HERMES) -> ToolReply:
+    """Split `text` into content and the calls written in `fmt`, read with mlx-lm's parser
+    for that format and each checked against its tool's schema."""
     by_name = {t.name: t for t in tools}
+    openai = [t.as_openai() for t in tools]
+    content, segments, cut = blocks(text, fmt)
     calls: list[ToolCall] = []
-    for raw in _CALL.findall(text):
-        call = _check_call(raw, by_name)
-        if isinstance(call, str):
-            return ToolReply(text.strip(), tuple(calls), call)
-        calls.append(call)
-    content = _CALL.sub("", text)
-    if CALL_START in content:
-        cut = content[: content.index(CALL_START)].strip()
-        return ToolReply(cut, tuple(calls), "a tool call was cut off before " + CALL_END)
+    for segment in segments:
+        try:
+            raws = fmt.parse(segment, openai)
+        except ValueError as exc:
+            problem = one_line(f"a tool call cannot be read ({fmt.parser} format): {exc}", 200)
+            return ToolReply(text.strip(), tuple(calls), problem)
+        for raw in raws:
+            call = check_call(raw, by_name)
+            if isinstance(call, str):
+                return ToolReply(text.strip(), tuple(calls), call)
+            calls.append(call)
+    if cut:
+        return ToolReply(content.strip(), tuple(calls), "a tool call was cut off before " + fmt.end)
     return ToolReply(content.strip(), tuple(calls))
