@@ -8,7 +8,6 @@ concurrent, cached, and after a restart from the disk tier, the bytes are the sa
 from __future__ import annotations
 
 import json
-import os
 import re
 import threading
 from collections.abc import Iterator
@@ -19,7 +18,6 @@ from urllib.parse import urlsplit
 
 import openai
 import pytest
-from serverproc import ServerProcess, running
 from tinymodel import write_tiny_gguf
 
 from mlxcache.engine import Engine, Request
@@ -29,6 +27,8 @@ from mlxcache.modes.json_mode import JsonTask
 from mlxcache.modes.tool_chat import ToolsTask
 from mlxcache.modes.tools import ToolChoice, parse_tools
 from mlxcache.sampling import SamplingParams
+from mlxcache.server.process import MlxcacheServer as ServerProcess
+from mlxcache.server.process import running
 
 BLOCK = 16
 MAX_TOKENS = 24
@@ -71,7 +71,8 @@ def server(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Se
     cache = tmp_path_factory.mktemp("srv-cache")
     log = cache / "requests.jsonl"
     args = ["--block-size", str(BLOCK), "--max-tokens", str(MAX_TOKENS), "--cache-dir", str(cache)]
-    with running(model, *args, "--log-file", str(log)) as srv:
+    # No warm-ahead here: its lanes pin entries while they run, in idle time.
+    with running(model, *args, "--no-warm-ahead", "--log-file", str(log)) as srv:
         yield srv
 
 
@@ -349,7 +350,8 @@ def test_models_health_and_cache(server: ServerProcess) -> None:
     health = request(server, "GET", "/health").json()
     assert health["status"] == "ok" and health["model"] == server.model
     report = request(server, "GET", "/v1/cache").json()
-    assert report["block_size"] == BLOCK and report["pinned_entries"] == 0
+    assert report["block_size"] == BLOCK
+    assert (report["pinned_entries"], report["busy"], report["waiting"]) == (0, False, 0)
 
 
 def test_repeated_conversation_is_cached_with_the_cold_bytes_and_resumes_after_restart(
@@ -504,7 +506,7 @@ def test_api_key_and_body_limit(model: Path) -> None:
 
 
 def test_sigterm_drains_a_running_stream(model: Path, ref: Engine) -> None:
-    srv = ServerProcess(["--model", str(model), "--block-size", str(BLOCK)], dict(os.environ))
+    srv = ServerProcess(["--model", str(model), "--block-size", str(BLOCK)])
     try:
         body = {"model": srv.model, "prompt": "abab", "max_tokens": 64, "stream": True}
         conn = connect(srv)

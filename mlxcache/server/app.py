@@ -39,9 +39,10 @@ class Settings:
 
 
 def _cache_report(engine: Engine) -> dict[str, Any]:
-    """The cache's counters, plus how many entries running requests pin right now."""
+    """The cache's counters, the entries pinned by running lanes, whether a request runs."""
     mem = getattr(engine.cache, "mem", ())
-    return {**engine.cache.report(), "pinned_entries": sum(1 for e in mem if e.pins)}
+    pinned = sum(1 for e in mem if e.pins)
+    return {**engine.cache.report(), "pinned_entries": pinned, "busy": engine.busy}
 
 
 def create_app(engine: Engine, worker: Worker, settings: Settings, log: RequestLog) -> Any:
