@@ -244,3 +244,32 @@ def test_yaml_refuses_depth_cycles_and_alias_bombs() -> None:
     ]:
         with pytest.raises(yaml.YAMLError, match=message):
             load_yaml(text)
+
+
+def test_a_full_disk_under_a_batch_output_keeps_the_lines_written(
+    tiny_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import os
+
+    (tmp_path / "in.jsonl").write_text('{"prompt": "a"}\n{"prompt": "b"}\n')
+    out = tmp_path / "out.jsonl"
+    args = ["json", "--schema", '{"type": "string", "maxLength": 3}', "-m", str(tiny_gguf)]
+    args += ["--input", str(tmp_path / "in.jsonl"), "-o", str(out), "-n", "8"]
+    calls = []
+
+    def full(fd: int) -> None:  # the first record reaches the file, its fsync fails
+        calls.append(fd)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    result = runner.invoke(app, args)
+    assert (result.exit_code, result.stdout) == (1, "") and len(calls) == 1
+    assert result.stderr.splitlines() == [
+        f"error: cannot write output file {out}: No space left on device; the lines written "
+        "before are kept and a rerun goes on from there"
+    ]
+    monkeypatch.undo()
+    again = runner.invoke(app, args)
+    assert again.exit_code == 0, again.stderr
+    assert [json.loads(line)["line"] for line in out.read_text().splitlines()] == [1, 2]
+    assert "1 lines run, 1 already in" in again.stderr
