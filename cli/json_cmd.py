@@ -8,7 +8,7 @@ from typing import Annotated, Any
 import typer
 
 from mlxcache.engine import Engine
-from mlxcache.errors import OutputError, UserInputError
+from mlxcache.errors import OutputError, OutputMismatchError, UserInputError
 from mlxcache.fileio import check_output_dir
 from mlxcache.modes import json_mode
 from mlxcache.modes.batch import read_input
@@ -77,6 +77,12 @@ def json_cmd(
         bool,
         typer.Option("--check", help="Only check and compile --schema (exit 0 or 2); no model."),
     ] = False,
+    force: Annotated[
+        bool,
+        typer.Option(
+            "--force", help="Redo the lines already in --output, even those of another run."
+        ),
+    ] = False,
     as_json: o.Json = False,
     run: o.RunOptions,
 ) -> None:
@@ -103,8 +109,13 @@ def json_cmd(
     check_output_dir(output, "--output")
     lines = read_input(input_path)
     engine = run.engine()
-    plan = json_mode.plan_batch(engine, task, lines, input_path, output)
-    _batch(engine, task, plan, params, lanes)
+    try:
+        plan = json_mode.plan_batch(engine, task, lines, input_path, output, params, force)
+    except OutputMismatchError as exc:
+        raise OutputMismatchError(
+            f"{exc}: pass --force to redo its lines, or choose another --output"
+        ) from exc
+    _batch(engine, task, plan, lanes)
 
 
 def _report_check(compiled: CompiledSchema, as_json: bool) -> None:
@@ -133,7 +144,6 @@ def _batch(
     engine: Engine,
     task: json_mode.JsonTask,
     plan: json_mode.BatchPlan,
-    params: SamplingParams,
     lanes: int,
 ) -> None:
     if plan.torn:
@@ -148,7 +158,6 @@ def _batch(
             engine,
             task,
             plan,
-            params,
             lanes,
             progress=lambda done, total: update("json", done, total),
             on_record=on_record,

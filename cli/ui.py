@@ -192,9 +192,13 @@ def batch_line(
     *, ran: int, skipped: int, failed: int, cached: int, prompt: int, seconds: float, output: str
 ) -> None:
     """End of a JSONL batch: what ran, what a rerun skipped, and what the cache saved."""
-    per = f" ({seconds / ran:.2f}s per line)" if ran else ""
+    if not ran:  # a rerun of a finished batch: nothing ran, nothing to measure
+        info(f"0 lines run, {skipped} already in {output}")
+        return
     err.print(
         f"{ran} lines run, {skipped} already in {output}, {failed} failed · "
-        f"[cached]{cached}[/cached]/{prompt} prompt tokens cached · {seconds:.1f}s{per}",
+        f"[cached]{cached}[/cached]/{prompt} prompt tokens cached · {seconds:.1f}s "
+        f"({seconds / ran:.2f}s per line)",
         style="stats",
+        soft_wrap=True,
     )

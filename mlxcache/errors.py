@@ -50,6 +50,10 @@ class OutputFileError(MlxcacheError):
     """A result file (session, golden, JSONL output) could not be written; nothing was lost."""
 
 
+class OutputMismatchError(UserInputError):
+    """A result file to continue that another run (other inputs, model or sampling) wrote."""
+
+
 class GrammarError(UserInputError):
     """A JSON Schema or tool definition the constrained decoder cannot enforce."""
 

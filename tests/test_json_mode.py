@@ -141,9 +141,9 @@ SHORT = {"type": "string", "maxLength": 6}
 def run(engine: Engine, folder: Path, out: str, lanes: int) -> list[dict[str, Any]]:
     task = JsonTask.create(SHORT)
     lines = read_input(folder / "in.jsonl")
-    plan = plan_batch(engine, task, lines, folder / "in.jsonl", folder / out)
     params = SamplingParams(temperature=1.0, seed=3, max_tokens=20)
-    run_batch(engine, task, plan, params, lanes)
+    plan = plan_batch(engine, task, lines, folder / "in.jsonl", folder / out, params)
+    run_batch(engine, task, plan, lanes)
     return [json.loads(x) for x in (folder / out).read_text().splitlines()]
 
 
@@ -179,5 +179,12 @@ def test_plan_refuses_missing_vars_before_writing(tiny: LoadedModel, tmp_path: P
     task = JsonTask.create(SHORT)
     lines = read_input(tmp_path / "in.jsonl")
     with pytest.raises(UserInputError, match=r"in.jsonl line 2: no value for \{\{x\}\}"):
-        plan_batch(Engine(tiny), task, lines, tmp_path / "in.jsonl", tmp_path / "out.jsonl")
+        plan_batch(
+            Engine(tiny),
+            task,
+            lines,
+            tmp_path / "in.jsonl",
+            tmp_path / "out.jsonl",
+            SamplingParams(),
+        )
     assert not (tmp_path / "out.jsonl").exists()

@@ -80,8 +80,9 @@ def decode_ratio(engine: Engine, tokens: int, rounds: int) -> dict[str, Any]:
 
 def _batch(engine: Engine, task: JsonTask, folder: Path, name: str, tokens: int) -> dict[str, Any]:
     lines = read_input(folder / "in.jsonl")
-    plan = plan_batch(engine, task, lines, folder / "in.jsonl", folder / f"{name}.jsonl")
-    summary = run_batch(engine, task, plan, SamplingParams(max_tokens=tokens))
+    params = SamplingParams(max_tokens=tokens)
+    plan = plan_batch(engine, task, lines, folder / "in.jsonl", folder / f"{name}.jsonl", params)
+    summary = run_batch(engine, task, plan)
     records = [json.loads(x) for x in (folder / f"{name}.jsonl").read_text().splitlines()]
     return {
         "s_per_request": round(summary.seconds / max(summary.ran, 1), 3),

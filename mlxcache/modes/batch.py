@@ -2,27 +2,31 @@
 
 Input: one JSON object per line, `{"prompt": "...", "vars": {...}, "id": ...}` (only
 "prompt" required; blank lines skipped). Output: one record per input line, in input
-order, appended and fsynced line by line. A rerun reads the output first and skips the
-lines already there; a last line cut short by a crash (no final newline) is dropped and
-redone.
+order, appended and fsynced line by line. Every record says what produced it (`run`: the
+model, a digest of each shared input such as the schema, and the sampling), so a rerun
+continues only the same run: it skips the lines already there and refuses records of
+another run unless told to redo them. A last line cut short by a crash (no final newline)
+is dropped and redone.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 from mlxcache import lanes as lanes_mod
 from mlxcache.engine import Engine, Request
-from mlxcache.errors import OutputFileError, UserInputError
+from mlxcache.errors import OutputFileError, OutputMismatchError, UserInputError
 from mlxcache.events import Result
 from mlxcache.fileio import loads_json
+from mlxcache.sampling import SamplingParams
 
 _FIELDS = frozenset({"prompt", "vars", "id"})
 _PLACEHOLDER = re.compile(r"\{\{\s*([A-Za-z_][A-Za-z0-9_]*)\s*\}\}")
@@ -113,11 +117,42 @@ class OutputState:
     torn: bool
 
 
-def read_output(path: Path) -> OutputState:
+def run_description(model_key: str, sampling: SamplingParams, **inputs: Any) -> dict[str, Any]:
+    """What produces a batch's records: the model, a digest of each shared input, sampling."""
+
+    def digest(value: Any) -> str | None:
+        if value is None:
+            return None
+        text = json.dumps(value, sort_keys=True, ensure_ascii=False)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    return {
+        "model": model_key[:16],
+        **{name: digest(value) for name, value in inputs.items()},
+        "sampling": asdict(sampling),
+    }
+
+
+def _differences(recorded: Any, run: dict[str, Any]) -> list[str]:
+    """Names of what `recorded` (a record's `run`) has different from `run`."""
+    if not isinstance(recorded, dict):
+        return ["(not recorded)"]
+    out = [k for k in run if k != "sampling" and recorded.get(k) != run[k]]
+    theirs = recorded.get("sampling")
+    if not isinstance(theirs, dict):
+        return [*out, "sampling"]
+    return out + [k for k, v in run["sampling"].items() if theirs.get(k) != v]
+
+
+def read_output(path: Path, run: dict[str, Any] | None = None, redo: bool = False) -> OutputState:
     """Scan an output file from an earlier run (absent: nothing done).
+
+    With `run` (see `run_description`), every record must come from that run. With `redo`,
+    the file's records are to be replaced: nothing counts as done.
 
     Raises:
         UserInputError: a complete line that is not one of our records.
+        OutputMismatchError: records of another run (unless `redo`).
     """
     try:
         data = path.read_bytes()
@@ -125,6 +160,8 @@ def read_output(path: Path) -> OutputState:
         return OutputState(frozenset(), 0, False)
     except OSError as exc:
         raise UserInputError(f"cannot read output file {path}: {exc}") from exc
+    if redo:
+        return OutputState(frozenset(), 0, False)
     keep = data.rfind(b"\n") + 1
     done: set[int] = set()
     for n, raw in enumerate(data[:keep].splitlines(), start=1):
@@ -136,6 +173,12 @@ def read_output(path: Path) -> OutputState:
                 f"output file {path} line {n} is not a record of this command; "
                 "fix or remove it, or write to another file"
             ) from exc
+        differences = _differences(record.get("run"), run) if run is not None else []
+        if differences:
+            raise OutputMismatchError(
+                f"output file {path} holds records of another run (line {n} differs in: "
+                f"{', '.join(differences)})"
+            )
     return OutputState(frozenset(done), keep, keep < len(data))
 
 
@@ -146,6 +189,7 @@ class RecordWriter:
     """
 
     def __init__(self, path: Path, keep_bytes: int) -> None:
+        self._path = path
         try:
             self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         except OSError as exc:
@@ -156,11 +200,23 @@ class RecordWriter:
             os.ftruncate(self._fd, keep_bytes)
 
     def write(self, record: dict[str, Any]) -> None:
+        """Append one record.
+
+        Raises:
+            OutputFileError: the disk is full (or failing); the lines before are kept, and
+                a rerun drops a line cut short and goes on from there.
+        """
         data = (json.dumps(record, ensure_ascii=False) + "\n").encode()
         view = memoryview(data)
-        while view:
-            view = view[os.write(self._fd, view) :]
-        os.fsync(self._fd)
+        try:
+            while view:
+                view = view[os.write(self._fd, view) :]
+            os.fsync(self._fd)
+        except OSError as exc:
+            raise OutputFileError(
+                f"cannot write output file {self._path}: {exc.strerror or exc}; the lines "
+                "written before are kept and a rerun goes on from there"
+            ) from exc
 
     def close(self) -> None:
         os.close(self._fd)

@@ -23,6 +23,7 @@ from mlxcache.modes.batch import (
     Job,
     RecordWriter,
     read_output,
+    run_description,
     run_lanes,
     substitute,
 )
@@ -157,6 +158,9 @@ class BatchPlan:
     keep_bytes: int
     torn: bool
     output: Path
+    params: SamplingParams
+    run: dict[str, Any]
+    """What produces the records (`batch.run_description`), stored in each one."""
 
 
 @dataclass(slots=True)
@@ -170,33 +174,46 @@ class BatchSummary:
 
 
 def plan_batch(
-    engine: Engine, task: JsonTask, lines: list[InputLine], input_path: Path, output: Path
+    engine: Engine,
+    task: JsonTask,
+    lines: list[InputLine],
+    input_path: Path,
+    output: Path,
+    params: SamplingParams,
+    redo: bool = False,
 ) -> BatchPlan:
     """Check the whole batch (from `read_input`) before anything runs or is written.
 
+    With `redo`, records already in `output` (of this run or another) are replaced.
+
     Raises:
         UserInputError: a missing var, a prompt too long, or an output file that is not ours.
+        OutputMismatchError: `output` holds records of another run (and not `redo`).
     """
-    state = read_output(output)
+    run = run_description(
+        engine.loaded.key, params, schema=task.schema, instructions=task.instructions
+    )
+    state = read_output(output, run, redo)
     ids: dict[int, list[int]] = {}
     for item in lines:
         where = f"{input_path} line {item.line}"
         messages = task.messages(item.prompt, item.vars, where)
         if item.line not in state.done:
             ids[item.line] = encode(engine, messages, where)
-    return BatchPlan(lines, ids, len(lines) - len(ids), state.keep_bytes, state.torn, output)
+    return BatchPlan(
+        lines, ids, len(lines) - len(ids), state.keep_bytes, state.torn, output, params, run
+    )
 
 
-def record(item: InputLine, reply: JsonReply) -> dict[str, Any]:
+def record(item: InputLine, reply: JsonReply, run: dict[str, Any]) -> dict[str, Any]:
     """The output line of one input line."""
-    return {"line": item.line, "id": item.id, **reply.as_dict()}
+    return {"line": item.line, "id": item.id, **reply.as_dict(), "run": run}
 
 
 def run_batch(
     engine: Engine,
     task: JsonTask,
     plan: BatchPlan,
-    params: SamplingParams,
     lanes: int = 1,
     progress: Callable[[int, int], None] | None = None,
     on_record: Callable[[dict[str, Any]], None] | None = None,
@@ -205,14 +222,16 @@ def run_batch(
     todo = [item for item in plan.lines if item.line in plan.ids]
     by_line = {item.line: item for item in todo}
     summary = BatchSummary(skipped=plan.skipped)
-    jobs = [Job(i.line, partial(request, engine, plan.ids[i.line], task, params)) for i in todo]
+    jobs = [
+        Job(i.line, partial(request, engine, plan.ids[i.line], task, plan.params)) for i in todo
+    ]
     start = time.perf_counter()
     if progress and todo:
         progress(0, len(todo))
     with RecordWriter(plan.output, plan.keep_bytes) as writer:
         for line, result in run_lanes(engine, jobs, lanes):
             reply = read_reply(task, result)
-            rec = record(by_line[line], reply)
+            rec = record(by_line[line], reply, plan.run)
             writer.write(rec)
             summary.ran += 1
             summary.failed += reply.error is not None
