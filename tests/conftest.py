@@ -55,20 +55,16 @@ def sliding(tiny: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> Load
 def variants(tiny: LoadedModel, sliding: LoadedModel) -> dict[str, Variant]:
     """The models the exactness checks run on (tests/guarantees.py): the tiny model and
     its sliding-window version, each plain and shape-sensitive (tests/shapemodel.py)."""
-    return {
-        name: Variant.of(name, base, is_shaped)
-        for name, base, is_shaped in [
-            ("plain", tiny, False),
-            ("shaped", tiny, True),
-            ("sliding", sliding, False),
-            ("shaped-sliding", sliding, True),
-        ]
-    }
+    return Variant.all(tiny, sliding)
 
 
 @pytest.fixture(scope="session")
-def other_tiny(tmp_path_factory: pytest.TempPathFactory, cache_root: Path) -> LoadedModel:
-    """A second tiny model (other weights) for two models in one cache directory."""
-    path = tmp_path_factory.mktemp("other") / "other.gguf"
-    write_tiny_gguf(path, seed=9)
-    return load(str(path), cache_root=cache_root)
+def other_variants(
+    tmp_path_factory: pytest.TempPathFactory, cache_root: Path
+) -> dict[str, Variant]:
+    """The same variants of a second tiny model (other weights), for two models in one
+    cache directory."""
+    folder = tmp_path_factory.mktemp("other")
+    write_tiny_gguf(folder / "other.gguf", seed=9)
+    other = load(str(folder / "other.gguf"), cache_root=cache_root)
+    return Variant.all(other, load(str(write_sliding(other.path, folder / "sliding"))))

@@ -57,6 +57,19 @@ class Variant:
     def of(cls, name: str, plain: LoadedModel, is_shaped: bool) -> Variant:
         return cls(name, str(plain.path), is_shaped, shaped(plain) if is_shaped else plain)
 
+    @classmethod
+    def all(cls, plain: LoadedModel, sliding: LoadedModel) -> dict[str, Variant]:
+        """The four variants: with or without a sliding window, plain or shape-sensitive."""
+        return {
+            name: cls.of(name, base, is_shaped)
+            for name, base, is_shaped in [
+                ("plain", plain, False),
+                ("shaped", plain, True),
+                ("sliding", sliding, False),
+                ("shaped-sliding", sliding, True),
+            ]
+        }
+
     @property
     def trimmable(self) -> bool:
         return is_trimmable(make_prompt_cache(self.loaded.model))

@@ -20,7 +20,7 @@ import mlxcache.engine as engine_mod
 import mlxcache.prefill as prefill_mod
 import mlxcache.sampling as sampling_mod
 from mlxcache.cache import blocks
-from mlxcache.cache.disk import DiskTier
+from mlxcache.cache.disk import DiskTier, digest_tokens
 from mlxcache.cache.store import PromptCache
 from mlxcache.engine import Engine
 from mlxcache.events import Event, Prefill, Result
@@ -43,6 +43,12 @@ def hash_without_namespace(patch: Patch) -> None:
     get one name (the second model links the first one's file instead of writing its own)."""
     chain = blocks.chain_hashes
     patch(blocks, "chain_hashes", lambda tokens, size, ns: chain(tokens, size, ""))
+
+
+def checkpoint_name_without_namespace(patch: Patch) -> None:
+    """Checkpoint files named by the tokens alone: two models' checkpoints of the same
+    prompt get one name (the second model links the first one's file)."""
+    patch(PromptCache, "_checkpoint_name", lambda self, tokens: f"c-{digest_tokens(tokens)}")
 
 
 def keep_decode_kv(patch: Patch) -> None:
@@ -129,6 +135,25 @@ def partial_last_block(patch: Patch) -> None:
     patch(PromptCache, "release", release_keeping)
 
 
+def checkpoint_at_prompt_end(patch: Patch) -> None:
+    """A request keeps its state after the whole prompt (partial last block included), not
+    at the last block boundary before its end."""
+    prefill = Engine._prefill
+
+    def _prefill(
+        self: Engine,
+        rid: int,
+        tokens: np.ndarray,
+        layers: list[Any],
+        start: int,
+        keep_at: int,
+        *rest: Any,
+    ) -> Generator[Event, None, mx.array]:
+        return (yield from prefill(self, rid, tokens, layers, start, len(tokens), *rest))
+
+    patch(Engine, "_prefill", _prefill)
+
+
 def unaligned_chunks(patch: Patch) -> None:
     """Prefill chunks of B counted back from the end, not from absolute multiples of B."""
 
@@ -199,6 +224,8 @@ MUTANTS: dict[str, Callable[[Patch], None]] = {
         shared_checkpoint,
         no_checksum,
         hash_without_namespace,
+        checkpoint_name_without_namespace,
+        checkpoint_at_prompt_end,
         keep_decode_kv,
         lanes_batched,
         partial_last_block,

@@ -59,12 +59,11 @@ def test_guarantee(
     check(Rig(variants[name], tmp_path))
 
 
-@pytest.mark.parametrize("name", ["plain", "shaped"])
+@pytest.mark.parametrize("name", VARIANTS)
 def test_two_models_in_one_directory(
-    name: str, variants: dict[str, Variant], other_tiny: LoadedModel, tmp_path: Path
+    name: str, variants: dict[str, Variant], other_variants: dict[str, Variant], tmp_path: Path
 ) -> None:
-    other = Variant.of("other", other_tiny, variants[name].is_shaped)
-    check_two_models(Rig(variants[name], tmp_path), other)
+    check_two_models(Rig(variants[name], tmp_path), other_variants[name])
 
 
 def last_logits(loaded: LoadedModel, tokens: list[int], block: int) -> mx.array:

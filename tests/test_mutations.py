@@ -21,13 +21,13 @@ from guarantees import (
 )
 from mutants import MUTANTS
 
-from mlxcache.model import LoadedModel
-
 # Which checks, on which variant, must catch each mutant (every one of them must fail).
 CAUGHT_BY: dict[str, list[tuple[str, str]]] = {
     "shared_checkpoint": [("sliding", "restore_repeatedly")],
     "no_checksum": [("plain", "bit_flip"), ("sliding", "bit_flip")],
     "hash_without_namespace": [("plain", "two_models")],
+    "checkpoint_name_without_namespace": [("sliding", "two_models")],
+    "checkpoint_at_prompt_end": [("sliding", "warm")],
     "keep_decode_kv": [("plain", "chat"), ("shaped", "chat")],
     "lanes_batched": [("plain", "lanes"), ("shaped", "lanes")],
     "partial_last_block": [("plain", "warm")],
@@ -51,7 +51,10 @@ def test_every_mutant_has_checks() -> None:
 
 
 def test_mutant_is_caught(
-    mutant: str, variants: dict[str, Variant], other_tiny: LoadedModel, tmp_path: Path
+    mutant: str,
+    variants: dict[str, Variant],
+    other_variants: dict[str, Variant],
+    tmp_path: Path,
 ) -> None:
     checks: dict[str, Callable[[Rig], None]] = {
         "warm": check_warm,
@@ -61,7 +64,7 @@ def test_mutant_is_caught(
         "restore_repeatedly": check_restore_repeatedly,
         "bit_flip": check_bit_flip,
         "warm_ahead": check_warm_ahead,
-        "two_models": lambda rig: check_two_models(rig, Variant.of("other", other_tiny, False)),
+        "two_models": lambda rig: check_two_models(rig, other_variants[rig.variant.name]),
     }
     for i, (variant, check) in enumerate(CAUGHT_BY[mutant]):
         with pytest.raises(AssertionError):
