@@ -40,9 +40,19 @@ def lark_json(schema: dict[str, Any]) -> str:
     return f"%json {json.dumps({**schema, 'x-guidance': _ARG_OPTIONS})}"
 
 
-def _until(name: str, delimiter: str) -> str:
-    """A lazy lexeme: any text up to and including the first `delimiter`."""
-    return f"{name}[lazy]: /(?s:.*){re.escape(delimiter)}/"
+def regex_literal(text: str) -> str:
+    """`text` as a Lark regex matching it exactly (one line, `/` escaped)."""
+    escapes = {"\n": "\\n", "/": "\\/"}  # `/` ends a Lark regex
+    return "".join(escapes.get(c) or re.escape(c) for c in text)
+
+
+def _until(name: str, delimiter: str, schema: dict[str, Any] | None = None) -> str:
+    """A lazy lexeme: text up to and including the first `delimiter`, as long as the
+    string `schema` allows (minLength/maxLength; other string rules are checked after)."""
+    schema = schema or {}
+    low, high = schema.get("minLength", 0), schema.get("maxLength")
+    length = f"{{{int(low)},{int(high)}}}" if isinstance(high, int) else f"{{{int(low)},}}"
+    return f"{name}[lazy]: /(?s:.){length}{regex_literal(delimiter)}/"
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,7 +155,7 @@ def _quoted(prefix: str, p: Param, delimiter: str) -> tuple[str, Rules]:
     if p.strings is not None:
         return _alternatives([lark_string(delimiter + s + delimiter) for s in p.strings]), []
     text = f"{prefix}_text"
-    return f"{lark_string(delimiter)} {text}", [_until(text, delimiter)]
+    return f"{lark_string(delimiter)} {text}", [_until(text, delimiter, p.schema)]
 
 
 def _key_value(delimiter: str) -> Callable[[str, list[Param], str], tuple[str, Rules]]:
@@ -186,7 +196,7 @@ def _xml_call(prefix: str, ps: list[Param], name: str) -> tuple[str, Rules]:
             value = _alternatives([lark_string(s + close) for s in p.strings])
         elif p.is_string:
             value = f"{prefix}_{i}_text"
-            rules.append(_until(value, close))
+            rules.append(_until(value, close, p.schema))
         else:
             value = f"{lark_json(p.schema)} {lark_string(close)}"
         items.append((f"{head} {value}", p.required))
@@ -299,7 +309,7 @@ def grammar_lines(
     if auto:
         # Text may not contain the start marker, so once the model writes it a valid call
         # must follow (the lazy `pre` lexeme ends right at the marker).
-        marker = re.escape(fmt.start)
+        marker = regex_literal(fmt.start)
         lines += [
             f"start: TEXT | pre after_start{more_blocks}",
             f"TEXT: /(?s:.*)/ & ~/(?s:.*){marker}(?s:.*)/",
