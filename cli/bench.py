@@ -98,3 +98,35 @@ def schemas(
     if generate < 0:
         raise UserInputError(f"--generate must be >= 0, got {generate}")
     _report(schemas_bench.run(folder, generate, model, max_tokens))
+
+
+def serve(
+    model: o.Model = None,
+    clients: Annotated[int, typer.Option("--clients", help="Concurrent chat clients.")] = 4,
+    turns: Annotated[int, typer.Option("--turns", help="Turns per conversation.")] = 4,
+    tokens: Annotated[int, typer.Option("--tokens", help="Tokens per reply.")] = 60,
+    load_requests: Annotated[
+        int, typer.Option("--load-requests", help="Short requests of the load test.")
+    ] = 64,
+    load_clients: Annotated[
+        int, typer.Option("--load-clients", help="Concurrent clients of the load test.")
+    ] = 16,
+    baseline: Annotated[
+        bool, typer.Option("--baseline/--no-baseline", help="Also run mlx_lm.server.")
+    ] = True,
+) -> None:
+    """mlxcache serve vs mlx_lm.server (openai client, loopback): TTFT, cache, exactness, load."""
+    from mlxcache.bench import serve_bench
+
+    o.positive(
+        clients=clients,
+        turns=turns,
+        tokens=tokens,
+        load_requests=load_requests,
+        load_clients=load_clients,
+    )
+    _report(
+        serve_bench.run(
+            model, clients, turns, tokens, load_requests, load_clients, baseline=baseline
+        )
+    )

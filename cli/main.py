@@ -191,6 +191,7 @@ command(bench.index, app=bench_app, examples="mlxcache bench index --slots 500")
 command(bench.resume, app=bench_app, examples="mlxcache bench resume --turns 6")
 command(bench.json, app=bench_app, examples="mlxcache bench json --lines 12")
 command(bench.schemas, app=bench_app, examples="mlxcache bench schemas schemas/ --generate 12")
+command(bench.serve, app=bench_app, examples="mlxcache bench serve --turns 2 --tokens 30")
 app.add_typer(bench_app, name="bench")
 
 models_app = typer.Typer(help="Converted models and what a model spec loads.", no_args_is_help=True)
