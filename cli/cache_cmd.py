@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Annotated
 
 import typer
@@ -26,9 +27,11 @@ def stats(
     else:
         table = Table("", "", show_header=False, box=None)
         for key, value in info.items():
-            table.add_row(
-                key, "\n".join(value) or "none" if isinstance(value, list) else str(value)
-            )
+            if isinstance(value, list):
+                value = "\n".join(value) or "none"
+            elif key == "bytes":
+                value = ui.human_bytes(value)
+            table.add_row(key, str(value))
         ui.out_table(table)
     if info.get("problems"):
         ui.error(f"the check found {len(info['problems'])} problem(s), listed on stdout")
@@ -36,15 +39,26 @@ def stats(
 
 
 def ls(cache_dir: o.CacheDir = None, as_json: o.Json = False) -> None:
-    """List disk cache entries, least recently used first."""
-    rows = manage.entries(cache_dir)
+    """List disk cache entries by model, least recently used first; the prompt's end shown.
+
+    --json gives times as Unix seconds.
+    """
+    rows = manage.entries(cache_dir, preview_tokens=12)
     if as_json:
         ui.out_json(rows)
         return
-    table = Table("id", "model", "tokens", "bytes", "trimmable")
+    table = Table("id", "model", "block", "tokens", "size", "used", "prompt ends with")
+    now = time.time()
     for r in rows:
+        preview = "" if r["preview"] is None else "…" + ui.preview(r["preview"], 40)
         table.add_row(
-            str(r["id"]), r["namespace"], str(r["tokens"]), str(r["bytes"]), str(r["trimmable"])
+            str(r["id"]),
+            r["model"],
+            str(r["block_size"] or "?"),
+            str(r["tokens"]),
+            ui.human_bytes(r["bytes"]),
+            ui.age(now - r["used"]) + " ago",
+            preview,
         )
     ui.out_table(table)
 
@@ -57,15 +71,28 @@ def clear(cache_dir: o.CacheDir = None, as_json: o.Json = False) -> None:
 
 def prune(
     max_size: Annotated[
-        str, typer.Option("--max-size", help="Evict until the disk tier fits, e.g. 5G.")
+        str,
+        typer.Option(
+            "--max-size",
+            metavar="SIZE",
+            help="Evict until the cached blocks and checkpoints take at most SIZE, e.g. 5G "
+            "(the index itself is not counted).",
+        ),
     ],
     cache_dir: o.CacheDir = None,
     as_json: o.Json = False,
 ) -> None:
-    """Evict least useful entries until the disk tier fits --max-size."""
+    """Evict least recently used entries until the disk tier fits --max-size."""
     try:
         limit = parse_size(max_size)
     except ValueError as exc:
         raise UserInputError(str(exc)) from exc
-    n = manage.prune(limit, cache_dir)
-    ui.out_json({"removed": n}) if as_json else ui.out_text(f"removed {n} entries\n")
+    done = manage.prune(limit, cache_dir)
+    if as_json:
+        ui.out_json(done)
+        return
+    ui.out_text(
+        f"removed {done['removed']} entries: {ui.human_bytes(done['bytes_before'])} -> "
+        f"{ui.human_bytes(done['bytes_after'])} of blocks and checkpoints "
+        f"(limit {ui.human_bytes(limit)})\n"
+    )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from rich.table import Table
 
 from mlxcache.model import load
@@ -11,19 +13,20 @@ from mlxcache_cli import ui
 
 
 def ls(cache_dir: o.CacheDir = None, as_json: o.Json = False) -> None:
-    """GGUF files converted into the cache directory."""
+    """GGUF files converted into the cache directory (sizes in bytes with --json)."""
     rows = converted(cache_dir)
     if as_json:
         ui.out_json(rows)
         return
-    table = Table("folder", "from", "bytes")
+    table = Table("folder", "from", "size")
     for r in rows:
-        table.add_row(r["folder"], r["gguf"] or "?", str(r["bytes"]))
+        table.add_row(r["folder"], r["gguf"] or "?", ui.human_bytes(r["bytes"]))
     ui.out_table(table)
 
 
 def info(model: o.Model = None, cache_dir: o.CacheDir = None, as_json: o.Json = False) -> None:
-    """Load MODEL (converting a GGUF once) and show its key, context and quantization."""
+    """Load the model given with -m (default: the embedded SmolLM2; a GGUF is converted once)
+    and show its name, key, context length and quantization."""
     with ui.progress_bar() as update:
         summary = describe(load(model, cache_root=cache_dir, progress=update))
     if as_json:
@@ -31,5 +34,17 @@ def info(model: o.Model = None, cache_dir: o.CacheDir = None, as_json: o.Json = 
         return
     table = Table("", "", show_header=False, box=None)
     for key, value in summary.items():
-        table.add_row(key, str(value))
+        table.add_row(key, quantization(value) if key == "quantization" else str(value))
     ui.out_table(table)
+
+
+def quantization(value: Any) -> str:
+    """mlx-lm's quantization settings as text: `4-bit, groups of 32` (none: `none`)."""
+    if not isinstance(value, dict):
+        return "none" if value is None else str(value)
+    text = f"{value['bits']}-bit" if "bits" in value else ""
+    if "group_size" in value:
+        text += f", groups of {value['group_size']}"
+    extra = {k: v for k, v in value.items() if k not in ("bits", "group_size")}
+    text += "".join(f", {k} {v}" for k, v in extra.items())
+    return text.lstrip(", ") or "none"

@@ -44,8 +44,11 @@ out = Console(theme=THEME, highlight=False)
 
 
 def out_table(table: Any) -> None:
-    """A Rich table on stdout."""
-    out.print(table)
+    """A Rich table on stdout; piped, as wide as its content (paths are never cut)."""
+    if out.is_terminal:
+        out.print(table)
+    else:  # Console.print caps width at the console's: a wide console of its own
+        Console(file=sys.stdout, width=10_000, theme=THEME, highlight=False).print(table)
 
 
 def human_bytes(n: int) -> str:

@@ -20,7 +20,8 @@ def make_cache(
     if not cache.enabled:
         return NoCache(loaded.model, cache.block_size)
     root = kv_dir(cache.directory) if cache.disk_bytes > 0 else None
-    return PromptCache(loaded.model, loaded.key, cache, root=root, on_warning=on_warning)
+    label = (loaded.name, str(loaded.path))
+    return PromptCache(loaded.model, loaded.key, cache, root, on_warning, label)
 
 
 def open_engine(

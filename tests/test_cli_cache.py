@@ -7,6 +7,7 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
+from mlxcache.model import load
 from mlxcache_cli.main import app
 
 runner = CliRunner()
@@ -37,11 +38,17 @@ def test_generate_resumes_across_processes_and_cache_commands(
     gen(tiny_gguf, tmp_path, "abcdefgh-other-prompt")
     d = str(tmp_path)
     stats = cache("stats", "--cache-dir", d, "--check")
-    assert stats["entries"] == 2 and stats["namespaces"] == 1 and stats["problems"] == []
+    assert stats["entries"] == 2 and stats["models"] == ["tiny.gguf"] and stats["problems"] == []
     assert stats["tokens"] == 12 + 20  # whole blocks of 15 and 20 prompt tokens
     rows = cache("ls", "--cache-dir", d)
     assert [r["tokens"] for r in rows] == [12, 20]  # least recently used first
-    assert cache("prune", "--max-size", "1", "--cache-dir", d) == {"removed": 2}
+    assert [(r["model"], r["block_size"]) for r in rows] == [("tiny.gguf", 4), ("tiny.gguf", 4)]
+    assert rows[0]["used"] <= rows[1]["used"] and isinstance(rows[0]["used"], float)
+    tokenizer = load(str(tiny_gguf), cache_root=cache_root).tokenizer
+    ids = tokenizer.encode("abcdefgh-other-prompt")
+    assert rows[1]["preview"] == tokenizer.decode(ids[8:20])  # its last 12 cached tokens
+    pruned = cache("prune", "--max-size", "1", "--cache-dir", d)
+    assert pruned == {"removed": 2, "bytes_before": stats["bytes"], "bytes_after": 0}
     gen(tiny_gguf, tmp_path, "abcdefghijklmnop")
     assert cache("clear", "--cache-dir", d) == {"removed": 1}
     assert cache("stats", "--cache-dir", d)["bytes"] == 0
@@ -51,7 +58,7 @@ def test_prune_keeps_the_most_recent(cache_root: Path, tiny_gguf: Path, tmp_path
     for text in ("first prompt!!", "second prompt!", "third prompt!!"):
         gen(tiny_gguf, tmp_path, text)
     one = cache("stats", "--cache-dir", str(tmp_path))["bytes"] // 3
-    assert cache("prune", "--max-size", str(one), "--cache-dir", str(tmp_path)) == {"removed": 2}
+    assert cache("prune", "--max-size", str(one), "--cache-dir", str(tmp_path))["removed"] == 2
     rows = cache("ls", "--cache-dir", str(tmp_path))
     assert len(rows) == 1
     assert gen(tiny_gguf, tmp_path, "third prompt!!x")["stats"]["cached_tokens"] == 12
@@ -74,12 +81,12 @@ def test_prune_across_models_goes_by_last_use(
     gen(tiny_gguf, tmp_path, "first model, latest")
     d = str(tmp_path)
     rows = cache("ls", "--cache-dir", d)
-    assert len(rows) == 3 and len({r["namespace"] for r in rows}) == 2
-    oldest = min(rows, key=lambda r: r["used_ns"])
+    assert len(rows) == 3 and [r["model"] for r in rows] == ["tiny.gguf", "tiny.gguf", "other.gguf"]
+    oldest = min(rows, key=lambda r: r["used"])
     total = cache("stats", "--cache-dir", d)["bytes"]
-    assert cache("prune", "--max-size", str(total - 1), "--cache-dir", d) == {"removed": 1}
+    assert cache("prune", "--max-size", str(total - 1), "--cache-dir", d)["removed"] == 1
     assert oldest["id"] not in [r["id"] for r in cache("ls", "--cache-dir", d)]
     total = cache("stats", "--cache-dir", d)["bytes"]
-    assert cache("prune", "--max-size", str(total - 1), "--cache-dir", d) == {"removed": 1}
+    assert cache("prune", "--max-size", str(total - 1), "--cache-dir", d)["removed"] == 1
     (left,) = cache("ls", "--cache-dir", d)
-    assert left["used_ns"] == max(r["used_ns"] for r in rows)
+    assert left["used"] == max(r["used"] for r in rows)

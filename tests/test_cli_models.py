@@ -8,6 +8,7 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from mlxcache_cli.main import app
+from mlxcache_cli.models_cmd import quantization
 
 runner = CliRunner()
 
@@ -37,3 +38,23 @@ def test_info_of_a_missing_model(tmp_path: Path) -> None:
     )
     assert result.exit_code == 2 and result.stdout == ""
     assert result.stderr == f"error: model file not found: {tmp_path / 'x.gguf'}\n"
+
+
+def test_plain_views_keep_whole_paths_and_read_as_text(tiny_gguf: Path, tmp_path: Path) -> None:
+    deep = tmp_path / ("a-rather-long-folder-name-" * 4) / "cache"
+    args = ["--cache-dir", str(deep)]
+    info = runner.invoke(app, ["models", "info", "-m", str(tiny_gguf), *args])
+    assert info.exit_code == 0, info.stderr
+    lines = {k: v.strip() for k, v in (line.split(None, 1) for line in info.stdout.splitlines())}
+    assert lines["quantization"] == "none" and lines["path"].startswith(str(deep))
+    ls = runner.invoke(app, ["models", "ls", *args])
+    (row,) = [line for line in ls.stdout.splitlines() if str(tiny_gguf) in line]
+    assert lines["path"] in row and row.rstrip(" │").endswith(" KiB")
+
+
+def test_quantization_as_text() -> None:
+    assert quantization({"group_size": 32, "bits": 4}) == "4-bit, groups of 32"
+    assert quantization({"bits": 8, "group_size": 64, "mode": "affine"}) == (
+        "8-bit, groups of 64, mode affine"
+    )
+    assert quantization(None) == "none"

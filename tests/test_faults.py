@@ -72,7 +72,7 @@ def test_full_disk_while_writing_blocks_warns_once_and_replies(
         "directory": "",
         "entries": 0,
         "bytes": 0,
-        "namespaces": 0,
+        "models": [],
         "tokens": 0,
         "problems": [],
     }
@@ -194,7 +194,7 @@ def test_stats_check_exits_1_when_a_file_is_missing(tiny_gguf: Path, tmp_path: P
 
 def test_looking_at_a_missing_cache_dir_creates_nothing(tmp_path: Path) -> None:
     missing = tmp_path / "nothing-here"
-    empty = {"entries": 0, "bytes": 0, "namespaces": 0, "tokens": 0}
+    empty = {"entries": 0, "bytes": 0, "models": [], "tokens": 0}
     result = runner.invoke(app, ["cache", "stats", "--json", "--cache-dir", str(missing)])
     assert result.exit_code == 0
     assert json.loads(result.stdout) == {"directory": str(missing / "kv"), **empty}

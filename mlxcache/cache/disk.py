@@ -52,6 +52,12 @@ CREATE TABLE IF NOT EXISTS entry_files (
     PRIMARY KEY (entry, name)
 );
 CREATE INDEX IF NOT EXISTS entry_files_name ON entry_files(name);
+CREATE TABLE IF NOT EXISTS namespaces (
+    ns TEXT PRIMARY KEY,
+    model TEXT NOT NULL,
+    path TEXT NOT NULL,
+    block_size INTEGER NOT NULL
+);
 """
 _STALE_TMP_S = 600  # a temp file this old belongs to a writer that died
 INDEX = "index.sqlite"
@@ -195,6 +201,18 @@ class DiskTier:
             return list(load_prompt_cache(str(path)))
         except Exception as exc:
             raise CorruptCacheFileError(f"{name}: {exc}") from exc
+
+    def name_namespace(self, ns: str, model: str, path: str, block_size: int) -> None:
+        """Record which model (name, folder) and block size a namespace holds, for listings."""
+        self._db.execute(
+            "INSERT OR REPLACE INTO namespaces (ns, model, path, block_size) VALUES (?, ?, ?, ?)",
+            (ns, model, path, block_size),
+        )
+
+    def namespaces(self) -> dict[str, tuple[str, str, int]]:
+        """ns -> (model name, model folder, block size), for namespaces a cache has named."""
+        rows = self._db.execute("SELECT ns, model, path, block_size FROM namespaces").fetchall()
+        return {r[0]: (r[1], r[2], int(r[3])) for r in rows}
 
     def usage(self, ns: str | None = None) -> tuple[int, int]:
         """(entries, bytes) of one namespace, or of all."""

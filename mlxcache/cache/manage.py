@@ -10,6 +10,7 @@ import os
 import sqlite3
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 from mlxcache.cache.disk import INDEX, DiskEntry, DiskTier, index_error, reset
@@ -42,7 +43,7 @@ def _opened(directory: Directory) -> Iterator[DiskTier | None]:
 
 
 def report(directory: Directory = None, check: bool = False) -> dict[str, Any]:
-    """Entries, bytes and namespaces of the disk tier; with `check`, verify every file.
+    """Entries, bytes, tokens and models of the disk tier; with `check`, verify every file.
 
     With `check`, a damaged index is listed under "problems" instead of raised.
     """
@@ -56,19 +57,25 @@ def report(directory: Directory = None, check: bool = False) -> dict[str, Any]:
 
 
 def _empty(directory: Directory, check: bool) -> dict[str, Any]:
-    out = {"directory": str(kv_dir(directory)), "entries": 0, "bytes": 0, "namespaces": 0}
+    out = {"directory": str(kv_dir(directory)), "entries": 0, "bytes": 0, "models": []}
     out |= {"tokens": 0}
     return {**out, "problems": []} if check else out
 
 
+def _model_name(ns: str, names: dict[str, tuple[str, str, int]]) -> str:
+    """A namespace's model name (a key prefix for entries of caches that named none)."""
+    return names[ns][0] if ns in names else f"key {ns[:12]}"
+
+
 def _report(disk: DiskTier, check: bool) -> dict[str, Any]:
     rows = disk.all_entries()
+    names = disk.namespaces()
     n, nbytes = disk.usage()
     out: dict[str, Any] = {
         "directory": str(disk.root),
         "entries": n,
         "bytes": nbytes,
-        "namespaces": len({r.ns for r in rows}),
+        "models": sorted({_model_name(r.ns, names) for r in rows}),
         "tokens": sum(len(r.tokens) for r in rows),
     }
     if check:
@@ -76,21 +83,49 @@ def _report(disk: DiskTier, check: bool) -> dict[str, Any]:
     return out
 
 
-def entries(directory: Directory = None) -> list[dict[str, Any]]:
-    """One dict per disk entry, least recently used first within each namespace."""
+def entries(directory: Directory = None, preview_tokens: int = 0) -> list[dict[str, Any]]:
+    """One dict per disk entry, by model, least recently used first within each.
+
+    Times are Unix seconds. With `preview_tokens`, each entry's prompt ends with its last
+    tokens as text ("preview"; None where the model's tokenizer cannot be loaded).
+    """
     with _opened(directory) as disk:
-        return [
-            {
-                "id": r.id,
-                "namespace": r.ns[:12],
-                "tokens": len(r.tokens),
-                "trimmable": r.trimmable,
-                "bytes": r.nbytes,
-                "created_ns": r.created_ns,
-                "used_ns": r.used_ns,
-            }
-            for r in (disk.all_entries() if disk else [])
-        ]
+        rows = disk.all_entries() if disk else []
+        names = disk.namespaces() if disk else {}
+    decode = _decoders(names) if preview_tokens else {}
+    return [
+        {
+            "id": r.id,
+            "model": _model_name(r.ns, names),
+            "block_size": names[r.ns][2] if r.ns in names else None,
+            "tokens": len(r.tokens),
+            "trimmable": r.trimmable,
+            "bytes": r.nbytes,
+            "created": r.created_ns / 1e9,
+            "used": r.used_ns / 1e9,
+            **(
+                {"preview": _preview(decode.get(r.ns), r, preview_tokens)} if preview_tokens else {}
+            ),
+        }
+        for r in rows
+    ]
+
+
+def _decoders(names: dict[str, tuple[str, str, int]]) -> dict[str, Callable[[list[int]], str]]:
+    """A detokenizer per namespace whose model folder still has a loadable tokenizer."""
+    from mlx_lm.utils import load_tokenizer
+
+    out: dict[str, Callable[[list[int]], str]] = {}
+    for ns, (_, path, _) in names.items():
+        try:
+            out[ns] = load_tokenizer(Path(path)).decode
+        except Exception:
+            continue
+    return out
+
+
+def _preview(decode: Callable[[list[int]], str] | None, row: DiskEntry, n: int) -> str | None:
+    return None if decode is None else decode([int(t) for t in row.tokens[-n:]])
 
 
 def clear(directory: Directory = None, on_warning: Callable[[str], None] | None = None) -> int:
@@ -116,14 +151,19 @@ def clear(directory: Directory = None, on_warning: Callable[[str], None] | None 
         return 0
 
 
-def prune(max_bytes: int, directory: Directory = None) -> int:
-    """Evict until the disk tier is under `max_bytes`; returns how many entries went.
+def prune(max_bytes: int, directory: Directory = None) -> dict[str, int]:
+    """Evict until the disk tier's files (blocks and checkpoints; not the index) take at most
+    `max_bytes`; returns the entries removed and the bytes before and after.
 
     Within a model (namespace) the index's victim order decides; across models, the victim
     whose entry was used longest ago (wall clock: processes share no logical clock).
     """
     with _opened(directory) as disk:
-        return _prune(disk, max_bytes) if disk else 0
+        if disk is None:
+            return {"removed": 0, "bytes_before": 0, "bytes_after": 0}
+        before = disk.usage()[1]
+        removed = _prune(disk, max_bytes)
+        return {"removed": removed, "bytes_before": before, "bytes_after": disk.usage()[1]}
 
 
 def _prune(disk: DiskTier, max_bytes: int) -> int:

@@ -64,6 +64,8 @@ class PromptCache:
         model_key: the model's fingerprint; entries of another key are never seen.
         config: block size, budgets, directory.
         on_warning: called with a one-line message when the disk tier has to be dropped.
+        label: (model name, model folder) recorded beside the disk tier's namespace, so that
+            `mlxcache cache ls` can name the model and show prompts without loading it.
     """
 
     def __init__(
@@ -73,6 +75,7 @@ class PromptCache:
         config: CacheConfig,
         root: Path | None = None,
         on_warning: Callable[[str], None] | None = None,
+        label: tuple[str, str] | None = None,
     ) -> None:
         self._model = model
         self.block_size = config.block_size
@@ -95,7 +98,9 @@ class PromptCache:
         if config.disk_bytes > 0 and root is not None:
             try:
                 self.disk = DiskTier(root)
-            except CacheStoreError as exc:
+                if label is not None:
+                    self.disk.name_namespace(self.ns, *label, config.block_size)
+            except _DISK_ERRORS as exc:
                 self._drop_disk(str(exc))
             self._sync_disk()
 
