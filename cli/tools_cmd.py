@@ -8,6 +8,7 @@ from typing import Annotated, Any
 import typer
 
 from mlxcache.errors import OutputError, UserInputError
+from mlxcache.fileio import loads_json
 from mlxcache.modes.schema import read_json_arg
 from mlxcache.modes.tool_chat import ToolsTask, add_tool_results, assistant_message, read_messages
 from mlxcache.modes.tools import ToolChoice, parse_tools
@@ -16,11 +17,18 @@ from mlxcache_cli import ui
 
 
 def _results(specs: list[str]) -> list[tuple[str, str]]:
+    """(name, content) of each --tool-result NAME=VALUE. A VALUE that is not JSON is sent
+    as a JSON string (quoted and escaped), and a note says so."""
     out = []
     for spec in specs:
         name, sep, value = spec.partition("=")
         if not sep or not name.strip():
-            raise UserInputError(f"--tool-result expects NAME=JSON, got {spec!r}")
+            raise UserInputError(f"--tool-result expects NAME=VALUE, got {spec!r}")
+        try:
+            loads_json(value)
+        except ValueError:
+            value = json.dumps(value, ensure_ascii=False)
+            ui.warn(f"--tool-result {name.strip()}: not JSON, sent as the JSON string {value}")
         out.append((name.strip(), value))
     return out
 
@@ -74,8 +82,8 @@ def tools_cmd(
         list[str] | None,
         typer.Option(
             "--tool-result",
-            metavar="NAME=JSON",
-            help="A called function's result (repeatable).",
+            metavar="NAME=VALUE",
+            help="A called function's result: JSON, or text (sent as a JSON string). Repeatable.",
         ),
     ] = None,
     parallel: Annotated[
@@ -109,7 +117,7 @@ def tools_cmd(
             "finish_reason": result.finish_reason,
         }
         if reply.error is not None:
-            doc["error"] = reply.error
+            doc.update(error=reply.error, text=result.text)  # the raw reply, cut or not
         doc["stats"] = result.stats.as_dict()
         doc["messages"] = [*messages, assistant_message(reply)]
         if system is not None:

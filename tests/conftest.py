@@ -46,6 +46,19 @@ def tiny(tiny_gguf: Path, cache_root: Path) -> LoadedModel:
 
 
 @pytest.fixture(scope="session")
+def wide_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with room for tool definitions in its prompt (context 4096)."""
+    path = tmp_path_factory.mktemp("wide") / "wide.gguf"
+    write_tiny_gguf(path, context=4096)
+    return path
+
+
+@pytest.fixture(scope="session")
+def wide(wide_gguf: Path, cache_root: Path) -> LoadedModel:
+    return load(str(wide_gguf), cache_root=cache_root)
+
+
+@pytest.fixture(scope="session")
 def sliding(tiny: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
     """The tiny model with a sliding-window first layer: its state cannot be rewound."""
     return load(str(write_sliding(tiny.path, tmp_path_factory.mktemp("sliding") / "model")))

@@ -108,7 +108,7 @@ BAD = [
     ),
     (
         ["--tools", "{tools}", "--messages", "{dir}/conv.json", "--tool-result", "oops"],
-        "error: --tool-result expects NAME=JSON, got 'oops'",
+        "error: --tool-result expects NAME=VALUE, got 'oops'",
     ),
     (
         ["--tools", "{tools}", "--messages", "{dir}/conv.json", "--tool-result", "get_time=1"],
@@ -151,3 +151,38 @@ def test_bad_input(tmp_path: Path, tools: Path, args: list[str], message: str) -
     assert result.exit_code == 2, result.stderr
     assert result.stdout == ""
     assert result.stderr.strip() == fill(message)
+
+
+# -- a tiny model: results that are not JSON, calls cut by the token limit --------------------
+
+
+def test_text_result_is_sent_as_a_json_string(
+    cache_root: Path, wide_gguf: Path, tools: Path, tmp_path: Path
+) -> None:
+    (tmp_path / "conv.json").write_text(json.dumps(CONV))
+    args = ["tools", "--tools", str(tools), "--messages", str(tmp_path / "conv.json")]
+    args += ["--tool-result", 'get_weather=sunny, "warm"', "--tool-choice", "none"]
+    result = runner.invoke(app, [*args, "-m", str(wide_gguf), "-n", "2", "--json"])
+    assert result.exit_code == 0, result.stderr
+    sent = '"sunny, \\"warm\\""'
+    assert f"warning: --tool-result get_weather: not JSON, sent as the JSON string {sent}" in (
+        result.stderr
+    )
+    tool_msg = json.loads(result.stdout)["messages"][3]
+    assert tool_msg == {"role": "tool", "name": "get_weather", "content": sent}
+
+
+def test_a_call_cut_by_the_token_limit_keeps_the_raw_text(
+    cache_root: Path, wide_gguf: Path, tools: Path
+) -> None:
+    args = ["tools", "x", "--tools", str(tools), "--tool-choice", "required"]
+    result = runner.invoke(app, [*args, "-m", str(wide_gguf), "-n", "16", "--json"])
+    assert result.exit_code == 1
+    doc = json.loads(result.stdout)
+    limit = (
+        "the reply reached the token limit before the tool call was complete "
+        '(finish_reason "length"); raise --max-tokens'
+    )
+    assert doc["error"] == limit and doc["finish_reason"] == "length"
+    assert doc["tool_calls"] == [] and doc["text"].startswith("<tool_call>")
+    assert result.stderr.strip().endswith(f"error: {limit}")

@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 from grammar_accepts import accepts
-from tinymodel import write_tiny_gguf
 
 from mlxcache.engine import Engine
-from mlxcache.model import LoadedModel, load
+from mlxcache.model import LoadedModel
 from mlxcache.modes.tool_chat import ToolsTask, native_tools
 from mlxcache.modes.tool_formats import blocks
 from mlxcache.modes.tools import ToolCall, ToolChoice, parse_reply, parse_tools, tool_grammar
@@ -99,14 +97,6 @@ FAMILIES: dict[str, tuple[str, str, str]] = {
         "<start_function_call>call:get_weather{city:<escape>Paris<escape>}<end_function_call>",
     ),
 }
-
-
-@pytest.fixture(scope="module")
-def wide(tmp_path_factory: pytest.TempPathFactory, cache_root: Path) -> LoadedModel:
-    """The tiny model with room for tool definitions in its prompt (context 4096)."""
-    path = tmp_path_factory.mktemp("wide") / "wide.gguf"
-    write_tiny_gguf(path, context=4096)
-    return load(str(path), cache_root=cache_root)
 
 
 @pytest.fixture
