@@ -209,7 +209,7 @@ def test_completions_equal_the_library(server: ServerProcess, ref: Engine) -> No
 
 
 def json_ref(ref: Engine, prompt: str) -> str:
-    task = JsonTask.create(SCHEMA)
+    task = JsonTask.create(SCHEMA, strict=True)
     ids = json_mode.encode(ref, task.messages(prompt))
     return ref.complete(json_mode.request(ref, ids, task, params(max_tokens=40))).text
 
@@ -370,10 +370,12 @@ def test_repeated_conversation_is_cached_with_the_cold_bytes_and_resumes_after_r
         "--cache-dir",
         str(tmp_path),
     ]
-    with running(model, *args) as srv:
+    with running(model, *args) as srv:  # warm-ahead on: each reply queues its next turn
         c = client(srv)
         cold = c.chat.completions.create(model=srv.model, messages=messages)
         warm = c.chat.completions.create(model=srv.model, messages=messages)
+        call = c.chat.completions.create(model=srv.model, **tools_kw("Weather in Oslo?"))
+        json_reply = c.chat.completions.create(model=srv.model, **json_kw("Where?"))
     with running(model, *args) as srv:
         resumed = client(srv).chat.completions.create(model=srv.model, messages=messages)
     assert cold.usage.prompt_tokens_details.cached_tokens == 0
@@ -381,6 +383,10 @@ def test_repeated_conversation_is_cached_with_the_cold_bytes_and_resumes_after_r
     assert warm.usage.prompt_tokens_details.cached_tokens == prompt // BLOCK * BLOCK
     assert resumed.usage.prompt_tokens_details.cached_tokens == prompt // BLOCK * BLOCK
     assert [r.choices[0].message.content for r in (cold, warm, resumed)] == [expected] * 3
+    [got] = call.choices[0].message.tool_calls
+    [want] = tools_ref(ref, "Weather in Oslo?", ToolChoice("required")).calls
+    assert (got.function.name, json.loads(got.function.arguments)) == (want.name, want.arguments)
+    assert json_reply.choices[0].message.content == json_ref(ref, "Where?")
 
 
 def test_client_gone_mid_stream_frees_its_lane(server: ServerProcess, ref: Engine) -> None:

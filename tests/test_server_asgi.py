@@ -27,7 +27,7 @@ class FullWorker:
     def submit(self, request: Request, sink: Callable[[Event], None]) -> Any:
         raise QueueFullError("3 requests are already waiting")
 
-    def warm_chat(self, messages: list[dict[str, Any]], **template_kwargs: Any) -> None:
+    def warm(self, tokens: list[int]) -> None:
         raise AssertionError("nothing finished, nothing to warm")
 
     def call(self, fn: Callable[[Engine], Any]) -> Any:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -26,6 +26,7 @@ from mlxcache.server.schemas import ChatRequest, CompletionRequest
 
 DEFAULT_MAX_BODY = 8 << 20
 B = TypeVar("B", bound=BaseModel)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,12 +55,12 @@ def create_app(engine: Engine, worker: Worker, settings: Settings, log: RequestL
     # tokenizer used from two threads at once can fail ("Already borrowed").
     prepare_lock = threading.Lock()
 
-    async def prepared(fn: Callable[..., Plan], body: Any) -> Plan:
-        def locked() -> Plan:
-            with prepare_lock:
-                return fn(engine, body, settings.defaults)
+    def locked(fn: Callable[[], T]) -> T:
+        with prepare_lock:
+            return fn()
 
-        return await run_in_threadpool(locked)
+    async def prepared(fn: Callable[..., Plan], body: Any) -> Plan:
+        return await run_in_threadpool(locked, lambda: fn(engine, body, settings.defaults))
 
     def check_model(model: str) -> None:
         if model != settings.model_id:
@@ -84,11 +85,12 @@ def create_app(engine: Engine, worker: Worker, settings: Settings, log: RequestL
             if outcome.error:
                 fields["error"] = outcome.error
 
-    def warm(plan: Plan, answer: Answer) -> None:
-        turn = plan.next_turn(answer)
-        if turn is not None:
-            messages, kwargs = turn
-            worker.warm_chat(messages, **kwargs)
+    async def warm(plan: Plan, answer: Answer) -> None:
+        """Queue warm-ahead of the conversation's next turn (low priority, on the worker)."""
+        if plan.next_turn is None:
+            return
+        turn = plan.next_turn
+        worker.warm(await run_in_threadpool(locked, lambda: turn(answer)))
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -119,7 +121,7 @@ def create_app(engine: Engine, worker: Worker, settings: Settings, log: RequestL
         note(request, env.id, outcome)
         _raise_failed(outcome)
         answer = plan.answer(outcome.text, outcome.finish_reason)
-        warm(plan, answer)
+        await warm(plan, answer)
         return JSONResponse(
             env.chat(answer.content, answer.calls, answer.finish_reason, outcome.usage)
         )
@@ -187,7 +189,7 @@ async def _chat_events(
     plan: Plan,
     env: Envelope,
     include_usage: bool,
-    warm: Callable[[Plan, Answer], None],
+    warm: Callable[[Plan, Answer], Awaitable[None]],
 ) -> AsyncIterator[str | Outcome]:
     yield sse(env.chat_chunk({"role": "assistant", "content": ""}))
     sent = ""
@@ -211,7 +213,7 @@ async def _chat_events(
     if include_usage:
         yield sse(env.usage_chunk(outcome.usage))
     yield SSE_DONE
-    warm(plan, answer)
+    await warm(plan, answer)
 
 
 async def _completion_events(

@@ -9,7 +9,7 @@ the handler's thread; only the returned Request goes to the engine worker.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from mlxcache.engine import Engine, Request
@@ -17,14 +17,8 @@ from mlxcache.errors import UserInputError
 from mlxcache.events import Result, Stats
 from mlxcache.modes import json_mode
 from mlxcache.modes.json_mode import JsonTask
-from mlxcache.modes.tool_chat import (
-    ToolsTask,
-    assistant_message,
-    hermes_messages,
-    native_tools,
-    read_messages,
-)
-from mlxcache.modes.tools import CALL_START, ToolCall, ToolChoice, ToolReply, parse_tools
+from mlxcache.modes.tool_chat import ToolsTask, next_turn, read_messages
+from mlxcache.modes.tools import ToolCall, ToolChoice, ToolReply, parse_tools
 from mlxcache.sampling import SamplingParams
 from mlxcache.server.errors import APIError
 from mlxcache.server.schemas import ChatRequest, CompletionRequest, Message, SamplingFields
@@ -32,9 +26,6 @@ from mlxcache.server.text import ReplyText
 
 SAMPLING_FIELDS = {"temperature", "top_p", "seed", "top_k", "min_p", "repetition_penalty"}
 """Request fields that override the server's sampling settings."""
-
-Chat = tuple[list[dict[str, Any]], dict[str, Any]]
-"""Messages and chat-template keyword arguments, as `Engine.encode_chat` takes them."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,13 +44,13 @@ class Plan:
     ids: list[int]
     request: Request
     tools: ToolsTask | None = None
-    next_turn: Callable[[Answer], Chat | None] = field(default=lambda answer: None)
-    """The conversation with this answer appended (for warm-ahead), when known."""
+    next_turn: Callable[[Answer], list[int]] | None = None
+    """The token prefix the conversation's next prompt starts with (for warm-ahead)."""
 
     def reply_text(self) -> ReplyText:
         if self.tools is None or self.tools.choice.mode == "none":
             return ReplyText(strip=self.tools is not None)
-        return ReplyText(CALL_START, strip=True)
+        return ReplyText(self.tools.call_start, strip=True)
 
     def answer(self, text: str, finish_reason: str) -> Answer:
         """The final content and calls of a reply whose text is `text`."""
@@ -160,7 +151,7 @@ def chat(engine: Engine, body: ChatRequest, defaults: SamplingParams) -> Plan:
     if fmt is None or fmt.type == "text":
         ids = engine.encode_chat(messages)
         request = Request(ids, params, stop_strings=body.stops())
-        return Plan(ids, request, next_turn=_append_to(messages))
+        return Plan(ids, request, next_turn=_warm(engine, messages))
     if fmt.type == "json_schema":
         if fmt.json_schema is None:
             raise APIError(400, "response_format.json_schema is required", param="response_format")
@@ -168,15 +159,21 @@ def chat(engine: Engine, body: ChatRequest, defaults: SamplingParams) -> Plan:
     else:
         schema = {"type": "object"}
     system, rest = _split_system(messages)
-    task = JsonTask.create(schema, instructions=system if system and system.strip() else None)
+    strict = bool(fmt.json_schema and fmt.json_schema.strict)
+    instructions = system if system and system.strip() else None
+    task = JsonTask.create(schema, instructions=instructions, strict=strict)
     rendered = [task.messages("")[0], *rest]  # the schema's system message, then the chat
     ids = json_mode.encode(engine, rendered)
     request = replace(json_mode.request(engine, ids, task, params), stop_strings=body.stops())
-    return Plan(ids, request, next_turn=_append_to(rendered))
+    return Plan(ids, request, next_turn=_warm(engine, rendered))
 
 
-def _append_to(rendered: list[dict[str, Any]]) -> Callable[[Answer], Chat]:
-    return lambda answer: ([*rendered, {"role": "assistant", "content": answer.content}], {})
+def _warm(engine: Engine, rendered: list[dict[str, Any]]) -> Callable[[Answer], list[int]] | None:
+    if not engine.warm_ahead:
+        return None
+    return lambda answer: engine.encode_next_turn(
+        [*rendered, {"role": "assistant", "content": answer.content}]
+    )
 
 
 def _tools_plan(
@@ -191,13 +188,10 @@ def _tools_plan(
     ids = task.encode(engine, conversation)
     request = replace(task.request(engine, ids, params), stop_strings=body.stops())
 
-    def next_turn(answer: Answer) -> Chat | None:
-        if native_tools(engine.loaded.tokenizer):
-            return None  # rendered by the template with tools=: not warmed ahead (yet)
-        reply = assistant_message(ToolReply(answer.content, answer.calls))
-        return hermes_messages([*conversation, reply], tools, system), {}
+    def warm(answer: Answer) -> list[int]:
+        return next_turn(task, engine, conversation, ToolReply(answer.content, answer.calls))
 
-    return Plan(ids, request, task, next_turn)
+    return Plan(ids, request, task, warm if engine.warm_ahead else None)
 
 
 def completion(engine: Engine, body: CompletionRequest, defaults: SamplingParams) -> Plan:
