@@ -83,6 +83,14 @@ def json_cmd(
             "--force", help="Redo the lines already in --output, even those of another run."
         ),
     ] = False,
+    think: Annotated[
+        bool,
+        typer.Option(
+            "--think/--no-think",
+            help="A reasoning model thinks first (at most 4000 characters, apart in --json), "
+            "or not (the default).",
+        ),
+    ] = False,
     as_json: o.Json = False,
     run: o.RunOptions,
 ) -> None:
@@ -100,7 +108,8 @@ def json_cmd(
         if output is not None:
             raise UserInputError("--output goes with --input (a JSONL batch)")
         text = o.read_prompt(prompt, prompt_file)
-        _single(run.engine(), task, text, params, as_json)
+        engine = run.engine()
+        _single(engine, task.for_model(engine.loaded.tokenizer, think), text, params, as_json)
         return
     if prompt is not None or prompt_file is not None:
         raise UserInputError("give prompts in the --input file or as an argument, not both")
@@ -109,6 +118,7 @@ def json_cmd(
     check_output_dir(output, "--output")
     lines = read_input(input_path)
     engine = run.engine()
+    task = task.for_model(engine.loaded.tokenizer, think)
     try:
         plan = json_mode.plan_batch(engine, task, lines, input_path, output, params, force)
     except OutputMismatchError as exc:

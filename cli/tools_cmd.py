@@ -89,6 +89,14 @@ def tools_cmd(
     parallel: Annotated[
         bool, typer.Option("--parallel", help="Allow several calls in one reply.")
     ] = False,
+    think: Annotated[
+        bool,
+        typer.Option(
+            "--think/--no-think",
+            help="A reasoning model thinks first (at most 4000 characters, apart in --json), "
+            "or not (the default).",
+        ),
+    ] = False,
     as_json: o.Json = False,
     run: o.RunOptions,
 ) -> None:
@@ -105,7 +113,7 @@ def tools_cmd(
             "the conversation ends with the assistant: add a prompt or --tool-result"
         )
     params = run.sampling()
-    task = ToolsTask(tools, choice, system, parallel)
+    task = ToolsTask(tools, choice, system, parallel, think)
     engine = run.engine()
     ids = task.encode(engine, messages)
     result = engine.complete(task.request(engine, ids, params))
@@ -113,6 +121,7 @@ def tools_cmd(
     if as_json:
         doc: dict[str, Any] = {
             "content": reply.content,
+            **({"reasoning": reply.reasoning} if reply.reasoning is not None else {}),
             "tool_calls": [c.as_dict() for c in reply.calls],
             "finish_reason": result.finish_reason,
         }

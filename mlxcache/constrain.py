@@ -8,6 +8,7 @@ stay allowed, so the engine ends the reply with finish_reason "stop".
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Collection
 from typing import Any
@@ -67,6 +68,12 @@ def grammar_from_json_schema(schema: dict[str, Any], lenient: bool = False) -> s
     """The llguidance grammar enforcing `schema`, laid out as JSON_OPTIONS says."""
     options = {**JSON_OPTIONS, **LENIENT_OPTIONS} if lenient else JSON_OPTIONS
     return str(LLMatcher.grammar_from_json_schema(schema, overrides=options))  # type: ignore[arg-type]
+
+
+def regex_literal(text: str) -> str:
+    """`text` as a Lark regex matching it exactly (one line, `/` escaped)."""
+    escapes = {"\n": "\\n", "/": "\\/"}  # `/` ends a Lark regex
+    return "".join(escapes.get(c) or re.escape(c) for c in text)
 
 
 def grammar_from_lark(lark: str) -> str:

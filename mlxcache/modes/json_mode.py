@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -27,6 +27,7 @@ from mlxcache.modes.batch import (
     run_lanes,
     substitute,
 )
+from mlxcache.modes.reasoning import Thinking, thinking_for
 from mlxcache.modes.schema import CompiledSchema, check_schema, parse_json, validation_error
 from mlxcache.sampling import SamplingParams
 
@@ -42,10 +43,32 @@ class JsonTask:
 
     compiled: CompiledSchema
     instructions: str | None = None
+    thinking: Thinking | None = None
+    """The model's thinking section (`for_model`); None: the template's default, no split."""
 
     def __post_init__(self) -> None:
         if self.instructions is not None and not self.instructions.strip():
             raise ValueError("instructions must not be blank")
+
+    def for_model(self, tokenizer: Any, think: bool | None) -> JsonTask:
+        """This task on a model: think first (a bounded section), or not (`think` False).
+
+        Raises:
+            UserInputError: `think` is True and the model's template has no thinking section.
+        """
+        return replace(self, thinking=thinking_for(tokenizer, think))
+
+    @property
+    def grammar(self) -> str:
+        """The grammar of a reply: the schema's, after the thinking section if any."""
+        if self.thinking is not None and self.thinking.in_reply:
+            return self.thinking.grammar(self.compiled.grammar)
+        return self.compiled.grammar
+
+    @property
+    def template_kwargs(self) -> dict[str, Any]:
+        """Chat template arguments (`enable_thinking`) of every request."""
+        return self.thinking.template_kwargs if self.thinking is not None else {}
 
     @property
     def schema(self) -> dict[str, Any]:
@@ -97,9 +120,13 @@ class JsonReply:
     finish_reason: str
     stats: dict[str, Any]
     error: str | None = None
+    reasoning: str | None = None
+    """The thinking section, apart from the answer (None: none)."""
 
     def as_dict(self) -> dict[str, Any]:
         doc: dict[str, Any] = {"output": self.output, "finish_reason": self.finish_reason}
+        if self.reasoning is not None:
+            doc["reasoning"] = self.reasoning
         if self.error is not None:
             doc.update(error=self.error, text=self.text)
         doc["stats"] = self.stats
@@ -107,43 +134,56 @@ class JsonReply:
 
 
 def read_reply(task: JsonTask, result: Result) -> JsonReply:
-    """Parse and validate a reply; a failure is recorded in `error`, never raised."""
+    """Parse and validate a reply (its thinking section set apart); a failure is recorded in
+    `error`, never raised."""
     stats = result.stats.as_dict()
+    reasoning, text = None, result.text
+    if task.thinking is not None and task.thinking.in_reply:
+        reasoning, text = task.thinking.split(result.text)
+
+    def reply(output: Any, error: str | None = None) -> JsonReply:
+        raw = result.text if error is not None else text
+        return JsonReply(output, raw, result.finish_reason, stats, error, reasoning)
+
     if result.error is not None:
-        return JsonReply(None, result.text, result.finish_reason, stats, result.error)
+        return reply(None, result.error)
     if result.finish_reason == "length":
-        error = (
+        return reply(
+            None,
             f"the reply reached the token limit ({result.stats.generated_tokens}) before the "
             'JSON document was complete (finish_reason "length"); raise --max-tokens, or '
-            "bound the schema (maxLength, maxItems)"
+            "bound the schema (maxLength, maxItems)",
         )
-        return JsonReply(None, result.text, result.finish_reason, stats, error)
     try:
-        doc = parse_json(result.text)
+        doc = parse_json(text)
     except ValueError as exc:
-        return JsonReply(None, result.text, result.finish_reason, stats, f"not JSON: {exc}")
+        return reply(None, f"not JSON: {exc}")
     problem = validation_error(doc, task.schema)
     if problem is not None:
-        error = f"the reply does not satisfy the schema: {problem}"
-        return JsonReply(None, result.text, result.finish_reason, stats, error)
-    return JsonReply(doc, result.text, result.finish_reason, stats)
+        return reply(None, f"the reply does not satisfy the schema: {problem}")
+    return reply(doc)
 
 
 def request(engine: Engine, ids: list[int], task: JsonTask, params: SamplingParams) -> Request:
     """A constrained request (a fresh grammar matcher each time)."""
-    return Request(ids, params, [processor_for(engine.loaded, task.compiled.grammar)])
+    return Request(ids, params, [processor_for(engine.loaded, task.grammar)])
 
 
-def encode(engine: Engine, messages: list[dict[str, str]], where: str = "the prompt") -> list[int]:
+def encode(
+    engine: Engine,
+    messages: list[dict[str, str]],
+    where: str = "the prompt",
+    **template_kwargs: Any,
+) -> list[int]:
     """Token ids of `messages`, refused early when they leave no room for a reply."""
-    ids = engine.encode_chat(messages)
+    ids = engine.encode_chat(messages, **template_kwargs)
     engine.check_fits(ids, where)
     return ids
 
 
 def run_one(engine: Engine, task: JsonTask, prompt: str, params: SamplingParams) -> JsonReply:
     """One prompt in, one checked reply out (failures in `reply.error`)."""
-    ids = encode(engine, task.messages(prompt))
+    ids = encode(engine, task.messages(prompt), **task.template_kwargs)
     return read_reply(task, engine.complete(request(engine, ids, task, params)))
 
 
@@ -199,7 +239,7 @@ def plan_batch(
         where = f"{input_path} line {item.line}"
         messages = task.messages(item.prompt, item.vars, where)
         if item.line not in state.done:
-            ids[item.line] = encode(engine, messages, where)
+            ids[item.line] = encode(engine, messages, where, **task.template_kwargs)
     return BatchPlan(
         lines, ids, len(lines) - len(ids), state.keep_bytes, state.torn, output, params, run
     )

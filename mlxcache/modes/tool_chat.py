@@ -14,13 +14,14 @@ Messages are dicts: {"role": "system"|"user"|"assistant"|"tool", "content": str,
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from mlxcache.constrain import processor_for
 from mlxcache.engine import Engine, LogitsProcessor, Request, next_turn_prefix
 from mlxcache.errors import UserInputError
 from mlxcache.events import Result
+from mlxcache.modes.reasoning import Thinking, thinking_for
 from mlxcache.modes.tool_formats import HERMES, ToolFormat, format_for
 from mlxcache.modes.tools import (
     CALL_END,
@@ -142,18 +143,37 @@ class ToolStyle:
     fmt: ToolFormat
     native: bool
     grammar: str | None
+    thinking: Thinking | None = None
+
+    @property
+    def template_kwargs(self) -> dict[str, Any]:
+        return self.thinking.template_kwargs if self.thinking is not None else {}
 
 
 def tool_style(
-    tokenizer: Any, tools: tuple[Tool, ...], choice: ToolChoice, parallel: bool = False
+    tokenizer: Any,
+    tools: tuple[Tool, ...],
+    choice: ToolChoice,
+    parallel: bool = False,
+    think: bool | None = None,
 ) -> ToolStyle:
-    """The style and grammar (None: a free reply) of a conversation on this tokenizer."""
+    """The style and grammar (None: a free reply) of a conversation on this tokenizer;
+    `think` as in `reasoning.thinking_for`.
+
+    Raises:
+        UserInputError: `think` is True and the template has no thinking section.
+    """
+    thinking = thinking_for(tokenizer, think)
     fmt = native_tools(tokenizer)
     forced = choice.mode in ("required", "function")
     if fmt is None or (fmt.call is None and forced):
-        return ToolStyle(HERMES, False, tool_grammar(tools, choice, parallel))
-    grammar = tool_grammar(tools, choice, parallel, fmt) if fmt.call is not None else None
-    return ToolStyle(fmt, True, grammar)
+        fmt, native, grammar = HERMES, False, tool_grammar(tools, choice, parallel)
+    else:
+        native = True
+        grammar = tool_grammar(tools, choice, parallel, fmt) if fmt.call is not None else None
+    if grammar is not None and thinking is not None and thinking.in_reply:
+        grammar = thinking.grammar(grammar)
+    return ToolStyle(fmt, native, grammar, thinking)
 
 
 def _call_text(call: dict[str, Any]) -> str:
@@ -203,6 +223,8 @@ class ToolsTask:
     choice: ToolChoice
     system: str | None = None
     parallel: bool = False
+    think: bool | None = False
+    """Think first (True), not at all (False, the default), or as the template does (None)."""
     style: ToolStyle | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -212,7 +234,9 @@ class ToolsTask:
     def style_for(self, engine: Engine) -> ToolStyle:
         """The style on `engine`'s model (worked out once, the grammar compiled then)."""
         if self.style is None:
-            self.style = tool_style(engine.loaded.tokenizer, self.tools, self.choice, self.parallel)
+            self.style = tool_style(
+                engine.loaded.tokenizer, self.tools, self.choice, self.parallel, self.think
+            )
         return self.style
 
     @property
@@ -224,12 +248,15 @@ class ToolsTask:
         """Token ids of the conversation with the tools described, ready for the reply."""
         if messages and messages[0]["role"] == "system":
             raise ValueError("pass the system message as ToolsTask.system")
-        if self.style_for(engine).native:
+        style = self.style_for(engine)
+        if style.native:
             head = [{"role": "system", "content": self.system}] if self.system else []
             tools = [t.as_openai() for t in self.tools]
-            ids = engine.encode_chat([*head, *map(_openai, messages)], tools=tools)
+            chat = [*head, *map(_openai, messages)]
+            ids = engine.encode_chat(chat, tools=tools, **style.template_kwargs)
         else:
-            ids = engine.encode_chat(hermes_messages(messages, self.tools, self.system))
+            chat = hermes_messages(messages, self.tools, self.system)
+            ids = engine.encode_chat(chat, **style.template_kwargs)
         engine.check_fits(ids, "the conversation")
         return ids
 
@@ -246,10 +273,14 @@ class ToolsTask:
 
         A forced call cut off at the token limit is an error saying so.
         """
+        thinking = self.style.thinking if self.style else None
+        reasoning, text = None, result.text
+        if thinking is not None and thinking.in_reply:
+            reasoning, text = thinking.split(text)
+        reply = self._parse(text)
+        reply = replace(reply, reasoning=reasoning)
         if self.choice.mode == "none":
-            return ToolReply(result.text.strip(), ())
-        fmt = self.style.fmt if self.style else HERMES
-        reply = parse_reply(result.text, self.tools, fmt)
+            return reply
         forced = self.choice.mode != "auto"  # `required` / a name: the reply must be a call
         unfinished = reply.error is not None or (forced and not reply.calls)
         if result.finish_reason == "length" and unfinished:
@@ -257,8 +288,13 @@ class ToolsTask:
                 "the reply reached the token limit before the tool call was complete "
                 '(finish_reason "length"); raise --max-tokens'
             )
-            return ToolReply(reply.content, (), error)
+            return ToolReply(reply.content, (), error, reasoning)
         return reply
+
+    def _parse(self, text: str) -> ToolReply:
+        if self.choice.mode == "none":
+            return ToolReply(text.strip(), ())
+        return parse_reply(text, self.tools, self.style.fmt if self.style else HERMES)
 
 
 def next_turn(

@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import importlib
 import json
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mlxcache.constrain import JSON_OPTIONS, LENIENT_OPTIONS
+from mlxcache.constrain import JSON_OPTIONS, LENIENT_OPTIONS, regex_literal
 
 Rules = list[str]
 """Lark rule lines (llguidance dialect)."""
@@ -38,12 +37,6 @@ def lark_string(text: str) -> str:
 def lark_json(schema: dict[str, Any]) -> str:
     """A Lark expression for one JSON value valid against `schema`, laid out as JSON_OPTIONS."""
     return f"%json {json.dumps({**schema, 'x-guidance': _ARG_OPTIONS})}"
-
-
-def regex_literal(text: str) -> str:
-    """`text` as a Lark regex matching it exactly (one line, `/` escaped)."""
-    escapes = {"\n": "\\n", "/": "\\/"}  # `/` ends a Lark regex
-    return "".join(escapes.get(c) or re.escape(c) for c in text)
 
 
 def _until(name: str, delimiter: str, schema: dict[str, Any] | None = None) -> str:

@@ -169,6 +169,8 @@ class ToolReply:
     content: str
     calls: tuple[ToolCall, ...]
     error: str | None = None
+    reasoning: str | None = None
+    """The thinking section, apart from the content (None: none)."""
 
 
 def call_arguments(args: Any) -> dict[str, Any] | str:

@@ -1,0 +1,140 @@
+"""Reasoning templates: json and tools think first (bounded) or not, reasoning kept apart."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from grammar_accepts import accepts
+from typer.testing import CliRunner
+
+from mlxcache.engine import Engine
+from mlxcache.errors import UserInputError
+from mlxcache.events import Result, Stats
+from mlxcache.model import LoadedModel
+from mlxcache.modes.json_mode import JsonTask, read_reply, request
+from mlxcache.modes.reasoning import Thinking, thinking_for
+from mlxcache.modes.tool_chat import ToolsTask
+from mlxcache.modes.tools import ToolCall, ToolChoice, parse_tools
+from mlxcache.sampling import SamplingParams
+from mlxcache_cli.main import app
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+)
+# Qwen3 style: thinking is the reply's own; turned off, the prompt carries an empty section.
+QWEN3 = CHATML + (
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
+    "{% endif %}{% endif %}"
+)
+# DeepSeek-R1 style: the prompt opens the section, the reply continues inside it.
+OPENS = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content.split('</think>')[-1] }}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking %}<think>\n{% endif %}{% endif %}"
+)
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+TOOLS = parse_tools([{"name": "ping", "parameters": {"type": "object", "properties": {}}}])
+
+
+@pytest.fixture
+def wearing(request: pytest.FixtureRequest, wide: LoadedModel) -> Iterator[LoadedModel]:
+    """The wide tiny model with the template `request.param` (restored afterwards)."""
+    hf = wide.tokenizer._tokenizer
+    saved = hf.chat_template
+    hf.chat_template = request.param
+    try:
+        yield wide
+    finally:
+        hf.chat_template = saved
+
+
+def result(text: str, finish: str = "stop") -> Result:
+    return Result(text, [], finish, Stats(generated_tokens=9))
+
+
+def test_a_template_without_thinking(tiny: LoadedModel) -> None:
+    assert thinking_for(tiny.tokenizer, False) is None
+    assert thinking_for(tiny.tokenizer, None) is None
+    with pytest.raises(UserInputError, match="--think: this model's chat template has no thinking"):
+        thinking_for(tiny.tokenizer, True)
+
+
+@pytest.mark.parametrize("wearing", [QWEN3], indirect=True)
+def test_no_think_turns_it_off_through_the_template(wearing: LoadedModel) -> None:
+    task = JsonTask.create(SCHEMA).for_model(wearing.tokenizer, False)
+    assert task.thinking == Thinking("<think>", "</think>", enabled=False)
+    assert task.grammar == task.compiled.grammar  # the answer comes first
+    engine = Engine(wearing)
+    ids = engine.encode_chat(task.messages("hi"), **task.template_kwargs)
+    assert wearing.tokenizer.decode(ids).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    plain = read_reply(task, result('{"a": 1}'))
+    assert plain.output == {"a": 1} and plain.reasoning is None
+    assert "reasoning" not in plain.as_dict()
+
+
+@pytest.mark.parametrize("wearing", [QWEN3], indirect=True)
+def test_think_allows_a_bounded_section_before_the_answer(wearing: LoadedModel) -> None:
+    task = JsonTask.create(SCHEMA).for_model(wearing.tokenizer, True)
+    assert task.thinking == Thinking("<think>", "</think>", enabled=True)
+    assert accepts(wearing, task.grammar, '<think>a is one</think>\n\n{"a": 1}')
+    assert accepts(wearing, task.grammar, '{"a": 1}')  # thinking is allowed, not required
+    assert not accepts(wearing, task.grammar, 'Sure: {"a": 1}')
+    assert task.thinking is not None
+    short = replace(task, thinking=replace(task.thinking, max_chars=5))
+    assert accepts(wearing, short.grammar, '<think>12345</think>{"a": 1}')
+    assert not accepts(wearing, short.grammar, '<think>123456</think>{"a": 1}')
+    reply = read_reply(task, result('<think>a is one</think>\n\n{"a": 1}'))
+    assert (reply.output, reply.reasoning, reply.text) == ({"a": 1}, "a is one", '{"a": 1}')
+    assert reply.as_dict()["reasoning"] == "a is one"
+    bad = read_reply(task, result('<think>hm</think>{"a": "x"}'))
+    assert bad.error is not None and bad.text == '<think>hm</think>{"a": "x"}'  # raw text kept
+    assert bad.reasoning == "hm"
+    # A random model under the grammar: a valid answer, whatever it thinks first.
+    engine = Engine(wearing)
+    ids = engine.encode_chat(task.messages("hi"), **task.template_kwargs)
+    params = SamplingParams(temperature=1.0, seed=2, max_tokens=120)
+    done = read_reply(task, engine.complete(request(engine, ids, task, params)))
+    assert done.error is None and isinstance(done.output, dict), done
+
+
+@pytest.mark.parametrize("wearing", [OPENS], indirect=True)
+def test_a_section_opened_by_the_prompt_is_closed_first(wearing: LoadedModel) -> None:
+    task = JsonTask.create(SCHEMA).for_model(wearing.tokenizer, True)
+    assert task.thinking == Thinking("<think>", "</think>", enabled=True, opened=True)
+    assert accepts(wearing, task.grammar, 'plan</think>\n{"a": 2}')
+    assert not accepts(wearing, task.grammar, '{"a": 2}')
+    reply = read_reply(task, result('plan</think>\n{"a": 2}'))
+    assert (reply.output, reply.reasoning) == ({"a": 2}, "plan")
+
+
+@pytest.mark.parametrize("wearing", [QWEN3], indirect=True)
+def test_tools_think_first_and_keep_reasoning_apart(wearing: LoadedModel) -> None:
+    engine = Engine(wearing)
+    task = ToolsTask(TOOLS, ToolChoice("required"), think=True)
+    ids = task.encode(engine, [{"role": "user", "content": "ping?"}])
+    assert task.style is not None and task.style.thinking is not None
+    assert not wearing.tokenizer.decode(ids).endswith("</think>\n\n")  # thinking left on
+    call = '<tool_call>\n{"name": "ping", "arguments": {}}\n</tool_call>'
+    assert accepts(wearing, task.style.grammar, "<think>ping it</think>\n" + call)
+    assert not accepts(wearing, task.style.grammar, "<think>ping it</think>\nno call")
+    reply = task.read(result("<think>ping it</think>\n" + call))
+    assert reply.reasoning == "ping it" and reply.calls == (ToolCall("ping", {}),)
+    assert reply.content == "" and reply.error is None
+    off = ToolsTask(TOOLS, ToolChoice("required"))  # the default: no thinking
+    off_ids = off.encode(engine, [{"role": "user", "content": "ping?"}])
+    assert wearing.tokenizer.decode(off_ids).endswith("</think>\n\n")
+
+
+def test_cli_think_needs_a_thinking_section(cache_root: Path, tiny_gguf: Path) -> None:
+    schema = json.dumps(SCHEMA)
+    args = ["json", "hi", "--schema", schema, "-m", str(tiny_gguf), "--think"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2 and result.stdout == ""
+    assert result.stderr.strip() == (
+        "error: --think: this model's chat template has no thinking section"
+    )
