@@ -83,14 +83,7 @@ def json_cmd(
             "--force", help="Redo the lines already in --output, even those of another run."
         ),
     ] = False,
-    think: Annotated[
-        bool,
-        typer.Option(
-            "--think/--no-think",
-            help="A reasoning model thinks first (at most 4000 characters, apart in --json), "
-            "or not (the default).",
-        ),
-    ] = False,
+    think: o.Think = False,
     as_json: o.Json = False,
     run: o.RunOptions,
 ) -> None:

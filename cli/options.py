@@ -182,6 +182,14 @@ System = Annotated[
     ),
 ]
 Json = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of plain text.")]
+Think = Annotated[
+    bool,
+    typer.Option(
+        "--think/--no-think",
+        help="A reasoning model thinks first (at most 4000 characters, apart in --json), "
+        "or not (the default).",
+    ),
+]
 
 
 def text_or_file(value: str | None, what: str) -> str | None:

@@ -89,14 +89,7 @@ def tools_cmd(
     parallel: Annotated[
         bool, typer.Option("--parallel", help="Allow several calls in one reply.")
     ] = False,
-    think: Annotated[
-        bool,
-        typer.Option(
-            "--think/--no-think",
-            help="A reasoning model thinks first (at most 4000 characters, apart in --json), "
-            "or not (the default).",
-        ),
-    ] = False,
+    think: o.Think = False,
     as_json: o.Json = False,
     run: o.RunOptions,
 ) -> None:
