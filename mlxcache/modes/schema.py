@@ -41,7 +41,9 @@ _ONE_OF_HINT = re.compile(r"\.?\s*Enable 'coerce_one_of'[^.]*\.?")
 _CIRCULAR = "circular references with sibling keys"
 
 MAX_ERROR = 300
-"""Longest error line: long quotes of the schema are cut, the location is always kept."""
+"""Longest error line: long quotes of the schema are cut, the location is kept..."""
+MAX_POINTER = 150
+"""...unless it is longer than this (a pointer through a long regex key): then omitted."""
 
 
 def one_line(text: str, limit: int = MAX_ERROR) -> str:
@@ -116,20 +118,32 @@ def problem_location(schema: Any, message: str) -> str | None:
     fmt = re.search(r"Unknown format: (\S+)", message)
     if fmt:
         return value_at(schema, "format", fmt.group(1))
+    overlap = re.search(r"patternProperty regexes /(.*)/ and /(.*)/ are not disjoint", message)
+    if overlap:
+        for parts, node in reachable(schema):
+            if {overlap.group(1), overlap.group(2)} <= set(node.get("patternProperties", {})):
+                return pointer((*parts, "patternProperties"))
+        return None
     if "regex" in message:
         for parts, node in reachable(schema):
-            pattern = node.get("pattern")
-            if isinstance(pattern, str) and pattern and pattern in message:
-                return pointer((*parts, "pattern"))
+            found: list[tuple[str, tuple[str, ...]]] = [
+                (key, ("patternProperties", key)) for key in node.get("patternProperties", {})
+            ]
+            if isinstance(node.get("pattern"), str):
+                found.append((node["pattern"], ("pattern",)))
+            for text, where in found:
+                if text and text in message:
+                    return pointer((*parts, *where))
     missing = re.search(r"Pointer '([^']*)' does not exist", message)
     if missing:
         return value_at(schema, "$ref", "#" + missing.group(1))
     remote = re.search(r"Resource 'json-schema:///([^'#]+)", message)
     if remote:
         refs = [(p, n["$ref"]) for p, n in reachable(schema) if isinstance(n.get("$ref"), str)]
-        hit = next((p for p, ref in refs if ref.split("#")[0] == remote.group(1)), None)
+        name = remote.group(1).strip("/")
+        hit = next((p for p, ref in refs if ref.split("#")[0].strip("/") == name), None)
         return pointer((*hit, "$ref")) if hit is not None else None
-    named = re.search(r"json-schema:///(#/\S*)", message)  # llguidance naming a definition
+    named = re.search(r"\S*?(#/[^\s)]*)", message)  # a definition, under its $id or not
     if named:
         target = resolve(schema, named.group(1))
         return pointer(target[0]) if target else None
@@ -193,12 +207,11 @@ def check_schema(
         problem, warnings = grammar_check(grammar)
     if problem is not None:
         where = problem_location(schema, problem)
-        at = f" at {where}" if where else ""
+        at = f" at {where}" if where and len(where) <= MAX_POINTER else ""
         hint = "remove or rewrite that part" + (", or drop --strict" if strict else "")
-        cause = one_line(_ONE_OF_HINT.sub("", problem), 180)
-        raise GrammarError(
-            f"{what} uses what constrained decoding cannot enforce: {cause}{at} ({hint})"
-        )
+        head, tail = f"{what} uses what constrained decoding cannot enforce: ", f"{at} ({hint})"
+        cause = one_line(_ONE_OF_HINT.sub("", problem), MAX_ERROR - len(head) - len(tail))
+        raise GrammarError(head + cause + tail)
     unenforced += [_located(schema, w) for w in warnings]
     return CompiledSchema(schema, decoding, grammar, tuple(unenforced))
 
