@@ -39,6 +39,9 @@ KINDS = (
     ("Unsatisfiable", "unsatisfiable"),
     ("patternProperty", "overlapping patternProperties"),
     ("too large", "too large"),
+    ("intersection stack", "allOf nested too deep"),
+    ("integer range", "number range"),
+    ("float range", "number range"),
 )
 
 
