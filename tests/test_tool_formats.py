@@ -16,7 +16,7 @@ from grammar_accepts import accepts
 from mlxcache.engine import Engine
 from mlxcache.model import LoadedModel
 from mlxcache.modes.tool_chat import ToolsTask, native_tools
-from mlxcache.modes.tool_formats import blocks
+from mlxcache.modes.tool_formats import FORMATS, MISTRAL_JSON, blocks
 from mlxcache.modes.tools import ToolCall, ToolChoice, parse_reply, parse_tools, tool_grammar
 from mlxcache.sampling import SamplingParams
 
@@ -179,3 +179,24 @@ def test_a_template_without_tools_keeps_the_hermes_system_message(wide: LoadedMo
         task.style is not None and not task.style.native and task.style.fmt.parser == "json_tools"
     )
     assert "You may call these functions" in wide.tokenizer.decode(ids)
+
+
+def test_refs_to_definitions_resolve_in_every_format(tiny: LoadedModel) -> None:
+    (temp,) = parse_tools(
+        [
+            {
+                "name": "temp",
+                "parameters": {
+                    "type": "object",
+                    "$defs": {"unit": {"enum": ["C", "F"]}},
+                    "properties": {"unit": {"$ref": "#/$defs/unit"}},
+                    "required": ["unit"],
+                },
+            }
+        ]
+    )
+    for fmt in [*FORMATS.values(), MISTRAL_JSON]:
+        assert tool_grammar((temp,), ToolChoice("required"), fmt=fmt) is not None, fmt.parser
+    pythonic = tool_grammar((temp,), ToolChoice("required"), fmt=FORMATS["pythonic"])
+    assert accepts(tiny, pythonic, '<|tool_call_start|>[temp(unit="C")]<|tool_call_end|>')
+    assert not accepts(tiny, pythonic, '<|tool_call_start|>[temp(unit="K")]<|tool_call_end|>')

@@ -70,10 +70,15 @@ class Param:
 
 
 def params(decoding: dict[str, Any]) -> list[Param]:
-    """The listed properties of a tool's (closed, decoding) parameters schema."""
+    """The listed properties of a tool's (closed, decoding) parameters schema, each with
+    the root's definitions so its `$ref`s still resolve on their own."""
     props = decoding.get("properties", {})
     required = set(decoding.get("required", []))
-    return [Param(k, v if isinstance(v, dict) else {}, k in required) for k, v in props.items()]
+    defs: dict[str, Any] = {k: decoding[k] for k in ("definitions", "$defs") if k in decoding}
+    return [
+        Param(k, {**v, **defs} if isinstance(v, dict) else {}, k in required)
+        for k, v in props.items()
+    ]
 
 
 def sequence(prefix: str, items: list[tuple[str, bool]], sep: str) -> tuple[str, Rules]:
@@ -90,8 +95,9 @@ def sequence(prefix: str, items: list[tuple[str, bool]], sep: str) -> tuple[str,
     return f"{prefix}_first_0", rules
 
 
-CallGrammar = Callable[[str, list["Param"], str], tuple[str, Rules]]
-"""Grammar of one call: (rule prefix, params, tool name) -> (expression, extra rules)."""
+CallGrammar = Callable[[str, dict[str, Any], str], tuple[str, Rules]]
+"""Grammar of one call: (rule prefix, decoding parameters schema, tool name) ->
+(expression, extra rules)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,9 +144,9 @@ def _alternatives(exprs: list[str]) -> str:
 # -- one call, per family -----------------------------------------------------------------
 
 
-def _json_call(prefix: str, ps: list[Param], name: str) -> tuple[str, Rules]:
+def _json_call(prefix: str, decoding: dict[str, Any], name: str) -> tuple[str, Rules]:
     head = lark_string(f'{{"name": "{name}", "arguments": ')
-    return prefix, [f"{prefix}: {head} {lark_json(_closed_object(ps))} {lark_string('}')}"]
+    return prefix, [f"{prefix}: {head} {lark_json(decoding)} {lark_string('}')}"]
 
 
 def _quoted(prefix: str, p: Param, delimiter: str) -> tuple[str, Rules]:
@@ -151,13 +157,13 @@ def _quoted(prefix: str, p: Param, delimiter: str) -> tuple[str, Rules]:
     return f"{lark_string(delimiter)} {text}", [_until(text, delimiter, p.schema)]
 
 
-def _key_value(delimiter: str) -> Callable[[str, list[Param], str], tuple[str, Rules]]:
+def _key_value(delimiter: str) -> CallGrammar:
     """Gemma's `call:NAME{key:value,...}`: strings between `delimiter`s, the rest JSON."""
 
-    def call(prefix: str, ps: list[Param], name: str) -> tuple[str, Rules]:
+    def call(prefix: str, decoding: dict[str, Any], name: str) -> tuple[str, Rules]:
         rules: Rules = []
         items = []
-        for i, p in enumerate(ps):
+        for i, p in enumerate(params(decoding)):
             if p.is_string:
                 value, more = _quoted(f"{prefix}_{i}", p, delimiter)
                 rules += more
@@ -171,18 +177,19 @@ def _key_value(delimiter: str) -> Callable[[str, list[Param], str], tuple[str, R
     return call
 
 
-def _pythonic_call(prefix: str, ps: list[Param], name: str) -> tuple[str, Rules]:
+def _pythonic_call(prefix: str, decoding: dict[str, Any], name: str) -> tuple[str, Rules]:
+    ps = params(decoding)
     items = [(f"{lark_string(p.name + '=')} {lark_json(p.schema)}", p.required) for p in ps]
     first, seq = sequence(prefix, items, ", ")
     head, tail = lark_string(f"{name}("), lark_string(")")
     return prefix, [f"{prefix}: {head} {first} {tail}", *seq]
 
 
-def _xml_call(prefix: str, ps: list[Param], name: str) -> tuple[str, Rules]:
+def _xml_call(prefix: str, decoding: dict[str, Any], name: str) -> tuple[str, Rules]:
     """Qwen3-Coder: one <parameter=KEY> element per argument; strings raw, the rest JSON."""
     rules: Rules = []
     items = []
-    for i, p in enumerate(ps):
+    for i, p in enumerate(params(decoding)):
         head = lark_string(f"<parameter={p.name}>\n")
         close = "\n</parameter>\n"
         if p.strings is not None:
@@ -198,13 +205,8 @@ def _xml_call(prefix: str, ps: list[Param], name: str) -> tuple[str, Rules]:
     return prefix, [f"{prefix}: {head} {first} {tail}", *rules, *seq]
 
 
-def _mistral_args_call(prefix: str, ps: list[Param], name: str) -> tuple[str, Rules]:
-    return prefix, [f"{prefix}: {lark_string(name + '[ARGS]')} {lark_json(_closed_object(ps))}"]
-
-
-def _closed_object(ps: list[Param]) -> dict[str, Any]:
-    schema: dict[str, Any] = {"type": "object", "properties": {p.name: p.schema for p in ps}}
-    return schema | {"required": [p.name for p in ps if p.required], "additionalProperties": False}
+def _mistral_args_call(prefix: str, decoding: dict[str, Any], name: str) -> tuple[str, Rules]:
+    return prefix, [f"{prefix}: {lark_string(name + '[ARGS]')} {lark_json(decoding)}"]
 
 
 HERMES = ToolFormat("json_tools", "<tool_call>", "</tool_call>", _json_call, "\n", "\n", None, "\n")
@@ -288,7 +290,7 @@ def grammar_lines(
     exprs: list[str] = []
     rules: Rules = []
     for i, (name, decoding) in enumerate(tools):
-        expr, more = fmt.call(f"call_{i}", params(decoding), name)
+        expr, more = fmt.call(f"call_{i}", decoding, name)
         exprs.append(expr)
         rules += more
     one = _alternatives(exprs)
