@@ -98,10 +98,14 @@ class Geometry:
                 best = max(best, len(entry))
         return best
 
+    def keep_at(self, tokens: Sequence[int]) -> int:
+        """Where a request keeps its prompt (its prefill keeps when it gets there)."""
+        n = len(tokens)
+        return (n // B if self.trimmable else (n - 1) // B) * B
+
     def ran(self, tokens: Sequence[int], start: int) -> None:
         """Record a run of `tokens` that resumed at `start`."""
-        n = len(tokens)
-        keep_at = (n // B if self.trimmable else (n - 1) // B) * B
+        keep_at = self.keep_at(tokens)
         if keep_at > start:
             self.kept.add(tuple(tokens[:keep_at]))
 
@@ -267,6 +271,8 @@ def check_warm(rig: Rig) -> None:
     rig.warm(engine, spy, p)
     rig.warm(engine, spy, p)
     rig.warm(engine, spy, p + prompt(6, seed=1))
+    rig.warm(engine, spy, p[:3])  # shorter than a block: nothing to resume or keep
+    rig.warm(engine, spy, p[:20])  # all full blocks: resumes a block short of the end
 
 
 def check_fork(rig: Rig) -> None:
@@ -290,15 +296,22 @@ def check_chat(rig: Rig) -> None:
 
 
 def check_lanes(rig: Rig) -> None:
-    """Two sampled lanes at once, twice (the second time resuming): each equals its solo run."""
+    """Two sampled lanes at once, twice (the second time resuming), then one prompt in both
+    lanes at once (with two seeds): each equals its solo run."""
     engine, spy = rig.engine()
     shared = prompt(12)
-    prompts = [shared + prompt(5, seed=1), shared + prompt(9, seed=2)]
-    params = [SamplingParams(temperature=0.9, seed=s, max_tokens=8) for s in (3, 4)]
+    both = shared + prompt(7, seed=5)
+    prompts = [shared + prompt(5, seed=1), shared + prompt(9, seed=2), both, both]
+    params = [SamplingParams(temperature=0.9, seed=s, max_tokens=8) for s in (3, 4, 5, 6)]
     solo = [rig.cold(p, s) for p, s in zip(prompts, params, strict=True)]
-    for order in ([0, 1], [1, 0]):
-        # Each lane restores before the other keeps anything (keeps come after a prefill).
-        expect = [rig.geo.resume(prompts[i]) for i in order]
+    for order in ([0, 1], [1, 0], [2, 3]):
+        # The first lane restores and runs one chunk, then the second restores: it sees
+        # what the first kept if that chunk reached the first's keep point.
+        first, second = (prompts[i] for i in order)
+        expect = [rig.geo.resume(first)]
+        if min(expect[0] + B, len(first)) == rig.geo.keep_at(first):
+            rig.geo.ran(first, expect[0])
+        expect.append(rig.geo.resume(second))
         spy.reset()
         ids = [engine.submit(Request(prompts[i], params[i])) for i in order]
         done = {e.request_id: e.result for e in engine.run() if isinstance(e, Done)}
