@@ -115,10 +115,12 @@ def _resolve(spec: str, root: Path, progress: Progress | None, warn: Warn) -> tu
         raise ModelNotFoundError(
             f"model not found: {spec} (expected a .gguf file, an mlx-lm folder or a Hub repo id)"
         )
-    from mlx_lm.utils import _download  # a Hub id: needs the network on first use
+    # A Hub id: needs the network on first use; the files mlx-lm itself would fetch.
+    from huggingface_hub import snapshot_download
+    from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
 
     try:
-        return spec, Path(_download(spec))
+        return spec, Path(snapshot_download(spec, allow_patterns=DEFAULT_ALLOW_PATTERNS))
     except Exception as exc:  # huggingface_hub raises many types; all mean "not available"
         raise ModelNotFoundError(f"cannot fetch model {spec!r}: {exc}") from exc
 
