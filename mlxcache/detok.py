@@ -10,6 +10,10 @@ class TextStream:
 
     Decodes a short window of recent tokens rather than the whole reply, holding text
     back while it ends in an incomplete multi-byte character (U+FFFD).
+
+    Not mlx-lm's streaming detokenizer: its BPE variant drops the leading space of a
+    reply's first token, so its text differs from `tokenizer.decode(tokens)`, which is
+    what replies (and regress goldens) are defined as.
     """
 
     __slots__ = ("_ids", "_prefix", "_read", "_tok")

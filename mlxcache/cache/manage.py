@@ -117,6 +117,8 @@ def _decoders(names: dict[str, tuple[str, str, int]]) -> dict[str, Callable[[lis
 
     out: dict[str, Callable[[list[int]], str]] = {}
     for ns, (_, path, _) in names.items():
+        if not Path(path).is_dir():  # moved or deleted (and never a Hub download)
+            continue
         try:
             out[ns] = load_tokenizer(Path(path)).decode
         except Exception:
