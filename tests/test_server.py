@@ -405,6 +405,17 @@ def test_client_gone_mid_stream_frees_its_lane(server: ServerProcess, ref: Engin
     assert reply.choices[0].text == expected
 
 
+def test_client_gone_before_a_plain_reply_cancels_it(server: ServerProcess) -> None:
+    body = {"model": server.model, "prompt": "ab", "max_tokens": 2000, "user": "gone-plain"}
+    conn = connect(server)
+    conn.request("POST", "/v1/completions", body=json.dumps(body))
+    conn.close()  # never reads the reply
+    line = server.wait_for(re.compile(r"POST /v1/completions 499 .*")).group(0)
+    assert "finish=disconnected" in line
+    report = request(server, "GET", "/v1/cache").json()
+    assert (report["pinned_entries"], report["busy"]) == (0, False)
+
+
 def test_every_request_is_logged(server: ServerProcess, tmp_path: Path) -> None:
     reply = client(server).chat.completions.create(
         model=server.model, messages=[{"role": "user", "content": "Log me"}], max_tokens=3
@@ -412,6 +423,9 @@ def test_every_request_is_logged(server: ServerProcess, tmp_path: Path) -> None:
     line = server.wait_for(re.compile(re.escape(reply.id) + r" POST /v1/chat/completions 200 .*"))
     assert f"prompt={reply.usage.prompt_tokens} " in line.group(0)
     assert f"generated={reply.usage.completion_tokens} " in line.group(0)
+    post(server, "/v1/chat/completions", chat_body(server, n=3))
+    # Refused before an id was given: "-" stands for it.
+    server.wait_for(re.compile(r"^- POST /v1/chat/completions 400 .*error=n must be 1"))
 
 
 # -- errors -------------------------------------------------------------------------------

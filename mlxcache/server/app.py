@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import threading
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -17,9 +19,9 @@ from mlxcache.engine import Engine
 from mlxcache.sampling import SamplingParams
 from mlxcache.server import errors, prepare
 from mlxcache.server.errors import APIError
-from mlxcache.server.guard import LOG_KEY, Guard
+from mlxcache.server.guard import Guard
 from mlxcache.server.lane import Lane, Outcome, Worker
-from mlxcache.server.log import RequestLog
+from mlxcache.server.log import RequestLog, log_fields
 from mlxcache.server.openai_format import SSE_DONE, Envelope, error_event, sse
 from mlxcache.server.prepare import Answer, Plan
 from mlxcache.server.schemas import ChatRequest, CompletionRequest
@@ -72,7 +74,7 @@ def create_app(engine: Engine, worker: Worker, settings: Settings, log: RequestL
             )
 
     def note(request: Request, rid: str, outcome: Outcome | None = None) -> None:
-        fields = request.scope["state"].get(LOG_KEY, {})
+        fields = log_fields(request.scope)
         fields["id"] = rid
         if outcome is not None:
             fields.update(
@@ -117,7 +119,7 @@ def create_app(engine: Engine, worker: Worker, settings: Settings, log: RequestL
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
             return _stream(_chat_events(lane, plan, env, usage, warm), request, env.id, note)
-        outcome = await lane.finish()
+        outcome = await _finish(lane, request)
         note(request, env.id, outcome)
         _raise_failed(outcome)
         answer = plan.answer(outcome.text, outcome.finish_reason)
@@ -137,7 +139,7 @@ def create_app(engine: Engine, worker: Worker, settings: Settings, log: RequestL
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
             return _stream(_completion_events(lane, env, usage), request, env.id, note)
-        outcome = await lane.finish()
+        outcome = await _finish(lane, request)
         note(request, env.id, outcome)
         _raise_failed(outcome)
         return JSONResponse(env.completion(outcome.text, outcome.finish_reason, outcome.usage))
@@ -152,6 +154,29 @@ async def _body(request: Request, model: type[B]) -> B:
         return model.model_validate(doc)
     except ValidationError as exc:
         raise errors.from_validation(exc.errors()) from None
+
+
+async def _finish(lane: Lane, request: Request) -> Outcome:
+    """Run the lane to its end; a client that leaves first cancels it (pin released)."""
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    finish = asyncio.ensure_future(lane.finish())
+    gone = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({finish, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not finish.done():
+            finish.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await finish  # its generator's cleanup cancels the lane
+    if finish.cancelled():
+        log_fields(request.scope)["finish_reason"] = "disconnected"
+        raise errors.ClientGone
+    return finish.result()
 
 
 def _raise_failed(outcome: Outcome) -> None:
@@ -178,7 +203,7 @@ def _stream(
                     yield item
         finally:
             if not finished:  # the client left mid-stream: the lane was cancelled
-                request.scope["state"][LOG_KEY]["finish_reason"] = "disconnected"
+                log_fields(request.scope)["finish_reason"] = "disconnected"
 
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
     return StreamingResponse(body(), media_type="text/event-stream", headers=headers)

@@ -11,11 +11,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from mlxcache.errors import ContextLengthError, MlxcacheError, QueueFullError, UserInputError
 from mlxcache.fileio import loads_json
+from mlxcache.server.log import log_fields
 
 RETRY_AFTER_S = 1
 """What a refused client is told to wait (the queue moves one request at a time)."""
@@ -118,24 +119,40 @@ def parse_json(raw: bytes) -> Any:
         raise APIError(400, "the request body is not UTF-8", code="invalid_json") from None
 
 
+class ClientGone(Exception):
+    """The client disconnected before its (non-streamed) reply was ready."""
+
+
+CLIENT_CLOSED = 499
+"""The status logged for a client gone before its reply (nginx's; nobody receives it)."""
+
+
 def install(app: FastAPI) -> None:
-    """Route every error through OpenAI's error object."""
+    """Route every error through OpenAI's error object (its message goes to the log too)."""
+
+    def answer(request: Request, error: APIError) -> JSONResponse:
+        log_fields(request.scope)["error"] = error.message
+        return error.response()
 
     @app.exception_handler(APIError)
     async def _api(request: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
+        return answer(request, exc)
 
     @app.exception_handler(MlxcacheError)
     async def _domain(request: Request, exc: MlxcacheError) -> JSONResponse:
-        return from_domain(exc).response()
+        return answer(request, from_domain(exc))
 
     @app.exception_handler(HTTPException)
     async def _http(request: Request, exc: HTTPException) -> JSONResponse:
         code = "not_found" if exc.status_code == 404 else None
-        return APIError(exc.status_code, one_line(str(exc.detail)), code=code).response()
+        return answer(request, APIError(exc.status_code, one_line(str(exc.detail)), code=code))
+
+    @app.exception_handler(ClientGone)
+    async def _gone(request: Request, exc: ClientGone) -> Response:
+        return Response(status_code=CLIENT_CLOSED)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         # The client gets one line; uvicorn logs the traceback on the server's stderr.
         message = one_line(f"internal error: {type(exc).__name__}: {exc}")
-        return APIError(500, message, type="server_error").response()
+        return answer(request, APIError(500, message, type="server_error"))

@@ -9,18 +9,14 @@ from __future__ import annotations
 import hmac
 import json
 import time
-from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from mlxcache.server.errors import APIError
-from mlxcache.server.log import RequestLog
+from mlxcache.server.log import RequestLog, log_fields
 
 OPEN_PATHS = frozenset({"/health"})
 """Answered without the API key (a liveness probe; it reveals nothing else)."""
-
-LOG_KEY = "mlxcache_log"
-"""Where a route leaves its numbers for the log line: `scope["state"][LOG_KEY]`."""
 
 
 class Guard:
@@ -35,8 +31,7 @@ class Guard:
             await self.app(scope, receive, send)
             return
         start = time.perf_counter()
-        fields: dict[str, Any] = {}
-        scope.setdefault("state", {})[LOG_KEY] = fields
+        fields = log_fields(scope)
         status = 0
 
         async def send_logged(message: Message) -> None:
@@ -51,6 +46,7 @@ class Guard:
             if refusal is None:
                 body, refusal = await self._read_body(scope, receive)
             if refusal is not None:
+                fields["error"] = refusal.message
                 await _respond(refusal, send_logged)
                 return
             await self.app(scope, _replay(body, receive), send_logged)

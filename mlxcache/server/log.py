@@ -10,6 +10,16 @@ from typing import Any, TextIO
 
 from mlxcache.errors import OutputFileError
 
+LOG_KEY = "mlxcache_log"
+"""Where a request's numbers wait for its log line: `scope["state"][LOG_KEY]`."""
+
+
+def log_fields(scope: Any) -> dict[str, Any]:
+    """The log fields of the request `scope` belongs to (created by the guard)."""
+    state: dict[str, Any] = scope.setdefault("state", {})
+    fields: dict[str, Any] = state.setdefault(LOG_KEY, {})
+    return fields
+
 
 class RequestLog:
     """Writes request records (any thread).
