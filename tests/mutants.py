@@ -201,6 +201,7 @@ def restore_without_copy(patch: Patch) -> None:
 def shared_sampler(patch: Patch) -> None:
     """Every sampler draws from one global key stream instead of its own seed's."""
     state = {"key": mx.random.key(0)}
+    mx.eval(state["key"])
     make = sampling_mod.make_sampler
 
     def make_sampler(params: sampling_mod.SamplingParams) -> sampling_mod.Sampler:
@@ -209,6 +210,7 @@ def shared_sampler(patch: Patch) -> None:
 
         def sample(logprobs: mx.array) -> mx.array:
             state["key"], sub = mx.random.split(state["key"])
+            mx.eval(state["key"])  # usable from any thread (the engine worker's, this one)
             return mx.random.categorical(logprobs / params.temperature, key=sub)
 
         return sample
