@@ -24,10 +24,11 @@ from mlxcache.server.lane import Lane, Outcome, Worker
 from mlxcache.server.log import RequestLog, log_fields
 from mlxcache.server.openai_format import SSE_DONE, Envelope, error_event, sse
 from mlxcache.server.prepare import Answer, Plan
-from mlxcache.server.schemas import ChatRequest, CompletionRequest
+from mlxcache.server.schemas import ChatRequest, CompletionRequest, SamplingFields
 
 DEFAULT_MAX_BODY = 8 << 20
 B = TypeVar("B", bound=BaseModel)
+R = TypeVar("R", bound=SamplingFields)
 T = TypeVar("T")
 
 
@@ -108,40 +109,44 @@ def create_app(engine: Engine, worker: Worker, settings: Settings, log: RequestL
         report = await run_in_threadpool(worker.call, _cache_report)
         return {**report, "waiting": worker.waiting}
 
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Any:
-        body = await _body(request, ChatRequest)
+    async def begin(
+        request: Request, schema: type[R], make: Callable[..., Plan], prefix: str
+    ) -> tuple[R, Plan, Envelope, Lane]:
+        """Parse, check and prepare a completion request, and submit it."""
+        body = await _body(request, schema)
         check_model(body.model)
-        plan = await prepared(prepare.chat, body)
-        env = Envelope(f"chatcmpl-{uuid.uuid4().hex[:24]}", settings.model_id)
+        plan = await prepared(make, body)
+        env = Envelope(f"{prefix}-{uuid.uuid4().hex[:24]}", settings.model_id)
         note(request, env.id)
-        lane = Lane(worker, plan.request, plan.reply_text())
-        if body.stream:
-            usage = bool(body.stream_options and body.stream_options.include_usage)
-            return _stream(_chat_events(lane, plan, env, usage, warm), request, env.id, note)
+        return body, plan, env, Lane(worker, plan.request, plan.reply_text())
+
+    async def end(request: Request, lane: Lane, env: Envelope) -> Outcome:
+        """The outcome of a non-streamed request (its failure raised as an HTTP error)."""
         outcome = await _finish(lane, request)
         note(request, env.id, outcome)
-        _raise_failed(outcome)
+        if outcome.error is not None:
+            raise APIError(500, errors.one_line(outcome.error), type="server_error")
+        return outcome
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Any:
+        body, plan, env, lane = await begin(request, ChatRequest, prepare.chat, "chatcmpl")
+        if body.stream:
+            events = _chat_events(lane, plan, env, body.include_usage, warm)
+            return _stream(events, request, env.id, note)
+        outcome = await end(request, lane, env)
         answer = plan.answer(outcome.text, outcome.finish_reason)
         await warm(plan, answer)
-        return JSONResponse(
-            env.chat(answer.content, answer.calls, answer.finish_reason, outcome.usage)
-        )
+        reply = env.chat(answer.content, answer.calls, answer.finish_reason, outcome.usage)
+        return JSONResponse(reply)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
-        body = await _body(request, CompletionRequest)
-        check_model(body.model)
-        plan = await prepared(prepare.completion, body)
-        env = Envelope(f"cmpl-{uuid.uuid4().hex[:24]}", settings.model_id)
-        note(request, env.id)
-        lane = Lane(worker, plan.request, plan.reply_text())
+        body, _, env, lane = await begin(request, CompletionRequest, prepare.completion, "cmpl")
         if body.stream:
-            usage = bool(body.stream_options and body.stream_options.include_usage)
-            return _stream(_completion_events(lane, env, usage), request, env.id, note)
-        outcome = await _finish(lane, request)
-        note(request, env.id, outcome)
-        _raise_failed(outcome)
+            events = _completion_events(lane, env, body.include_usage)
+            return _stream(events, request, env.id, note)
+        outcome = await end(request, lane, env)
         return JSONResponse(env.completion(outcome.text, outcome.finish_reason, outcome.usage))
 
     return Guard(app, log, settings.api_key, settings.max_body)
@@ -177,11 +182,6 @@ async def _finish(lane: Lane, request: Request) -> Outcome:
         log_fields(request.scope)["finish_reason"] = "disconnected"
         raise errors.ClientGone
     return finish.result()
-
-
-def _raise_failed(outcome: Outcome) -> None:
-    if outcome.error is not None:
-        raise APIError(500, errors.one_line(outcome.error), type="server_error")
 
 
 Noter = Callable[[Request, str, Outcome | None], None]

@@ -97,6 +97,11 @@ class SamplingFields(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
 
+    @property
+    def include_usage(self) -> bool:
+        """A streamed reply ends with a usage chunk."""
+        return bool(self.stream_options and self.stream_options.include_usage)
+
     def stops(self) -> tuple[str, ...]:
         """The stop strings, empty ones dropped."""
         items = [self.stop] if isinstance(self.stop, str) else self.stop or []
