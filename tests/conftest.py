@@ -5,12 +5,15 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
-from guarantees import Variant
 from tinymodel import write_sliding, write_tiny_gguf
 
 from mlxcache.model import LoadedModel, load
+
+if TYPE_CHECKING:  # imported where used: other tests need not import what it imports
+    from guarantees import Variant
 
 
 @pytest.fixture(scope="session")
@@ -68,6 +71,8 @@ def sliding(tiny: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> Load
 def variants(tiny: LoadedModel, sliding: LoadedModel) -> dict[str, Variant]:
     """The models the exactness checks run on (tests/guarantees.py): the tiny model and
     its sliding-window version, each plain and shape-sensitive (tests/shapemodel.py)."""
+    from guarantees import Variant
+
     return Variant.all(tiny, sliding)
 
 
@@ -80,4 +85,6 @@ def other_variants(
     folder = tmp_path_factory.mktemp("other")
     write_tiny_gguf(folder / "other.gguf", seed=9)
     other = load(str(folder / "other.gguf"), cache_root=cache_root)
+    from guarantees import Variant
+
     return Variant.all(other, load(str(write_sliding(other.path, folder / "sliding"))))
