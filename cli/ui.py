@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -77,9 +78,26 @@ def preview(text: str, width: int = 60) -> str:
     return flat if len(flat) <= width else flat[: width - 1] + "…"
 
 
+# The library names settings as its API does (max_tokens); a CLI user knows them as flags.
+_FLAGS = {
+    "max_tokens": "--max-tokens",
+    "tool_choice": "--tool-choice",
+    "tool_result": "--tool-result",
+    "leave strict mode": "drop --strict",
+    "the earlier messages": "--messages FILE",
+    "previous JSON output": "previous --json output",
+}
+_SETTING = re.compile("|".join(rf"(?<![\w-]){re.escape(k)}(?!\w)" for k in _FLAGS))
+
+
+def as_flags(message: str) -> str:
+    """A library message in the CLI's words: settings named by their flags."""
+    return _SETTING.sub(lambda m: _FLAGS[m.group(0)], message)
+
+
 def error(message: str) -> None:
     """The one red line a failed command prints."""
-    err.print(f"error: {message}", style="error", markup=False, soft_wrap=True)
+    err.print(f"error: {as_flags(message)}", style="error", markup=False, soft_wrap=True)
 
 
 def info(message: str) -> None:
@@ -88,7 +106,7 @@ def info(message: str) -> None:
 
 
 def warn(message: str) -> None:
-    err.print(f"warning: {message}", style="warn", markup=False, soft_wrap=True)
+    err.print(f"warning: {as_flags(message)}", style="warn", markup=False, soft_wrap=True)
 
 
 def stats_line(stats: dict[str, Any]) -> None:

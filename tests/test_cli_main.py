@@ -10,6 +10,7 @@ import typer
 from typer.testing import CliRunner
 
 from mlxcache import __version__
+from mlxcache_cli import ui
 from mlxcache_cli.main import app
 
 runner = CliRunner()
@@ -82,4 +83,14 @@ def test_text_options_read_at_file(tmp_path: Path) -> None:
     assert (empty.exit_code, empty.stderr) == (
         2,
         f"error: system file {tmp_path / 'empty.txt'} is empty\n",
+    )
+
+
+def test_library_settings_become_flags() -> None:
+    assert ui.as_flags("raise max_tokens, or bound the schema") == (
+        "raise --max-tokens, or bound the schema"
+    )
+    assert ui.as_flags("unknown tool 'x' in tool_choice") == "unknown tool 'x' in --tool-choice"
+    assert (
+        ui.as_flags("--max-tokens and my_max_tokens stay") == "--max-tokens and my_max_tokens stay"
     )

@@ -104,7 +104,7 @@ BAD = [
     ),
     (
         ["hi", "--tools", "{tools}", "--tool-result", "get_weather=1"],
-        'error: --tool-result answers a tool call, but the conversation does not end with one (pass --messages FILE: the "messages" of the previous --json output)',
+        'error: a --tool-result answers a tool call, but the conversation does not end with one (pass --messages FILE: the "messages" of the previous --json output)',
     ),
     (
         ["--tools", "{tools}", "--messages", "{dir}/conv.json", "--tool-result", "oops"],
@@ -181,8 +181,9 @@ def test_a_call_cut_by_the_token_limit_keeps_the_raw_text(
     doc = json.loads(result.stdout)
     limit = (
         "the reply reached the token limit before the tool call was complete "
-        '(finish_reason "length"); raise --max-tokens'
+        '(finish_reason "length"); raise max_tokens'
     )
-    assert doc["error"] == limit and doc["finish_reason"] == "length"
+    assert doc["error"] == limit and doc["finish_reason"] == "length"  # the library's words
     assert doc["tool_calls"] == [] and doc["text"].startswith("<tool_call>")
-    assert result.stderr.strip().endswith(f"error: {limit}")
+    flags = limit.replace("max_tokens", "--max-tokens")  # the CLI's
+    assert result.stderr.strip().endswith(f"error: {flags}")

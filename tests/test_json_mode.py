@@ -64,7 +64,7 @@ def test_read_reply() -> None:
     assert ok.output == {"city": "Paris"} and ok.error is None
     cut = read_reply(task, result('{"city": "Par', "length"))
     assert cut.output is None and cut.finish_reason == "length"
-    assert cut.error is not None and "raise --max-tokens" in cut.error
+    assert cut.error is not None and "raise max_tokens" in cut.error
     assert cut.as_dict()["text"] == '{"city": "Par'
     bad = read_reply(task, result('{"city": 1}'))
     assert (

@@ -22,7 +22,7 @@ from mlxcache.modes.schema_walk import close_objects, ref_cycle, resolve
 D4 = "http://json-schema.org/draft-04/schema#"
 D7 = "http://json-schema.org/draft-07/schema#"  # still has `dependencies` (2020-12 split it)
 CANNOT = "schema uses what constrained decoding cannot enforce: "
-STRICT_HINT = " (remove or rewrite that part, or drop --strict)"
+STRICT_HINT = " (remove or rewrite that part, or leave strict mode)"
 
 # One schema per kind of refusal seen on real-world schemas: what --strict says (cause and
 # location), what lenient decoding lists as checked after, and an instance breaking only it.

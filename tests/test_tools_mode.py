@@ -107,7 +107,7 @@ def test_tool_choice() -> None:
     with pytest.raises(
         UserInputError,
         match=re.escape(
-            "unknown tool 'mul' in --tool-choice (auto, required, none, or one of: get_weather, add)"
+            "unknown tool 'mul' in tool_choice (auto, required, none, or one of: get_weather, add)"
         ),
     ):
         ToolChoice.parse("mul", TOOLS)

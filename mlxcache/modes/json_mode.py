@@ -151,7 +151,7 @@ def read_reply(task: JsonTask, result: Result) -> JsonReply:
         return reply(
             None,
             f"the reply reached the token limit ({result.stats.generated_tokens}) before the "
-            'JSON document was complete (finish_reason "length"); raise --max-tokens, or '
+            'JSON document was complete (finish_reason "length"); raise max_tokens, or '
             "bound the schema (maxLength, maxItems)",
         )
     try:

@@ -208,7 +208,7 @@ def check_schema(
     if problem is not None:
         where = problem_location(schema, problem)
         at = f" at {where}" if where and len(where) <= MAX_POINTER else ""
-        hint = "remove or rewrite that part" + (", or drop --strict" if strict else "")
+        hint = "remove or rewrite that part" + (", or leave strict mode" if strict else "")
         head, tail = f"{what} uses what constrained decoding cannot enforce: ", f"{at} ({hint})"
         cause = one_line(_ONE_OF_HINT.sub("", problem), MAX_ERROR - len(head) - len(tail))
         raise GrammarError(head + cause + tail)

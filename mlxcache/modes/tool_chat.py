@@ -103,13 +103,13 @@ def add_tool_results(
     called = [c["name"] for c in last.get("tool_calls", [])] if last else []
     if last is None or last["role"] != "assistant" or not called:
         raise UserInputError(
-            "--tool-result answers a tool call, but the conversation does not end with one "
-            '(pass --messages FILE: the "messages" of the previous --json output)'
+            "a tool_result answers a tool call, but the conversation does not end with one "
+            '(pass the earlier messages: the "messages" of the previous JSON output)'
         )
     for name, _ in results:
         if name not in called:
             raise UserInputError(
-                f"--tool-result {name}: the last assistant message made no call to {name} "
+                f"tool_result {name}: the last assistant message made no call to {name} "
                 f"(it called: {', '.join(called)})"
             )
     return [*messages, *({"role": "tool", "name": n, "content": r} for n, r in results)]
@@ -286,7 +286,7 @@ class ToolsTask:
         if result.finish_reason == "length" and unfinished:
             error = (
                 "the reply reached the token limit before the tool call was complete "
-                '(finish_reason "length"); raise --max-tokens'
+                '(finish_reason "length"); raise max_tokens'
             )
             return ToolReply(reply.content, (), error, reasoning)
         return reply

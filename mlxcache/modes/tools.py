@@ -122,7 +122,7 @@ class ToolChoice:
         names = [t.name for t in tools]
         if text not in names:
             raise UserInputError(
-                f"unknown tool {text!r} in --tool-choice (auto, required, none, or one of: "
+                f"unknown tool {text!r} in tool_choice (auto, required, none, or one of: "
                 f"{', '.join(names)})"
             )
         return cls("function", text)
