@@ -284,6 +284,12 @@ def check_fork(rig: Rig) -> None:
     rig.warm(engine, spy, base[:8] + prompt(3, seed=6))
 
 
+# Every sampling step on: the repetition penalty looks back into the cached prompt.
+CHAT = SamplingParams(
+    temperature=0.8, top_p=0.9, top_k=40, min_p=0.02, repetition_penalty=1.5, max_tokens=6
+)
+
+
 def check_chat(rig: Rig) -> None:
     """Three turns, each prompt = the history so far; every turn checked, then turn 3 again."""
     engine, spy = rig.engine()
@@ -291,8 +297,8 @@ def check_chat(rig: Rig) -> None:
     for turn in range(3):
         history = history + prompt(7, seed=10 + turn)
         asked = history
-        history = history + rig.warm(engine, spy, asked).tokens
-    rig.warm(engine, spy, asked)
+        history = history + rig.warm(engine, spy, asked, CHAT).tokens
+    rig.warm(engine, spy, asked, CHAT)
 
 
 def check_lanes(rig: Rig) -> None:

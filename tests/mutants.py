@@ -82,6 +82,29 @@ def keep_decode_kv(patch: Patch) -> None:
     patch(PromptCache, "release", release_keeping)
 
 
+def penalty_without_cached_prompt(patch: Patch) -> None:
+    """The decode loop (its repetition penalty) sees only the prompt tokens the request
+    prefilled, not those it resumed from the cache."""
+    restore = PromptCache.restore
+    starts: dict[int, int] = {}  # id(layers) -> the resume point they were restored at
+
+    def restore_noting(self: PromptCache, tokens: np.ndarray) -> Any:
+        resume = restore(self, tokens)
+        starts[id(resume.layers)] = resume.length
+        return resume
+
+    decode = engine_mod.decode
+
+    def decode_uncached(*args: Any, **kwargs: Any) -> Generator[Event, None, Result]:
+        at = next(i for i, a in enumerate(args) if isinstance(a, np.ndarray))
+        layers = next(a for a in args if isinstance(a, list) and hasattr(a[0], "offset"))
+        prompt = args[at][starts.get(id(layers), 0) :]
+        return (yield from decode(*args[:at], prompt, *args[at + 1 :], **kwargs))
+
+    patch(PromptCache, "restore", restore_noting)
+    patch(engine_mod, "decode", decode_uncached)
+
+
 class _Batched:
     """Runs each decode step as a batch of 2 (the lane's row twice), as batching lanes into
     one forward would: the model sees batch size 2."""
@@ -229,6 +252,7 @@ MUTANTS: dict[str, Callable[[Patch], None]] = {
         checkpoint_name_without_namespace,
         checkpoint_at_prompt_end,
         keep_decode_kv,
+        penalty_without_cached_prompt,
         lanes_batched,
         partial_last_block,
         unaligned_chunks,

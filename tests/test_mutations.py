@@ -29,6 +29,7 @@ CAUGHT_BY: dict[str, list[tuple[str, str]]] = {
     "checkpoint_name_without_namespace": [("sliding", "two_models")],
     "checkpoint_at_prompt_end": [("sliding", "warm")],
     "keep_decode_kv": [("plain", "chat"), ("shaped", "chat")],
+    "penalty_without_cached_prompt": [("plain", "chat"), ("sliding", "chat")],
     "lanes_batched": [("plain", "lanes"), ("shaped", "lanes")],
     "partial_last_block": [("plain", "warm")],
     "unaligned_chunks": [("plain", "warm"), ("shaped", "fork"), ("sliding", "warm")],
