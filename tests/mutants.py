@@ -93,7 +93,7 @@ def penalty_without_cached_prompt(patch: Patch) -> None:
         starts[id(resume.layers)] = resume.length
         return resume
 
-    decode = engine_mod.decode
+    decode: Callable[..., Generator[Event, None, Result]] = engine_mod.decode
 
     def decode_uncached(*args: Any, **kwargs: Any) -> Generator[Event, None, Result]:
         at = next(i for i, a in enumerate(args) if isinstance(a, np.ndarray))
