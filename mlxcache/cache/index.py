@@ -1,7 +1,7 @@
 """The prompt index: which kept prompts exist, which one a prompt resumes from, which goes.
 
-Pure Python and numpy, no MLX. The semantics are DESIGN.md's "The prompt index"; the
-decisions it leaves open are in docs/index-decisions.md. Costs: a lookup walks the prompt's
+Pure Python and numpy, no MLX. The semantics are in docs/architecture.md ("The prompt
+index"); the decisions behind them in docs/index-decisions.md. Costs: a lookup walks the prompt's
 blocks once through a radix tree (`radix.py`); extension links are made when an entry joins
 and dropped when it leaves; victims come from sorted lists (`order.py`).
 """
@@ -14,64 +14,12 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from mlxcache.cache.order import EXPIRED, EXTENDED, REST, VictimOrder
+from mlxcache.cache.entry import Entry
+from mlxcache.cache.order import VictimOrder, victim_class
 from mlxcache.cache.radix import BlockTree, Node, Tokens, as_tokens
 from mlxcache.errors import CacheFullError
 
 TokenSeq = Sequence[int] | npt.NDArray[np.integer]
-
-
-class Entry:
-    """One kept prompt. Read its fields; change them only through its `PromptIndex`.
-
-    Attributes:
-        tokens: the token ids (a read-only int32 array).
-        born: the index clock when it was added (unique, increasing).
-        last_used: the index clock of its latest use (add, hit, touch).
-        expired: its state is gone; it restores nothing until added again.
-        trimmable: its state can be rewound to a shorter prefix.
-        pins: running requests using it; a pinned entry is never a victim.
-        nbytes: the bytes its state takes, as told by the caller.
-    """
-
-    __slots__ = (
-        "_cls",
-        "_extenders",
-        "_extends",
-        "_group",
-        "_live_extenders",
-        "_node",
-        "_tail",
-        "born",
-        "expired",
-        "last_used",
-        "nbytes",
-        "pins",
-        "tokens",
-        "trimmable",
-    )
-
-    def __init__(self, tokens: Tokens, born: int, trimmable: bool, nbytes: int) -> None:
-        self.tokens = tokens
-        self.born = born
-        self.last_used = born
-        self.expired = False
-        self.trimmable = trimmable
-        self.pins = 0
-        self.nbytes = nbytes
-        self._node: Node
-        self._tail: bytes
-        self._group: Node | None = None  # first-block node of a trimmable entry of >= 1 block
-        self._cls = REST  # class in the victim order, while attached there
-        self._extends: set[Entry] = set()  # older entries that are proper prefixes of it
-        self._extenders: set[Entry] = set()  # newer trimmable entries it is a prefix of
-        self._live_extenders = 0
-
-    def __repr__(self) -> str:
-        flags = "".join(
-            f for f, on in (("x", self.expired), ("t", self.trimmable), ("p", self.pins)) if on
-        )
-        return f"Entry(born={self.born}, len={len(self.tokens)}, used={self.last_used}, {flags})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,12 +114,12 @@ class PromptIndex:
         self._order.detach(e)
         if not e.expired:
             self._deactivate(e)
-        for p in e._extends:
-            p._extenders.discard(e)
-        for f in e._extenders:
-            f._extends.discard(e)
-        del e._node.entries[e._tail]
-        self._tree.prune(e._node)
+        for p in e.extends:
+            p.extenders.discard(e)
+        for f in e.extenders:
+            f.extends.discard(e)
+        del e.node.entries[e.tail]
+        self._tree.prune(e.node)
         del self._entries[e.born]
 
     def expire(self, e: Entry) -> None:
@@ -213,7 +161,7 @@ class PromptIndex:
     def extended(self, e: Entry) -> bool:
         """Whether a newer, longer, live trimmable entry has `e`'s tokens as its prefix."""
         self._check(e)
-        return e._live_extenders > 0
+        return e.live_extenders > 0
 
     def usable(self, e: Entry, prompt: TokenSeq) -> int:
         """How many tokens of `prompt` `e` can restore (0 if expired or unrelated)."""
@@ -271,23 +219,23 @@ class PromptIndex:
         try:
             return self._order.pick(group, prefixes)
         finally:
-            self._order.attach(skip, skip._cls)
+            self._order.attach(skip, skip.victim_class)
 
     def _insert(self, arr: Tokens, data: bytes, trimmable: bool, nbytes: int) -> Entry:
         path = self._tree.grow(data)
         tokens = arr.copy()
         tokens.flags.writeable = False
         e = Entry(tokens, self._tick(), trimmable, nbytes)
-        e._node = path[-1]
-        e._tail = data[e._node.depth * self._tree.block_bytes :]
+        e.node = path[-1]
+        e.tail = data[e.node.depth * self._tree.block_bytes :]
         if trimmable:
             if len(path) > 1:
-                e._group = path[1]
+                e.group = path[1]
             # Links are only needed from trimmable entries: only those extend.
             for p in self._tree.prefixes(path, data):
-                p._extenders.add(e)
-                e._extends.add(p)
-        e._node.entries[e._tail] = e
+                p.extenders.add(e)
+                e.extends.add(p)
+        e.node.entries[e.tail] = e
         self._entries[e.born] = e
         self._activate(e)
         self._place(e)
@@ -310,13 +258,13 @@ class PromptIndex:
             self._tree.count_nt(e, -1)
 
     def _count_extender(self, f: Entry, delta: int) -> None:
-        for p in f._extends:
-            old = p._live_extenders
+        for p in f.extends:
+            old = p.live_extenders
             if p.expired or (old > 0) == (old + delta > 0):
-                p._live_extenders += delta
+                p.live_extenders += delta
             else:  # p moves between the extended class and the rest
                 self._unplace(p)
-                p._live_extenders += delta
+                p.live_extenders += delta
                 self._place(p)
 
     # Live non-trimmable entries hanging on `path` that are proper prefixes of `data`.
@@ -341,14 +289,9 @@ class PromptIndex:
         data = arr.tobytes()
         return group, frozenset(self._nt_prefixes(self._tree.walk(data, cap, _has_nt), data))
 
-    def _class(self, e: Entry) -> int:
-        if e.expired:
-            return EXPIRED
-        return EXTENDED if e._live_extenders else REST
-
     def _place(self, e: Entry) -> None:
         if not e.pins:
-            self._order.attach(e, self._class(e))
+            self._order.attach(e, victim_class(e))
 
     def _unplace(self, e: Entry) -> None:
         if not e.pins:

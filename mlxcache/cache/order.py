@@ -1,7 +1,8 @@
-"""The victim order: unpinned entries sorted by (class, usefulness, last_used), kept as data.
+"""The victim order: unpinned entries sorted by `victim_key`, kept as data.
 
-The policy (DESIGN.md, "The prompt index") is the sort key. The class (expired, extended,
-rest) and last_used do not depend on the prompt, so entries are kept sorted by them.
+`victim_key` is the eviction policy (docs/architecture.md, "The prompt index"); the rest of
+this module finds its minimum fast. The class (expired, extended, rest) and last_used do
+not depend on the prompt, so entries are kept sorted by them.
 Usefulness does, so it is decided at pick time, and the structure is laid out so that a pick
 only looks at the entries useful to the prompt plus one:
 
@@ -19,12 +20,26 @@ from __future__ import annotations
 
 from bisect import bisect_left, insort
 from collections.abc import Container
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from mlxcache.cache.index import Entry
+from mlxcache.cache.entry import EXPIRED, EXTENDED, REST, Entry
 
-EXPIRED, EXTENDED, REST = 0, 1, 2
+
+def victim_class(e: Entry) -> int:
+    """Expired entries go first (they restore nothing), then extended ones (a newer, longer
+    live entry restores all they can), then the rest."""
+    if e.expired:
+        return EXPIRED
+    return EXTENDED if e.live_extenders else REST
+
+
+def victim_key(e: Entry, useful: bool) -> tuple[int, bool, int]:
+    """The eviction policy: the unpinned entry with the smallest key goes first.
+
+    By class; within a class, entries of no use to the prompt being served before useful
+    ones (`useful`: it can restore some of that prompt); then the least recently used.
+    `VictimOrder.pick` returns exactly this minimum without sorting every entry.
+    """
+    return (victim_class(e), useful, e.last_used)
 
 
 def _discard(keys: list[int], key: int) -> None:
@@ -44,12 +59,12 @@ class VictimOrder:
     def attach(self, e: Entry, cls: int) -> None:
         """Put `e` in class `cls` at its current last_used (it must not be attached)."""
         key = e.last_used
-        e._cls = cls
+        e.victim_class = cls
         self._entry[key] = e
-        if e._group is None:
+        if e.group is None:
             insort(self._lists[cls], key)
             return
-        members = self._groups[cls].setdefault(e._group, [])
+        members = self._groups[cls].setdefault(e.group, [])
         insort(members, key)
         if members[0] == key:
             if len(members) > 1:
@@ -58,13 +73,13 @@ class VictimOrder:
 
     def detach(self, e: Entry) -> None:
         """Take `e` out (it must be attached, with the last_used it was attached with)."""
-        key, cls = e.last_used, e._cls
+        key, cls = e.last_used, e.victim_class
         del self._entry[key]
-        if e._group is None:
+        if e.group is None:
             _discard(self._lists[cls], key)
             return
         groups = self._groups[cls]
-        members = groups[e._group]
+        members = groups[e.group]
         i = bisect_left(members, key)
         del members[i]
         if i == 0:
@@ -72,7 +87,7 @@ class VictimOrder:
             if members:
                 insort(self._lists[cls], members[0])
             else:
-                del groups[e._group]
+                del groups[e.group]
 
     def pick(self, group: object | None, prefixes: Container[Entry]) -> Entry | None:
         """The first entry in victim order, for a prompt whose first-block group is `group`
@@ -86,7 +101,7 @@ class VictimOrder:
             fallback = None
             for key in keys:
                 e = self._entry[key]
-                if (group is None or e._group is not group) and e not in prefixes:
+                if (group is None or e.group is not group) and e not in prefixes:
                     return e
                 if fallback is None:
                     fallback = e

@@ -15,7 +15,7 @@ import numpy as np
 import numpy.typing as npt
 
 if TYPE_CHECKING:
-    from mlxcache.cache.index import Entry
+    from mlxcache.cache.entry import Entry
 
 Tokens = npt.NDArray[np.int32]
 TOKEN_BYTES = 4
@@ -117,7 +117,7 @@ class BlockTree:
     @staticmethod
     def raise_best(e: Entry) -> None:
         """Account for `e` becoming a live trimmable entry."""
-        node: Node | None = e._node
+        node: Node | None = e.node
         while node is not None and _less_rewinding(e, node.best):
             node.best = e
             node = node.parent
@@ -125,7 +125,7 @@ class BlockTree:
     @staticmethod
     def drop_best(e: Entry) -> None:
         """Account for `e` ceasing to be a live trimmable entry (expired or leaving)."""
-        node: Node | None = e._node
+        node: Node | None = e.node
         # Above the first node whose best is not `e`, no best can be `e` either.
         while node is not None and node.best is e:
             best = None
@@ -141,7 +141,7 @@ class BlockTree:
     @staticmethod
     def count_nt(e: Entry, delta: int) -> None:
         """Account for the non-trimmable `e` becoming live (+1) or not (-1)."""
-        node: Node | None = e._node
+        node: Node | None = e.node
         while node is not None:
             node.nt += delta
             node = node.parent
