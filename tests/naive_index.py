@@ -1,4 +1,4 @@
-"""The prompt index written straight from DESIGN.md, with no care for cost.
+"""The prompt index written straight from its semantics (docs/architecture.md), with no care for cost.
 
 The reference the optimized `mlxcache.cache.index.PromptIndex` is checked against. Every
 rule is one short method, so the differential tests can break exactly one of them.

@@ -1,7 +1,7 @@
 """`PromptIndex` against the naive reference, operation by operation, on random workloads.
 
 The rest proves the harness has teeth: each mutant of the reference breaks one rule of
-DESIGN.md the way an optimized implementation plausibly could, each mutant of the index
+the index semantics (docs/architecture.md) the way an optimized implementation plausibly could, each mutant of the index
 plants a bug its structures could plausibly have, and the harness must notice every one.
 """
 

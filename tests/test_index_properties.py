@@ -1,5 +1,5 @@
 """Hypothesis: a state machine drives `PromptIndex` and the naive reference together, and
-checks the invariants DESIGN.md implies on every step."""
+checks the invariants the index semantics (docs/architecture.md) imply on every step."""
 
 from __future__ import annotations
 
