@@ -241,3 +241,30 @@ def test_validation_names_the_rule_and_the_path() -> None:
     city = {"type": "object", "properties": {"city": {"type": "string"}}}
     assert validation_error({"city": "Paris"}, city) is None
     assert validation_error({"city": 3}, city) == "type at /city: 3 is not of type 'string'"
+
+
+def test_recursive_allof_is_narrowed_in_lenient_mode() -> None:
+    schema = {
+        "$ref": "#/definitions/Foo",
+        "definitions": {
+            "Child": {"type": "object"},
+            "Foo": {
+                "type": "object",
+                "properties": {
+                    "kids": {
+                        "allOf": [{"$ref": "#/definitions/Foo"}, {"$ref": "#/definitions/Child"}]
+                    }
+                },
+            },
+        },
+    }
+    with pytest.raises(GrammarError, match="circular references with sibling keys"):
+        check_schema(schema, strict=True)
+    compiled = check_schema(schema)
+    assert compiled.unenforced == (
+        "allOf at /definitions/Foo/properties/kids/allOf (only its #/definitions/Foo branch decoded)",
+    )
+    assert compiled.decoding["definitions"]["Foo"]["properties"]["kids"]["allOf"] == [
+        {"$ref": "#/definitions/Foo"}
+    ]
+    assert len(schema["definitions"]["Foo"]["properties"]["kids"]["allOf"]) == 2  # as given

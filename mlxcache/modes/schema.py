@@ -29,6 +29,7 @@ from mlxcache.fileio import loads_json
 from mlxcache.modes.schema_walk import (
     close_objects,
     keyword_at,
+    narrow_recursive_allof,
     pointer,
     reachable,
     ref_cycle,
@@ -38,6 +39,9 @@ from mlxcache.modes.schema_walk import (
 )
 
 _ONE_OF_HINT = re.compile(r"\.?\s*Enable 'coerce_one_of'[^.]*\.?")
+_MAX_NARROWING = 8
+# llguidance naming a definition, under the schema's $id or not: "...#/definitions/node".
+_NAMED_DEFINITION = re.compile(r"\S*?(#/[^\s)]*)")
 _CIRCULAR = "circular references with sibling keys"
 
 MAX_ERROR = 300
@@ -143,7 +147,7 @@ def problem_location(schema: Any, message: str) -> str | None:
         name = remote.group(1).strip("/")
         hit = next((p for p, ref in refs if ref.split("#")[0].strip("/") == name), None)
         return pointer((*hit, "$ref")) if hit is not None else None
-    named = re.search(r"\S*?(#/[^\s)]*)", message)  # a definition, under its $id or not
+    named = _NAMED_DEFINITION.search(message)
     if named:
         target = resolve(schema, named.group(1))
         return pointer(target[0]) if target else None
@@ -203,6 +207,16 @@ def check_schema(
     problem, warnings = grammar_check(grammar)
     if problem is not None and not strict and problem.startswith(_CIRCULAR):
         unenforced += strip_ref_siblings(decoding)
+        grammar = grammar_from_json_schema(decoding, lenient=True)
+        problem, warnings = grammar_check(grammar)
+    for _ in range(_MAX_NARROWING):  # each round names one recursive definition
+        named = _NAMED_DEFINITION.search(problem or "")
+        if strict or problem is None or not problem.startswith(_CIRCULAR) or not named:
+            break
+        narrowed = narrow_recursive_allof(decoding, named.group(1))
+        if not narrowed:
+            break
+        unenforced += narrowed
         grammar = grammar_from_json_schema(decoding, lenient=True)
         problem, warnings = grammar_check(grammar)
     if problem is not None:

@@ -196,6 +196,31 @@ def strip_ref_siblings(root: dict[str, Any]) -> list[str]:
     return dropped
 
 
+def narrow_recursive_allof(root: dict[str, Any], ref: str) -> list[str]:
+    """Reduce (in place) each reachable allOf holding a `$ref` to `ref` (a recursive
+    definition llguidance cannot intersect) to that one branch; say where."""
+    target = resolve(root, ref)
+    narrowed = []
+    for parts, node in list(reachable(root)):
+        branches = node.get("allOf")
+        if target is None or not isinstance(branches, list) or len(branches) < 2:
+            continue
+        hit = next(
+            (b for b in branches if isinstance(b, dict) and _targets(root, b, target[1])), None
+        )
+        if hit is not None:
+            node["allOf"] = [hit]
+            narrowed.append(
+                f"allOf at {pointer((*parts, 'allOf'))} (only its {ref} branch decoded)"
+            )
+    return narrowed
+
+
+def _targets(root: dict[str, Any], branch: dict[str, Any], node: Any) -> bool:
+    found = resolve(root, branch.get("$ref"))
+    return found is not None and found[1] is node
+
+
 def keyword_at(root: Any, keywords: set[str]) -> str | None:
     """Where the first reachable subschema using one of `keywords` uses it, or None."""
     for parts, node in reachable(root):
