@@ -11,6 +11,7 @@ raises AssertionError when a guarantee breaks:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import queue
@@ -19,6 +20,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -379,6 +381,41 @@ def check_interrupted(rig: Rig) -> None:
         engine.step()
     engine.cancel(rid)
     rig.geo.prefilled(p, 3)
+    rig.entries(engine.cache)
+    rig.warm(engine, spy, p)
+
+
+class _Interrupt:
+    """Forwards to a model and raises KeyboardInterrupt in call number `at` (Ctrl-C)."""
+
+    def __init__(self, model: Any, at: int) -> None:
+        self._model, self._left = model, at
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+    def __call__(self, x: mx.array, cache: list[Any]) -> mx.array:
+        self._left -= 1
+        if not self._left:
+            raise KeyboardInterrupt
+        return self._model(x, cache=cache)
+
+
+def check_interrupted_inside_a_chunk(rig: Rig) -> None:
+    """Ctrl-C inside the third prefill chunk: a trimmable model keeps the two chunks before
+    it; a whole-state checkpoint (whose layers then hold part of a chunk) keeps nothing."""
+    engine, spy = rig.engine()
+    p = prompt(23)
+    loaded = engine.loaded
+    engine.loaded = dataclasses.replace(loaded, model=_Interrupt(loaded.model, at=3))
+    try:
+        engine.complete(Request(p, GREEDY))
+        raise AssertionError("the interrupt did not reach the caller")
+    except KeyboardInterrupt:
+        pass
+    engine.loaded = loaded
+    if rig.variant.trimmable:
+        rig.geo.prefilled(p, 2)
     rig.entries(engine.cache)
     rig.warm(engine, spy, p)
 
