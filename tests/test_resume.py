@@ -97,7 +97,7 @@ def test_three_turn_chat_with_turn_three_repeated(tiny: LoadedModel, tmp_path: P
 
 
 def test_two_lanes_equal_solo(tiny: LoadedModel, tmp_path: Path) -> None:
-    cached, _spy, fresh, _fspy = engine_pair(tiny, tmp_path, disk_bytes=0)
+    cached, spy, fresh, _fspy = engine_pair(tiny, tmp_path, disk_bytes=0)
     shared = prompt(12)
     a, b = shared + prompt(5, 1), shared + prompt(9, 2)
     sampled = SamplingParams(temperature=0.9, seed=3, max_tokens=8)
@@ -109,6 +109,7 @@ def test_two_lanes_equal_solo(tiny: LoadedModel, tmp_path: Path) -> None:
     done = {e.request_id: e.result for e in cached.run() if isinstance(e, Done)}
     assert [done[i].tokens for i in again] == [solo[1].tokens, solo[0].tokens]
     assert all(done[i].stats.cached_tokens >= 12 for i in again)
+    assert set(spy.batch_sizes) == {1}  # lanes interleave calls, never batch them
 
 
 def test_disk_tier_in_a_new_cache(tiny: LoadedModel, tmp_path: Path) -> None:
