@@ -7,7 +7,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from mlxcache.bench import decode_bench, json_bench, resume_bench
+
+pytestmark = pytest.mark.slow  # each benchmark runs its workload
 
 
 def test_decode_bench(cache_root: Path, tiny_gguf: Path) -> None:

@@ -23,6 +23,8 @@ from mlxcache.engine import Engine, Request
 from mlxcache.model import LoadedModel
 from mlxcache.sampling import SamplingParams
 
+pytestmark = pytest.mark.slow  # several processes sharing one disk tier
+
 WRITER = str(Path(__file__).parent / "writer.py")
 Spawn = Callable[..., "subprocess.Popen[str]"]
 

@@ -35,6 +35,8 @@ from mlxcache.engine import Engine, Request
 from mlxcache.model import LoadedModel
 from mlxcache.sampling import SamplingParams
 
+pytestmark = pytest.mark.slow  # every guarantee on four model variants, new processes
+
 VARIANTS = ["plain", "shaped", "sliding", "shaped-sliding"]
 CHECKS: list[Callable[[Rig], None]] = [
     check_warm,

@@ -20,6 +20,8 @@ from mlxcache.cache.index import PromptIndex
 from mlxcache.cache.order import VictimOrder
 from mlxcache.cache.radix import BlockTree
 
+pytestmark = pytest.mark.slow  # random workloads against the reference, with mutants
+
 
 def _runs(
     store: int,

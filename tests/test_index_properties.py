@@ -6,12 +6,15 @@ from __future__ import annotations
 from typing import Any
 
 import hypothesis.strategies as st
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from naive_index import NaiveIndex
 
 from mlxcache.cache.index import Entry, PromptIndex
 from mlxcache.errors import CacheFullError
+
+pytestmark = pytest.mark.slow  # long random operation sequences
 
 B = 3
 SLOTS = 7

@@ -21,6 +21,8 @@ from guarantees import (
 )
 from mutants import MUTANTS
 
+pytestmark = pytest.mark.slow  # the exactness checks rerun under each mutant
+
 # Which checks, on which variant, must catch each mutant (every one of them must fail).
 CAUGHT_BY: dict[str, list[tuple[str, str]]] = {
     "shared_checkpoint": [("sliding", "restore_repeatedly")],

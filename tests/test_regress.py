@@ -14,6 +14,8 @@ from mlxcache.regress import golden, suite
 from mlxcache.regress.runner import Runner
 from mlxcache_cli.main import app
 
+pytestmark = pytest.mark.slow  # suites under every variant, one in a new process
+
 runner = CliRunner()
 EXAMPLES = Path(__file__).parent.parent / "examples"
 

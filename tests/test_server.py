@@ -30,6 +30,8 @@ from mlxcache.sampling import SamplingParams
 from mlxcache.server.process import MlxcacheServer as ServerProcess
 from mlxcache.server.process import running
 
+pytestmark = pytest.mark.slow  # a server in a child process per test
+
 BLOCK = 16
 MAX_TOKENS = 24
 SCHEMA = {

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from tinymodel import write_tiny_gguf
 
 from mlxcache.bench import serve_bench
+
+pytestmark = pytest.mark.slow  # a benchmark run
 
 
 def test_serve_bench(cache_root: Path, tmp_path: Path) -> None:
