@@ -18,13 +18,18 @@ from mlxcache_cli import ui
 
 Variants = Annotated[
     str,
-    typer.Option("--variants", help="Comma-separated execution variants: cold,warm,disk,lanes."),
+    typer.Option(
+        "--variants",
+        metavar="LIST",
+        help="Comma-separated execution variants: cold,warm,disk,lanes.",
+    ),
 ]
 ALL_VARIANTS = ",".join(VARIANTS)
 RegressBlock = Annotated[
     int,
     typer.Option(
         "--block-size",
+        metavar="TOKENS",
         help="Cache block size for the cached variants (small: short prompts resume).",
     ),
 ]
@@ -86,8 +91,12 @@ def _run(
 
 
 def record(
-    suite: Annotated[Path, typer.Argument(help="Suite file (YAML, JSON or JSONL).")],
-    output: Annotated[Path, typer.Option("--output", "-o", help="Golden file to write.")],
+    suite: Annotated[
+        Path, typer.Argument(metavar="SUITE", help="Suite file (YAML, JSON or JSONL).")
+    ],
+    output: Annotated[
+        Path, typer.Option("--output", "-o", metavar="FILE", help="Golden file to write.")
+    ],
     variants: Variants = ALL_VARIANTS,
     block_size: RegressBlock = 16,
     as_json: o.Json = False,
@@ -100,8 +109,12 @@ def record(
 
 
 def check(
-    suite: Annotated[Path, typer.Argument(help="Suite file (YAML, JSON or JSONL).")],
-    golden_file: Annotated[Path, typer.Argument(help="Golden file from `regress record`.")],
+    suite: Annotated[
+        Path, typer.Argument(metavar="SUITE", help="Suite file (YAML, JSON or JSONL).")
+    ],
+    golden_file: Annotated[
+        Path, typer.Argument(metavar="GOLDEN", help="Golden file from `regress record`.")
+    ],
     variants: Variants = ALL_VARIANTS,
     block_size: RegressBlock = 16,
     as_json: o.Json = False,
