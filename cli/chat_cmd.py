@@ -60,6 +60,7 @@ class Repl:
         """Stream a reply to stdout; Ctrl-C stops it (the partial reply stays in the session)."""
         text = ""
         stats = None
+        finish = ("", 0)
         live = Live(Markdown(""), console=ui.out, auto_refresh=False) if self.markdown else None
         bar = ui.PrefillBar(self.quiet)
         try:
@@ -75,6 +76,7 @@ class Repl:
                         ui.out_text(event.text)
                 elif isinstance(event, Done):
                     stats = event.result.stats.as_dict()
+                    finish = (event.result.finish_reason, len(event.result.tokens))
         except KeyboardInterrupt:
             close = getattr(events, "close", None)
             if close:
@@ -94,6 +96,7 @@ class Repl:
             )
         else:
             ui.stats_line(stats)
+            ui.finish_note(*finish)
         self.autosave()
 
     def autosave(self) -> None:

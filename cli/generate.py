@@ -60,5 +60,5 @@ def _show(event: Event, as_json: bool) -> None:
         else:
             ui.out_text("\n")
         ui.stats_line(result.stats.as_dict())
-        if result.finish_reason == "length" and not as_json:
-            ui.info(f"stopped at the token limit ({len(result.tokens)} tokens; -n for more)")
+        if not as_json:
+            ui.finish_note(result.finish_reason, len(result.tokens))

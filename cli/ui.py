@@ -109,6 +109,12 @@ def warn(message: str) -> None:
     err.print(f"warning: {as_flags(message)}", style="warn", markup=False, soft_wrap=True)
 
 
+def finish_note(finish_reason: str, tokens: int) -> None:
+    """Say when a plain reply ended at the token limit rather than where the model stopped."""
+    if finish_reason == "length":
+        info(f"stopped at the token limit ({tokens} tokens; -n for more)")
+
+
 def stats_line(stats: dict[str, Any]) -> None:
     """Per-request stats: the user sees how much of the prompt came from the cache (and why
     nothing did, when nothing did)."""

@@ -87,6 +87,7 @@ def test_repl_commands_confirm(cache_root: Path, tmp_path: Path, tiny_gguf: Path
         "system message cleared",
         "no turns yet",
     ]
+    assert "stopped at the token limit (2 tokens; -n for more)" in lines  # after the reply
     reply = out.removesuffix("\n")
     rest = lines[lines.index("1 you> hello") :]  # after the reply's stats line
     assert rest[1] == f"  {' '.join(reply.split())}"
