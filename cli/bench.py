@@ -38,12 +38,43 @@ def index(
         int,
         typer.Option("--scale-slots", help="Also run at this many slots (victim p50 within 2x)."),
     ] = 2000,
+    block_size: o.BlockSize = None,
 ) -> None:
     """Prompt index lookup/keep/victim latency vs mlx-lm's LRUPromptCache on a forking chat."""
     from mlxcache.bench import index_bench
 
     o.positive(slots=slots, runs=runs, turns=turns)
-    _report(index_bench.run_scaled(slots, runs, turns, scale_slots))
+    if block_size is not None:
+        o.positive(block_size=block_size)
+    _report(index_bench.run_scaled(slots, runs, turns, scale_slots, block_size))
+
+
+def chunks(
+    model: o.Model = None,
+    tokens: Annotated[
+        int, typer.Option("--tokens", help="Prompt tokens prefilled per size.")
+    ] = 512,
+    rounds: Annotated[int, typer.Option("--rounds", help="Interleaved rounds.")] = 2,
+) -> None:
+    """Prefill tokens/s per chunk size (8...512) on this device, and the block size it suggests."""
+    from mlxcache.bench import chunks_bench
+
+    o.positive(tokens=tokens, rounds=rounds)
+    _report(chunks_bench.run(model, tokens, rounds))
+
+
+def chat(
+    model: o.Model = None,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", help="Reply length cap.")] = 100,
+    block_size: o.BlockSize = None,
+) -> None:
+    """A 5-turn chat: warm-ahead (waited for, and not) and no warm-ahead vs mlx-lm's kept KV."""
+    from mlxcache.bench import chat_bench
+
+    o.positive(max_tokens=max_tokens)
+    if block_size is not None:
+        o.positive(block_size=block_size)
+    _report(chat_bench.run(model, max_tokens, block_size))
 
 
 def json(

@@ -190,6 +190,8 @@ command(bench.decode, app=bench_app, examples="mlxcache bench decode --tokens 64
 command(bench.index, app=bench_app, examples="mlxcache bench index --slots 500")
 command(bench.resume, app=bench_app, examples="mlxcache bench resume --turns 6")
 command(bench.json, app=bench_app, examples="mlxcache bench json --lines 12")
+command(bench.chunks, app=bench_app, examples="mlxcache bench chunks --tokens 256")
+command(bench.chat, app=bench_app, examples="mlxcache bench chat --max-tokens 80")
 command(bench.schemas, app=bench_app, examples="mlxcache bench schemas schemas/ --generate 12")
 command(bench.serve, app=bench_app, examples="mlxcache bench serve --turns 2 --tokens 30")
 app.add_typer(bench_app, name="bench")

@@ -7,10 +7,18 @@ from typing import Annotated, Any
 
 import typer
 
-from mlxcache.errors import OutputError, UserInputError
+from mlxcache.engine import Engine
+from mlxcache.errors import MlxcacheError, OutputError, UserInputError
 from mlxcache.fileio import loads_json
 from mlxcache.modes.schema import read_json_arg
-from mlxcache.modes.tool_chat import ToolsTask, add_tool_results, assistant_message, read_messages
+from mlxcache.modes.tool_chat import (
+    ToolReply,
+    ToolsTask,
+    add_tool_results,
+    assistant_message,
+    next_turn,
+    read_messages,
+)
 from mlxcache.modes.tools import ToolChoice, parse_tools
 from mlxcache_cli import options as o
 from mlxcache_cli import ui
@@ -133,3 +141,17 @@ def tools_cmd(
     ui.stats_line(result.stats.as_dict())
     if reply.error is not None:
         raise OutputError(reply.error)
+    if engine.warm_ahead and run.cache().disk_bytes:
+        _warm_ahead(engine, task, messages, reply)
+
+
+def _warm_ahead(
+    engine: Engine, task: ToolsTask, messages: list[dict[str, Any]], reply: ToolReply
+) -> None:
+    """Prefill the follow-up's prefix now (kept on disk): the `--tool-result` call resumes it."""
+    try:
+        engine.warm(next_turn(task, engine, messages, reply))
+    except MlxcacheError:
+        return  # e.g. the conversation fills the context: nothing to warm
+    for _ in engine.run(warm=True):
+        pass

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,6 +62,24 @@ def common_prefix(a: Sequence[int] | np.ndarray, b: Sequence[int] | np.ndarray) 
     n = min(len(a), len(b))
     diff = np.nonzero(np.asarray(a[:n]) != np.asarray(b[:n]))[0]
     return int(diff[0]) if diff.size else n
+
+
+def next_turn_prefix(
+    encode: Callable[[list[dict[str, Any]]], list[int]],
+    messages: list[dict[str, Any]],
+    role: str = "user",
+    **fields: Any,
+) -> list[int]:
+    """The token prefix every next prompt of a conversation starts with.
+
+    `messages` ends with the last reply; the next prompt renders it followed by a message
+    of `role` (with `fields`, e.g. a tool result's name). Templates may render earlier
+    turns differently once a turn follows (e.g. dropping an assistant's reasoning), so
+    this renders exactly that with `encode`, with two different placeholder messages, and
+    keeps what both renders share: what does not depend on the next message's text.
+    """
+    a, b = (encode([*messages, {"role": role, "content": p, **fields}]) for p in _PROBES)
+    return a[: common_prefix(a, b)]
 
 
 class Engine:
@@ -112,18 +130,9 @@ class Engine:
         return [int(t) for t in ids]
 
     def encode_next_turn(self, messages: list[dict[str, Any]], **template_kwargs: Any) -> list[int]:
-        """The token prefix every next prompt of this conversation starts with.
-
-        `messages` ends with the last reply. The next prompt renders it followed by a new
-        user message; templates may render earlier turns differently once a turn follows
-        (e.g. dropping an assistant's reasoning), so this renders exactly that, with two
-        different placeholder messages, and keeps what both renders share.
-        """
-        a, b = (
-            self.encode_chat([*messages, {"role": "user", "content": p}], **template_kwargs)
-            for p in _PROBES
-        )
-        return a[: common_prefix(a, b)]
+        """The token prefix every next prompt of this conversation starts with (see
+        `next_turn_prefix`); `messages` ends with the last reply."""
+        return next_turn_prefix(lambda m: self.encode_chat(m, **template_kwargs), messages)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of raw text (no template, no special tokens added)."""

@@ -39,3 +39,27 @@ def test_json_bench(cache_root: Path, tmp_path: Path) -> None:
     write_tiny_gguf(tmp_path / "long.gguf", context=4096)  # the shared instructions are long
     result = json_bench.run(str(tmp_path / "long.gguf"), tokens=4, rounds=1, lines=2, block_size=16)
     assert result["same_outputs"] is True and result["ratio"] > 0
+
+
+def test_chat_bench(cache_root: Path, tmp_path: Path) -> None:
+    from tinymodel import write_tiny_gguf
+
+    from mlxcache.bench import chat_bench
+
+    write_tiny_gguf(tmp_path / "long.gguf", context=4096)  # five turns of byte-level tokens
+    result = chat_bench.run(str(tmp_path / "long.gguf"), max_tokens=6, block_size=4)
+    assert result["identical_to_no_cache"] == {"a": True, "b": True, "d": True}
+    assert [len(result["per_turn"][w]) for w in "abdc"] == [5, 5, 5, 5]
+    waited = result["per_turn"]["a"]
+    assert all(row["cached"] > 0 for row in waited[1:])
+    assert result["goals"]["a_prefills_at_most_a_block_plus_the_turn"] is True
+    assert result["generate_twice"]["share"] >= 0.75
+
+
+def test_chunks_bench(cache_root: Path, tiny_gguf: Path) -> None:
+    from mlxcache.bench import chunks_bench
+
+    result = chunks_bench.run(str(tiny_gguf), tokens=64, rounds=1, sizes=(8, 16, 32))
+    assert set(result["tps"]) == {"8", "16", "32"} and result["suggested_block_size"] in (16, 32)
+    assert chunks_bench.suggest({8: 100.0, 16: 95.0, 32: 100.0, 64: 80.0}) == 16
+    assert chunks_bench.suggest({8: 100.0, 16: 50.0, 32: 89.0, 64: 91.0}) == 64

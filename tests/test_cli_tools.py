@@ -35,12 +35,13 @@ def tools(tmp_path: Path) -> Path:
 
 @pytest.mark.model
 def test_required_call_then_result_then_text(cache_root: Path, tools: Path, tmp_path: Path) -> None:
-    base = ["tools", "--tools", str(tools), "--block-size", "64"]
+    base = ["tools", "--tools", str(tools), "--block-size", "32"]
     call = runner.invoke(
         app, [*base, "What is the weather in Paris?", "--tool-choice", "required", "-n", "40"]
     )
     assert call.exit_code == 0, call.stderr
     assert call.stdout == 'get_weather({"city": "Paris"})\n'
+    first_prompt = int(call.stderr.split("/", 1)[1].split(" ", 1)[0])
     # What `--json` returns as "messages" for that reply: the conversation so far.
     messages = [
         {"role": "user", "content": "What is the weather in Paris?"},
@@ -65,6 +66,9 @@ def test_required_call_then_result_then_text(cache_root: Path, tools: Path, tmp_
     assert answer["tool_calls"] == [] and answer["content"]
     assert answer["content"] == f"<tool_response>\n{result}\n</tool_response>"  # a 135M model
     assert answer["finish_reason"] == "stop"
+    # Warm-ahead after the call kept the blocks of call + result header: the follow-up
+    # resumes past the last block the first request kept.
+    assert answer["stats"]["cached_tokens"] > first_prompt // 32 * 32
     assert answer["messages"] == [
         *messages,
         {"role": "tool", "name": "get_weather", "content": result},

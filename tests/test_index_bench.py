@@ -12,13 +12,13 @@ OPS = {"lookup", "keep", "victim", "mlx_lm_lookup", "mlx_lm_keep"}
 
 
 def test_run_reports_every_figure() -> None:
-    result = index_bench.run(slots=20, runs=1, turns=12)
+    result = index_bench.run(slots=20, runs=1, turns=12, block_size=64)
     assert result["bench"] == "index"
     assert (result["slots"], result["runs"], result["turns"], result["block_size"]) == (
         20,
         1,
         12,
-        256,
+        64,
     )
     assert set(result["ms"]) == OPS
     assert all(set(q) == {"p50_ms", "p99_ms"} for q in result["ms"].values())

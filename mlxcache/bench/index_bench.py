@@ -2,7 +2,8 @@
 
 The workload is one chat of `turns` turns growing from 8k to 30k tokens, every other turn a
 fork from a recent earlier state (an edit or a regenerate). Per turn: look the prompt up,
-then keep prompt + reply floored to whole blocks (B = 256), evicting down to `slots`
+then keep prompt + reply floored to whole blocks (B: the device's default block size,
+unless given), evicting down to `slots`
 entries. So that the index is full for the second half of the chat (and victims are picked
 among `slots` entries), it first holds entries of other chats (other first blocks, as other
 system prompts would have): as many as the first half of the chat leaves free.
@@ -25,8 +26,8 @@ import numpy as np
 import numpy.typing as npt
 
 from mlxcache.cache.index import PromptIndex
+from mlxcache.config import default_block_size
 
-B = 256
 START, END = 8_000, 30_000
 USER, FORK_CUT, MIN_REPLY = 40, 60, 16  # a user message; most an edit cuts; shortest reply
 VOCAB = 32_000
@@ -75,7 +76,7 @@ def _conversation(rng: random.Random, turns: int) -> list[tuple[Ids, Ids]]:
     return out
 
 
-def _background(rng: random.Random, n: int) -> list[Ids]:
+def _background(rng: random.Random, n: int, B: int) -> list[Ids]:
     """`n` entries of other chats, 100 per chat, each one block longer than the last."""
     out: list[Ids] = []
     while len(out) < n:
@@ -107,13 +108,15 @@ def _keep(index: PromptIndex, kept: Ids, prompt: Ids, slots: int) -> int:
     return evicted
 
 
-def _one_run(seed: int, slots: int, turns: int, ms: dict[str, list[float]]) -> dict[str, int]:
+def _one_run(
+    seed: int, slots: int, turns: int, ms: dict[str, list[float]], B: int
+) -> dict[str, int]:
     from mlx_lm.models.cache import LRUPromptCache
 
     rng = random.Random(seed)
     chat = _conversation(rng, turns)
     first_half = {state[: len(state) // B * B].tobytes() for _, state in chat[: turns // 2]}
-    background = _background(rng, max(0, slots - len(first_half)))
+    background = _background(rng, max(0, slots - len(first_half)), B)
     index, theirs = PromptIndex(B), LRUPromptCache(max_size=slots)
     for kept in background:
         _keep(index, kept, kept, slots)
@@ -166,8 +169,12 @@ def _pct(xs: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(xs), q))
 
 
-def run(slots: int = 200, runs: int = 3, turns: int = 220) -> dict[str, Any]:
+def run(
+    slots: int = 200, runs: int = 3, turns: int = 220, block_size: int | None = None
+) -> dict[str, Any]:
     """Measure lookup, keep and victim latency of the index and of mlx-lm's cache.
+
+    `block_size` defaults to the device's default block size (what the engine uses).
 
     Returns:
         A JSON-ready dict: p50/p99 in milliseconds per operation, speedups, goals met.
@@ -175,7 +182,8 @@ def run(slots: int = 200, runs: int = 3, turns: int = 220) -> dict[str, Any]:
     ms: dict[str, list[float]] = {
         k: [] for k in ("lookup", "keep", "victim", "mlx_lm_lookup", "mlx_lm_keep")
     }
-    runs_counts = [_one_run(r, slots, turns, ms) for r in range(runs)]
+    B = block_size or default_block_size()
+    runs_counts = [_one_run(r, slots, turns, ms, B) for r in range(runs)]
     totals = {k: sum(c[k] for c in runs_counts) for k in COUNTS}
     totals["background_entries"] = runs_counts[0]["background_entries"]
     totals["max_prompt_tokens"] = runs_counts[0]["max_prompt_tokens"]
@@ -206,12 +214,14 @@ def run(slots: int = 200, runs: int = 3, turns: int = 220) -> dict[str, Any]:
     }
 
 
-def run_scaled(slots: int, runs: int, turns: int, scale_slots: int = 0) -> dict[str, Any]:
+def run_scaled(
+    slots: int, runs: int, turns: int, scale_slots: int = 0, block_size: int | None = None
+) -> dict[str, Any]:
     """`run`, plus (with `scale_slots`) the same workload at that many slots, nested under
     "scale", and the goal that victim p50 stays within 2x."""
-    result = run(slots, runs, turns)
+    result = run(slots, runs, turns, block_size)
     if scale_slots:
-        big = run(scale_slots, runs, turns)
+        big = run(scale_slots, runs, turns, block_size)
         ratio = big["ms"]["victim"]["p50_ms"] / max(result["ms"]["victim"]["p50_ms"], 1e-9)
         keep = ("slots", "background_entries", "evictions", "ms", "ratios", "goals")
         result["scale"] = {k: big[k] for k in keep} | {"victim_p50_ratio": round(ratio, 2)}
@@ -226,6 +236,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--slots", type=int, default=200)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--turns", type=int, default=220)
+    ap.add_argument("--block-size", type=int, default=None)
     ap.add_argument(
         "--scale-slots",
         type=int,
@@ -233,7 +244,7 @@ def main(argv: list[str] | None = None) -> None:
         help="also run with this many slots and check victim p50 stays within 2x",
     )
     args = ap.parse_args(argv)
-    result = run_scaled(args.slots, args.runs, args.turns, args.scale_slots)
+    result = run_scaled(args.slots, args.runs, args.turns, args.scale_slots, args.block_size)
     for op, q in result["ms"].items():
         print(f"{op:>14}: p50 {q['p50_ms']:8.4f} ms   p99 {q['p99_ms']:8.4f} ms", file=sys.stderr)
     for key in ("ratios", "goals", "scale"):

@@ -1,0 +1,219 @@
+"""`mlxcache bench chat`: a multi-turn chat, TTFT and prefilled tokens per turn, four ways.
+
+(a) warm-ahead, waiting for it between turns (a user who reads the reply);
+(b) warm-ahead on, the next turn sent at once (a script);
+(d) warm-ahead off: what (b) would be without this feature;
+(c) the baseline: mlx-lm keeping its whole KV cache across turns (`make_prompt_cache` +
+    `generate_step`, trimmed to the prefix it shares with the re-rendered history).
+Every reply of (a), (b) and (d) is asserted byte-identical to a cache-less replay of the
+same conversation. Also measured: a ~100-token `generate` prompt sent twice with the
+default settings, and how much of it the second one resumes.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from mlxcache.config import CacheConfig
+from mlxcache.engine import Engine, Request, common_prefix
+from mlxcache.model import LoadedModel, load
+from mlxcache.runtime import make_cache
+from mlxcache.sampling import SamplingParams
+from mlxcache.worker import EngineWorker
+
+TURNS = (
+    "Explain in detail how tides work.",
+    "Now explain how the moon's orbit changes them over a month.",
+    "What would happen to the tides if the moon were twice as far away?",
+    "Describe how sailors used tide tables in the past.",
+    "Summarize everything we discussed in a few paragraphs.",
+)
+LONG_PROMPT = (
+    "You are reviewing a short story draft. The story follows a lighthouse keeper on a remote "
+    "island who discovers a message in a bottle written decades ago by her grandmother. "
+    "Point out two strengths, two weaknesses, and one concrete suggestion for the ending."
+)
+GOAL_TTFT = 1.3
+GOAL_RESUMED = 0.75
+
+
+def _chat(
+    runner: Any, params: SamplingParams, wait: bool
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """Run the conversation through an `EngineWorker`; per-turn rows and replies."""
+    messages: list[dict[str, str]] = []
+    rows, replies = [], []
+    for text in TURNS:
+        messages.append({"role": "user", "content": text})
+        result = runner.complete(Request(runner.encode_chat(messages), params))
+        stats = result.stats
+        rows.append(
+            {
+                "prompt": stats.prompt_tokens,
+                "cached": stats.cached_tokens,
+                "prefilled": stats.prefilled_tokens,
+                "ttft_s": round(stats.ttft_s, 3),
+            }
+        )
+        replies.append(result.text)
+        messages.append({"role": "assistant", "content": result.text})
+        runner.warm_chat(messages)
+        if wait:  # the user reads: warm-ahead runs to its end before the next turn
+            runner.call(lambda e: list(e.run(warm=True)))
+    return rows, replies
+
+
+def _mlx_lm_chat(loaded: LoadedModel, params: SamplingParams) -> list[dict[str, Any]]:
+    """The baseline: one mlx-lm KV cache kept across turns, trimmed to the shared prefix."""
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+
+    engine = Engine(loaded)  # for its chat template only
+    cache = make_prompt_cache(loaded.model)
+    held: list[int] = []  # the tokens whose KV `cache` holds
+    messages: list[dict[str, str]] = []
+    rows = []
+    eos = set(loaded.tokenizer.eos_token_ids)
+    for text in TURNS:
+        messages.append({"role": "user", "content": text})
+        prompt = engine.encode_chat(messages)
+        reuse = min(common_prefix(held, prompt), len(prompt) - 1)
+        trim_prompt_cache(cache, len(held) - reuse)
+        start = time.perf_counter()
+        out: list[int] = []
+        ttft = 0.0
+        steps = generate_step(
+            mx.array(prompt[reuse:]),
+            loaded.model,
+            max_tokens=params.max_tokens,
+            sampler=lambda lp: mx.argmax(lp, axis=-1),
+            prompt_cache=cache,
+        )
+        for token, _ in steps:
+            if not out:
+                ttft = time.perf_counter() - start
+            if int(token) in eos:
+                break
+            out.append(int(token))
+        held = (prompt + out)[: cache[0].offset]
+        rows.append(
+            {
+                "prompt": len(prompt),
+                "cached": reuse,
+                "prefilled": len(prompt) - reuse,
+                "ttft_s": round(ttft, 3),
+            }
+        )
+        messages.append({"role": "assistant", "content": loaded.tokenizer.decode(out)})
+    return rows
+
+
+def _replay(
+    loaded: LoadedModel, block: int, replies: list[str], params: SamplingParams
+) -> list[str]:
+    """The same conversation with no cache at all: what every cached run must print."""
+    engine = Engine(loaded, block_size=block)
+    messages: list[dict[str, str]] = []
+    out = []
+    for text, reply in zip(TURNS, replies, strict=True):
+        messages.append({"role": "user", "content": text})
+        out.append(engine.complete(Request(engine.encode_chat(messages), params)).text)
+        messages.append({"role": "assistant", "content": reply})
+    return out
+
+
+def _resumed_share(loaded: LoadedModel, config: CacheConfig) -> dict[str, Any]:
+    """A ~100-token prompt sent twice with the default settings."""
+    engine = Engine(loaded, make_cache(loaded, config))
+    ids = engine.encode_chat([{"role": "user", "content": LONG_PROMPT}])
+    params = SamplingParams(max_tokens=4)
+    engine.complete(Request(ids, params))
+    again = engine.complete(Request(ids, params)).stats
+    return {
+        "prompt": len(ids),
+        "cached": again.cached_tokens,
+        "share": again.cached_tokens / len(ids),
+    }
+
+
+def _median_ratio(ours: list[dict[str, Any]], base: list[dict[str, Any]]) -> float:
+    return statistics.median(
+        o["ttft_s"] / max(b["ttft_s"], 1e-9) for o, b in zip(ours[1:], base[1:], strict=True)
+    )
+
+
+def run(
+    model: str | None = None, max_tokens: int = 100, block_size: int | None = None
+) -> dict[str, Any]:
+    """Run the four ways and the checks; one JSON-able dict."""
+    loaded = load(model)
+    params = SamplingParams(max_tokens=max_tokens)
+    ways: dict[str, list[dict[str, Any]]] = {}
+    replies: dict[str, list[str]] = {}
+    block = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        for way, wait, warm in (("a", True, True), ("b", False, True), ("d", False, False)):
+            size = {} if block_size is None else {"block_size": block_size}
+            config = CacheConfig(directory=Path(tmp) / way, warm_ahead=warm, **size)  # type: ignore[arg-type]
+            block = config.block_size
+            with EngineWorker(Engine(loaded, make_cache(loaded, config), warm_ahead=warm)) as w:
+                ways[way], replies[way] = _chat(w, params, wait)
+        share = _resumed_share(loaded, CacheConfig(directory=Path(tmp) / "share"))
+    ways["c"] = _mlx_lm_chat(loaded, params)
+    cold = _replay(loaded, block, replies["a"], params)
+    identical = {way: replies[way] == cold for way in ("a", "b", "d")}
+    bounded = all(
+        row["prefilled"] <= block + new
+        for row, new in zip(ways["a"][1:], _new_turn_tokens(loaded), strict=False)
+    )
+    ratios = {
+        "ttft_a_over_c": round(_median_ratio(ways["a"], ways["c"]), 3),
+        "ttft_b_over_c": round(_median_ratio(ways["b"], ways["c"]), 3),
+        "ttft_b_over_d": round(_median_ratio(ways["b"], ways["d"]), 3),
+    }
+    goals = {
+        "a_prefills_at_most_a_block_plus_the_turn": bounded,
+        "ttft_a_over_c_le_1.3": ratios["ttft_a_over_c"] <= GOAL_TTFT,
+        "b_not_slower_than_d": ratios["ttft_b_over_d"] <= 1.1,  # 10%: a shared, noisy machine
+        "replies_identical_to_no_cache": all(identical.values()),
+        "generate_twice_resumes_75pct": share["share"] >= GOAL_RESUMED,
+    }
+    return {
+        "bench": "chat",
+        "device": str(mx.default_device()),
+        "block_size": block,
+        "turns": len(TURNS),
+        "max_tokens": max_tokens,
+        "per_turn": ways,
+        "prefilled_total": {w: sum(r["prefilled"] for r in rows) for w, rows in ways.items()},
+        "ratios": ratios,
+        "identical_to_no_cache": identical,
+        "generate_twice": {k: round(v, 3) if isinstance(v, float) else v for k, v in share.items()},
+        "goals": goals,
+        "pass": all(goals.values()),
+    }
+
+
+def _new_turn_tokens(loaded: LoadedModel) -> list[int]:
+    """Tokens a new user turn adds to the rendered history (message and its template)."""
+    engine = Engine(loaded)
+    out = []
+    for text in TURNS[1:]:
+        with_turn = engine.encode_chat(
+            [
+                {"role": "user", "content": "x"},
+                {"role": "assistant", "content": "y"},
+                {"role": "user", "content": text},
+            ]
+        )
+        ahead = engine.encode_next_turn(
+            [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+        )
+        out.append(len(with_turn) - len(ahead))
+    return out
