@@ -17,10 +17,14 @@ import yaml
 from typer.testing import CliRunner
 
 from mlxcache.cache.disk import DiskTier
+from mlxcache.cache.store import PromptCache
+from mlxcache.config import CacheConfig
+from mlxcache.engine import Engine, Request
 from mlxcache.errors import CacheStoreError
 from mlxcache.fileio import MAX_DEPTH, load_yaml, loads_json
-from mlxcache.model import load
+from mlxcache.model import LoadedModel, load
 from mlxcache.model.gguf import MANIFEST, check_folder
+from mlxcache.sampling import SamplingParams
 from mlxcache_cli.main import app
 
 runner = CliRunner()
@@ -273,3 +277,20 @@ def test_a_full_disk_under_a_batch_output_keeps_the_lines_written(
     assert again.exit_code == 0, again.stderr
     assert [json.loads(line)["line"] for line in out.read_text().splitlines()] == [1, 2]
     assert "1 lines run, 1 already in" in again.stderr
+
+
+def test_an_index_damaged_while_in_use_names_its_fix(tiny: LoadedModel, tmp_path: Path) -> None:
+    warnings: list[str] = []
+    config = CacheConfig(block_size=4)
+    cache = PromptCache(tiny.model, tiny.key, config, tmp_path / "kv", warnings.append)
+
+    def malformed(*_args: object) -> list[object]:
+        raise sqlite3.DatabaseError("database disk image is malformed")
+
+    cache.disk.entries = malformed  # type: ignore[union-attr, method-assign]
+    result = Engine(tiny, cache).complete(Request(list(range(3, 20)), SamplingParams(max_tokens=2)))
+    assert result.finish_reason == "length" and cache.disk is None
+    assert warnings == [
+        f"disk cache disabled: the cache index {tmp_path / 'kv' / 'index.sqlite'} is damaged "
+        "(database disk image is malformed); `mlxcache cache clear` resets the directory"
+    ]

@@ -27,6 +27,7 @@ from mlxcache.cache.disk import (
     block_writer,
     checkpoint_writer,
     digest_tokens,
+    index_error,
 )
 from mlxcache.cache.index import Entry, PromptIndex
 from mlxcache.config import CacheConfig
@@ -101,7 +102,7 @@ class PromptCache:
                 if label is not None:
                     self.disk.name_namespace(self.ns, *label, config.block_size)
             except _DISK_ERRORS as exc:
-                self._drop_disk(str(exc))
+                self._drop_disk(exc)
             self._sync_disk()
 
     # -- PrefixCache ------------------------------------------------------------------------
@@ -254,7 +255,7 @@ class PromptCache:
                 self._remove_disk(victim)
                 self.stats.evictions_disk += 1
         except _DISK_ERRORS as exc:
-            self._drop_disk(str(exc))
+            self._drop_disk(exc)
 
     # -- disk tier --------------------------------------------------------------------------
 
@@ -262,10 +263,13 @@ class PromptCache:
         """Checkpoints are per entry (not shared): named by namespace and token digest."""
         return f"c-{self.ns[:16]}-{digest_tokens(tokens)}"
 
-    def _drop_disk(self, reason: str) -> None:
+    def _drop_disk(self, error: Exception) -> None:
         """Go on without the disk tier (read-only or full directory, broken index)."""
         self.stats.disk_errors += 1
+        reason: Exception = error
         if self.disk is not None:
+            if isinstance(error, sqlite3.Error):  # a damaged index names its fix
+                reason = index_error(self.disk.root, error)
             self.disk.close()
         self.disk = None
         self._warn(f"disk cache disabled: {reason}")
@@ -277,7 +281,7 @@ class PromptCache:
         try:
             rows = self.disk.entries(self.ns, self._disk_seen)
         except _DISK_ERRORS as exc:
-            self._drop_disk(str(exc))
+            self._drop_disk(exc)
             return
         for row in rows:
             entry = self.disk_index.add(row.tokens, trimmable=row.trimmable, nbytes=row.nbytes)
@@ -302,7 +306,7 @@ class PromptCache:
         try:
             row = self.disk.add_entry(self.ns, tokens, trimmable, files, nbytes)
         except _DISK_ERRORS as exc:  # full, read-only, locked: nothing was left half-written
-            self._drop_disk(str(exc))
+            self._drop_disk(exc)
             return
         entry = self.disk_index.add(tokens, trimmable=trimmable, nbytes=nbytes)
         self._disk_ids[entry] = row
@@ -314,7 +318,7 @@ class PromptCache:
             try:
                 self.disk.remove_entry(row)
             except _DISK_ERRORS as exc:
-                self._drop_disk(str(exc))
+                self._drop_disk(exc)
 
     def _promote(self, entry: Entry, length: int) -> Entry | None:
         """Load a disk entry's first `length` tokens into memory; None if its files are bad."""
@@ -337,7 +341,7 @@ class PromptCache:
             self._remove_disk(entry)
             return None
         except _DISK_ERRORS as exc:  # e.g. the index stayed locked by other processes
-            self._drop_disk(str(exc))
+            self._drop_disk(exc)
             return None
         self._fit(skip=mem_entry, prompt=tokens)
         return mem_entry
