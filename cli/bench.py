@@ -145,6 +145,7 @@ def serve(
     baseline: Annotated[
         bool, typer.Option("--baseline/--no-baseline", help="Also run mlx_lm.server.")
     ] = True,
+    block_size: o.BlockSize = None,
 ) -> None:
     """mlxcache serve vs mlx_lm.server (openai client, loopback): TTFT, cache, exactness, load."""
     from mlxcache.bench import serve_bench
@@ -155,9 +156,17 @@ def serve(
         tokens=tokens,
         load_requests=load_requests,
         load_clients=load_clients,
+        block_size=block_size or 1,
     )
     _report(
         serve_bench.run(
-            model, clients, turns, tokens, load_requests, load_clients, baseline=baseline
+            model,
+            clients,
+            turns,
+            tokens,
+            load_requests,
+            load_clients,
+            baseline=baseline,
+            block_size=block_size,
         )
     )

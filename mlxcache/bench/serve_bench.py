@@ -201,6 +201,7 @@ def run(
     load_clients: int = 16,
     max_queue: int = 8,
     baseline: bool = True,
+    block_size: int | None = None,
 ) -> dict[str, Any]:
     """Both servers on the same converted folder, one after the other (never at once)."""
     folder = load(model).path
@@ -213,6 +214,8 @@ def run(
     with tempfile.TemporaryDirectory(prefix="mlxcache-bench-serve-") as tmp:
         args = ["--model", str(folder), "--cache-dir", tmp, "--cache-mem", CACHE_MEM]
         args += ["--max-tokens", str(tokens), "--max-queue", str(max_queue)]
+        if block_size is not None:
+            args += ["--block-size", str(block_size)]
         ours = MlxcacheServer(args)
         try:
             result["mlxcache"] = _compare(ours.url, ours.model, clients, turns, tokens)
