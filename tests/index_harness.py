@@ -13,6 +13,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from index_tree import check_tree
 from naive_index import NaiveIndex
 
 from mlxcache.cache.index import PromptIndex
@@ -135,6 +136,7 @@ class Run:
     # The comparison after every operation.
 
     def check(self) -> None:
+        check_tree(self.real, self.step)
         real, ref = list(self.real), self.ref.entries
         assert len(real) == len(ref), f"{self.step}: {len(real)} entries, reference {len(ref)}"
         for e, r in zip(real, ref, strict=True):

@@ -18,7 +18,7 @@ from naive_index import NaiveEntry, NaiveIndex
 from mlxcache.cache import radix
 from mlxcache.cache.index import PromptIndex
 from mlxcache.cache.order import VictimOrder
-from mlxcache.cache.radix import BlockTree
+from mlxcache.cache.radix import BlockTree, Walk
 
 pytestmark = pytest.mark.slow  # random workloads against the reference, with mutants
 
@@ -273,8 +273,36 @@ def _nt_prefixes_first_block_only(self: PromptIndex, path: Any, data: bytes) -> 
     return _NT_PREFIXES(self, path[:2], data)
 
 
+def _split_without_aggregates(self: BlockTree, node: Any, depth: int) -> Any:
+    upper = _SPLIT(self, node, depth)
+    upper.best, upper.nt = None, 0
+    return upper
+
+
+def _prune_without_merging(self: BlockTree, node: Any) -> None:
+    bb = self.block_bytes
+    while node.parent is not None and not node.entries and not node.children:
+        del node.parent.children[node.key[:bb]]
+        node = node.parent
+
+
+def _walk_stopping_before_a_partial_edge(
+    self: BlockTree, data: bytes, blocks: int, keep: Any = None
+) -> Any:
+    path, depth, inside = _WALK(self, data, blocks, keep)
+    return Walk(path, path[-1].depth, None) if inside is not None else Walk(path, depth, inside)
+
+
+def _common_counting_the_differing_block(
+    self: BlockTree, data: bytes, pos: int, key: bytes, end: int
+) -> int:
+    common = _COMMON(self, data, pos, key, end)
+    return common + self.block_bytes if common < pos + min(len(key), end - pos) else common
+
+
 _PICK, _USEFUL = VictimOrder.pick, PromptIndex._useful
 _LOOKUP, _NT_PREFIXES = PromptIndex.lookup, PromptIndex._nt_prefixes
+_SPLIT, _WALK, _COMMON = BlockTree._split, BlockTree.walk, BlockTree._common
 IMPL_MUTANTS = {
     "lookup tie to the newest": (radix, "_less_rewinding", _newest_best_first),
     "best not recomputed on expiry/removal": (BlockTree, "drop_best", staticmethod(_stale_best)),
@@ -283,6 +311,10 @@ IMPL_MUTANTS = {
     "expired extenders still counted": (PromptIndex, "_deactivate", _deactivate_keeping_extenders),
     "no len(prompt) - 1 cap": (PromptIndex, "lookup", _lookup_without_cap),
     "non-trimmable walk stops early": (PromptIndex, "_nt_prefixes", _nt_prefixes_first_block_only),
+    "split edge without aggregates": (BlockTree, "_split", _split_without_aggregates),
+    "pruned node not merged": (BlockTree, "prune", _prune_without_merging),
+    "partial edge not walked": (BlockTree, "walk", _walk_stopping_before_a_partial_edge),
+    "partial edge one block long": (BlockTree, "_common", _common_counting_the_differing_block),
 }
 
 

@@ -9,6 +9,7 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from index_tree import check_tree
 from naive_index import NaiveIndex
 
 from mlxcache.cache.index import Entry, PromptIndex
@@ -94,6 +95,10 @@ class IndexMachine(RuleBasedStateMachine):
             return
         getattr(self.real, op)(e)
         getattr(self.ref, op)(r)
+
+    @invariant()
+    def tree_shape(self) -> None:
+        check_tree(self.real)
 
     @invariant()
     def same_entries(self) -> None:

@@ -29,7 +29,7 @@ class Entry:
         nbytes: the bytes its state takes, as told by the caller.
 
         node: the radix-tree node of its last whole block; `tail`: its tokens' bytes past it.
-        group: the first-block node of a trimmable entry of at least one block (else None).
+        group: the first block's bytes of a trimmable entry of at least one block (else None).
         victim_class: its class in the victim order while it stands there.
         extends: older entries that are proper prefixes of it (kept for trimmable entries).
         extenders: newer trimmable entries it is a proper prefix of.
@@ -63,7 +63,7 @@ class Entry:
         self.nbytes = nbytes
         self.node: Node
         self.tail: bytes
-        self.group: Node | None = None
+        self.group: bytes | None = None
         self.victim_class = REST
         self.extends: set[Entry] = set()
         self.extenders: set[Entry] = set()

@@ -1,9 +1,10 @@
 """The prompt index: which kept prompts exist, which one a prompt resumes from, which goes.
 
 Pure Python and numpy, no MLX. The semantics are in docs/architecture.md ("The prompt
-index"); the decisions behind them in docs/index-decisions.md. Costs: a lookup walks the prompt's
-blocks once through a radix tree (`radix.py`); extension links are made when an entry joins
-and dropped when it leaves; victims come from sorted lists (`order.py`).
+index"); the decisions behind them in docs/index-decisions.md. Costs: a lookup walks the
+prompt once through a path-compressed radix tree, per node rather than per block
+(`radix.py`); extension links are made when an entry joins and dropped when it leaves;
+victims come from sorted lists (`order.py`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import numpy.typing as npt
 
 from mlxcache.cache.entry import Entry
 from mlxcache.cache.order import VictimOrder, victim_class
-from mlxcache.cache.radix import BlockTree, Node, Tokens, as_tokens
+from mlxcache.cache.radix import BlockTree, Node, as_tokens
 from mlxcache.errors import CacheFullError
 
 TokenSeq = Sequence[int] | npt.NDArray[np.integer]
@@ -100,7 +101,7 @@ class PromptIndex:
                     "wait for one to finish or raise the slot limit"
                 )
             self.remove(victim)
-        return self._insert(arr, data, bool(trimmable), nbytes)
+        return self._insert(data, bool(trimmable), nbytes)
 
     def remove(self, e: Entry) -> None:
         """Forget `e` and its extension links.
@@ -187,12 +188,15 @@ class PromptIndex:
         if cap < 0:
             return None
         data = arr.tobytes()
-        path = self._tree.walk(data, cap, _resumable)
+        path, depth, inside = self._tree.walk(data, cap, _resumable)
         found: Match | None = None
-        for node in reversed(path[1:]):
-            if node.best is not None:
-                found = Match(node.best, node.depth * self.block_size)
-                break
+        if inside is not None and inside.best is not None:  # deepest: inside an edge
+            found = Match(inside.best, depth * self.block_size)
+        else:
+            for node in reversed(path[1:]):
+                if node.best is not None:
+                    found = Match(node.best, node.depth * self.block_size)
+                    break
         for e in self._nt_prefixes(path, data):
             if found is None or _rank(e, len(e.tokens)) > _rank(found.entry, found.length):
                 found = Match(e, len(e.tokens))
@@ -221,16 +225,16 @@ class PromptIndex:
         finally:
             self._order.attach(skip, skip.victim_class)
 
-    def _insert(self, arr: Tokens, data: bytes, trimmable: bool, nbytes: int) -> Entry:
+    def _insert(self, data: bytes, trimmable: bool, nbytes: int) -> Entry:
         path = self._tree.grow(data)
-        tokens = arr.copy()
-        tokens.flags.writeable = False
+        # A read-only view of `data`, the bytes copy already made: no second copy.
+        tokens = np.frombuffer(data, dtype=np.int32)
         e = Entry(tokens, self._tick(), trimmable, nbytes)
         e.node = path[-1]
         e.tail = data[e.node.depth * self._tree.block_bytes :]
         if trimmable:
-            if len(path) > 1:
-                e.group = path[1]
+            if e.node.depth:
+                e.group = data[: self._tree.block_bytes]
             # Links are only needed from trimmable entries: only those extend.
             for p in self._tree.prefixes(path, data):
                 p.extenders.add(e)
@@ -274,20 +278,20 @@ class PromptIndex:
             n += 1
         return [e for e in self._tree.prefixes(path[:n], data) if not (e.trimmable or e.expired)]
 
-    # What tells the live entries with usable(e, prompt) > 0 (see order.py): the node of the
-    # prompt's first block, for trimmable entries, and the non-trimmable proper prefixes.
-    def _useful(self, prompt: TokenSeq | None) -> tuple[Node | None, frozenset[Entry]]:
+    # What tells the live entries with usable(e, prompt) > 0 (see order.py): the prompt's
+    # first block, for trimmable entries, and the non-trimmable proper prefixes.
+    def _useful(self, prompt: TokenSeq | None) -> tuple[bytes | None, frozenset[Entry]]:
         if prompt is None:
             return None, _NO_ENTRIES
         arr = as_tokens(prompt, "prompt")
         cap = (len(arr) - 1) // self.block_size
         if cap < 0:
             return None, _NO_ENTRIES
-        group = self._tree.root.children.get(arr[: self.block_size].tobytes()) if cap else None
+        group = arr[: self.block_size].tobytes() if cap else None
         if not self._tree.root.nt:
             return group, _NO_ENTRIES
         data = arr.tobytes()
-        return group, frozenset(self._nt_prefixes(self._tree.walk(data, cap, _has_nt), data))
+        return group, frozenset(self._nt_prefixes(self._tree.walk(data, cap, _has_nt).path, data))
 
     def _place(self, e: Entry) -> None:
         if not e.pins:

@@ -53,7 +53,7 @@ class VictimOrder:
         # Per class: the sorted last_used of each ungrouped entry and of each group's head.
         self._lists: tuple[list[int], ...] = ([], [], [])
         # Per class: the sorted last_used of each group's members.
-        self._groups: tuple[dict[object, list[int]], ...] = ({}, {}, {})
+        self._groups: tuple[dict[bytes, list[int]], ...] = ({}, {}, {})
         self._entry: dict[int, Entry] = {}
 
     def attach(self, e: Entry, cls: int) -> None:
@@ -89,7 +89,7 @@ class VictimOrder:
             else:
                 del groups[e.group]
 
-    def pick(self, group: object | None, prefixes: Container[Entry]) -> Entry | None:
+    def pick(self, group: bytes | None, prefixes: Container[Entry]) -> Entry | None:
         """The first entry in victim order, for a prompt whose first-block group is `group`
         (None: no trimmable entry is of use to it) and whose useful non-trimmable entries
         are `prefixes`."""
@@ -101,7 +101,7 @@ class VictimOrder:
             fallback = None
             for key in keys:
                 e = self._entry[key]
-                if (group is None or e.group is not group) and e not in prefixes:
+                if (group is None or e.group != group) and e not in prefixes:
                     return e
                 if fallback is None:
                     fallback = e
