@@ -26,11 +26,12 @@ Variants = Annotated[
 ]
 ALL_VARIANTS = ",".join(VARIANTS)
 RegressBlock = Annotated[
-    int,
+    int | None,
     typer.Option(
         "--block-size",
         metavar="TOKENS",
-        help="Cache block size for the cached variants (small: short prompts resume).",
+        help="Cache block size for the cached variants (default: the device's, as every "
+        "command). The golden does not depend on it.",
     ),
 ]
 
@@ -80,14 +81,18 @@ def _describe(label: str, diff: dict[str, Any]) -> str:
 def _run(
     suite: Path,
     variants: str,
-    block_size: int,
+    block_size: int | None,
+    quiet: bool,
     act: Callable[[Runner, tuple[str, ...]], golden.Report],
 ) -> tuple[int, golden.Report]:
     """Check the options, load the suite, and `act` in a scratch cache directory."""
-    o.positive(block_size=block_size)
+    if block_size is not None:
+        o.positive(block_size=block_size)
     cases, chosen = suite_mod.load(suite), _variants(variants)
+    progress = ui.regress_progress(quiet)
     with tempfile.TemporaryDirectory(prefix="mlxcache-regress-") as work:
-        return len(cases.cases), act(Runner(cases, Path(work), block_size), chosen)
+        runner = Runner(cases, Path(work), block_size, progress)
+        return len(cases.cases), act(runner, chosen)
 
 
 def record(
@@ -98,11 +103,12 @@ def record(
         Path, typer.Option("--output", "-o", metavar="FILE", help="Golden file to write.")
     ],
     variants: Variants = ALL_VARIANTS,
-    block_size: RegressBlock = 16,
+    block_size: RegressBlock = None,
     as_json: o.Json = False,
+    quiet: o.Quiet = False,
 ) -> None:
     """Run SUITE under every variant and write the golden file (only if all variants agree)."""
-    n, report = _run(suite, variants, block_size, lambda r, v: golden.record(r, output, v))
+    n, report = _run(suite, variants, block_size, quiet, lambda r, v: golden.record(r, output, v))
     if report.ok and not as_json:
         ui.info(f"recorded {n} cases to {output}")
     _show(report, as_json)
@@ -116,9 +122,12 @@ def check(
         Path, typer.Argument(metavar="GOLDEN", help="Golden file from `regress record`.")
     ],
     variants: Variants = ALL_VARIANTS,
-    block_size: RegressBlock = 16,
+    block_size: RegressBlock = None,
     as_json: o.Json = False,
+    quiet: o.Quiet = False,
 ) -> None:
     """Run SUITE again and compare every variant with GOLDEN byte for byte (exit 1 on a difference)."""
-    _, report = _run(suite, variants, block_size, lambda r, v: golden.check(r, golden_file, v))
+    _, report = _run(
+        suite, variants, block_size, quiet, lambda r, v: golden.check(r, golden_file, v)
+    )
     _show(report, as_json)

@@ -131,6 +131,24 @@ def stats_line(stats: dict[str, Any]) -> None:
     )
 
 
+def regress_progress(quiet: bool) -> Callable[[str, str, str], None] | None:
+    """Lines for each variant and case as it starts and ends: on a terminal, unless quiet."""
+    if quiet or not err.is_terminal:
+        return None
+    started: dict[tuple[str, str], float] = {}
+
+    def show(variant: str, case: str, what: str) -> None:
+        name = f"{variant}: {case}" if case else variant
+        if what == "start":
+            started[(variant, case)] = time.monotonic()
+            info(f"{name} ...")
+        else:
+            took = time.monotonic() - started.pop((variant, case), time.monotonic())
+            info(f"{name} done ({took:.1f}s)")
+
+    return show
+
+
 class _Rate(ProgressColumn):
     def render(self, task: Task) -> Text:
         return Text(f"{task.speed:.1f} tok/s" if task.speed else "", style="stats")

@@ -21,7 +21,7 @@ from typing import Any
 
 from mlxcache import lanes
 from mlxcache.cache.store import PromptCache
-from mlxcache.config import CacheConfig
+from mlxcache.config import CacheConfig, default_block_size
 from mlxcache.engine import Engine, Request
 from mlxcache.errors import MlxcacheError
 from mlxcache.events import Result
@@ -83,12 +83,21 @@ def steps(engine: Engine, case: Case) -> Steps:
     return [_output(r) for r in (yield [tools_task.request(engine, ids, p)])]
 
 
+Progress = Callable[[str, str], None]
+"""Called with (case name, "start" | "end") as cases run."""
+
+
+def _quiet(_name: str, _what: str) -> None:
+    return None
+
+
 def run_sequential(
-    engine_for: Callable[[Case], Engine], cases: tuple[Case, ...]
+    engine_for: Callable[[Case], Engine], cases: tuple[Case, ...], progress: Progress = _quiet
 ) -> dict[str, list[Output]]:
     """Every request alone, in suite order."""
     out: dict[str, list[Output]] = {}
     for case in cases:
+        progress(case.name, "start")
         engine = engine_for(case)
         gen = steps(engine, case)
         try:
@@ -97,28 +106,42 @@ def run_sequential(
                 reqs = gen.send([engine.complete(r) for r in reqs])
         except StopIteration as stop:
             out[case.name] = stop.value
+        progress(case.name, "end")
     return out
 
 
 def run_lanes(
-    engine_for: Callable[[Case], Engine], cases: tuple[Case, ...], width: int = 2
+    engine_for: Callable[[Case], Engine],
+    cases: tuple[Case, ...],
+    progress: Progress = _quiet,
+    width: int = 2,
 ) -> dict[str, list[Output]]:
     """Up to `width` cases at once per model; a step's requests are all in flight together."""
     out: dict[str, list[Output]] = {}
     for model in dict.fromkeys(c.model for c in cases):
         engine = engine_for(next(c for c in cases if c.model == model))
         units = ((c.name, partial(steps, engine, c)) for c in cases if c.model == model)
-        out |= dict(lanes.run_lanes(engine, units, width))
+        for name, value in lanes.run_lanes(engine, units, width):
+            out[name] = value
+            progress(name, "end")
     return {c.name: out[c.name] for c in cases}
 
 
 class Runner:
     """Loads each model once and runs the suite under the chosen variants."""
 
-    def __init__(self, suite: Suite, work_dir: Path, block_size: int = 16) -> None:
+    def __init__(
+        self,
+        suite: Suite,
+        work_dir: Path,
+        block_size: int | None = None,
+        progress: Callable[[str, str, str], None] | None = None,
+    ) -> None:
         self.suite = suite
         self.work_dir = work_dir
-        self.block_size = block_size
+        self.block_size = block_size or default_block_size()
+        self.progress = progress
+        """Called with (variant, case name or "", "start" | "end") as the run goes."""
         self._models: dict[str | None, LoadedModel] = {}
         self.cache_stats: dict[str, dict[str, int]] = {}
         """Per variant: prompt-cache hits, cached tokens and disk hits (proof it resumed)."""
@@ -154,13 +177,20 @@ class Runner:
 
     def run(self, variant: str) -> dict[str, list[Output]]:
         """Outputs of every case under `variant`."""
-        if variant == "disk":
-            return self._run_child()
         if variant not in VARIANTS:
             raise ValueError(f"unknown variant {variant!r}")
+        report = self.progress or (lambda _v, _c, _w: None)
+        report(variant, "", "start")
+        outputs = self._run(variant, lambda name, what: report(variant, name, what))
+        report(variant, "", "end")
+        return outputs
+
+    def _run(self, variant: str, progress: Progress) -> dict[str, list[Output]]:
+        if variant == "disk":
+            return self._run_child()
         engine_for, caches = self._engines(cached=variant != "cold", disk=variant == "warm")
         schedule = run_lanes if variant == "lanes" else run_sequential
-        outputs = schedule(engine_for, self.suite.cases)
+        outputs = schedule(engine_for, self.suite.cases, progress)
         reports = [c.report() for c in caches]
         self.cache_stats[variant] = {
             k: sum(r[k] for r in reports) for k in ("hits", "cached_tokens", "disk_hits")
