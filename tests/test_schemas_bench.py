@@ -46,8 +46,10 @@ def test_counts_and_generation(cache_root: Path, tiny_gguf: Path, tmp_path: Path
     # The enum is always valid; the grammar can only write ["a", "a"], which uniqueItems refuses.
     assert (gen["valid"], gen["invalid"], gen["length"]) == (1, 1, 0)
     assert gen["invalid_errors"] == [
-        "the reply does not satisfy the schema: uniqueItems at /: ['a', 'a'] has non-unique elements"
+        "b_twins.json: the reply does not satisfy the schema: uniqueItems at /: ['a', 'a'] "
+        "has non-unique elements"
     ]
+    assert gen["length_files"] == []
     assert gen["goals_pass"] is False
 
 

@@ -90,13 +90,17 @@ def compile_all(files: list[Path], strict: bool) -> dict[str, Any]:
     }
 
 
-def generate(compiled: list[CompiledSchema], model: str | None, max_tokens: int) -> dict[str, Any]:
-    """Run each schema once (greedy); count valid, invalid and cut-off replies."""
+def generate(
+    compiled: dict[Path, CompiledSchema], model: str | None, max_tokens: int
+) -> dict[str, Any]:
+    """Run each schema once (greedy); count valid, invalid and cut-off replies (naming
+    the files of the last two)."""
     engine = open_engine(model, CacheConfig(enabled=False))
     counts: Counter[str] = Counter()
     errors: list[str] = []
+    cut: list[str] = []
     params = SamplingParams(max_tokens=max_tokens)
-    for item in compiled:
+    for path, item in compiled.items():
         task = JsonTask(item)
         ids = engine.encode_chat(task.messages(PROMPT))
         reply = read_reply(task, engine.complete(request(engine, ids, task, params)))
@@ -104,14 +108,16 @@ def generate(compiled: list[CompiledSchema], model: str | None, max_tokens: int)
             counts["valid"] += 1
         elif reply.finish_reason == "length":
             counts["length"] += 1
+            cut.append(path.name)
         else:
             counts["invalid"] += 1
-            errors.append(reply.error[:300])
+            errors.append(f"{path.name}: {reply.error}"[:300])
     return {
         "valid": counts["valid"],
         "invalid": counts["invalid"],
         "length": counts["length"],
         "invalid_errors": errors,
+        "length_files": cut,
     }
 
 
@@ -137,7 +143,7 @@ def run(
         and lenient["compile_ms"]["p99"] <= 1000
     )
     if generate_n:
-        chosen = list(compiled.values())[:generate_n]
+        chosen = dict(list(compiled.items())[:generate_n])
         gen = generate(chosen, model, max_tokens)
         gen["goals_pass"] = gen["invalid"] == 0 and gen["length"] <= 0.2 * len(chosen)
         result["generate"] = gen
