@@ -17,7 +17,7 @@ import numpy.typing as npt
 
 from mlxcache.cache.entry import Entry
 from mlxcache.cache.order import VictimOrder, victim_class
-from mlxcache.cache.radix import BlockTree, Node, as_tokens
+from mlxcache.cache.radix import BlockTree, Node, Walk, as_tokens
 from mlxcache.errors import CacheFullError
 
 TokenSeq = Sequence[int] | npt.NDArray[np.integer]
@@ -83,7 +83,10 @@ class PromptIndex:
         if not isinstance(nbytes, int) or nbytes < 0:
             raise ValueError(f"nbytes must be a non-negative int, got {nbytes!r}")
         data = arr.tobytes()
-        e = self._tree.find(data)
+        # One walk serves the search and, unless an eviction reshapes the tree, the insert.
+        blocks = len(data) // self._tree.block_bytes
+        walk = self._tree.walk(data, blocks)
+        e = self._tree.find(data, walk)
         if e is not None:
             self._unplace(e)
             e.nbytes = nbytes
@@ -101,7 +104,8 @@ class PromptIndex:
                     "wait for one to finish or raise the slot limit"
                 )
             self.remove(victim)
-        return self._insert(data, bool(trimmable), nbytes)
+            walk = self._tree.walk(data, blocks)
+        return self._insert(data, walk, bool(trimmable), nbytes)
 
     def remove(self, e: Entry) -> None:
         """Forget `e` and its extension links.
@@ -225,8 +229,8 @@ class PromptIndex:
         finally:
             self._order.attach(skip, skip.victim_class)
 
-    def _insert(self, data: bytes, trimmable: bool, nbytes: int) -> Entry:
-        path = self._tree.grow(data)
+    def _insert(self, data: bytes, walk: Walk, trimmable: bool, nbytes: int) -> Entry:
+        path = self._tree.grow(data, walk)
         # A read-only view of `data`, the bytes copy already made: no second copy.
         tokens = np.frombuffer(data, dtype=np.int32)
         e = Entry(tokens, self._tick(), trimmable, nbytes)

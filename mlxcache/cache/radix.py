@@ -124,13 +124,13 @@ class BlockTree:
                 hi = mid - 1
         return pos + lo * bb
 
-    def grow(self, data: bytes) -> list[Node]:
+    def grow(self, data: bytes, walk: Walk) -> list[Node]:
         """The nodes on the path of `data`'s whole blocks, root first, the last at its last
         whole block: splits the edge `data` leaves or ends inside, adds one node for the
-        blocks the tree lacks."""
+        blocks the tree lacks. `walk`: of all those blocks, taken since the tree last changed."""
         bb = self.block_bytes
         blocks = len(data) // bb
-        path, depth, inside = self.walk(data, blocks)
+        path, depth, inside = walk
         if inside is not None:
             path.append(self._split(inside, depth))
         if depth < blocks:
@@ -153,11 +153,10 @@ class BlockTree:
         upper.children[node.key[:bb]] = node
         return upper
 
-    def find(self, data: bytes) -> Entry | None:
-        """The entry whose tokens are exactly `data`, if any."""
-        blocks = len(data) // self.block_bytes
-        path, depth, inside = self.walk(data, blocks)
-        if depth < blocks or inside is not None:
+    def find(self, data: bytes, walk: Walk) -> Entry | None:
+        """The entry whose tokens are exactly `data`, if any; `walk`: of all its whole blocks."""
+        path, depth, inside = walk
+        if depth < len(data) // self.block_bytes or inside is not None:
             return None
         return path[-1].entries.get(data[depth * self.block_bytes :])
 
