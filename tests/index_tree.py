@@ -31,7 +31,7 @@ def check_tree(index: PromptIndex, where: str = "") -> None:
                 continue
             if not e.trimmable:
                 nt += 1
-            elif best is None or (len(e.tokens), -e.born) < (len(best.tokens), -best.born):
+            elif _less_rewinding(e, best):
                 best = e
         for first, child in node.children.items():
             assert child.parent is node, f"{where}: a child's parent"
@@ -41,9 +41,7 @@ def check_tree(index: PromptIndex, where: str = "") -> None:
             assert child.entries or len(child.children) > 1, f"{where}: an unneeded node"
             b, n = visit(child, prefix + child.key)
             nt += n
-            if b is not None and (
-                best is None or (len(b.tokens), -b.born) < (len(best.tokens), -best.born)
-            ):
+            if b is not None and _less_rewinding(b, best):
                 best = b
         assert node.best is best, f"{where}: best {node.best}, want {best}"
         assert node.nt == nt, f"{where}: nt {node.nt}, want {nt}"
@@ -51,3 +49,9 @@ def check_tree(index: PromptIndex, where: str = "") -> None:
 
     visit(tree.root, b"")
     assert sorted(e.born for e in hung) == [e.born for e in index], f"{where}: entries hung"
+
+
+# The lookup tie rule (docs/architecture.md), restated here rather than imported from the
+# code under check: the shortest, then the newest.
+def _less_rewinding(a: Any, b: Any) -> bool:
+    return b is None or (len(a.tokens), -a.born) < (len(b.tokens), -b.born)
