@@ -19,7 +19,7 @@ def test_plain(cache_root: Path) -> None:
     result = runner.invoke(app, CAPITAL)
     assert result.exit_code == 0, result.stderr
     assert result.stdout == "The capital of France is Paris.\n"
-    assert "0/37 prompt tokens cached, 37 prefilled" in result.stderr
+    assert "0/37 prompt tokens cached (no cached prefix), 37 prefilled" in result.stderr
 
 
 @pytest.mark.model

@@ -43,7 +43,7 @@ def test_capital_of_france(cache_root: Path) -> None:
     assert result.exit_code == 0, result.stderr
     assert result.stdout == '{"city": "Paris,"}\n'  # SmolLM2-135M's answer, comma included
     jsonschema.validate(json.loads(result.stdout), CITY)
-    assert "0/73 prompt tokens cached, 73 prefilled" in result.stderr
+    assert "0/73 prompt tokens cached (cache off), 73 prefilled" in result.stderr
     assert "7 tokens at" in result.stderr
 
 

@@ -259,3 +259,33 @@ def test_worker_refuses_beyond_its_queue(tiny: LoadedModel) -> None:
         worker.submit(Request(prompt(9), GREEDY), lambda e: None)
     worker.start()
     worker.close(cancel=True)
+
+
+def test_no_warm_ahead_queues_nothing(tiny: LoadedModel) -> None:
+    from mlxcache.runtime import make_cache
+    from mlxcache_cli import options
+
+    config = options.cache_config(None, False, "1G", "0", B, warm_ahead=False)
+    assert config.warm_ahead is False  # what --no-warm-ahead sets
+    engine = Engine(tiny, make_cache(tiny, config), warm_ahead=config.warm_ahead)
+    convo = [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": "hi!"}]
+    assert engine.warm_chat(convo) is None and not engine.warming
+    assert engine.warm(prompt(9)) is not None  # an explicit warm still works
+
+
+def test_a_chat_resumes_in_generate(tiny_gguf: Path, tmp_path: Path) -> None:
+    """One block size for every command: generate resumes what chat kept (same rendering)."""
+    from typer.testing import CliRunner
+
+    from mlxcache_cli.main import app
+
+    text = "hello there my friend, how are you doing today?"
+    common = ["-m", str(tiny_gguf), "--cache-dir", str(tmp_path), "-n", "3"]
+    runner = CliRunner()
+    chat = runner.invoke(app, ["chat", *common], input=text + "\n")
+    assert chat.exit_code == 0, chat.stderr
+    assert "prompt tokens cached (no cached prefix)" in chat.stderr
+    again = runner.invoke(app, ["generate", *common, text])
+    assert again.exit_code == 0, again.stderr
+    cached, total = again.stderr.split(" prompt tokens cached")[0].split("/")
+    assert int(cached) == (int(total) - 1) // 32 * 32 > 0  # the default block on this CPU
