@@ -170,6 +170,9 @@ class EngineWorker:
     def call(self, fn: Callable[[Engine], T]) -> T:
         """Run `fn(engine)` on the worker thread, between two model calls; return its result."""
         future: Future[T] = Future()
+        with self._lock:
+            if self._stopping and not self._thread.is_alive():
+                raise UserInputError("the engine has stopped")
         self._send(("call", fn, future))
         return future.result()
 
@@ -182,16 +185,34 @@ class EngineWorker:
         # MLX streams are per thread: this one gets its own on the engine's device.
         stream = mx.new_stream(mx.default_device())
         mx.set_default_stream(stream)
-        while True:
-            idle = not (self._active or self._pending or self.engine.warming)
-            if self._stopping and not (self._active or self._pending):
-                break
-            self._read_inbox(block=idle)
-            self._admit()
-            for event in self.engine.step():
-                self._deliver(event)
-        self.engine.cancel_warm()
-        mx.synchronize(stream)  # work still queued on this thread's stream must not outlive it
+        try:
+            while True:
+                idle = not (self._active or self._pending or self.engine.warming)
+                if self._stopping and not (self._active or self._pending):
+                    break
+                self._read_inbox(block=idle)
+                self._admit()
+                for event in self.engine.step():
+                    self._deliver(event)
+            self.engine.cancel_warm()
+        except BaseException as exc:
+            # A bug here must not leave callers waiting forever: fail what is in flight.
+            with self._lock:
+                self._stopping = True
+            failed = Result("", [], "error", Stats(), error=f"the engine stopped: {exc!r}")
+            for job in [*self._pending, *self._active.values()]:
+                self._send_to(job, Done(-1 if job.rid is None else job.rid, failed))
+            self._pending.clear()
+            self._active.clear()
+            while not self._inbox.empty():  # sent before `_stopping` was seen
+                message = self._inbox.get_nowait()
+                if message[0] == "submit":
+                    self._send_to(message[1], Done(-1, failed))
+                elif message[0] == "call" and message[2] is not None:
+                    message[2].set_exception(RuntimeError(failed.error))
+            raise
+        finally:
+            mx.synchronize(stream)  # work queued on this thread's stream must not outlive it
 
     def _read_inbox(self, block: bool) -> None:
         try:

@@ -289,3 +289,28 @@ def test_a_chat_resumes_in_generate(tiny_gguf: Path, tmp_path: Path) -> None:
     assert again.exit_code == 0, again.stderr
     cached, total = again.stderr.split(" prompt tokens cached")[0].split("/")
     assert int(cached) == (int(total) - 1) // 32 * 32 > 0  # the default block on this CPU
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_crashed_worker_fails_its_requests_instead_of_hanging(
+    tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine, _spy = cached(tiny)
+
+    def broken() -> list[Any]:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(engine, "step", broken)
+    got: list[Any] = []
+    worker = EngineWorker(engine).start()
+    worker.submit(Request(prompt(9), GREEDY), got.append)
+    worker._thread.join(timeout=60)
+    assert not worker._thread.is_alive()
+    assert isinstance(got[-1], Done) and got[-1].result.finish_reason == "error"
+    assert "boom" in (got[-1].result.error or "")
+    from mlxcache.errors import UserInputError
+
+    with pytest.raises(UserInputError):
+        worker.submit(Request(prompt(9), GREEDY), got.append)
+    with pytest.raises(UserInputError):
+        worker.call(lambda e: None)
