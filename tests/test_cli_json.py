@@ -33,7 +33,7 @@ def records(path: Path) -> list[dict[str, Any]]:
 
 
 def without_stats(recs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [{k: v for k, v in r.items() if k != "stats"} for r in recs]
+    return [{k: v for k, v in r.items() if k not in ("stats", "run")} for r in recs]
 
 
 @pytest.mark.model
