@@ -102,7 +102,9 @@ def json_cmd(
             raise UserInputError("--output goes with --input (a JSONL batch)")
         text = o.read_prompt(prompt, prompt_file)
         engine = run.engine()
-        _single(engine, task.for_model(engine.loaded.tokenizer, think), text, params, as_json)
+        _single(
+            engine, task.for_model(engine.loaded.tokenizer, think), text, params, as_json, run.quiet
+        )
         return
     if prompt is not None or prompt_file is not None:
         raise UserInputError("give prompts in the --input file or as an argument, not both")
@@ -131,9 +133,15 @@ def _report_check(compiled: CompiledSchema, as_json: bool) -> None:
 
 
 def _single(
-    engine: Engine, task: json_mode.JsonTask, text: str, params: SamplingParams, as_json: bool
+    engine: Engine,
+    task: json_mode.JsonTask,
+    text: str,
+    params: SamplingParams,
+    as_json: bool,
+    quiet: bool = False,
 ) -> None:
-    reply = json_mode.run_one(engine, task, text, params)
+    with ui.PrefillBar(quiet) as bar:
+        reply = json_mode.run_one(engine, task, text, params, bar)
     if as_json:
         ui.out_json(reply.as_dict())
     elif reply.error is None:

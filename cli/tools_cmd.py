@@ -117,7 +117,8 @@ def tools_cmd(
     task = ToolsTask(tools, choice, system, parallel, think)
     engine = run.engine()
     ids = task.encode(engine, messages)
-    result = engine.complete(task.request(engine, ids, params))
+    with ui.PrefillBar(run.quiet) as bar:
+        result = engine.complete(task.request(engine, ids, params), bar)
     reply = task.read(result)
     if as_json:
         doc: dict[str, Any] = {

@@ -286,13 +286,16 @@ class Engine:
         for rid in [r for r, lane in self._lanes.items() if lane.warm]:
             self.cancel(rid)
 
-    def complete(self, request: Request) -> Result:
-        """Run one request to the end and return its result.
+    def complete(self, request: Request, on_event: Callable[[Event], None] | None = None) -> Result:
+        """Run one request to the end and return its result; `on_event` sees every event
+        (e.g. prefill progress).
 
         Raises:
             GenerationError: the request failed (e.g. its grammar allowed no token).
         """
         for event in self.generate(request):
+            if on_event is not None:
+                on_event(event)
             if isinstance(event, Done):
                 return event.result
         raise GenerationError("the request ended without a result")  # unreachable by design

@@ -148,9 +148,11 @@ class EngineWorker:
             if not done:
                 handle.cancel()
 
-    def complete(self, request: Request) -> Result:
-        """Run a request to the end and return its result."""
+    def complete(self, request: Request, on_event: Callable[[Event], None] | None = None) -> Result:
+        """Run a request to the end and return its result (as `Engine.complete` does)."""
         for event in self.generate(request):
+            if on_event is not None:
+                on_event(event)
             if isinstance(event, Done):
                 return event.result
         raise GenerationError("the request ended without a result")  # unreachable by design

@@ -17,7 +17,7 @@ from typing import Any
 
 from mlxcache.constrain import processor_for
 from mlxcache.engine import Engine, Request
-from mlxcache.events import Result
+from mlxcache.events import Event, Result
 from mlxcache.modes.batch import (
     InputLine,
     Job,
@@ -181,10 +181,17 @@ def encode(
     return ids
 
 
-def run_one(engine: Engine, task: JsonTask, prompt: str, params: SamplingParams) -> JsonReply:
-    """One prompt in, one checked reply out (failures in `reply.error`)."""
+def run_one(
+    engine: Engine,
+    task: JsonTask,
+    prompt: str,
+    params: SamplingParams,
+    on_event: Callable[[Event], None] | None = None,
+) -> JsonReply:
+    """One prompt in, one checked reply out (failures in `reply.error`); `on_event` sees
+    the request's events (e.g. prefill progress)."""
     ids = encode(engine, task.messages(prompt), **task.template_kwargs)
-    return read_reply(task, engine.complete(request(engine, ids, task, params)))
+    return read_reply(task, engine.complete(request(engine, ids, task, params), on_event))
 
 
 @dataclass(frozen=True, slots=True)
