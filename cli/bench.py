@@ -20,8 +20,12 @@ def _report(result: dict[str, Any]) -> None:
 
 def decode(
     model: o.Model = None,
-    tokens: Annotated[int, typer.Option("--tokens", help="Tokens generated per round.")] = 32,
-    rounds: Annotated[int, typer.Option("--rounds", help="Interleaved rounds of each loop.")] = 3,
+    tokens: Annotated[
+        int, typer.Option("--tokens", help="Tokens generated per round.", metavar="N")
+    ] = 32,
+    rounds: Annotated[
+        int, typer.Option("--rounds", help="Interleaved rounds of each loop.", metavar="N")
+    ] = 3,
 ) -> None:
     """Decode tokens/s of mlxcache's loop vs mlx_lm.stream_generate (goal: ratio >= 0.97)."""
     from mlxcache.bench import decode_bench
@@ -31,12 +35,16 @@ def decode(
 
 
 def index(
-    slots: Annotated[int, typer.Option("--slots", help="Prompt index slots.")] = 200,
-    runs: Annotated[int, typer.Option("--runs", help="Repetitions of the workload.")] = 3,
-    turns: Annotated[int, typer.Option("--turns", help="Conversation turns.")] = 220,
+    slots: Annotated[int, typer.Option("--slots", help="Prompt index slots.", metavar="N")] = 200,
+    runs: Annotated[
+        int, typer.Option("--runs", help="Repetitions of the workload.", metavar="N")
+    ] = 3,
+    turns: Annotated[int, typer.Option("--turns", help="Conversation turns.", metavar="N")] = 220,
     scale_slots: Annotated[
         int,
-        typer.Option("--scale-slots", help="Also run at this many slots (victim p50 within 2x)."),
+        typer.Option(
+            "--scale-slots", metavar="N", help="Also run at this many slots (victim p50 within 2x)."
+        ),
     ] = 2000,
     block_size: o.BlockSize = None,
 ) -> None:
@@ -52,9 +60,9 @@ def index(
 def chunks(
     model: o.Model = None,
     tokens: Annotated[
-        int, typer.Option("--tokens", help="Prompt tokens prefilled per size.")
+        int, typer.Option("--tokens", help="Prompt tokens prefilled per size.", metavar="N")
     ] = 512,
-    rounds: Annotated[int, typer.Option("--rounds", help="Interleaved rounds.")] = 2,
+    rounds: Annotated[int, typer.Option("--rounds", help="Interleaved rounds.", metavar="N")] = 2,
 ) -> None:
     """Prefill tokens/s per chunk size (8...512) on this device, and the block size it suggests."""
     from mlxcache.bench import chunks_bench
@@ -65,7 +73,9 @@ def chunks(
 
 def chat(
     model: o.Model = None,
-    max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", help="Reply length cap.")] = 100,
+    max_tokens: Annotated[
+        int, typer.Option("--max-tokens", "-n", help="Reply length cap.", metavar="N")
+    ] = 100,
     block_size: o.BlockSize = None,
 ) -> None:
     """A 5-turn chat: warm-ahead (waited for, and not) and no warm-ahead vs mlx-lm's kept KV."""
@@ -79,10 +89,13 @@ def chat(
 
 def json(
     model: o.Model = None,
-    tokens: Annotated[int, typer.Option("--tokens", help="Tokens per round.")] = 32,
-    rounds: Annotated[int, typer.Option("--rounds", help="Interleaved rounds.")] = 3,
+    tokens: Annotated[int, typer.Option("--tokens", help="Tokens per round.", metavar="N")] = 32,
+    rounds: Annotated[int, typer.Option("--rounds", help="Interleaved rounds.", metavar="N")] = 3,
     lines: Annotated[
-        int, typer.Option("--lines", help="Batch lines sharing the instructions (50 on Metal).")
+        int,
+        typer.Option(
+            "--lines", metavar="N", help="Batch lines sharing the instructions (50 on Metal)."
+        ),
     ] = 6,
     block_size: o.BlockSize = 64,
 ) -> None:
@@ -95,10 +108,15 @@ def json(
 
 def resume(
     model: o.Model = None,
-    turns: Annotated[int, typer.Option("--turns", help="Chat turns (~25 tokens each).")] = 4,
+    turns: Annotated[
+        int, typer.Option("--turns", metavar="N", help="Chat turns (~25 tokens each).")
+    ] = 4,
     block_size: o.BlockSize = 16,
     prefix_tokens: Annotated[
-        int, typer.Option("--prefix-tokens", help="Shared prefix the second process reuses.")
+        int,
+        typer.Option(
+            "--prefix-tokens", help="Shared prefix the second process reuses.", metavar="N"
+        ),
     ] = 1500,
 ) -> None:
     """TTFT with the prompt cache vs without: warm turns, disk tier, second process, fork bytes."""
@@ -117,7 +135,10 @@ def schemas(
     ] = 0,
     model: o.Model = None,
     max_tokens: Annotated[
-        int, typer.Option("--max-tokens", "-n", help="Token limit of each --generate reply.")
+        int,
+        typer.Option(
+            "--max-tokens", "-n", help="Token limit of each --generate reply.", metavar="N"
+        ),
     ] = 256,
 ) -> None:
     """JSON Schema coverage: compiled, refused by kind, crashes, compile time (lenient vs --strict)."""
@@ -133,14 +154,17 @@ def schemas(
 
 def serve(
     model: o.Model = None,
-    clients: Annotated[int, typer.Option("--clients", help="Concurrent chat clients.")] = 4,
-    turns: Annotated[int, typer.Option("--turns", help="Turns per conversation.")] = 4,
-    tokens: Annotated[int, typer.Option("--tokens", help="Tokens per reply.")] = 60,
+    clients: Annotated[
+        int, typer.Option("--clients", help="Concurrent chat clients.", metavar="N")
+    ] = 4,
+    turns: Annotated[int, typer.Option("--turns", help="Turns per conversation.", metavar="N")] = 4,
+    tokens: Annotated[int, typer.Option("--tokens", help="Tokens per reply.", metavar="N")] = 60,
     load_requests: Annotated[
-        int, typer.Option("--load-requests", help="Short requests of the load test.")
+        int, typer.Option("--load-requests", help="Short requests of the load test.", metavar="N")
     ] = 64,
     load_clients: Annotated[
-        int, typer.Option("--load-clients", help="Concurrent clients of the load test.")
+        int,
+        typer.Option("--load-clients", help="Concurrent clients of the load test.", metavar="N"),
     ] = 16,
     baseline: Annotated[
         bool, typer.Option("--baseline/--no-baseline", help="Also run mlx_lm.server.")
