@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import json
 import re
+import socket
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from http.client import HTTPConnection, HTTPResponse
@@ -525,6 +528,21 @@ def test_api_key_and_body_limit(model: Path) -> None:
         big = chat_body(srv, stop=["x" * 4000])
         r = post(srv, "/v1/chat/completions", big, Authorization="Bearer sekret")
         assert error_of(r, 413)["code"] == "request_too_large"
+
+
+def test_a_busy_port_is_one_line_and_exit_2(model: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        args = ["serve", "--model", str(model), "--port", str(port)]
+        done = subprocess.run(
+            [sys.executable, "-m", "mlxcache_cli", *args], capture_output=True, text=True
+        )
+    assert done.returncode == 2
+    assert done.stderr.splitlines()[-1:] == [
+        f"error: cannot listen on 127.0.0.1:{port}: Address already in use"
+    ]
 
 
 def test_sigterm_drains_a_running_stream(model: Path, ref: Engine) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 import uvicorn
 
 from mlxcache.engine import Engine
+from mlxcache.errors import UserInputError
 from mlxcache.server.app import Settings, create_app
 from mlxcache.server.log import RequestLog
 from mlxcache.worker import EngineWorker
@@ -39,6 +40,28 @@ class _Server(uvicorn.Server):
         self._captured_signals.clear()
 
 
+def bind(host: str, port: int) -> socket.socket:
+    """A listening-ready socket on (host, port) (port 0: a free one).
+
+    Raises:
+        UserInputError: the address cannot be used (in use, not ours, not an address).
+    """
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as exc:
+        raise UserInputError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        raise UserInputError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
+    return sock
+
+
 def serve(
     engine: Engine,
     settings: Settings,
@@ -53,7 +76,8 @@ def serve(
     def announce(url: str) -> None:
         print(f"mlxcache: serving {settings.model_id} on {url}", file=sys.stderr, flush=True)
 
-    with EngineWorker(engine, max_queue=max_queue) as worker:
+    sock = bind(host, port)  # before the worker starts: a refusal leaves nothing running
+    with sock, EngineWorker(engine, max_queue=max_queue) as worker:
         app = create_app(engine, worker, settings, log)
         config = uvicorn.Config(
             app,
@@ -64,4 +88,4 @@ def serve(
             lifespan="off",
             timeout_graceful_shutdown=None,
         )
-        _Server(config, on_listen or announce).run()
+        _Server(config, on_listen or announce).run(sockets=[sock])
