@@ -19,7 +19,7 @@ EXPECTED = {
     "chat_session.py": ["assistant: The capital of France is Paris.", "saved and reloaded 2 turns"],
     "json_extract.py": ['{"city": "Rome", "country": "ITL"} stop'],
     "tools_call.py": ["{'name': 'get_weather', 'arguments': {'city': 'Paris'}}"],
-    "regression.py": ["recorded: True, checked: True, resumed tokens: 32"],
+    "regression.py": ["recorded: True, checked: True, resumed tokens: 48"],
 }
 
 
