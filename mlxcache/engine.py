@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,6 +80,16 @@ def next_turn_prefix(
     """
     a, b = (encode([*messages, {"role": role, "content": p, **fields}]) for p in _PROBES)
     return a[: common_prefix(a, b)]
+
+
+def final_result(events: Iterable[Event], on_event: Callable[[Event], None] | None) -> Result:
+    """The `Result` of a request's event stream, each event shown to `on_event` first."""
+    for event in events:
+        if on_event is not None:
+            on_event(event)
+        if isinstance(event, Done):
+            return event.result
+    raise GenerationError("the request ended without a result")  # unreachable by design
 
 
 class Engine:
@@ -293,12 +303,7 @@ class Engine:
         Raises:
             GenerationError: the request failed (e.g. its grammar allowed no token).
         """
-        for event in self.generate(request):
-            if on_event is not None:
-                on_event(event)
-            if isinstance(event, Done):
-                return event.result
-        raise GenerationError("the request ended without a result")  # unreachable by design
+        return final_result(self.generate(request), on_event)
 
     # -- one lane -----------------------------------------------------------------------
 

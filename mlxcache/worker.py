@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 import mlx.core as mx
 
-from mlxcache.engine import Engine, Request
+from mlxcache.engine import Engine, Request, final_result
 from mlxcache.errors import GenerationError, QueueFullError, UserInputError
 from mlxcache.events import Done, Event, Result, Stats
 
@@ -150,12 +150,7 @@ class EngineWorker:
 
     def complete(self, request: Request, on_event: Callable[[Event], None] | None = None) -> Result:
         """Run a request to the end and return its result (as `Engine.complete` does)."""
-        for event in self.generate(request):
-            if on_event is not None:
-                on_event(event)
-            if isinstance(event, Done):
-                return event.result
-        raise GenerationError("the request ended without a result")  # unreachable by design
+        return final_result(self.generate(request), on_event)
 
     def encode_chat(self, messages: list[dict[str, Any]], **template_kwargs: Any) -> list[int]:
         """`Engine.encode_chat` (tokenizing is pure Python: it runs on the caller's thread)."""

@@ -209,6 +209,14 @@ def _stream(
     return StreamingResponse(body(), media_type="text/event-stream", headers=headers)
 
 
+def _outcome_events(outcome: Outcome) -> list[str | Outcome]:
+    """The outcome (for the request log), then, if the request failed, its error event and
+    the end of the stream."""
+    if outcome.error is None:
+        return [outcome]
+    return [outcome, error_event(errors.one_line(outcome.error)), SSE_DONE]
+
+
 async def _chat_events(
     lane: Lane,
     plan: Plan,
@@ -222,10 +230,9 @@ async def _chat_events(
         sent += delta
         yield sse(env.chat_chunk({"content": delta}))
     outcome = lane.outcome()
-    yield outcome
+    for item in _outcome_events(outcome):
+        yield item
     if outcome.error is not None:
-        yield error_event(errors.one_line(outcome.error))
-        yield SSE_DONE
         return
     answer = plan.answer(outcome.text, outcome.finish_reason)
     # `sent` is a prefix of the final content by construction (see ReplyText).
@@ -247,10 +254,9 @@ async def _completion_events(
     async for delta in lane.deltas():
         yield sse(env.completion_chunk(delta))
     outcome = lane.outcome()
-    yield outcome
+    for item in _outcome_events(outcome):
+        yield item
     if outcome.error is not None:
-        yield error_event(errors.one_line(outcome.error))
-        yield SSE_DONE
         return
     yield sse(env.completion_chunk("", outcome.finish_reason))
     if include_usage:
