@@ -152,7 +152,9 @@ def _warm_ahead(
     """Prefill the follow-up's prefix now (kept on disk): the `--tool-result` call resumes it."""
     try:
         engine.warm(next_turn(task, engine, messages, reply))
+        for _ in engine.run(warm=True):
+            pass
     except MlxcacheError:
         return  # e.g. the conversation fills the context: nothing to warm
-    for _ in engine.run(warm=True):
-        pass
+    except KeyboardInterrupt:
+        return  # the reply is out; the blocks computed so far are kept

@@ -14,6 +14,7 @@ chunks a fresh prefill computes, so what they keep is canonical KV like any othe
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
@@ -188,8 +189,10 @@ class Engine:
         tokens = self.check(request)
         block = self.cache.block_size
         for rid, lane in list(self._lanes.items()):
-            if lane.warm and common_prefix(lane.tokens, tokens) >= block:
+            if lane.warm and (shared := common_prefix(lane.tokens, tokens)) >= block:
                 self.cancel(rid)
+                if shared < len(lane.tokens):  # e.g. another conversation, same system prompt:
+                    self.warm(lane.tokens)  # its warm-ahead goes on later, from what it kept
         rid = next(self._ids)
         self._lanes[rid] = _Lane(self._lane(rid, tokens, request), tokens, warm=False)
         return rid
@@ -253,8 +256,11 @@ class Engine:
             )
         if event is None or isinstance(event, Done):
             return [event] if event is not None and not lane.warm else []
-        self._lanes[rid] = lane  # to the back of the round
-        return [] if lane.warm else [event]
+        if lane.warm:  # back to the front: one warm lane (one restored KV copy) at a time
+            self._lanes = {rid: lane, **self._lanes}
+            return []
+        self._lanes[rid] = lane  # requests take turns: to the back of the round
+        return [event]
 
     def run(self, warm: bool = False) -> Iterator[Event]:
         """Advance the lanes until every request is done (and, with `warm`, warm-ahead too)."""
@@ -387,8 +393,8 @@ class Engine:
             for stop, out in prefill(self.model, layers, tokens, start, block):
                 done, logits, at_chunk_end = stop, out, True
                 if stop == keep_at and keep_at > start:
+                    kept = keep_at  # tried once: not again while unwinding if it fails
                     self.cache.keep(tokens[:keep_at], layers)
-                    kept = keep_at
                 yield Prefill(rid, stop, n)
                 at_chunk_end = False
         except BaseException:
@@ -397,7 +403,10 @@ class Engine:
             # whole-state checkpoint needs the layers to hold exactly `done` tokens.
             usable = done % block == 0 and (self.cache.trimmable or at_chunk_end)
             if done > kept and usable:
-                self.cache.keep(tokens[:done], layers)
+                # Best effort while unwinding: a failed keep must not replace what stopped
+                # the lane (a cancel, Ctrl-C) nor fail the request that pre-empted it.
+                with contextlib.suppress(Exception):
+                    self.cache.keep(tokens[:done], layers)
             raise
         if logits is None:  # prefill() always ends with the logits chunk
             raise GenerationError("prefill produced no logits")

@@ -31,10 +31,14 @@ class Stats:
         return {**asdict(self), "decode_tps": round(self.decode_tps, 3)}
 
 
+CANCELLED = "cancelled"
+"""finish_reason of a request cancelled before it finished (`EngineWorker`)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Result:
     """A finished reply. finish_reason: "stop" (end of turn), "length" (max tokens or
-    context), "error" (the request failed: `error` says why)."""
+    context), "error" (the request failed: `error` says why), "cancelled"."""
 
     text: str
     tokens: list[int]

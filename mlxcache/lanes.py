@@ -63,24 +63,28 @@ def run_lanes(
             advance(len(keys) - 1, started[1](), None)
 
     emitted = 0
-    fill()
-    while True:
-        while emitted in finished:
-            yield keys[emitted], finished.pop(emitted)
-            emitted += 1
-        if not active:
-            return
-        for event in engine.run():  # units started meanwhile join the next step
-            if not isinstance(event, Done) or event.request_id not in owner:
-                continue
-            index = owner.pop(event.request_id)
-            unit, rids, got = active[index]
-            got[event.request_id] = event.result
-            if len(got) < len(rids):
-                continue
-            del active[index]
-            advance(index, unit, [got[r] for r in rids])
-            fill()
+    try:
+        fill()
+        while True:
             while emitted in finished:
                 yield keys[emitted], finished.pop(emitted)
                 emitted += 1
+            if not active:
+                return
+            for event in engine.run():  # units started meanwhile join the next step
+                if not isinstance(event, Done) or event.request_id not in owner:
+                    continue
+                index = owner.pop(event.request_id)
+                unit, rids, got = active[index]
+                got[event.request_id] = event.result
+                if len(got) < len(rids):
+                    continue
+                del active[index]
+                advance(index, unit, [got[r] for r in rids])
+                fill()
+                while emitted in finished:
+                    yield keys[emitted], finished.pop(emitted)
+                    emitted += 1
+    finally:  # stopped early (closed, an exception): no lane is left behind, pinned
+        for rid in list(owner):
+            engine.cancel(rid)

@@ -39,9 +39,11 @@ class StopScanner:
         # A stop may begin in text held back earlier, never before it.
         start = self._sent
         self._text += piece
-        hits = [i for s in self._stops if (i := self._text.find(s, start)) >= 0]
+        # The first stop to appear ends the reply (what one more token at a time would
+        # see): the earliest end, then the longest stop ending there.
+        hits = [(i + len(s), i) for s in self._stops if (i := self._text.find(s, start)) >= 0]
         if hits:
-            end = min(hits)
+            end = min(hits)[1]
             self.stopped = True
         else:
             end = max(self._sent, len(self._text) - self._held())

@@ -22,14 +22,11 @@ import mlx.core as mx
 
 from mlxcache.engine import Engine, Request, final_result
 from mlxcache.errors import GenerationError, QueueFullError, UserInputError
-from mlxcache.events import Done, Event, Result, Stats
+from mlxcache.events import CANCELLED, Done, Event, Result, Stats
 
 T = TypeVar("T")
 Sink = Callable[[Event], None]
 """Receives a request's events, on the worker thread; the last one is always a `Done`."""
-
-CANCELLED = "cancelled"
-"""finish_reason of the `Done` a cancelled request's sink receives."""
 
 
 @dataclass(eq=False, slots=True)
@@ -78,6 +75,7 @@ class EngineWorker:
         self._pending: deque[_Job] = deque()
         self._active: dict[int, _Job] = {}  # engine lane id -> job
         self._stopping = False
+        self._closed = False  # the loop has ended: nothing will read the inbox again
         self._thread = threading.Thread(target=self._loop, name="mlxcache-engine", daemon=True)
 
     # -- any thread -------------------------------------------------------------------------
@@ -121,8 +119,10 @@ class EngineWorker:
             if self.max_queue and self._waiting >= self.max_queue:
                 raise QueueFullError(f"{self._waiting} requests are already waiting")
             self._waiting += 1
-        handle = Handle(next(self._ids), self)
-        self._send(("submit", _Job(handle, request, sink)))
+            handle = Handle(next(self._ids), self)
+            # Sent under the lock: the loop's last drain (which sets `_closed` under it)
+            # sees every message sent before `_stopping` was set.
+            self._send(("submit", _Job(handle, request, sink)))
         return handle
 
     def generate(self, request: Request) -> Iterator[Event]:
@@ -168,9 +168,9 @@ class EngineWorker:
         """Run `fn(engine)` on the worker thread, between two model calls; return its result."""
         future: Future[T] = Future()
         with self._lock:
-            if self._stopping and not self._thread.is_alive():
+            if self._closed:
                 raise UserInputError("the engine has stopped")
-        self._send(("call", fn, future))
+            self._send(("call", fn, future))
         return future.result()
 
     def _send(self, message: tuple[Any, ...]) -> None:
@@ -192,6 +192,7 @@ class EngineWorker:
                 for event in self.engine.step():
                     self._deliver(event)
             self.engine.cancel_warm()
+            self._drain(_cancelled())
         except BaseException as exc:
             # A bug here must not leave callers waiting forever: fail what is in flight.
             with self._lock:
@@ -201,15 +202,24 @@ class EngineWorker:
                 self._send_to(job, Done(-1 if job.rid is None else job.rid, failed))
             self._pending.clear()
             self._active.clear()
-            while not self._inbox.empty():  # sent before `_stopping` was seen
-                message = self._inbox.get_nowait()
-                if message[0] == "submit":
-                    self._send_to(message[1], Done(-1, failed))
-                elif message[0] == "call" and message[2] is not None:
-                    message[2].set_exception(RuntimeError(failed.error))
+            self._drain(failed)
             raise
         finally:
             mx.synchronize(stream)  # work queued on this thread's stream must not outlive it
+
+    def _drain(self, failed: Result) -> None:
+        """End for good: refuse what comes next, answer what was sent and not read."""
+        with self._lock:
+            self._stopping = self._closed = True
+        while True:
+            try:
+                message = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if message[0] == "submit":
+                self._send_to(message[1], Done(-1, failed))
+            elif message[0] == "call" and message[2] is not None:
+                message[2].set_exception(UserInputError("the engine has stopped"))
 
     def _read_inbox(self, block: bool) -> None:
         try:
@@ -233,9 +243,11 @@ class EngineWorker:
             _, fn, future = message
             try:
                 value = fn(self.engine)
-            except Exception as exc:
+            except BaseException as exc:
                 if future is not None:
                     future.set_exception(exc)
+                if not isinstance(exc, Exception):
+                    raise
             else:
                 if future is not None:
                     future.set_result(value)

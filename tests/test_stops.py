@@ -26,6 +26,12 @@ def test_held_text_is_released_when_it_is_not_a_stop() -> None:
     assert out == ["x", "</t", "y", ""] and not stopped
 
 
+def test_the_stop_that_appears_first_wins_whatever_the_pieces() -> None:
+    for pieces in (["<b>", "<"], ["<b><"], list("<b><")):
+        out, stopped = stream(pieces, [">", "b><"])
+        assert "".join(out) == "<b" and stopped
+
+
 def test_no_stops_passes_pieces_through() -> None:
     assert stream(["a", "", "b"], []) == (["a", "", "b", ""], False)
 
@@ -41,6 +47,8 @@ def test_emitted_text_is_the_text_before_the_first_stop(
     bounds = sorted({0, len(text), *(min(c, len(text)) for c in cuts)})
     pieces = [text[a:b] for a, b in itertools.pairwise(bounds)]
     out, stopped = stream(pieces, stops)
-    hits = [i for s in stops if (i := text.find(s)) >= 0]
-    assert "".join(out) == (text[: min(hits)] if hits else text)
+    # The first stop to appear (earliest end; the longest of those ending there) cuts the
+    # reply, whatever the pieces: what generating one character at a time would give.
+    hits = [(i + len(s), i) for s in stops if (i := text.find(s)) >= 0]
+    assert "".join(out) == (text[: min(hits)[1]] if hits else text)
     assert stopped == bool(hits)

@@ -15,11 +15,11 @@ from spy import Spy, spied
 from mlxcache.cache.store import PromptCache
 from mlxcache.config import CacheConfig, default_block_size
 from mlxcache.engine import Engine, Request
-from mlxcache.events import Done, Prefill, Result, Token
+from mlxcache.events import CANCELLED, Done, Prefill, Result, Token
 from mlxcache.model import LoadedModel
 from mlxcache.prefill import schedule
 from mlxcache.sampling import SamplingParams
-from mlxcache.worker import CANCELLED, EngineWorker
+from mlxcache.worker import EngineWorker
 
 B = 4
 GREEDY = SamplingParams(max_tokens=6)
@@ -313,5 +313,67 @@ def test_a_crashed_worker_fails_its_requests_instead_of_hanging(
 
     with pytest.raises(UserInputError):
         worker.submit(Request(prompt(9), GREEDY), got.append)
+    with pytest.raises(UserInputError):
+        worker.call(lambda e: None)
+
+
+def test_warm_ahead_of_another_conversation_goes_on_after_a_request(tiny: LoadedModel) -> None:
+    engine, spy = cached(tiny)
+    system = prompt(8, seed=1)  # two blocks both conversations share
+    other = system + prompt(20, seed=2)
+    engine.warm(other)
+    engine.step()  # [0, 4) of the other conversation
+    engine.complete(Request(system + prompt(6, seed=3), GREEDY))
+    assert engine.warming  # stopped for the request, queued again from what it kept
+    list(engine.run(warm=True))
+    spy.reset()
+    result = engine.complete(Request(other + prompt(3, seed=4), GREEDY))
+    assert result.stats.cached_tokens == 28 and spy.calls[0] == (28, 3)
+
+
+def test_warm_lanes_run_one_at_a_time(tiny: LoadedModel) -> None:
+    engine, spy = cached(tiny)
+    engine.warm(prompt(12, seed=1))
+    engine.warm(prompt(12, seed=2))
+    while engine.warming:
+        engine.step()
+    lanes = spy.lanes  # one cache list per lane: three chunks of one, then of the other
+    assert len(set(lanes)) == 2 and lanes == sorted(lanes, key=lanes.index)
+
+
+def test_lanes_closed_early_leave_nothing_behind(tiny: LoadedModel) -> None:
+    from mlxcache.lanes import one_request, run_lanes
+
+    engine, _spy = cached(tiny)
+    units = [
+        (i, lambda i=i: one_request(lambda: Request(prompt(9, seed=i), GREEDY))) for i in range(3)
+    ]
+    results = run_lanes(engine, units, 2)
+    next(results)
+    results.close()
+    assert not engine.busy
+    assert sum(e.pins for e in engine.cache.mem) == 0  # type: ignore[attr-defined]
+
+
+def test_a_failing_keep_while_cancelling_spares_the_worker(
+    tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine, _spy = cached(tiny)
+    with EngineWorker(engine) as worker:
+        stream = worker.generate(Request(prompt(40, seed=1), GREEDY))
+        assert isinstance(next(stream), Prefill)
+        keep = engine.cache.keep
+
+        def fail_once(*args: Any) -> None:
+            monkeypatch.setattr(engine.cache, "keep", keep)
+            raise OSError("disk full")
+
+        monkeypatch.setattr(engine.cache, "keep", fail_once)
+        stream.close()  # the cancel's keep fails: best effort, the worker goes on
+        assert worker.complete(Request(prompt(9, seed=2), GREEDY)).finish_reason != "error"
+    from mlxcache.errors import UserInputError
+
+    with pytest.raises(UserInputError):
+        worker.submit(Request(prompt(9), GREEDY), lambda e: None)
     with pytest.raises(UserInputError):
         worker.call(lambda e: None)

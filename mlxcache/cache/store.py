@@ -125,11 +125,12 @@ class PromptCache:
                 self.stats.misses += 1
                 self.reserve(self._token_bytes * len(tokens), None, tokens)
                 return Resume(make_prompt_cache(self._model), 0)
-            self.mem.pin(entry)
             self.stats.hits += 1
             self.stats.cached_tokens += length
             self.reserve(self._token_bytes * (len(tokens) - length), entry, tokens)
-            return Resume(self._layers(entry, length), length, entry)
+            layers = self._layers(entry, length)  # before the pin: if this fails, none is left
+            self.mem.pin(entry)
+            return Resume(layers, length, entry)
 
     def keep(self, tokens: np.ndarray, layers: list[Any]) -> None:
         """Store the first len(tokens) positions of `layers`, in memory and on disk."""

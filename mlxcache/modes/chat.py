@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 from mlxcache.engine import Request
 from mlxcache.errors import MlxcacheError, UserInputError
-from mlxcache.events import Done, Event, Token
+from mlxcache.events import CANCELLED, Done, Event, Token
 from mlxcache.fileio import loads_json, write_atomic
 from mlxcache.sampling import SamplingParams
 
@@ -87,7 +87,7 @@ class ChatSession:
             for event in engine.generate(Request(ids, params, stop_strings=self.stop)):
                 if isinstance(event, Token):
                     pieces.append(event.text)
-                elif isinstance(event, Done):
+                elif isinstance(event, Done) and event.result.finish_reason != CANCELLED:
                     done = True
                     self.turns.append(Turn(text, event.result.text))
                     engine.warm_chat(self.messages())
