@@ -12,7 +12,7 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 
-from mlxcache.config import CPU_BLOCK_SIZE, METAL_BLOCK_SIZE, CacheConfig, parse_size
+from mlxcache.config import CPU_BLOCK_SIZE, METAL_BLOCK_SIZE, CacheConfig, format_size, parse_size
 from mlxcache.engine import Engine
 from mlxcache.errors import UserInputError
 from mlxcache.runtime import open_engine
@@ -355,8 +355,9 @@ _RUN_OPTIONS: list[tuple[str, Any, Any]] = [
     ("seed", Seed, 0),
     ("cache_dir", CacheDir, None),
     ("no_cache", NoCache, False),
-    ("cache_mem", CacheMem, "2G"),
-    ("cache_disk", CacheDisk, "20G"),
+    # Defaults come from CacheConfig, their one home, in the form the options take.
+    ("cache_mem", CacheMem, format_size(CacheConfig.__dataclass_fields__["mem_bytes"].default)),
+    ("cache_disk", CacheDisk, format_size(CacheConfig.__dataclass_fields__["disk_bytes"].default)),
     ("block_size", BlockSize, None),
     ("warm_ahead", WarmAhead, True),
     ("quiet", Quiet, False),

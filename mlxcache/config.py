@@ -7,7 +7,17 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mlxcache.errors import UserInputError
+
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def format_size(n: int) -> str:
+    """The shortest exact `parse_size` form of `n` bytes (2 << 30 -> "2G")."""
+    for unit in "TGMK":
+        if n and n % _UNITS[unit] == 0:
+            return f"{n // _UNITS[unit]}{unit}"
+    return str(n)
 
 
 def parse_size(text: str) -> int:
@@ -35,12 +45,13 @@ def default_block_size() -> int:
     """$MLXCACHE_BLOCK_SIZE, else the measured default of the current device.
 
     Raises:
-        ValueError: the variable is set but not a whole number >= 1.
+        UserInputError: the variable is set but not a whole number >= 1 (it is read
+            wherever a default is needed, so it fails as user input, not as a bad argument).
     """
     env = os.environ.get(ENV_BLOCK_SIZE, "").strip()
     if env:
         if not env.isdigit() or int(env) < 1:
-            raise ValueError(f"{ENV_BLOCK_SIZE} must be a whole number >= 1, got {env!r}")
+            raise UserInputError(f"{ENV_BLOCK_SIZE} must be a whole number >= 1, got {env!r}")
         return int(env)
     import mlx.core as mx
 
