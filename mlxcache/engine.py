@@ -318,7 +318,7 @@ class Engine:
         if isinstance(self.cache, NoCache):
             return "cache off"
         if n <= self.cache.block_size:
-            return f"shorter than one block ({self.cache.block_size} tokens)"
+            return f"shorter than one block of {self.cache.block_size} tokens"
         return "no cached prefix"
 
     def _lane(self, rid: int, tokens: np.ndarray, req: Request) -> Generator[Event, None, None]:
