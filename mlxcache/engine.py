@@ -268,7 +268,7 @@ class Engine:
             yield from self.step()
 
     def generate(self, request: Request) -> Iterator[Event]:
-        """Run one request alone and yield its events; other lanes wait, untouched.
+        """Run one request alone and yield its events; other lanes wait (see `submit`).
 
         Closing the iterator early (Ctrl-C, a consumer that stops) cancels the request.
         A failed request raises GenerationError here; `run()` instead ends it with a

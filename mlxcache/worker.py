@@ -153,7 +153,7 @@ class EngineWorker:
         return final_result(self.generate(request), on_event)
 
     def encode_chat(self, messages: list[dict[str, Any]], **template_kwargs: Any) -> list[int]:
-        """`Engine.encode_chat` (tokenizing is pure Python: it runs on the caller's thread)."""
+        """`Engine.encode_chat` (tokenizing needs no MLX: it runs on the caller's thread)."""
         return self.engine.encode_chat(messages, **template_kwargs)
 
     def warm(self, tokens: Any) -> None:
