@@ -33,8 +33,8 @@ from mlxcache.model import LoadedModel
 from mlxcache.prefill import prefill
 from mlxcache.sampling import LogitsProcessor, SamplingParams
 
-# Placeholder user messages: what two renders with different next messages share is the
-# part of the next prompt that does not depend on what the user types.
+# Placeholder contents of the next message: what two renders with different contents share
+# is the part of the next prompt that does not depend on what that message says.
 _PROBES = ("\x01", "Z z")
 
 

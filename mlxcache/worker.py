@@ -48,9 +48,17 @@ class _Job:
     sink: Sink
     rid: int | None = None  # the engine's lane id, once admitted
 
+    def end(self, result: Result) -> Done:
+        """The `Done` that ends this job with `result` (id -1 before it was admitted)."""
+        return Done(-1 if self.rid is None else self.rid, result)
+
 
 def _cancelled() -> Result:
     return Result("", [], CANCELLED, Stats())
+
+
+def _failed(error: str) -> Result:
+    return Result("", [], "error", Stats(), error=error)
 
 
 class EngineWorker:
@@ -197,9 +205,9 @@ class EngineWorker:
             # A bug here must not leave callers waiting forever: fail what is in flight.
             with self._lock:
                 self._stopping = True
-            failed = Result("", [], "error", Stats(), error=f"the engine stopped: {exc!r}")
+            failed = _failed(f"the engine stopped: {exc!r}")
             for job in [*self._pending, *self._active.values()]:
-                self._send_to(job, Done(-1 if job.rid is None else job.rid, failed))
+                self._send_to(job, job.end(failed))
             self._pending.clear()
             self._active.clear()
             self._drain(failed)
@@ -217,7 +225,7 @@ class EngineWorker:
             except queue.Empty:
                 return
             if message[0] == "submit":
-                self._send_to(message[1], Done(-1, failed))
+                self._send_to(message[1], message[1].end(failed))
             elif message[0] == "call" and message[2] is not None:
                 message[2].set_exception(UserInputError("the engine has stopped"))
 
@@ -266,7 +274,7 @@ class EngineWorker:
             try:
                 job.rid = self.engine.submit(job.request)
             except Exception as exc:  # checked at submit already; the state may have changed
-                self._send_to(job, Done(-1, Result("", [], "error", Stats(), error=str(exc))))
+                self._send_to(job, job.end(_failed(str(exc))))
                 continue
             self._active[job.rid] = job
 
@@ -277,12 +285,12 @@ class EngineWorker:
             with self._lock:
                 self._waiting -= 1
         else:
-            job = next((j for j in self._active.values() if j.handle is handle), None)
-            if job is None or job.rid is None:
+            rid = next((r for r, j in self._active.items() if j.handle is handle), None)
+            if rid is None:
                 return  # already finished
-            self.engine.cancel(job.rid)
-            del self._active[job.rid]
-        self._send_to(job, Done(-1 if job.rid is None else job.rid, _cancelled()))
+            self.engine.cancel(rid)
+            job = self._active.pop(rid)
+        self._send_to(job, job.end(_cancelled()))
 
     def _deliver(self, event: Event) -> None:
         job = self._active.get(event.request_id)
