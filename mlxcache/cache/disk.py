@@ -120,10 +120,13 @@ class DiskTier:
             self._db = sqlite3.connect(
                 root / INDEX, timeout=30, isolation_level=None, check_same_thread=False
             )
-            self._db.execute("PRAGMA journal_mode=WAL")
+            # Two processes opening a new directory at once would both switch it to WAL and
+            # create the tables: one at a time, as every other write to the index.
+            with self._writer():
+                self._db.execute("PRAGMA journal_mode=WAL")
+                self._db.executescript(_SCHEMA)
             self._db.execute("PRAGMA foreign_keys=ON")
-            self._db.executescript(_SCHEMA)
-        except sqlite3.Error as exc:
+        except (sqlite3.Error, OSError) as exc:  # OSError: the lock file cannot be opened
             raise index_error(root, exc) from exc
         self._sweep_temp()
 
