@@ -124,8 +124,11 @@ class EngineWorker:
         with self._lock:
             if self._stopping:
                 raise UserInputError("the engine is shutting down")
-            if self.max_queue and self._waiting >= self.max_queue:
-                raise QueueFullError(f"{self._waiting} requests are already waiting")
+            # Waiting means queued beyond the lanes that are free, not merely not yet picked
+            # up by the worker thread (len() of a dict is atomic: read without its owner).
+            queued = self._waiting + len(self._active) - self.max_lanes
+            if self.max_queue and queued >= self.max_queue:
+                raise QueueFullError(f"{queued} requests are already waiting")
             self._waiting += 1
             handle = Handle(next(self._ids), self)
             # Sent under the lock: the loop's last drain (which sets `_closed` under it)

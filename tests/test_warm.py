@@ -254,8 +254,9 @@ def test_worker_refuses_beyond_its_queue(tiny: LoadedModel) -> None:
 
     engine, _spy = cached(tiny)
     worker = EngineWorker(engine, max_lanes=1, max_queue=1)  # not started: nothing is admitted
-    worker.submit(Request(prompt(9), GREEDY), lambda e: None)
-    with pytest.raises(QueueFullError):
+    worker.submit(Request(prompt(9), GREEDY), lambda e: None)  # will take the free lane
+    worker.submit(Request(prompt(9), GREEDY), lambda e: None)  # waits: the queue is full
+    with pytest.raises(QueueFullError, match="1 requests are already waiting"):
         worker.submit(Request(prompt(9), GREEDY), lambda e: None)
     worker.start()
     worker.close(cancel=True)
