@@ -10,6 +10,6 @@ setup(
     package_dir={"mlxcache": "mlxcache", "mlxcache_cli": "cli"},
     packages=[
         *find_packages(include=["mlxcache", "mlxcache.*"]),
-        *(f"mlxcache_cli{name[len('cli'):]}" for name in find_packages(include=["cli", "cli.*"])),
+        *(f"mlxcache_cli{name[len('cli') :]}" for name in find_packages(include=["cli", "cli.*"])),
     ],
 )

@@ -6,7 +6,8 @@ Run: .venv/bin/python examples/generate.py
 from mlxcache import CacheConfig, Request, SamplingParams, open_engine
 from mlxcache.events import Done, Token
 
-# A small block size lets this short prompt resume (the default, 256, suits long prompts).
+# Block size 16 (the CPU default; 256 on Metal) lets a short prompt resume. Asked again, the
+# same prompt resumes whole: its tail past the last full block is remembered in memory.
 engine = open_engine(cache=CacheConfig(block_size=16, disk_bytes=0))
 ids = engine.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
 

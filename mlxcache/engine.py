@@ -248,19 +248,32 @@ class Engine:
         if rid is None:
             return []
         lane = self._lanes.pop(rid)
-        try:
-            event = next(lane.gen, None)
-        except Exception as exc:  # a broken lane ends alone; its finally released its pin
-            event = (
-                None if lane.warm else Done(rid, Result("", [], "error", Stats(), error=str(exc)))
-            )
+        event = self._advance(rid, lane)
         if event is None or isinstance(event, Done):
             return [event] if event is not None and not lane.warm else []
         if lane.warm:  # back to the front: one warm lane (one restored KV copy) at a time
             self._lanes = {rid: lane, **self._lanes}
             return []
+        events: list[Event] = [event]
+        if isinstance(event, Prefill) and event.done == event.total:
+            # The first token comes with the prompt's last chunk: sampling it is no model
+            # call, and waiting for the next round would delay it by every other lane's turn.
+            first = self._advance(rid, lane)
+            if first is None or isinstance(first, Done):
+                return [*events, first] if first is not None else events
+            events.append(first)
         self._lanes[rid] = lane  # requests take turns: to the back of the round
-        return [event]
+        return events
+
+    @staticmethod
+    def _advance(rid: int, lane: _Lane) -> Event | None:
+        """The lane's next event; None once it has ended (a warm lane, or a broken one)."""
+        try:
+            return next(lane.gen, None)
+        except Exception as exc:  # a broken lane ends alone; its finally released its pin
+            return (
+                None if lane.warm else Done(rid, Result("", [], "error", Stats(), error=str(exc)))
+            )
 
     def run(self, warm: bool = False) -> Iterator[Event]:
         """Advance the lanes until every request is done (and, with `warm`, warm-ahead too)."""
@@ -336,7 +349,13 @@ class Engine:
             # checkpoint (recurrent / rotating layers) must be taken at the last boundary
             # before the end, so that the same prompt can resume from it.
             keep_at = (n // block if self.cache.trimmable else (n - 1) // block) * block
-            logits = yield from self._prefill(rid, tokens, resume.layers, resume.length, keep_at)
+            if resume.logits is not None:  # this very prompt again: nothing to prefill
+                logits = resume.logits
+            else:
+                logits = yield from self._prefill(
+                    rid, tokens, resume.layers, resume.length, keep_at
+                )
+                self.cache.keep_tail(tokens, resume.layers, logits)
             stop = req.stop_tokens
             if stop is None:
                 stop = frozenset(self.loaded.tokenizer.eos_token_ids)

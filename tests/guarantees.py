@@ -84,13 +84,19 @@ class Geometry:
     prefix with an entry, cut to leave one token to prefill and floored to a block; a
     non-trimmable one keeps a checkpoint at the last block boundary before the end and
     resumes only from an entry that is a whole prefix of the prompt, shorter than it.
+    A trimmable model's cache also remembers, in memory, the tail of each prompt of at
+    least one block that it prefilled: the same prompt on the same cache resumes whole.
     """
 
     def __init__(self, trimmable: bool) -> None:
         self.trimmable = trimmable
         self.kept: set[tuple[int, ...]] = set()
+        self.tails: dict[int, set[tuple[int, ...]]] = {}  # by id() of the cache
 
-    def resume(self, tokens: Sequence[int]) -> int:
+    def resume(self, tokens: Sequence[int], cache: object = None) -> int:
+        """Where `tokens` resume on `cache` (None: a cache with nothing in memory)."""
+        if tuple(tokens) in self.tails.get(id(cache), set()):
+            return len(tokens)
         n, best = len(tokens), 0
         for entry in self.kept:
             common = _common_prefix(entry, tokens)
@@ -105,11 +111,13 @@ class Geometry:
         n = len(tokens)
         return (n // B if self.trimmable else (n - 1) // B) * B
 
-    def ran(self, tokens: Sequence[int], start: int) -> None:
-        """Record a run of `tokens` that resumed at `start`."""
+    def ran(self, tokens: Sequence[int], start: int, cache: object = None) -> None:
+        """Record a run of `tokens` on `cache` that resumed at `start`."""
         keep_at = self.keep_at(tokens)
         if keep_at > start:
             self.kept.add(tuple(tokens[:keep_at]))
+        if self.trimmable and len(tokens) >= B and start < len(tokens) and cache is not None:
+            self.tails.setdefault(id(cache), set()).add(tuple(tokens))
 
     def prefilled(self, tokens: Sequence[int], chunks: int) -> None:
         """Record a prefill from 0 stopped after `chunks` chunks (it keeps what it computed)."""
@@ -130,6 +138,7 @@ class Run:
     """One request as the spy saw it."""
 
     tokens: list[int]
+    prompt_len: int
     cached: int
     calls: list[tuple[int, int]]
     batch_sizes: list[int]
@@ -137,28 +146,43 @@ class Run:
     """The last prompt token's logits."""
 
 
-def _run_of(result: Result, n_prompt: int, calls: list[int], spy: Spy) -> Run:
+def _run_of(
+    result: Result, n_prompt: int, calls: list[int], spy: Spy, remembered: mx.array | None = None
+) -> Run:
     final = [i for i in calls if sum(spy.calls[i]) == n_prompt]
+    if len(final) == 1:
+        logits = spy.last_logits[final[0]]
+    else:  # no call ended the prompt: a wrong schedule, or a whole prompt resumed
+        logits = remembered if remembered is not None else mx.zeros((0,))
     return Run(
         result.tokens,
+        n_prompt,
         result.stats.cached_tokens,
         [spy.calls[i] for i in calls],
         [spy.batch_sizes[i] for i in calls],
-        # No single call ending the prompt is a wrong schedule, which `same_as_cold` reports.
-        spy.last_logits[final[0]] if len(final) == 1 else mx.zeros((0,)),
+        logits,
     )
+
+
+def remembered_logits(engine: Engine, tokens: list[int]) -> mx.array | None:
+    """The last-prompt logits a whole-prompt resume of `tokens` starts from (if any)."""
+    resume = engine.cache.restore(np.asarray(tokens, dtype=np.int32))
+    engine.cache.release(resume)
+    return resume.logits
 
 
 def run(engine: Engine, spy: Spy, tokens: list[int], params: SamplingParams = GREEDY) -> Run:
     spy.reset()
     result = engine.complete(Request(tokens, params))
-    return _run_of(result, len(tokens), list(range(len(spy.calls))), spy)
+    whole = result.stats.cached_tokens == len(tokens)
+    memo = remembered_logits(engine, tokens) if whole else None
+    return _run_of(result, len(tokens), list(range(len(spy.calls))), spy, memo)
 
 
 def same_as_cold(got: Run, cold: Run) -> None:
     """Same tokens and last-prompt logits (bitwise); the cold run's calls from the resume on."""
     assert got.tokens == cold.tokens, f"tokens {got.tokens} != cold {cold.tokens}"
-    assert got.cached % B == 0, f"resumed inside a block, at {got.cached}"
+    assert got.cached % B == 0 or got.cached == got.prompt_len, f"resumed at {got.cached}"
     assert got.calls == [c for c in cold.calls if c[0] >= got.cached], (
         f"calls {got.calls} != cold {cold.calls} from {got.cached}"
     )
@@ -196,15 +220,17 @@ class Rig:
         self, engine: Engine, spy: Spy, tokens: list[int], params: SamplingParams = GREEDY
     ) -> Run:
         """Run on a cached engine; check resume point, entries and bits against cold."""
-        expect = self.geo.resume(tokens)
+        expect = self.geo.resume(tokens, engine.cache)
         got = run(engine, spy, tokens, params)
-        self.check(got, tokens, expect, self.cold(tokens, params))
+        self.check(got, tokens, expect, self.cold(tokens, params), engine.cache)
         self.entries(engine.cache)
         return got
 
-    def check(self, got: Run, tokens: list[int], expect: int, cold: Run) -> None:
+    def check(
+        self, got: Run, tokens: list[int], expect: int, cold: Run, cache: object = None
+    ) -> None:
         assert got.cached == expect, f"resumed at {got.cached}, the geometry says {expect}"
-        self.geo.ran(tokens, expect)
+        self.geo.ran(tokens, expect, cache)
         same_as_cold(got, cold)
 
     def entries(self, cache: object) -> None:
@@ -242,6 +268,7 @@ class Rig:
         return [
             Run(
                 r["tokens"],
+                r["prompt_len"],
                 r["cached"],
                 [tuple(c) for c in r["calls"]],
                 r["batch_sizes"],
@@ -254,7 +281,13 @@ class Rig:
 def save_runs(runs: list[Run], out: Path) -> None:
     """What `Rig.child` reads back (written by the child process)."""
     docs = [
-        {"tokens": r.tokens, "cached": r.cached, "calls": r.calls, "batch_sizes": r.batch_sizes}
+        {
+            "tokens": r.tokens,
+            "prompt_len": r.prompt_len,
+            "cached": r.cached,
+            "calls": r.calls,
+            "batch_sizes": r.batch_sizes,
+        }
         for r in runs
     ]
     out.with_suffix(".json").write_text(json.dumps(docs))
@@ -267,14 +300,16 @@ def save_runs(runs: list[Run], out: Path) -> None:
 
 
 def check_warm(rig: Rig) -> None:
-    """A prompt run twice: the second resumes from memory at the last full block."""
+    """A prompt run twice: the second resumes whole from memory (a non-trimmable model: at
+    the last block boundary before its end); then prompts around it."""
     engine, spy = rig.engine()
     p = prompt(23)
     rig.warm(engine, spy, p)
     rig.warm(engine, spy, p)
-    rig.warm(engine, spy, p + prompt(6, seed=1))
+    rig.warm(engine, spy, p + prompt(6, seed=1))  # extends p: resumes at its last full block
     rig.warm(engine, spy, p[:3])  # shorter than a block: nothing to resume or keep
     rig.warm(engine, spy, p[:20])  # all full blocks: resumes a block short of the end
+    rig.warm(engine, spy, p[:20])  # ... and whole the second time (no tail, only logits)
 
 
 def check_fork(rig: Rig) -> None:
@@ -315,11 +350,15 @@ def check_lanes(rig: Rig) -> None:
     for order in ([0, 1], [1, 0], [2, 3]):
         # The first lane restores and runs one chunk, then the second restores: it sees
         # what the first kept if that chunk reached the first's keep point.
+        # A first lane whose first chunk ends its prompt remembers its tail at once.
         first, second = (prompts[i] for i in order)
-        expect = [rig.geo.resume(first)]
-        if min(expect[0] + B, len(first)) == rig.geo.keep_at(first):
+        expect = [rig.geo.resume(first, engine.cache)]
+        reached = min(expect[0] + B, len(first))
+        if reached == rig.geo.keep_at(first):
             rig.geo.ran(first, expect[0])
-        expect.append(rig.geo.resume(second))
+        if reached == len(first):
+            rig.geo.ran(first, expect[0], engine.cache)
+        expect.append(rig.geo.resume(second, engine.cache))
         spy.reset()
         ids = [engine.submit(Request(prompts[i], params[i])) for i in order]
         done = {e.request_id: e.result for e in engine.run() if isinstance(e, Done)}
@@ -328,8 +367,10 @@ def check_lanes(rig: Rig) -> None:
         assert len(lanes) == 2, f"{len(lanes)} cache lists for two lanes"
         for i, rid, lane, start in zip(order, ids, lanes, expect, strict=True):
             calls = [j for j, x in enumerate(spy.lanes) if x == lane]
-            got = _run_of(done[rid], len(prompts[i]), calls, spy)
-            rig.check(got, prompts[i], start, solo[i])
+            whole = done[rid].stats.cached_tokens == len(prompts[i])
+            memo = remembered_logits(engine, prompts[i]) if whole else None
+            got = _run_of(done[rid], len(prompts[i]), calls, spy, memo)
+            rig.check(got, prompts[i], start, solo[i], engine.cache)
         rig.entries(engine.cache)
 
 
@@ -472,7 +513,7 @@ def check_restore_repeatedly(rig: Rig) -> None:
     p = prompt(22)
     rig.warm(engine, spy, p)
     for _ in range(3):
-        assert rig.warm(engine, spy, p).cached == 20
+        assert rig.warm(engine, spy, p).cached == (22 if rig.variant.trimmable else 20)
     for _ in range(2):
         reopened, spy2 = rig.engine()
         assert rig.warm(reopened, spy2, p).cached == 20

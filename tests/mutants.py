@@ -243,6 +243,25 @@ def shared_sampler(patch: Patch) -> None:
             patch(module, "make_sampler", make_sampler)
 
 
+def tail_of_a_prefix(patch: Patch) -> None:
+    """A remembered whole prompt's tail and logits also resume a longer prompt that starts
+    with it, as if that prompt ended there."""
+    restore = PromptCache.restore
+
+    def restore_prefix(self: PromptCache, tokens: np.ndarray) -> Any:
+        for k in range(len(tokens) - 1, self.block_size - 1, -1):
+            if digest_tokens(tokens[:k]) in self._tails:
+                return restore(self, tokens[:k])
+        return restore(self, tokens)
+
+    patch(PromptCache, "restore", restore_prefix)
+
+
+def tail_without_kv(patch: Patch) -> None:
+    """A whole prompt resumes with its remembered logits but without its tail's KV."""
+    patch(blocks, "append", lambda layers, tail: None)
+
+
 MUTANTS: dict[str, Callable[[Patch], None]] = {
     f.__name__: f
     for f in (
@@ -259,5 +278,7 @@ MUTANTS: dict[str, Callable[[Patch], None]] = {
         restore_without_copy,
         shared_sampler,
         warm_in_one_chunk,
+        tail_of_a_prefix,
+        tail_without_kv,
     )
 }

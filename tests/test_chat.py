@@ -107,7 +107,8 @@ def test_transcript_resume_and_retry(cache_root: Path, tmp_path: Path) -> None:
     lines = result.stderr.splitlines()  # type: ignore[attr-defined]
     assert lines[0].startswith("0/37 prompt tokens cached (no cached prefix), 37 prefilled")
     assert lines[1].startswith("saved ")
-    assert lines[2].startswith("32/37 prompt tokens cached, 5 prefilled")  # the retry is a fork
+    # The retry sends the same prompt again: it resumes whole, nothing to prefill.
+    assert lines[2].startswith("37/37 prompt tokens cached, 0 prefilled")
     # A new process reopens the session; its next turn resumes from the disk tier.
     again = invoke(["--resume", "trip"], "And of Spain?\n", tmp_path)
     assert again.exit_code == 0, again.stderr  # type: ignore[attr-defined]

@@ -14,7 +14,7 @@ EXAMPLES = Path(__file__).parent.parent / "examples"
 EXPECTED = {
     "generate.py": [
         "[cold] 0/37 prompt tokens from the cache",
-        "[warm] 32/37 prompt tokens from the cache",
+        "[warm] 37/37 prompt tokens from the cache",
     ],
     "chat_session.py": ["assistant: The capital of France is Paris.", "saved and reloaded 2 turns"],
     "json_extract.py": ['{"city": "Rome", "country": "ITL"} stop'],

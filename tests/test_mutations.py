@@ -38,6 +38,8 @@ CAUGHT_BY: dict[str, list[tuple[str, str]]] = {
     "restore_without_copy": [("plain", "restore_repeatedly")],
     "shared_sampler": [("plain", "lanes")],
     "warm_in_one_chunk": [("shaped", "warm_ahead"), ("shaped-sliding", "warm_ahead")],
+    "tail_of_a_prefix": [("plain", "chat"), ("shaped", "chat")],
+    "tail_without_kv": [("plain", "warm"), ("plain", "chat")],
 }
 
 

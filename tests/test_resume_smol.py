@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from spy import spied
 
@@ -32,13 +33,23 @@ def test_warm_equals_cold_and_lanes_equal_solo(smol: LoadedModel, tmp_path: Path
     cold = engine.complete(Request(ids, params))
     cold_calls, cold_logits = list(spy.calls), spy.last_logits[2]
     spy.reset()
-    warm = engine.complete(Request(ids, params))
-    assert (cold.stats.cached_tokens, warm.stats.cached_tokens) == (0, 32)
+    warm = engine.complete(Request(ids, params))  # the same prompt: resumed whole
+    assert (cold.stats.cached_tokens, warm.stats.cached_tokens) == (0, 37)
     assert warm.text == cold.text == "The capital of France is Paris."
     assert warm.tokens == cold.tokens
     assert cold_calls[:3] == [(0, 16), (16, 16), (32, 5)]
-    assert spy.calls == cold_calls[2:]
-    assert mx.array_equal(spy.last_logits[0], cold_logits)
+    assert spy.calls == cold_calls[3:]  # its decode steps only
+    resume = engine.cache.restore(np.asarray(ids, dtype=np.int32))
+    engine.cache.release(resume)
+    assert resume.length == 37 and mx.array_equal(resume.logits, cold_logits)
+
+    # A longer prompt resumes at the last full block and makes the cold run's calls.
+    longer = engine.encode_chat([*QUESTION, {"role": "assistant", "content": "Paris."}])
+    cold_longer = Engine(smol, block_size=B).complete(Request(longer, params))
+    spy.reset()
+    resumed = engine.complete(Request(longer, params))
+    assert resumed.stats.cached_tokens == 32 and resumed.tokens == cold_longer.tokens
+    assert spy.calls[0] == (32, min(B, len(longer) - 32))
 
     # Two requests at once (sharing the cached prefix) each get their solo reply.
     other = engine.encode_chat([{"role": "user", "content": "What is the capital of Italy?"}])

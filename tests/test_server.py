@@ -385,7 +385,9 @@ def test_repeated_conversation_is_cached_with_the_cold_bytes_and_resumes_after_r
         resumed = client(srv).chat.completions.create(model=srv.model, messages=messages)
     assert cold.usage.prompt_tokens_details.cached_tokens == 0
     prompt = cold.usage.prompt_tokens
-    assert warm.usage.prompt_tokens_details.cached_tokens == prompt // BLOCK * BLOCK
+    # The same conversation again resumes whole (its tail is remembered in memory); a
+    # restarted server resumes its full blocks from disk.
+    assert warm.usage.prompt_tokens_details.cached_tokens == prompt
     assert resumed.usage.prompt_tokens_details.cached_tokens == prompt // BLOCK * BLOCK
     assert [r.choices[0].message.content for r in (cold, warm, resumed)] == [expected] * 3
     [got] = call.choices[0].message.tool_calls

@@ -145,6 +145,22 @@ def test_a_request_goes_before_warm_ahead(tiny: LoadedModel) -> None:
     assert spy.calls[:3] == [(0, B), (B, B), (2 * B, 1)]
 
 
+def test_the_first_token_comes_with_the_last_chunk(tiny: LoadedModel) -> None:
+    """A lane whose prompt is done samples its first token in the same step (sampling is no
+    model call), instead of waiting a whole round of the other lanes."""
+    engine, spy = cached(tiny)
+    a = engine.submit(Request(prompt(3, seed=1), GREEDY))  # one chunk
+    b = engine.submit(Request(prompt(6, seed=2), GREEDY))  # two chunks
+    spy.reset()
+    first = engine.step()
+    assert [(type(e), e.request_id) for e in first] == [(Prefill, a), (Token, a)]
+    assert spy.calls == [(0, 3), (3, 1)]  # a's prompt, then its next decode step queued
+    second = engine.step()
+    assert [(type(e), e.request_id) for e in second] == [(Prefill, b)]  # b's first chunk
+    third = engine.step()
+    assert [(type(e), e.request_id) for e in third] == [(Token, a)]
+
+
 def test_template_rewriting_earlier_turns(tiny: LoadedModel) -> None:
     loaded = dataclasses.replace(tiny, tokenizer=Templated(tiny.tokenizer, REWRITING))
     engine, spy = cached(loaded)
@@ -232,7 +248,7 @@ def test_worker_serves_bitwise_and_cancels(tiny: LoadedModel) -> None:
         convo = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
         worker.warm_chat(convo)
         again = worker.complete(Request(p, GREEDY))
-        assert again.tokens == ref.tokens and again.stats.cached_tokens == 12
+        assert again.tokens == ref.tokens and again.stats.cached_tokens == 14  # resumed whole
         stream = worker.generate(Request(prompt(40, seed=6), SamplingParams(max_tokens=50)))
         next(stream)
         stream.close()  # cancels: the lane's pin goes

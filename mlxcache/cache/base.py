@@ -14,11 +14,14 @@ class Resume:
     """Where a request starts: fresh per-layer caches holding `length` prompt tokens.
 
     `lease` is the cache's own handle (a pinned entry); hand it back with `release`.
+    `logits` (the last prompt token's) come only with a whole prompt seen before: then
+    `length` is the whole prompt and nothing is left to prefill.
     """
 
     layers: list[Any]
     length: int
     lease: Any = None
+    logits: Any = None
 
 
 class PrefixCache(Protocol):
@@ -34,6 +37,11 @@ class PrefixCache(Protocol):
 
     def keep(self, tokens: np.ndarray, layers: list[Any]) -> None:
         """Store the first len(tokens) positions of `layers` (a whole number of blocks)."""
+        ...
+
+    def keep_tail(self, tokens: np.ndarray, layers: list[Any], logits: Any) -> None:
+        """Remember a whole prompt's state past its last full block, and its last logits,
+        so that the same prompt again resumes with nothing to prefill."""
         ...
 
     def release(self, resume: Resume) -> None:
@@ -64,6 +72,9 @@ class NoCache:
         return Resume(make_prompt_cache(self._model), 0)
 
     def keep(self, tokens: np.ndarray, layers: list[Any]) -> None:
+        return None
+
+    def keep_tail(self, tokens: np.ndarray, layers: list[Any], logits: Any) -> None:
         return None
 
     def release(self, resume: Resume) -> None:

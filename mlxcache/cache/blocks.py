@@ -71,6 +71,15 @@ def join_blocks(blocks: list[mx.array], n_layers: int) -> list[Any]:
     return layers
 
 
+def append(layers: list[Any], tail: mx.array) -> None:
+    """Append `tail` (as `cut_block` cuts it) to fresh KV caches, as a prefill chunk would."""
+    if tail.shape[3] == 0:
+        return
+    for i, c in enumerate(layers):
+        c.update_and_fetch(tail[i, 0][None], tail[i, 1][None])
+    mx.eval([(c.keys, c.values) for c in layers])
+
+
 def _copy_state(state: Any) -> Any:
     # New array objects: a live cache's in-place updates never reach a stored state.
     return tree_map(lambda x: mx.array(x) if isinstance(x, mx.array) else x, state)

@@ -5,11 +5,20 @@ entries sharing a prefix share its blocks and memory follows unique tokens. Mode
 recurrent or rotating layers store one whole-state checkpoint per entry, taken at a block
 boundary, and their entries are non-trimmable. Every insert path ends in `_fit()`, which
 evicts through the index's victim order until the byte budget holds.
+
+The memory tier of a trimmable model also remembers the tails of the last few whole
+prompts: the KV past the last full block and the last token's logits, as the prompt's
+own last prefill chunk computed them. The same prompt again (a retry, a regression run,
+a repeated API call) then resumes whole, with nothing to prefill; that state is exactly
+what a fresh prefill computes, since the chunk's input (the canonical KV of the full
+blocks and the same tokens) is the same. Tails go first when memory is short, and with
+the entry whose blocks they continue.
 """
 
 from __future__ import annotations
 
 import sqlite3
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -36,6 +45,9 @@ from mlxcache.errors import CacheStoreError, CorruptCacheFileError
 # What the disk tier can raise that means "go on without it" (a corrupt file is handled apart).
 _DISK_ERRORS = (sqlite3.Error, OSError, CacheStoreError)
 
+MAX_TAILS = 32
+"""Whole prompts whose tails the memory tier remembers (the most recently used)."""
+
 
 @dataclass(slots=True)
 class CacheStats:
@@ -55,6 +67,14 @@ class CacheStats:
 class _Block:
     kv: mx.array
     refs: int = 0
+
+
+@dataclass(slots=True)
+class _Tail:
+    base: Entry  # holds the prompt's full blocks; the tail goes with it
+    kv: mx.array  # positions [last full block end, prompt end) of every layer (maybe none)
+    logits: mx.array
+    nbytes: int
 
 
 class PromptCache:
@@ -89,6 +109,7 @@ class PromptCache:
         self._blocks: dict[str, _Block] = {}
         self._entry_blocks: dict[Entry, list[str]] = {}
         self._checkpoints: dict[Entry, list[Any]] = {}
+        self._tails: OrderedDict[str, _Tail] = OrderedDict()  # by prompt digest, oldest first
         self._mem_bytes = 0
         self._n_layers = len(make_prompt_cache(model))
         self._token_bytes = 0  # KV bytes per token, learned from the first block kept
@@ -108,11 +129,15 @@ class PromptCache:
     # -- PrefixCache ------------------------------------------------------------------------
 
     def restore(self, tokens: np.ndarray) -> Resume:
-        """Fresh caches restored to the longest reusable prefix of `tokens`, entry pinned."""
+        """Fresh caches restored to the longest reusable prefix of `tokens`, entry pinned;
+        the whole prompt, with its last logits, when its tail is remembered."""
         self._sync_disk()
+        tail = self._tails.get(digest_tokens(tokens)) if self._tails else None
+        # A whole prompt resumes from its last full block, even when that is its end.
+        probe = tokens if tail is None else np.append(tokens, np.int32(-1))
         while True:
-            mem = self.mem.lookup(tokens)
-            disk = self.disk_index.lookup(tokens) if self.disk else None
+            mem = self.mem.lookup(probe)
+            disk = self.disk_index.lookup(probe) if self.disk else None
             if disk is not None and (mem is None or disk.length > mem.length):
                 entry = self._promote(disk.entry, disk.length)
                 if entry is None:
@@ -126,11 +151,19 @@ class PromptCache:
                 self.reserve(self._token_bytes * len(tokens), None, tokens)
                 return Resume(make_prompt_cache(self._model), 0)
             self.stats.hits += 1
-            self.stats.cached_tokens += length
-            self.reserve(self._token_bytes * (len(tokens) - length), entry, tokens)
+            whole = tail is not None and length == len(tokens) // self.block_size * self.block_size
+            if not whole:
+                self.reserve(self._token_bytes * (len(tokens) - length), entry, tokens)
             layers = self._layers(entry, length)  # before the pin: if this fails, none is left
+            logits = None
+            if whole and tail is not None:
+                kv.append(layers, tail.kv)
+                self._tails.move_to_end(digest_tokens(tokens))
+                # A copy: logits processors (the repetition penalty) write into their input.
+                length, logits = len(tokens), mx.array(tail.logits)
+            self.stats.cached_tokens += length
             self.mem.pin(entry)
-            return Resume(layers, length, entry)
+            return Resume(layers, length, entry, logits)
 
     def keep(self, tokens: np.ndarray, layers: list[Any]) -> None:
         """Store the first len(tokens) positions of `layers`, in memory and on disk."""
@@ -152,6 +185,31 @@ class PromptCache:
             self._write_checkpoint(tokens, checkpoint)
         self._fit(skip=entry, prompt=tokens)
 
+    def keep_tail(self, tokens: np.ndarray, layers: list[Any], logits: mx.array) -> None:
+        """Remember `tokens`' tail in `layers` (past its last full block) and its logits."""
+        at = len(tokens) // self.block_size * self.block_size
+        if not self.trimmable or at == 0:
+            return  # a checkpoint holds the whole state; no block to continue
+        probe = np.append(np.asarray(tokens[:at], dtype=np.int32), np.int32(-1))
+        found = self.mem.lookup(probe)
+        if found is None or found.length < at:
+            return  # its blocks are gone already (memory too small)
+        tail = kv.cut_block(layers, at, len(tokens))
+        logits = mx.array(logits)
+        mx.eval(tail, logits)
+        key = digest_tokens(tokens)
+        self._drop_tail(key)
+        self._tails[key] = _Tail(found.entry, tail, logits, int(tail.nbytes + logits.nbytes))
+        self._mem_bytes += self._tails[key].nbytes
+        while len(self._tails) > MAX_TAILS:
+            self._drop_tail(next(iter(self._tails)))
+        self._fit(prompt=None)
+
+    def _drop_tail(self, key: str) -> None:
+        tail = self._tails.pop(key, None)
+        if tail is not None:
+            self._mem_bytes -= tail.nbytes
+
     def release(self, resume: Resume) -> None:
         if resume.lease is not None and resume.lease in self.mem:
             self.mem.unpin(resume.lease)
@@ -164,6 +222,7 @@ class PromptCache:
         disk_entries, disk_bytes = self.disk.usage(self.ns) if self.disk else (0, 0)
         return {
             "mem_entries": len(self.mem),
+            "mem_tails": len(self._tails),
             "mem_bytes": self._mem_bytes,
             "disk_entries": disk_entries,
             "disk_bytes": disk_bytes,
@@ -220,9 +279,14 @@ class PromptCache:
     def reserve(
         self, n_bytes: int, skip: Entry | None = None, prompt: np.ndarray | None = None
     ) -> None:
-        """Evict until `n_bytes` more fit the memory budget (before a long prefill)."""
+        """Evict until `n_bytes` more fit the memory budget (before a long prefill).
+
+        Remembered tails go first (the oldest first), then entries in the victim order.
+        """
         while self._mem_bytes + n_bytes > self.config.mem_bytes:
-            if not self._evict_mem(self.mem.victim(skip=skip, prompt=prompt)):
+            if self._tails:
+                self._drop_tail(next(iter(self._tails)))
+            elif not self._evict_mem(self.mem.victim(skip=skip, prompt=prompt)):
                 break
 
     def _evict_mem(self, entry: Entry | None) -> bool:
@@ -231,6 +295,8 @@ class PromptCache:
             return False
         self.mem.remove(entry)
         self.stats.evictions_mem += 1
+        for key in [k for k, tail in self._tails.items() if tail.base is entry]:
+            self._drop_tail(key)
         if entry in self._checkpoints:
             del self._checkpoints[entry]
             self._mem_bytes -= entry.nbytes
