@@ -68,3 +68,7 @@ class OutputError(GenerationError):
 
 class QueueFullError(MlxcacheError):
     """Too many requests are waiting for the engine; try again later."""
+
+
+class EngineStoppedError(MlxcacheError):
+    """The engine is shutting down or has stopped: it takes nothing more."""

@@ -21,7 +21,11 @@ from typing import Any, TypeVar
 import mlx.core as mx
 
 from mlxcache.engine import Engine, Request, final_result
-from mlxcache.errors import GenerationError, QueueFullError, UserInputError
+from mlxcache.errors import (
+    EngineStoppedError,
+    GenerationError,
+    QueueFullError,
+)
 from mlxcache.events import CANCELLED, Done, Event, Result, Stats
 
 T = TypeVar("T")
@@ -116,14 +120,15 @@ class EngineWorker:
         """Queue a request; `sink` receives its events on the worker thread.
 
         Raises:
-            UserInputError: empty prompt, or the worker is closed.
+            UserInputError: empty prompt.
+            EngineStoppedError: the worker is shutting down or has stopped.
             ContextLengthError: the prompt leaves no room in the model's context.
             QueueFullError: `max_queue` requests are already waiting.
         """
         self.engine.check(request)
         with self._lock:
             if self._stopping:
-                raise UserInputError("the engine is shutting down")
+                raise EngineStoppedError("the engine is shutting down")
             # Waiting means queued beyond the lanes that are free, not merely not yet picked
             # up by the worker thread (len() of a dict is atomic: read without its owner).
             queued = self._waiting + len(self._active) - self.max_lanes
@@ -180,7 +185,7 @@ class EngineWorker:
         future: Future[T] = Future()
         with self._lock:
             if self._closed:
-                raise UserInputError("the engine has stopped")
+                raise EngineStoppedError("the engine has stopped")
             self._send(("call", fn, future))
         return future.result()
 
@@ -230,7 +235,7 @@ class EngineWorker:
             if message[0] == "submit":
                 self._send_to(message[1], message[1].end(failed))
             elif message[0] == "call" and message[2] is not None:
-                message[2].set_exception(UserInputError("the engine has stopped"))
+                message[2].set_exception(EngineStoppedError("the engine has stopped"))
 
     def _read_inbox(self, block: bool) -> None:
         try:

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from mlxcache.engine import Engine, Request
-from mlxcache.errors import QueueFullError
+from mlxcache.errors import EngineStoppedError, QueueFullError
 from mlxcache.events import Event
 from mlxcache.model import LoadedModel
 from mlxcache.server.app import Settings, create_app
@@ -88,3 +88,28 @@ def test_a_chunked_body_over_the_limit_is_413(app: Any) -> None:
     assert status == 413 and doc["error"]["code"] == "request_too_large"
     status, _, _ = call(app, "/v1/completions", [b"{}"], {"Content-Length": "5000"})
     assert status == 413
+
+
+class StoppingWorker(FullWorker):
+    """A worker that is shutting down."""
+
+    waiting = 0
+
+    def submit(self, request: Request, sink: Callable[[Event], None]) -> Any:
+        raise EngineStoppedError("the engine is shutting down")
+
+
+def test_a_request_during_shutdown_is_503(tiny: LoadedModel) -> None:
+    log = RequestLog(stream=io.StringIO())
+    app = create_app(Engine(tiny), StoppingWorker(), Settings(tiny.name, max_body=1024), log)
+    body = json.dumps({"model": tiny.name, "messages": [{"role": "user", "content": "hi"}]})
+    status, _headers, doc = call(app, "/v1/chat/completions", [body.encode()], {})
+    assert status == 503
+    assert doc == {
+        "error": {
+            "message": "the engine is shutting down",
+            "type": "server_error",
+            "param": None,
+            "code": "shutting_down",
+        }
+    }

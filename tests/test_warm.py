@@ -326,11 +326,11 @@ def test_a_crashed_worker_fails_its_requests_instead_of_hanging(
     assert not worker._thread.is_alive()
     assert isinstance(got[-1], Done) and got[-1].result.finish_reason == "error"
     assert "boom" in (got[-1].result.error or "")
-    from mlxcache.errors import UserInputError
+    from mlxcache.errors import EngineStoppedError
 
-    with pytest.raises(UserInputError):
+    with pytest.raises(EngineStoppedError, match=r"stopped|shutting down"):
         worker.submit(Request(prompt(9), GREEDY), got.append)
-    with pytest.raises(UserInputError):
+    with pytest.raises(EngineStoppedError, match=r"stopped|shutting down"):
         worker.call(lambda e: None)
 
 
@@ -388,9 +388,9 @@ def test_a_failing_keep_while_cancelling_spares_the_worker(
         monkeypatch.setattr(engine.cache, "keep", fail_once)
         stream.close()  # the cancel's keep fails: best effort, the worker goes on
         assert worker.complete(Request(prompt(9, seed=2), GREEDY)).finish_reason != "error"
-    from mlxcache.errors import UserInputError
+    from mlxcache.errors import EngineStoppedError
 
-    with pytest.raises(UserInputError):
+    with pytest.raises(EngineStoppedError, match=r"stopped|shutting down"):
         worker.submit(Request(prompt(9), GREEDY), lambda e: None)
-    with pytest.raises(UserInputError):
+    with pytest.raises(EngineStoppedError, match=r"stopped|shutting down"):
         worker.call(lambda e: None)

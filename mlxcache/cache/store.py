@@ -235,6 +235,7 @@ class PromptCache:
             **self.usage(),
             "block_size": self.block_size,
             "kv_bytes_per_token": self._token_bytes,
+            "pinned_entries": sum(1 for e in self.mem if e.pins),
         }
 
     # -- memory tier ------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from mlxcache.modes.batch import (
     substitute,
 )
 from mlxcache.modes.reasoning import Thinking, thinking_for
+from mlxcache.modes.repeats import describe_loop
 from mlxcache.modes.schema import CompiledSchema, check_schema, parse_json, validation_error
 from mlxcache.sampling import SamplingParams
 
@@ -152,7 +153,7 @@ def read_reply(task: JsonTask, result: Result) -> JsonReply:
             None,
             f"the reply reached the token limit ({result.stats.generated_tokens}) before the "
             'JSON document was complete (finish_reason "length"); raise max_tokens, or '
-            "bound the schema (maxLength, maxItems)",
+            "bound the schema (maxLength, maxItems)" + describe_loop(result.text),
         )
     try:
         doc = parse_json(text)

@@ -22,6 +22,7 @@ from mlxcache.engine import Engine, LogitsProcessor, Request, next_turn_prefix
 from mlxcache.errors import UserInputError
 from mlxcache.events import Result
 from mlxcache.modes.reasoning import Thinking, thinking_for
+from mlxcache.modes.repeats import describe_loop
 from mlxcache.modes.tool_formats import HERMES, ToolFormat, format_for
 from mlxcache.modes.tools import (
     CALL_END,
@@ -286,7 +287,7 @@ class ToolsTask:
         if result.finish_reason == "length" and unfinished:
             error = (
                 "the reply reached the token limit before the tool call was complete "
-                '(finish_reason "length"); raise max_tokens'
+                '(finish_reason "length"); raise max_tokens' + describe_loop(text)
             )
             return ToolReply(reply.content, (), error, reasoning)
         return reply

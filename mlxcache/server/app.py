@@ -43,11 +43,8 @@ class Settings:
 
 
 def _cache_report(engine: Engine) -> dict[str, Any]:
-    """The cache's counters, the entries pinned by running lanes, whether lanes run."""
-    mem = getattr(engine.cache, "mem", ())
-    pinned = sum(1 for e in mem if e.pins)
-    report = engine.cache.report()
-    return {**report, "pinned_entries": pinned, "busy": engine.busy, "warming": engine.warming}
+    """The cache's counters (`pinned_entries`: pinned by running lanes), whether lanes run."""
+    return {**engine.cache.report(), "busy": engine.busy, "warming": engine.warming}
 
 
 def create_app(engine: Engine, worker: Worker, settings: Settings, log: RequestLog) -> Any:

@@ -1,6 +1,7 @@
 """OpenAI's error object for every failure: `{"error": {message, type, param, code}}`.
 
-Domain errors map to 400 (bad input), 404 (unknown model or route), 429 (queue full);
+Domain errors map to 400 (bad input), 404 (unknown model or route), 429 (queue full),
+503 (shutting down);
 anything unexpected is a one-line 500 (the traceback goes to the server log only).
 """
 
@@ -14,7 +15,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
-from mlxcache.errors import ContextLengthError, MlxcacheError, QueueFullError, UserInputError
+from mlxcache.errors import (
+    ContextLengthError,
+    EngineStoppedError,
+    MlxcacheError,
+    QueueFullError,
+    UserInputError,
+)
 from mlxcache.fileio import loads_json
 from mlxcache.server.log import log_fields
 
@@ -68,6 +75,8 @@ def from_domain(exc: MlxcacheError) -> APIError:
         return APIError(400, one_line(str(exc)), code="invalid_value")
     if isinstance(exc, QueueFullError):
         return queue_full(one_line(str(exc)))
+    if isinstance(exc, EngineStoppedError):
+        return APIError(503, one_line(str(exc)), type="server_error", code="shutting_down")
     return APIError(500, one_line(str(exc)), type="server_error")
 
 
