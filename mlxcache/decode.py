@@ -30,11 +30,13 @@ def decode(
     budget: int,
     stats: Stats,
     start: float,
+    out: list[int] | None = None,
 ) -> Generator[Token, None, Result]:
     """Generate up to `budget` tokens after `prompt`, whose last logits are `logits`.
 
     Yields one `Token` per generated token (its text may be empty while a character or a
-    possible stop string is incomplete) and returns the `Result`.
+    possible stop string is incomplete) and returns the `Result`. The generated ids are
+    appended to `out` as they come, when given (a follow lane reads them).
     """
     sampler = make_sampler(sampling)
     # Sampling's own processors (repetition penalty) first, then the request's (grammar).
@@ -47,7 +49,7 @@ def decode(
     history = mx.array(prompt)
     text = TextStream(tokenizer)
     stops = StopScanner(stop_strings)
-    out: list[int] = []
+    out = [] if out is None else out
     pieces: list[str] = []
     finish = "length"
 

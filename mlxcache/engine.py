@@ -10,6 +10,11 @@ blocks, only while no request is running. A request that arrives meanwhile takes
 an overlapping warm lane is stopped between two chunks and keeps what it computed, and
 the request resumes from there instead of redoing it. Warm lanes compute exactly the
 chunks a fresh prefill computes, so what they keep is canonical KV like any other.
+
+A request may also be followed (`Request.follow`: clients that send the next turn as soon
+as a reply ends): a follow lane prefills each block of prompt + reply as the reply
+completes it, interleaved with the requests' steps while none of them is prefilling, so
+the next turn finds all but the reply's last partial block kept.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from mlxcache.cache.base import NoCache, PrefixCache
 from mlxcache.config import default_block_size
 from mlxcache.decode import decode
 from mlxcache.errors import ContextLengthError, GenerationError, UserInputError
-from mlxcache.events import Done, Event, Prefill, Result, Stats
+from mlxcache.events import Done, Event, Prefill, Result, Stats, Token
 from mlxcache.model import LoadedModel
 from mlxcache.prefill import prefill
 from mlxcache.sampling import LogitsProcessor, SamplingParams
@@ -49,6 +54,25 @@ class Request:
     """Token ids that end the reply; default: the tokenizer's end-of-turn ids."""
     stop_strings: tuple[str, ...] = ()
     """Texts that end the reply; the reply's text stops before the first one."""
+    follow: bool = False
+    """Keep prompt + reply warm while the reply is generated (see the module's doc)."""
+
+
+@dataclass(slots=True)
+class _Follow:
+    """What a follow lane prefills: a prompt and the reply its request appends to."""
+
+    prompt: np.ndarray
+    reply: list[int]
+    done: int  # where the follow lane's canonical KV ends (a block boundary)
+    closed: bool = False  # the request has ended: the reply will not grow
+
+    def tokens(self) -> np.ndarray:
+        return np.concatenate([self.prompt, np.asarray(self.reply, dtype=np.int32)])
+
+    def ready(self, block: int, limit: int) -> int:
+        """The end of the last full block of prompt + reply so far (within `limit`)."""
+        return min(len(self.prompt) + len(self.reply), limit) // block * block
 
 
 @dataclass(slots=True)
@@ -56,6 +80,9 @@ class _Lane:
     gen: Generator[Event, None, None]
     tokens: np.ndarray
     warm: bool
+    prefilling: bool = False  # a request that has not yet given its first token
+    follow: _Follow | None = None  # a follow lane's state
+    follower: int | None = None  # a followed request's follow lane
 
 
 def common_prefix(a: Sequence[int] | np.ndarray, b: Sequence[int] | np.ndarray) -> int:
@@ -189,12 +216,25 @@ class Engine:
         tokens = self.check(request)
         block = self.cache.block_size
         for rid, lane in list(self._lanes.items()):
-            if lane.warm and (shared := common_prefix(lane.tokens, tokens)) >= block:
+            if not lane.warm:
+                continue
+            if lane.follow is not None:  # stopped only if this request needs what it has not done
+                if common_prefix(lane.follow.tokens(), tokens) // block * block > lane.follow.done:
+                    self.cancel(rid)
+            elif (shared := common_prefix(lane.tokens, tokens)) >= block:
                 self.cancel(rid)
                 if shared < len(lane.tokens):  # e.g. another conversation, same system prompt:
                     self.warm(lane.tokens)  # its warm-ahead goes on later, from what it kept
         rid = next(self._ids)
-        self._lanes[rid] = _Lane(self._lane(rid, tokens, request), tokens, warm=False)
+        follow = None
+        if request.follow and self.cache.trimmable and not isinstance(self.cache, NoCache):
+            follow = _Follow(tokens, [], len(tokens) // block * block)
+        lane = _Lane(self._lane(rid, tokens, request, follow), tokens, warm=False, prefilling=True)
+        self._lanes[rid] = lane
+        if follow is not None:
+            lane.follower = next(self._ids)
+            gen = self._follow_lane(lane.follower, follow)
+            self._lanes[lane.follower] = _Lane(gen, tokens, warm=True, follow=follow)
         return rid
 
     def warm(self, tokens: Sequence[int] | np.ndarray) -> int | None:
@@ -211,7 +251,11 @@ class Engine:
             return None
         ids = ids[:target]
         for rid, lane in list(self._lanes.items()):  # superseded: the same or a shorter prefix
-            if lane.warm and common_prefix(lane.tokens, ids) == len(lane.tokens):
+            if (
+                lane.warm
+                and lane.follow is None
+                and common_prefix(lane.tokens, ids) == len(lane.tokens)
+            ):
                 self.cancel(rid)
         rid = next(self._ids)
         self._lanes[rid] = _Lane(self._warm_lane(rid, ids), ids, warm=True)
@@ -238,21 +282,39 @@ class Engine:
         return any(lane.warm for lane in self._lanes.values())
 
     def step(self) -> list[Event]:
-        """One model call: the next request lane, round robin, else the oldest warm lane.
+        """One model call: the next request lane (or follow lane with work, while no request
+        is prefilling), round robin; else the oldest warm lane with work.
 
         Returns the events of requests it produced (warm lanes produce none).
         """
-        rid = next((r for r, lane in self._lanes.items() if not lane.warm), None)
+        block, limit = self.cache.block_size, self.loaded.context_length - 1
+
+        def has_work(lane: _Lane) -> bool:
+            f = lane.follow
+            return f is None or f.closed or f.ready(block, limit) > f.done
+
+        prefilling = any(lane.prefilling for lane in self._lanes.values())
+        rid = next(
+            (
+                r
+                for r, lane in self._lanes.items()
+                if not lane.warm or (lane.follow and not prefilling and has_work(lane))
+            ),
+            None,
+        )
         if rid is None:
-            rid = next(iter(self._lanes), None)
+            rid = next((r for r, lane in self._lanes.items() if has_work(lane)), None)
         if rid is None:
             return []
         lane = self._lanes.pop(rid)
         event = self._advance(rid, lane)
         if event is None or isinstance(event, Done):
             return [event] if event is not None and not lane.warm else []
-        if lane.warm:  # back to the front: one warm lane (one restored KV copy) at a time
-            self._lanes = {rid: lane, **self._lanes}
+        if lane.warm:
+            if lane.follow is not None:  # takes turns with the requests
+                self._lanes[rid] = lane
+            else:  # back to the front: one warm lane (one restored KV copy) at a time
+                self._lanes = {rid: lane, **self._lanes}
             return []
         events: list[Event] = [event]
         if isinstance(event, Prefill) and event.done == event.total:
@@ -262,6 +324,7 @@ class Engine:
             if first is None or isinstance(first, Done):
                 return [*events, first] if first is not None else events
             events.append(first)
+        lane.prefilling = not isinstance(events[-1], Token)
         self._lanes[rid] = lane  # requests take turns: to the back of the round
         return events
 
@@ -304,11 +367,14 @@ class Engine:
     def cancel(self, rid: int) -> None:
         """Stop a lane now: its pin is released and it yields nothing more.
 
-        A lane stopped during prefill keeps the full blocks it has computed.
+        A lane stopped during prefill keeps the full blocks it has computed. A request
+        stopped before its end takes its follow lane with it.
         """
         lane = self._lanes.pop(rid, None)
         if lane is not None:
             lane.gen.close()
+            if lane.follower is not None:
+                self.cancel(lane.follower)
 
     def cancel_warm(self) -> None:
         """Stop every warm-ahead lane (each keeps the full blocks it has computed)."""
@@ -334,7 +400,9 @@ class Engine:
             return f"shorter than one block of {self.cache.block_size} tokens"
         return "no cached prefix"
 
-    def _lane(self, rid: int, tokens: np.ndarray, req: Request) -> Generator[Event, None, None]:
+    def _lane(
+        self, rid: int, tokens: np.ndarray, req: Request, follow: _Follow | None
+    ) -> Generator[Event, None, None]:
         n = int(tokens.size)
         stats = Stats(prompt_tokens=n)
         start = time.perf_counter()
@@ -373,12 +441,15 @@ class Engine:
                 budget=min(req.sampling.max_tokens, self.loaded.context_length - n),
                 stats=stats,
                 start=start,
+                out=None if follow is None else follow.reply,
             )
         except GenerationError as exc:
             # This request fails alone: the lanes beside it go on.
             result = Result("", [], "error", stats, error=str(exc))
         finally:
             self.cache.release(resume)
+            if follow is not None:
+                follow.closed = True
         yield Done(rid, result)  # after the release: a finished request holds no pin
 
     def _warm_lane(self, rid: int, tokens: np.ndarray) -> Generator[Event, None, None]:
@@ -391,6 +462,34 @@ class Engine:
                 yield from self._prefill(rid, tokens, resume.layers, resume.length, len(tokens))
         finally:
             self.cache.release(resume)
+
+    def _follow_lane(self, rid: int, f: _Follow) -> Generator[Event, None, None]:
+        # Stepped only when a block is complete or the request has ended (`step`).
+        block, limit = self.cache.block_size, self.loaded.context_length - 1
+        resume = None
+        try:
+            while (target := f.ready(block, limit)) > f.done or not f.closed:
+                if target <= f.done:
+                    yield Prefill(rid, f.done, f.done)  # nothing yet: wait for the reply
+                    continue
+                ids = f.tokens()[:target]
+                # Blocks kept already (the same conversation before) are skipped, and the
+                # layers held so far with them: a later miss restores from there.
+                if (kept := self.cache.cached_length(np.append(ids, np.int32(-1)))) > f.done:
+                    f.done = kept
+                    if resume is not None:
+                        self.cache.release(resume)
+                        resume = None
+                    continue
+                if resume is None:  # as a warm lane looks up: a probe token past the end
+                    resume = self.cache.restore(np.append(ids[: f.done], np.int32(-1)))
+                    f.done = resume.length
+                stop = min(target, f.done + block)  # one chunk per step
+                yield from self._prefill(rid, ids[:stop], resume.layers, f.done, stop)
+                f.done = stop
+        finally:
+            if resume is not None:
+                self.cache.release(resume)
 
     def _prefill(
         self,

@@ -171,9 +171,15 @@ def remembered_logits(engine: Engine, tokens: list[int]) -> mx.array | None:
     return resume.logits
 
 
-def run(engine: Engine, spy: Spy, tokens: list[int], params: SamplingParams = GREEDY) -> Run:
+def run(
+    engine: Engine,
+    spy: Spy,
+    tokens: list[int],
+    params: SamplingParams = GREEDY,
+    follow: bool = False,
+) -> Run:
     spy.reset()
-    result = engine.complete(Request(tokens, params))
+    result = engine.complete(Request(tokens, params, follow=follow))
     whole = result.stats.cached_tokens == len(tokens)
     memo = remembered_logits(engine, tokens) if whole else None
     return _run_of(result, len(tokens), list(range(len(spy.calls))), spy, memo)
@@ -217,11 +223,16 @@ class Rig:
         return run(self._cold, self._cold_spy, tokens, params)
 
     def warm(
-        self, engine: Engine, spy: Spy, tokens: list[int], params: SamplingParams = GREEDY
+        self,
+        engine: Engine,
+        spy: Spy,
+        tokens: list[int],
+        params: SamplingParams = GREEDY,
+        follow: bool = False,
     ) -> Run:
         """Run on a cached engine; check resume point, entries and bits against cold."""
         expect = self.geo.resume(tokens, engine.cache)
-        got = run(engine, spy, tokens, params)
+        got = run(engine, spy, tokens, params, follow)
         self.check(got, tokens, expect, self.cold(tokens, params), engine.cache)
         self.entries(engine.cache)
         return got
@@ -481,6 +492,24 @@ def check_warm_preempted(rig: Rig) -> None:
         engine.step()
     rig.geo.prefilled(history, 2)  # the request below stops the warm lane first
     rig.warm(engine, spy, history + prompt(3, seed=3))
+
+
+def check_follow(rig: Rig) -> None:
+    """A followed request run alone (its follow lane waits), then its follow lane catching
+    up: the reply's blocks are kept (trimmable models) one canonical chunk each, and the
+    next turn resumes after them with the cold run's bits."""
+    engine, spy = rig.engine()
+    p = prompt(10, seed=3)
+    params = SamplingParams(max_tokens=9)
+    first = rig.warm(engine, spy, p, params, follow=True)
+    assert engine.warming == rig.variant.trimmable
+    list(engine.run(warm=True))
+    whole = [*p, *first.tokens]
+    if rig.variant.trimmable:
+        for k in range(rig.geo.keep_at(p) + B, len(whole) // B * B + 1, B):
+            rig.geo.kept.add(tuple(whole[:k]))
+    rig.entries(engine.cache)
+    rig.warm(engine, spy, whole + prompt(5, seed=4))
 
 
 def check_disk(rig: Rig) -> None:

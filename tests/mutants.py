@@ -243,6 +243,34 @@ def shared_sampler(patch: Patch) -> None:
             patch(module, "make_sampler", make_sampler)
 
 
+def follow_in_one_chunk(patch: Patch) -> None:
+    """A follow lane that fell behind prefills all the blocks the reply has completed in
+    one forward call (fewer, larger calls), not one canonical chunk per block."""
+
+    def _follow_lane(self: Engine, rid: int, f: Any) -> Generator[Event, None, None]:
+        block, limit = self.cache.block_size, self.loaded.context_length - 1
+        resume = None
+        try:
+            while (target := f.ready(block, limit)) > f.done or not f.closed:
+                if target <= f.done:
+                    yield Prefill(rid, f.done, f.done)
+                    continue
+                ids = f.tokens()[:target]
+                if resume is None:
+                    resume = self.cache.restore(np.append(ids[: f.done], np.int32(-1)))
+                    f.done = resume.length
+                self.model(mx.array(ids[None, f.done : target]), cache=resume.layers)
+                mx.eval([c.state for c in resume.layers])
+                self.cache.keep(ids, resume.layers)
+                f.done = target
+                yield Prefill(rid, target, target)
+        finally:
+            if resume is not None:
+                self.cache.release(resume)
+
+    patch(Engine, "_follow_lane", _follow_lane)
+
+
 def tail_of_a_prefix(patch: Patch) -> None:
     """A remembered whole prompt's tail and logits also resume a longer prompt that starts
     with it, as if that prompt ended there."""
@@ -280,5 +308,6 @@ MUTANTS: dict[str, Callable[[Patch], None]] = {
         warm_in_one_chunk,
         tail_of_a_prefix,
         tail_without_kv,
+        follow_in_one_chunk,
     )
 }

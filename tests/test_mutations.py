@@ -12,6 +12,7 @@ from guarantees import (
     Variant,
     check_bit_flip,
     check_chat,
+    check_follow,
     check_fork,
     check_lanes,
     check_restore_repeatedly,
@@ -40,6 +41,7 @@ CAUGHT_BY: dict[str, list[tuple[str, str]]] = {
     "warm_in_one_chunk": [("shaped", "warm_ahead"), ("shaped-sliding", "warm_ahead")],
     "tail_of_a_prefix": [("plain", "chat"), ("shaped", "chat")],
     "tail_without_kv": [("plain", "warm"), ("plain", "chat")],
+    "follow_in_one_chunk": [("shaped", "follow")],
 }
 
 
@@ -69,6 +71,7 @@ def test_mutant_is_caught(
         "restore_repeatedly": check_restore_repeatedly,
         "bit_flip": check_bit_flip,
         "warm_ahead": check_warm_ahead,
+        "follow": check_follow,
         "two_models": lambda rig: check_two_models(rig, other_variants[rig.variant.name]),
     }
     for i, (variant, check) in enumerate(CAUGHT_BY[mutant]):

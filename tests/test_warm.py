@@ -161,6 +161,68 @@ def test_the_first_token_comes_with_the_last_chunk(tiny: LoadedModel) -> None:
     assert [(type(e), e.request_id) for e in third] == [(Token, a)]
 
 
+def test_a_followed_reply_keeps_its_blocks_as_it_goes(tiny: LoadedModel) -> None:
+    """A follow lane prefills each block of prompt + reply once the reply completes it, one
+    chunk per step between the request's decode steps; the next turn resumes after them."""
+    engine, spy = cached(tiny)
+    p = prompt(9, seed=7)
+    twelve = SamplingParams(max_tokens=12)
+    rid = engine.submit(Request(p, twelve, stop_tokens=frozenset(), follow=True))
+    spy.reset()
+    done = [e for e in engine.run(warm=True) if isinstance(e, Done)]
+    assert [d.request_id for d in done] == [rid] and not engine.warming
+    reply = done[0].result.tokens
+    assert len(reply) == 12  # 9 + 12 = 21 tokens: blocks [8, 12), [12, 16), [16, 20) follow
+    lanes = list(dict.fromkeys(spy.lanes))
+    assert len(lanes) == 2  # the request's layers and the follow lane's
+    follow = [spy.calls[i] for i, lane in enumerate(spy.lanes) if lane == lanes[1]]
+    assert follow == [(8, B), (12, B), (16, B)]
+    # Each block is computed right after the decode step that completed it.
+    order = [(spy.calls[i], lane == lanes[1]) for i, lane in enumerate(spy.lanes)]
+    assert order.index(((8, B), True)) == order.index(((11, 1), False)) + 1
+    nxt = [*p, *reply, *prompt(3, seed=8)]
+    spy.reset()
+    second = engine.complete(Request(nxt, GREEDY))
+    assert second.stats.cached_tokens == 20 and spy.calls[0] == (20, 4)
+    same_as_cold(tiny, second, spy, nxt)
+    assert sum(e.pins for e in engine.cache.mem) == 0  # type: ignore[attr-defined]
+    # The same conversation again: its blocks are kept already, the follow lane skips them.
+    spy.reset()
+    engine.submit(Request(p, twelve, stop_tokens=frozenset(), follow=True))
+    list(engine.run(warm=True))
+    assert len(set(spy.lanes)) == 1 and all(n == 1 for _, n in spy.calls)  # decode steps only
+
+
+def test_follow_lanes_wait_while_a_request_prefills(tiny: LoadedModel) -> None:
+    """A follow lane's chunks never delay a request's first token; a request that shares
+    only a prefix with it leaves it alone; cancelling the followed request ends it."""
+    engine, spy = cached(tiny)
+    shared = prompt(8, seed=1)
+    long_reply = SamplingParams(max_tokens=40)
+    a = engine.submit(Request([*shared, 5], long_reply, stop_tokens=frozenset(), follow=True))
+    follower = engine._lanes[a].follower
+    assert follower is not None
+    replies = 0
+    while replies < 3:  # 9 + 3 tokens: the block [8, 12) is complete
+        replies += sum(isinstance(e, Token) for e in engine.step())
+    b = engine.submit(Request([*shared, *prompt(9, seed=2)], GREEDY))  # shares [0, 8) only
+    assert follower in engine._lanes  # b needs nothing the follow lane would compute
+    spy.reset()
+    while engine._lanes[b].prefilling:
+        engine.step()
+    assert len(set(spy.lanes)) == 2  # a's decode steps and b's chunks: the follow waited
+    # b's full chunks (it resumed [0, 8) from a's kept prompt); its last one is (16, 1).
+    assert [c for c in spy.calls if c[1] > 1] == [(8, B), (12, B)] and (16, 1) in spy.calls
+    spy.reset()
+    for _ in range(3):  # a, the follow lane, b
+        engine.step()
+    assert (8, B) in spy.calls and len(set(spy.lanes)) == 3
+    engine.cancel(a)
+    assert follower not in engine._lanes and not engine.warming  # gone with its request
+    list(engine.run())
+    assert sum(e.pins for e in engine.cache.mem) == 0  # type: ignore[attr-defined]
+
+
 def test_template_rewriting_earlier_turns(tiny: LoadedModel) -> None:
     loaded = dataclasses.replace(tiny, tokenizer=Templated(tiny.tokenizer, REWRITING))
     engine, spy = cached(loaded)

@@ -120,7 +120,9 @@ def _percentile(values: list[float], q: float) -> float:
 
 def _compare(url: str, model: str, clients: int, turns: int, tokens: int) -> dict[str, Any]:
     topics = [TOPICS[i % len(TOPICS)] for i in range(clients)]
+    start = time.perf_counter()
     solo = [_chat(url, model, t, turns, tokens) for t in topics]
+    solo_wall = time.perf_counter() - start
     together, wall = _together([partial(_chat, url, model, t, turns, tokens) for t in topics])
     ttfts = [r.ttft_s for chat in together for r in chat]
     every = [r for chat in solo + together for r in chat]
@@ -128,7 +130,8 @@ def _compare(url: str, model: str, clients: int, turns: int, tokens: int) -> dic
         "wall_s": round(wall, 3),
         "ttft_p50_s": round(statistics.median(ttfts), 4),
         "ttft_p99_s": round(_percentile(ttfts, 0.99), 4),
-        # Not a goal: the solo run's first pass through each conversation (every turn new).
+        # Not goals: the solo run's first pass through each conversation (every turn new).
+        "solo_wall_s": round(solo_wall, 3),
         "solo_ttft_p50_s": round(statistics.median(r.ttft_s for chat in solo for r in chat), 4),
         "prefilled_tokens": sum(r.prompt_tokens - r.cached_tokens for r in every),
         "cached_tokens": sum(r.cached_tokens for r in every),
@@ -146,7 +149,7 @@ def _rss_bytes(pid: int) -> int:
     return int(out.stdout.strip() or 0) * 1024
 
 
-def _idle_report(url: str, limit_s: float = 120.0) -> dict[str, Any]:
+def idle_report(url: str, limit_s: float = 120.0) -> dict[str, Any]:
     """The cache report once warm-ahead work (which pins entries while it runs) is done."""
     deadline = time.monotonic() + limit_s
     while True:
@@ -179,7 +182,7 @@ def _load_test(server: MlxcacheServer, requests: int, clients: int) -> dict[str,
                 outcomes.append(outcome)
 
     _, wall = _together([partial(one_client, c) for c in range(clients)])
-    report = _idle_report(server.url)
+    report = idle_report(server.url)
     after = _rss_bytes(server.proc.pid)
     budget = parse_size(CACHE_MEM)
     return {

@@ -39,6 +39,10 @@ class PrefixCache(Protocol):
         """Store the first len(tokens) positions of `layers` (a whole number of blocks)."""
         ...
 
+    def cached_length(self, tokens: np.ndarray) -> int:
+        """How many of `tokens` a restore would resume now (a lookup: nothing is copied)."""
+        ...
+
     def keep_tail(self, tokens: np.ndarray, layers: list[Any], logits: Any) -> None:
         """Remember a whole prompt's state past its last full block, and its last logits,
         so that the same prompt again resumes with nothing to prefill."""
@@ -73,6 +77,9 @@ class NoCache:
 
     def keep(self, tokens: np.ndarray, layers: list[Any]) -> None:
         return None
+
+    def cached_length(self, tokens: np.ndarray) -> int:
+        return 0
 
     def keep_tail(self, tokens: np.ndarray, layers: list[Any], logits: Any) -> None:
         return None

@@ -185,6 +185,12 @@ class PromptCache:
             self._write_checkpoint(tokens, checkpoint)
         self._fit(skip=entry, prompt=tokens)
 
+    def cached_length(self, tokens: np.ndarray) -> int:
+        """How many of `tokens` a restore would resume now (a lookup: nothing is copied)."""
+        self._sync_disk()
+        found = [self.mem.lookup(tokens), self.disk_index.lookup(tokens) if self.disk else None]
+        return max((m.length for m in found if m is not None), default=0)
+
     def keep_tail(self, tokens: np.ndarray, layers: list[Any], logits: mx.array) -> None:
         """Remember `tokens`' tail in `layers` (past its last full block) and its logits."""
         at = len(tokens) // self.block_size * self.block_size

@@ -150,7 +150,8 @@ def chat(engine: Engine, body: ChatRequest, defaults: SamplingParams) -> Plan:
     _refuse_tool_turns(messages)
     if fmt is None or fmt.type == "text":
         ids = engine.encode_chat(messages)
-        request = Request(ids, params, stop_strings=body.stops())
+        # A client may send the next turn as soon as this reply ends: follow it.
+        request = Request(ids, params, stop_strings=body.stops(), follow=engine.warm_ahead)
         return Plan(ids, request, next_turn=_warm(engine, messages))
     if fmt.type == "json_schema":
         if fmt.json_schema is None:
@@ -186,7 +187,9 @@ def _tools_plan(
     parallel = body.parallel_tool_calls is not False  # OpenAI's default: allowed
     task = ToolsTask(tools, choice, system, parallel)
     ids = task.encode(engine, conversation)
-    request = replace(task.request(engine, ids, params), stop_strings=body.stops())
+    request = replace(
+        task.request(engine, ids, params), stop_strings=body.stops(), follow=engine.warm_ahead
+    )
 
     def warm(answer: Answer) -> list[int]:
         return next_turn(task, engine, conversation, ToolReply(answer.content, answer.calls))
