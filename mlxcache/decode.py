@@ -99,4 +99,4 @@ def decode(
         yield Token(rid, out[-1], tail)
     stats.generated_tokens = len(out)
     stats.decode_s = time.perf_counter() - decode_start
-    return Result("".join(pieces), out, finish, stats)
+    return Result("".join(pieces), list(out), finish, stats)  # `out` may be a follow lane's

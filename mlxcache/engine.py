@@ -218,8 +218,11 @@ class Engine:
         for rid, lane in list(self._lanes.items()):
             if not lane.warm:
                 continue
-            if lane.follow is not None:  # stopped only if this request needs what it has not done
-                if common_prefix(lane.follow.tokens(), tokens) // block * block > lane.follow.done:
+            if lane.follow is not None:
+                # A finished reply's follow lane stops if this request (its next turn) needs
+                # what it has not done yet; one whose reply still runs goes on.
+                f = lane.follow
+                if f.closed and common_prefix(f.tokens(), tokens) // block * block > f.done:
                     self.cancel(rid)
             elif (shared := common_prefix(lane.tokens, tokens)) >= block:
                 self.cancel(rid)
@@ -282,8 +285,10 @@ class Engine:
         return any(lane.warm for lane in self._lanes.values())
 
     def step(self) -> list[Event]:
-        """One model call: the next request lane (or follow lane with work, while no request
-        is prefilling), round robin; else the oldest warm lane with work.
+        """One lane's turn, one model call: the next request lane (or follow lane with work,
+        while no request is prefilling), round robin; else the oldest warm lane with work.
+        A request's last prefill chunk comes with its first token (and the next decode
+        step queued behind it).
 
         Returns the events of requests it produced (warm lanes produce none).
         """
@@ -406,8 +411,9 @@ class Engine:
         n = int(tokens.size)
         stats = Stats(prompt_tokens=n)
         start = time.perf_counter()
-        resume = self.cache.restore(tokens)
+        resume = None
         try:
+            resume = self.cache.restore(tokens)
             stats.cached_tokens = resume.length
             stats.prefilled_tokens = n - resume.length
             stats.miss_reason = "" if resume.length else self._miss_reason(n)
@@ -447,8 +453,9 @@ class Engine:
             # This request fails alone: the lanes beside it go on.
             result = Result("", [], "error", stats, error=str(exc))
         finally:
-            self.cache.release(resume)
-            if follow is not None:
+            if resume is not None:
+                self.cache.release(resume)
+            if follow is not None:  # however the request ended: its follow lane may finish
                 follow.closed = True
         yield Done(rid, result)  # after the release: a finished request holds no pin
 

@@ -223,6 +223,43 @@ def test_follow_lanes_wait_while_a_request_prefills(tiny: LoadedModel) -> None:
     assert sum(e.pins for e in engine.cache.mem) == 0  # type: ignore[attr-defined]
 
 
+def test_a_follow_lane_goes_on_while_its_reply_runs(tiny: LoadedModel) -> None:
+    """Another request that needs blocks the follow lane has not done yet (here: one that
+    starts with the reply so far) leaves it alone while the reply runs; both end."""
+    engine, _spy = cached(tiny)
+    p = prompt(9, seed=5)
+    a = engine.submit(Request(p, SamplingParams(max_tokens=20), frozenset(), follow=True))
+    follower = engine._lanes[a].follower
+    replies: list[int] = []
+    while len(replies) < 3:
+        replies += [e.token for e in engine.step() if isinstance(e, Token)]
+    engine.submit(Request([*p, *replies, 7, 7], GREEDY))  # shares 12 > the follow's 8
+    assert follower in engine._lanes
+    list(engine.run(warm=True))
+    assert not engine._lanes and sum(e.pins for e in engine.cache.mem) == 0  # type: ignore[attr-defined]
+
+
+def test_a_followed_request_that_fails_to_start_ends_its_follow_lane(
+    tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine, _spy = cached(tiny)
+    restore = engine.cache.restore
+    calls = iter([True])
+
+    def failing(tokens: Any) -> Any:
+        if next(calls, False):
+            raise MemoryError("no room for the KV")
+        return restore(tokens)
+
+    monkeypatch.setattr(engine.cache, "restore", failing)
+    rid = engine.submit(Request(prompt(9), GREEDY, follow=True))
+    done: list[Done] = []
+    for _ in range(20):  # a follow lane left waiting would keep `warming` on for good
+        done += [e for e in engine.step() if isinstance(e, Done)]
+    assert [(d.request_id, d.result.finish_reason) for d in done] == [(rid, "error")]
+    assert not engine._lanes and not engine.warming
+
+
 def test_template_rewriting_earlier_turns(tiny: LoadedModel) -> None:
     loaded = dataclasses.replace(tiny, tokenizer=Templated(tiny.tokenizer, REWRITING))
     engine, spy = cached(loaded)

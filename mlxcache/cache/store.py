@@ -186,7 +186,8 @@ class PromptCache:
         self._fit(skip=entry, prompt=tokens)
 
     def cached_length(self, tokens: np.ndarray) -> int:
-        """How many of `tokens` a restore would resume now (a lookup: nothing is copied)."""
+        """How many of `tokens` a restore would resume now (a lookup, counted as a use of
+        what it finds; nothing is copied)."""
         self._sync_disk()
         found = [self.mem.lookup(tokens), self.disk_index.lookup(tokens) if self.disk else None]
         return max((m.length for m in found if m is not None), default=0)
