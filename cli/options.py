@@ -157,7 +157,8 @@ WarmAhead = Annotated[
     bool,
     typer.Option(
         "--warm-ahead/--no-warm-ahead",
-        help="After a reply, prefill the conversation as the next turn will start (idle time).",
+        help="After a reply, prefill the conversation as the next turn will start (in idle "
+        "time; serve also prefills each reply block as it is generated).",
         rich_help_panel=CACHE_PANEL,
     ),
 ]
