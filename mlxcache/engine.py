@@ -29,7 +29,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from mlxcache.cache.base import NoCache, PrefixCache
+from mlxcache.cache.base import NoCache, PrefixCache, with_probe
 from mlxcache.config import default_block_size
 from mlxcache.decode import decode
 from mlxcache.errors import ContextLengthError, GenerationError, UserInputError
@@ -460,10 +460,7 @@ class Engine:
         yield Done(rid, result)  # after the release: a finished request holds no pin
 
     def _warm_lane(self, rid: int, tokens: np.ndarray) -> Generator[Event, None, None]:
-        # A request needs one token left to prefill, so lookups stop a block short of a
-        # prompt that is all full blocks; a warm lane needs no logits: look up one more.
-        probe = np.append(tokens, np.int32(-1))
-        resume = self.cache.restore(probe)
+        resume = self.cache.restore(with_probe(tokens))  # no logits needed: every full block
         try:
             if resume.length < len(tokens):
                 yield from self._prefill(rid, tokens, resume.layers, resume.length, len(tokens))
@@ -482,14 +479,14 @@ class Engine:
                 ids = f.tokens()[:target]
                 # Blocks kept already (the same conversation before) are skipped, and the
                 # layers held so far with them: a later miss restores from there.
-                if (kept := self.cache.cached_length(np.append(ids, np.int32(-1)))) > f.done:
+                if (kept := self.cache.cached_length(with_probe(ids))) > f.done:
                     f.done = kept
                     if resume is not None:
                         self.cache.release(resume)
                         resume = None
                     continue
-                if resume is None:  # as a warm lane looks up: a probe token past the end
-                    resume = self.cache.restore(np.append(ids[: f.done], np.int32(-1)))
+                if resume is None:
+                    resume = self.cache.restore(with_probe(ids[: f.done]))
                     f.done = resume.length
                 stop = min(target, f.done + block)  # one chunk per step
                 yield from self._prefill(rid, ids[:stop], resume.layers, f.done, stop)

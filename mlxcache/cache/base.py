@@ -57,6 +57,13 @@ class PrefixCache(Protocol):
         ...
 
 
+def with_probe(tokens: Any) -> np.ndarray:
+    """`tokens` and one id past them that matches nothing. A lookup leaves a prompt at least
+    one token to prefill (for its logits), so it stops a block short of a prompt of whole
+    blocks; with the probe it reaches every full block of `tokens`."""
+    return np.append(np.asarray(tokens, dtype=np.int32), np.int32(-1))
+
+
 def is_trimmable(layers: list[Any]) -> bool:
     """True when every layer is a plain KV cache that can be cut back to any length."""
     from mlx_lm.models.cache import KVCache

@@ -29,7 +29,7 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlxcache.cache import blocks as kv
-from mlxcache.cache.base import Resume, is_trimmable
+from mlxcache.cache.base import Resume, is_trimmable, with_probe
 from mlxcache.cache.disk import (
     DiskTier,
     Writer,
@@ -38,7 +38,7 @@ from mlxcache.cache.disk import (
     digest_tokens,
     index_error,
 )
-from mlxcache.cache.index import Entry, PromptIndex
+from mlxcache.cache.index import Entry, Match, PromptIndex
 from mlxcache.config import CacheConfig
 from mlxcache.errors import CacheStoreError, CorruptCacheFileError
 
@@ -74,7 +74,10 @@ class _Tail:
     base: Entry  # holds the prompt's full blocks; the tail goes with it
     kv: mx.array  # positions [last full block end, prompt end) of every layer (maybe none)
     logits: mx.array
-    nbytes: int
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.kv.nbytes + self.logits.nbytes)
 
 
 class PromptCache:
@@ -132,12 +135,12 @@ class PromptCache:
         """Fresh caches restored to the longest reusable prefix of `tokens`, entry pinned;
         the whole prompt, with its last logits, when its tail is remembered."""
         self._sync_disk()
-        tail = self._tails.get(digest_tokens(tokens)) if self._tails else None
+        key = digest_tokens(tokens) if self._tails else ""
+        tail = self._tails.get(key)
         # A whole prompt resumes from its last full block, even when that is its end.
-        probe = tokens if tail is None else np.append(tokens, np.int32(-1))
+        probe = tokens if tail is None else with_probe(tokens)
         while True:
-            mem = self.mem.lookup(probe)
-            disk = self.disk_index.lookup(probe) if self.disk else None
+            mem, disk = self._lookup(probe)
             if disk is not None and (mem is None or disk.length > mem.length):
                 entry = self._promote(disk.entry, disk.length)
                 if entry is None:
@@ -151,14 +154,15 @@ class PromptCache:
                 self.reserve(self._token_bytes * len(tokens), None, tokens)
                 return Resume(make_prompt_cache(self._model), 0)
             self.stats.hits += 1
-            whole = tail is not None and length == len(tokens) // self.block_size * self.block_size
-            if not whole:
+            if length != len(tokens) // self.block_size * self.block_size:
+                tail = None  # its full blocks are not all here: an ordinary resume
+            if tail is None:
                 self.reserve(self._token_bytes * (len(tokens) - length), entry, tokens)
             layers = self._layers(entry, length)  # before the pin: if this fails, none is left
             logits = None
-            if whole and tail is not None:
+            if tail is not None:
                 kv.append(layers, tail.kv)
-                self._tails.move_to_end(digest_tokens(tokens))
+                self._tails.move_to_end(key)
                 # A copy: logits processors (the repetition penalty) write into their input.
                 length, logits = len(tokens), mx.array(tail.logits)
             self.stats.cached_tokens += length
@@ -189,16 +193,18 @@ class PromptCache:
         """How many of `tokens` a restore would resume now (a lookup, counted as a use of
         what it finds; nothing is copied)."""
         self._sync_disk()
-        found = [self.mem.lookup(tokens), self.disk_index.lookup(tokens) if self.disk else None]
-        return max((m.length for m in found if m is not None), default=0)
+        return max((m.length for m in self._lookup(tokens) if m is not None), default=0)
+
+    def _lookup(self, tokens: np.ndarray) -> tuple[Match | None, Match | None]:
+        """The memory and disk tiers' matches for `tokens` (each counted as a use)."""
+        return self.mem.lookup(tokens), self.disk_index.lookup(tokens) if self.disk else None
 
     def keep_tail(self, tokens: np.ndarray, layers: list[Any], logits: mx.array) -> None:
         """Remember `tokens`' tail in `layers` (past its last full block) and its logits."""
         at = len(tokens) // self.block_size * self.block_size
         if not self.trimmable or at == 0:
             return  # a checkpoint holds the whole state; no block to continue
-        probe = np.append(np.asarray(tokens[:at], dtype=np.int32), np.int32(-1))
-        found = self.mem.lookup(probe)
+        found = self.mem.lookup(with_probe(tokens[:at]))
         if found is None or found.length < at:
             return  # its blocks are gone already (memory too small)
         tail = kv.cut_block(layers, at, len(tokens))
@@ -206,7 +212,7 @@ class PromptCache:
         mx.eval(tail, logits)
         key = digest_tokens(tokens)
         self._drop_tail(key)
-        self._tails[key] = _Tail(found.entry, tail, logits, int(tail.nbytes + logits.nbytes))
+        self._tails[key] = _Tail(found.entry, tail, logits)
         self._mem_bytes += self._tails[key].nbytes
         while len(self._tails) > MAX_TAILS:
             self._drop_tail(next(iter(self._tails)))
