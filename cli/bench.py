@@ -11,6 +11,8 @@ from mlxcache.errors import UserInputError
 from mlxcache_cli import options as o
 from mlxcache_cli import ui
 
+Rounds = Annotated[int, typer.Option("--rounds", help="Interleaved rounds.", metavar="N")]
+
 
 def _report(result: dict[str, Any]) -> None:
     for key, value in result.items():
@@ -62,7 +64,7 @@ def chunks(
     tokens: Annotated[
         int, typer.Option("--tokens", help="Prompt tokens prefilled per size.", metavar="N")
     ] = 512,
-    rounds: Annotated[int, typer.Option("--rounds", help="Interleaved rounds.", metavar="N")] = 2,
+    rounds: Rounds = 2,
 ) -> None:
     """Prefill tokens/s per chunk size (8...512) on this device, and the block size it suggests."""
     from mlxcache.bench import chunks_bench
@@ -90,7 +92,7 @@ def chat(
 def json(
     model: o.Model = None,
     tokens: Annotated[int, typer.Option("--tokens", help="Tokens per round.", metavar="N")] = 32,
-    rounds: Annotated[int, typer.Option("--rounds", help="Interleaved rounds.", metavar="N")] = 3,
+    rounds: Rounds = 3,
     lines: Annotated[
         int,
         typer.Option(
