@@ -245,7 +245,7 @@ def cache_config(
             mem_bytes=parse_size(mem),
             disk_bytes=parse_size(disk),
             warm_ahead=warm_ahead,
-            **size,  # type: ignore[arg-type]
+            **size,
         )
     except ValueError as exc:
         raise UserInputError(str(exc).replace("block size", "--block-size", 1)) from exc
@@ -357,8 +357,8 @@ _RUN_OPTIONS: list[tuple[str, Any, Any]] = [
     ("cache_dir", CacheDir, None),
     ("no_cache", NoCache, False),
     # Defaults come from CacheConfig, their one home, in the form the options take.
-    ("cache_mem", CacheMem, format_size(CacheConfig.__dataclass_fields__["mem_bytes"].default)),
-    ("cache_disk", CacheDisk, format_size(CacheConfig.__dataclass_fields__["disk_bytes"].default)),
+    ("cache_mem", CacheMem, format_size(CacheConfig().mem_bytes)),
+    ("cache_disk", CacheDisk, format_size(CacheConfig().disk_bytes)),
     ("block_size", BlockSize, None),
     ("warm_ahead", WarmAhead, True),
     ("quiet", Quiet, False),

@@ -142,6 +142,7 @@ class Engine:
         *,
         block_size: int | None = None,
         warm_ahead: bool = True,
+        on_warning: Callable[[str], None] | None = None,
     ) -> None:
         if block_size is not None and block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -150,6 +151,7 @@ class Engine:
         self.loaded = loaded
         self.cache: PrefixCache = cache or NoCache(loaded.model, block_size or default_block_size())
         self.warm_ahead = warm_ahead
+        self._warn = on_warning or (lambda _msg: None)
         self._ids = itertools.count()
         self._lanes: dict[int, _Lane] = {}  # insertion order = round-robin order
 
@@ -333,15 +335,19 @@ class Engine:
         self._lanes[rid] = lane  # requests take turns: to the back of the round
         return events
 
-    @staticmethod
-    def _advance(rid: int, lane: _Lane) -> Event | None:
-        """The lane's next event; None once it has ended (a warm lane, or a broken one)."""
+    def _advance(self, rid: int, lane: _Lane) -> Event | None:
+        """The lane's next event; None once it has ended (a warm lane, or a broken one).
+
+        A broken lane ends alone (its finally released its pin): a request with an error
+        `Done`, a warm lane with a warning (it only cost the blocks it did not keep).
+        """
         try:
             return next(lane.gen, None)
-        except Exception as exc:  # a broken lane ends alone; its finally released its pin
-            return (
-                None if lane.warm else Done(rid, Result("", [], "error", Stats(), error=str(exc)))
-            )
+        except Exception as exc:
+            if not lane.warm:
+                return Done(rid, Result("", [], "error", Stats(), error=str(exc)))
+            self._warn(f"warm-ahead stopped early: {type(exc).__name__}: {exc}")
+            return None
 
     def run(self, warm: bool = False) -> Iterator[Event]:
         """Advance the lanes until every request is done (and, with `warm`, warm-ahead too)."""

@@ -36,8 +36,14 @@ def open_engine(
         model: a model spec (see `mlxcache.model.load`).
         cache: cache settings; default: memory and disk tiers under the platform cache dir.
         progress: called as a GGUF conversion advances.
-        on_warning: called with one-line warnings (e.g. the disk tier had to be disabled).
+        on_warning: called with one-line warnings (e.g. the disk tier had to be disabled,
+            a warm-ahead lane failed).
     """
     cache = cache or CacheConfig()
     loaded = load(model, cache_root=cache.directory, progress=progress, on_warning=on_warning)
-    return Engine(loaded, make_cache(loaded, cache, on_warning), warm_ahead=cache.warm_ahead)
+    return Engine(
+        loaded,
+        make_cache(loaded, cache, on_warning),
+        warm_ahead=cache.warm_ahead,
+        on_warning=on_warning,
+    )

@@ -493,3 +493,26 @@ def test_a_failing_keep_while_cancelling_spares_the_worker(
         worker.submit(Request(prompt(9), GREEDY), lambda e: None)
     with pytest.raises(EngineStoppedError, match=r"stopped|shutting down"):
         worker.call(lambda e: None)
+
+
+def test_a_failing_warm_lane_warns_once_and_ends_alone(
+    tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, _spy = spied(tiny)
+    warnings: list[str] = []
+    config = CacheConfig(block_size=B, disk_bytes=0)
+    engine = Engine(model, PromptCache(model.model, model.key, config), on_warning=warnings.append)
+    keep, calls = engine.cache.keep, iter([True])
+
+    def fail_once(*args: Any, **kwargs: Any) -> Any:
+        if next(calls, False):
+            raise MemoryError("no room for the KV")
+        return keep(*args, **kwargs)
+
+    monkeypatch.setattr(engine.cache, "keep", fail_once)
+    engine.warm(prompt(12))
+    assert list(engine.run(warm=True)) == []
+    assert warnings == ["warm-ahead stopped early: MemoryError: no room for the KV"]
+    assert not engine._lanes and sum(e.pins for e in engine.cache.mem) == 0  # type: ignore[attr-defined]
+    result = engine.complete(Request(prompt(12), GREEDY))  # the engine goes on
+    assert result.finish_reason == "length" and result.stats.cached_tokens == 0
