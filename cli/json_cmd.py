@@ -84,6 +84,7 @@ def json_cmd(
         ),
     ] = False,
     think: o.Think = False,
+    think_budget: o.ThinkBudget = None,
     as_json: o.Json = False,
     run: o.RunOptions,
 ) -> None:
@@ -103,7 +104,12 @@ def json_cmd(
         text = o.read_prompt(prompt, prompt_file)
         engine = run.engine()
         _single(
-            engine, task.for_model(engine.loaded.tokenizer, think), text, params, as_json, run.quiet
+            engine,
+            task.for_model(engine.loaded.tokenizer, think, think_budget),
+            text,
+            params,
+            as_json,
+            run.quiet,
         )
         return
     if prompt is not None or prompt_file is not None:
@@ -113,7 +119,7 @@ def json_cmd(
     check_output_dir(output, "--output")
     lines = read_input(input_path)
     engine = run.engine()
-    task = task.for_model(engine.loaded.tokenizer, think)
+    task = task.for_model(engine.loaded.tokenizer, think, think_budget)
     try:
         plan = json_mode.plan_batch(engine, task, lines, input_path, output, params, force)
     except OutputMismatchError as exc:

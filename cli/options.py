@@ -187,8 +187,18 @@ Think = Annotated[
     bool,
     typer.Option(
         "--think/--no-think",
-        help="A reasoning model thinks first (at most 4000 characters, apart in --json), "
+        help="A reasoning model thinks first (apart in --json; see --think-budget), "
         "or not (the default).",
+    ),
+]
+ThinkBudget = Annotated[
+    int | None,
+    typer.Option(
+        "--think-budget",
+        metavar="N",
+        min=0,
+        help="With --think: most tokens spent thinking, then the section is closed and "
+        "the answer follows [default: half of --max-tokens].",
     ),
 ]
 

@@ -98,6 +98,7 @@ def tools_cmd(
         bool, typer.Option("--parallel", help="Allow several calls in one reply.")
     ] = False,
     think: o.Think = False,
+    think_budget: o.ThinkBudget = None,
     as_json: o.Json = False,
     run: o.RunOptions,
 ) -> None:
@@ -114,7 +115,7 @@ def tools_cmd(
             "the conversation ends with the assistant: add a prompt or --tool-result"
         )
     params = run.sampling()
-    task = ToolsTask(tools, choice, system, parallel, think)
+    task = ToolsTask(tools, choice, system, parallel, think, think_budget)
     engine = run.engine()
     ids = task.encode(engine, messages)
     with ui.PrefillBar(run.quiet) as bar:

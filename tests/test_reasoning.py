@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from dataclasses import replace
 from pathlib import Path
 
+import mlx.core as mx
+import numpy as np
 import pytest
 from grammar_accepts import accepts
 from typer.testing import CliRunner
@@ -16,7 +17,7 @@ from mlxcache.errors import UserInputError
 from mlxcache.events import Result, Stats
 from mlxcache.model import LoadedModel
 from mlxcache.modes.json_mode import JsonTask, read_reply, request
-from mlxcache.modes.reasoning import Thinking, thinking_for
+from mlxcache.modes.reasoning import Thinking, ThinkingBudget, thinking_for
 from mlxcache.modes.tool_chat import ToolsTask
 from mlxcache.modes.tools import ToolCall, ToolChoice, parse_tools
 from mlxcache.sampling import SamplingParams
@@ -84,10 +85,8 @@ def test_think_allows_a_bounded_section_before_the_answer(wearing: LoadedModel) 
     assert accepts(wearing, task.grammar, '<think>a is one</think>\n\n{"a": 1}')
     assert accepts(wearing, task.grammar, '{"a": 1}')  # thinking is allowed, not required
     assert not accepts(wearing, task.grammar, 'Sure: {"a": 1}')
-    assert task.thinking is not None
-    short = replace(task, thinking=replace(task.thinking, max_chars=5))
-    assert accepts(wearing, short.grammar, '<think>12345</think>{"a": 1}')
-    assert not accepts(wearing, short.grammar, '<think>123456</think>{"a": 1}')
+    assert accepts(wearing, task.grammar, "<think>" + "hm " * 2000 + '</think>{"a": 1}')
+    assert not accepts(wearing, task.grammar, '<think>a</think>{"a": 1}</think>')
     reply = read_reply(task, result('<think>a is one</think>\n\n{"a": 1}'))
     assert (reply.output, reply.reasoning, reply.text) == ({"a": 1}, "a is one", '{"a": 1}')
     assert reply.as_dict()["reasoning"] == "a is one"
@@ -125,6 +124,8 @@ def test_tools_think_first_and_keep_reasoning_apart(wearing: LoadedModel) -> Non
     reply = task.read(result("<think>ping it</think>\n" + call))
     assert reply.reasoning == "ping it" and reply.calls == (ToolCall("ping", {}),)
     assert reply.content == "" and reply.error is None
+    budget = task.request(engine, ids, SamplingParams(max_tokens=50)).processors[-1]
+    assert isinstance(budget, ThinkingBudget) and budget.budget == 25
     off = ToolsTask(TOOLS, ToolChoice("required"))  # the default: no thinking
     off_ids = off.encode(engine, [{"role": "user", "content": "ping?"}])
     assert wearing.tokenizer.decode(off_ids).endswith("</think>\n\n")
@@ -138,3 +139,74 @@ def test_cli_think_needs_a_thinking_section(cache_root: Path, tiny_gguf: Path) -
     assert result.stderr.strip() == (
         "error: --think: this model's chat template has no thinking section"
     )
+
+
+def test_the_budget_closes_an_open_section_and_nothing_else(tiny: LoadedModel) -> None:
+    tok = tiny.tokenizer
+    budget = ThinkingBudget(Thinking("<think>", "</think>", enabled=True), tok, 3)
+    logits = mx.zeros((1, 262))
+    prompt = [5, 6, 7]
+
+    def allowed(reply: str, given: mx.array = logits) -> str | None:
+        """The one token the budget forces after `reply` (decoded), None: all left alone."""
+        ids = [*prompt, *tok.encode(reply, add_special_tokens=False)]
+        out = np.asarray(budget(mx.array(ids), given))
+        if np.array_equal(out, np.asarray(given)):
+            return None
+        kept = np.flatnonzero(np.isfinite(out.reshape(-1)))
+        assert kept.size == 1
+        return str(tok.decode([int(kept[0])]))
+
+    assert allowed("") is None  # the first call sees the prompt
+    assert allowed("<th") is None  # 3 tokens, but the section is not open yet
+    assert allowed("<think>ab") == "<"  # open, over budget: the end tag, token by token
+    assert allowed("<think>ab</thi") == "n"
+    blocked = mx.where(mx.arange(262) == tok.encode("k", add_special_tokens=False)[0], -mx.inf, 0)
+    assert allowed("<think>ab</thin", blocked[None]) is None  # the grammar has the last word
+    assert budget.forced == 2
+    assert allowed("<think>ab</think>") is None  # closed: nothing more, ever
+    assert allowed("<think>ab</think>x <think>x") is None
+    no_section = ThinkingBudget(Thinking("<think>", "</think>", enabled=True), tok, 0)
+    no_section(mx.array(prompt), logits)
+    assert np.isfinite(np.asarray(no_section(mx.array([*prompt, 123]), logits))).all()
+    opened = ThinkingBudget(Thinking("<think>", "</think>", True, opened=True), tok, 1)
+    opened(mx.array(prompt), logits)
+    out = opened(mx.array([*prompt, *tok.encode("ab", add_special_tokens=False)]), logits)
+    assert np.flatnonzero(np.isfinite(np.asarray(out).reshape(-1))).tolist() == tok.encode(
+        "<", add_special_tokens=False
+    )
+
+
+@pytest.mark.parametrize("wearing", [OPENS], indirect=True)
+def test_a_reply_thinks_for_its_budget_then_answers(wearing: LoadedModel) -> None:
+    tok = wearing.tokenizer
+    tag = tok.encode("</think>", add_special_tokens=False)
+    engine = Engine(wearing)
+    for think_budget, max_tokens, spent in ((6, 120, 6), (None, 40, 20)):  # default: half
+        task = JsonTask.create(SCHEMA).for_model(tok, True, think_budget)
+        ids = engine.encode_chat(task.messages("hi"), **task.template_kwargs)
+        params = SamplingParams(temperature=1.0, seed=2, max_tokens=max_tokens)
+        req = request(engine, ids, task, params)
+        done = engine.complete(req)
+        # The tag comes as soon as the character in progress is whole (the grammar's say).
+        free = next(
+            i
+            for i in range(spent, max_tokens)
+            if not tok.decode(done.tokens[:i]).endswith("\ufffd")
+        )
+        assert free > spent  # this seed leaves a character half-written at the budget
+        assert "</think>" not in tok.decode(done.tokens[:free])
+        assert done.tokens[free : free + len(tag)] == tag
+        assert req.processors[-1].forced == len(tag)  # type: ignore[attr-defined]
+        if think_budget is not None:
+            reply = read_reply(task, done)
+            assert reply.error is None and isinstance(reply.output["a"], int)
+            assert reply.reasoning == tok.decode(done.tokens[:free]).strip()
+
+
+def test_cli_think_budget_goes_with_think(cache_root: Path, tiny_gguf: Path) -> None:
+    schema = json.dumps(SCHEMA)
+    args = ["json", "hi", "--schema", schema, "-m", str(tiny_gguf), "--think-budget", "9"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2 and result.stdout == ""
+    assert result.stderr.strip() == "error: --think-budget goes with --think"

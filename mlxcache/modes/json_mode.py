@@ -27,7 +27,7 @@ from mlxcache.modes.batch import (
     run_lanes,
     substitute,
 )
-from mlxcache.modes.reasoning import Thinking, thinking_for
+from mlxcache.modes.reasoning import Thinking, budget_processors, thinking_for
 from mlxcache.modes.repeats import describe_loop
 from mlxcache.modes.schema import CompiledSchema, check_schema, parse_json, validation_error
 from mlxcache.sampling import SamplingParams
@@ -51,13 +51,16 @@ class JsonTask:
         if self.instructions is not None and not self.instructions.strip():
             raise ValueError("instructions must not be blank")
 
-    def for_model(self, tokenizer: Any, think: bool | None) -> JsonTask:
-        """This task on a model: think first (a bounded section), or not (`think` False).
+    def for_model(
+        self, tokenizer: Any, think: bool | None, think_budget: int | None = None
+    ) -> JsonTask:
+        """This task on a model: think first (at most `think_budget` tokens, default half
+        of max_tokens), or not (`think` False).
 
         Raises:
             UserInputError: `think` is True and the model's template has no thinking section.
         """
-        return replace(self, thinking=thinking_for(tokenizer, think))
+        return replace(self, thinking=thinking_for(tokenizer, think, think_budget))
 
     @property
     def grammar(self) -> str:
@@ -167,7 +170,9 @@ def read_reply(task: JsonTask, result: Result) -> JsonReply:
 
 def request(engine: Engine, ids: list[int], task: JsonTask, params: SamplingParams) -> Request:
     """A constrained request (a fresh grammar matcher each time)."""
-    return Request(ids, params, [processor_for(engine.loaded, task.grammar)])
+    tokenizer = engine.loaded.tokenizer
+    budget = budget_processors(task.thinking, tokenizer, params.max_tokens)
+    return Request(ids, params, [processor_for(engine.loaded, task.grammar), *budget])
 
 
 def encode(

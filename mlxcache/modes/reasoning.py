@@ -2,9 +2,11 @@
 
 A chat template with a thinking section (`<think>...</think>`, what mlx-lm detects from
 the vocabulary, or the tags in the template) is asked through `enable_thinking` to think
-or not. Thinking on: the grammar lets the reply open with one thinking section of at most
-`max_chars` characters, then the constrained answer. Thinking off: the answer comes first.
-A template that opens the section in the prompt itself is followed inside it either way.
+or not. Thinking on: the grammar lets the reply open with one thinking section, then the
+constrained answer; `ThinkingBudget` closes the section once it has taken its budget of
+tokens (by default half of max_tokens), so the answer always keeps the rest. Thinking off:
+the answer comes first. A template that opens the section in the prompt itself is
+followed inside it either way.
 """
 
 from __future__ import annotations
@@ -13,12 +15,13 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from mlxcache.constrain import regex_literal
+import mlx.core as mx
+import numpy as np
+
+from mlxcache.constrain import apply_mask, regex_literal
 from mlxcache.errors import UserInputError
 
 THINK_TAGS = ("<think>", "</think>")
-MAX_THINKING_CHARS = 4000
-"""Longest thinking section the grammar allows (then it must close; ~1k tokens)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,7 +34,12 @@ class Thinking:
     """The template is asked to think (`enable_thinking`)."""
     opened: bool = False
     """The rendered prompt itself ends inside the section."""
-    max_chars: int = MAX_THINKING_CHARS
+    budget: int | None = None
+    """Most reply tokens spent thinking (tags included); None: half of max_tokens."""
+
+    def __post_init__(self) -> None:
+        if self.budget is not None and self.budget < 0:
+            raise UserInputError(f"--think-budget must be >= 0, got {self.budget}")
 
     @property
     def in_reply(self) -> bool:
@@ -50,7 +58,7 @@ class Thinking:
         except ValueError:  # a Lark text
             doc, subs = {}, [{"lark_grammar": answer}]
         subs = [dict(subs[0], name="answer"), *subs[1:]]
-        thought = f"/(?s:.){{0,{self.max_chars}}}{regex_literal(self.end)}/"
+        thought = f"/(?s:.)*{regex_literal(self.end)}/"
         head = "thought" if self.opened else f"({json.dumps(self.start)} thought)?"
         lark = f"start: {head} SPACE @answer\nthought[lazy]: {thought}\nSPACE: /[ \\t\\n]*/\n"
         return json.dumps({**doc, "grammars": [{"name": "thinking", "lark_grammar": lark}, *subs]})
@@ -70,6 +78,69 @@ class Thinking:
         return reasoning.strip(), answer.lstrip()
 
 
+class ThinkingBudget:
+    """Logits processor: once the reply has spent `budget` tokens inside its thinking
+    section, only the tokens of the end tag stay allowed, one per step, then the answer
+    follows. Placed after the grammar's processor, it forces nothing the grammar forbids.
+
+    It reads the reply decoded (tags are text, tokenized any way), until the section
+    closes or the reply turns out to have none.
+    """
+
+    def __init__(self, thinking: Thinking, tokenizer: Any, budget: int) -> None:
+        self._thinking = thinking
+        self._tokenizer = tokenizer
+        self.budget = budget
+        self._prompt_len: int | None = None
+        self._done = False
+        self.forced = 0
+        """End-tag tokens forced so far."""
+
+    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        if self._prompt_len is None:
+            self._prompt_len = int(tokens.shape[-1])
+        if self._done:
+            return logits
+        reply: list[int] = np.asarray(tokens).reshape(-1)[self._prompt_len :].tolist()
+        rest = self._rest_of_tag(self._tokenizer.decode(reply), len(reply))
+        if rest is None:
+            return logits
+        token = int(self._tokenizer.encode(rest, add_special_tokens=False)[0])
+        width = int(logits.shape[-1])
+        if token >= width or not np.isfinite(np.asarray(logits.reshape(-1)[token].item())):
+            return logits  # the grammar has the last word
+        allowed = np.zeros(width, dtype=bool)
+        allowed[token] = True
+        self.forced += 1
+        return apply_mask(logits, allowed)
+
+    def _rest_of_tag(self, text: str, spent: int) -> str | None:
+        """What of the end tag must come next, or None: nothing to force (yet, or again)."""
+        start, end = self._thinking.start, self._thinking.end
+        if not self._thinking.opened:
+            if not text.startswith(start):
+                self._done = not start.startswith(text)  # no section, unless still opening
+                return None
+            text = text[len(start) :]
+        if end in text:
+            self._done = True
+            return None
+        if spent < self.budget:
+            return None
+        have = next((k for k in range(len(end) - 1, 0, -1) if text.endswith(end[:k])), 0)
+        return end[have:]
+
+
+def budget_processors(
+    thinking: Thinking | None, tokenizer: Any, max_tokens: int
+) -> list[ThinkingBudget]:
+    """The processor holding a request's thinking to its budget (none: no section)."""
+    if thinking is None or not thinking.in_reply:
+        return []
+    budget = thinking.budget if thinking.budget is not None else max_tokens // 2
+    return [ThinkingBudget(thinking, tokenizer, budget)]
+
+
 def _tags(tokenizer: Any) -> tuple[str, str] | None:
     start, end = getattr(tokenizer, "think_start", None), getattr(tokenizer, "think_end", None)
     if isinstance(start, str) and isinstance(end, str):
@@ -80,13 +151,17 @@ def _tags(tokenizer: Any) -> tuple[str, str] | None:
     return None
 
 
-def thinking_for(tokenizer: Any, think: bool | None) -> Thinking | None:
+def thinking_for(tokenizer: Any, think: bool | None, budget: int | None = None) -> Thinking | None:
     """How a request on this tokenizer thinks; None when its template has no thinking
     section (or `think` is None: leave the template's default and the reply as is).
+    `budget`: see `Thinking.budget`.
 
     Raises:
-        UserInputError: `think` is True and the template has no thinking section.
+        UserInputError: `think` is True and the template has no thinking section, or a
+            budget is given without `think`.
     """
+    if budget is not None and not think:
+        raise UserInputError("--think-budget goes with --think")
     tags = _tags(tokenizer)
     if tags is None:
         if think:
@@ -100,4 +175,4 @@ def thinking_for(tokenizer: Any, think: bool | None) -> Thinking | None:
     )
     tail = str(prompt).rstrip()
     opened = tail.endswith(tags[0]) and not tail.endswith(tags[1])
-    return Thinking(tags[0], tags[1], think, opened)
+    return Thinking(tags[0], tags[1], think, opened, budget)

@@ -21,7 +21,7 @@ from mlxcache.constrain import processor_for
 from mlxcache.engine import Engine, LogitsProcessor, Request, next_turn_prefix
 from mlxcache.errors import UserInputError
 from mlxcache.events import Result
-from mlxcache.modes.reasoning import Thinking, thinking_for
+from mlxcache.modes.reasoning import Thinking, budget_processors, thinking_for
 from mlxcache.modes.repeats import describe_loop
 from mlxcache.modes.tool_formats import HERMES, ToolFormat, format_for
 from mlxcache.modes.tools import (
@@ -157,14 +157,15 @@ def tool_style(
     choice: ToolChoice,
     parallel: bool = False,
     think: bool | None = None,
+    think_budget: int | None = None,
 ) -> ToolStyle:
     """The style and grammar (None: a free reply) of a conversation on this tokenizer;
-    `think` as in `reasoning.thinking_for`.
+    `think` and `think_budget` as in `reasoning.thinking_for`.
 
     Raises:
         UserInputError: `think` is True and the template has no thinking section.
     """
-    thinking = thinking_for(tokenizer, think)
+    thinking = thinking_for(tokenizer, think, think_budget)
     fmt = native_tools(tokenizer)
     forced = choice.mode in ("required", "function")
     if fmt is None or (fmt.call is None and forced):
@@ -226,6 +227,8 @@ class ToolsTask:
     parallel: bool = False
     think: bool | None = False
     """Think first (True), not at all (False, the default), or as the template does (None)."""
+    think_budget: int | None = None
+    """Most reply tokens spent thinking; None: half of max_tokens."""
     style: ToolStyle | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -236,7 +239,12 @@ class ToolsTask:
         """The style on `engine`'s model (worked out once, the grammar compiled then)."""
         if self.style is None:
             self.style = tool_style(
-                engine.loaded.tokenizer, self.tools, self.choice, self.parallel, self.think
+                engine.loaded.tokenizer,
+                self.tools,
+                self.choice,
+                self.parallel,
+                self.think,
+                self.think_budget,
             )
         return self.style
 
@@ -263,10 +271,11 @@ class ToolsTask:
 
     def request(self, engine: Engine, ids: list[int], params: SamplingParams) -> Request:
         """A request for the reply (a fresh grammar matcher each time)."""
-        grammar = self.style_for(engine).grammar
+        style = self.style_for(engine)
         processors: list[LogitsProcessor] = []
-        if grammar is not None:
-            processors.append(processor_for(engine.loaded, grammar))
+        if style.grammar is not None:
+            processors.append(processor_for(engine.loaded, style.grammar))
+        processors += budget_processors(style.thinking, engine.loaded.tokenizer, params.max_tokens)
         return Request(ids, params, processors)
 
     def read(self, result: Result) -> ToolReply:
