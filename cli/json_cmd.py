@@ -150,8 +150,10 @@ def _single(
         reply = json_mode.run_one(engine, task, text, params, bar)
     if as_json:
         ui.out_json(reply.as_dict())
-    elif reply.error is None:
-        ui.out_text(reply.text + "\n")
+    else:
+        ui.thought(reply.reasoning)
+        if reply.error is None:
+            ui.out_text(reply.text + "\n")
     ui.stats_line(reply.stats)
     if reply.error is not None:
         raise OutputError(reply.error)

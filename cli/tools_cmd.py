@@ -135,16 +135,23 @@ def tools_cmd(
         if system is not None:
             doc["messages"].insert(0, {"role": "system", "content": system})
         ui.out_json(doc)
-    elif reply.error is None:
-        if reply.content:
-            ui.out_text(reply.content + "\n")
-        for call in reply.calls:
-            ui.out_text(f"{call.name}({json.dumps(call.arguments, ensure_ascii=False)})\n")
+    else:
+        ui.thought(reply.reasoning)
+        if reply.error is None:
+            _print_reply(reply)
     ui.stats_line(result.stats.as_dict())
     if reply.error is not None:
         raise OutputError(reply.error)
     if engine.warm_ahead and run.cache().disk_bytes:
         _warm_ahead(engine, task, messages, reply)
+
+
+def _print_reply(reply: ToolReply) -> None:
+    """Plain output: the text, then one `name({arguments})` line per call."""
+    if reply.content:
+        ui.out_text(reply.content + "\n")
+    for call in reply.calls:
+        ui.out_text(f"{call.name}({json.dumps(call.arguments, ensure_ascii=False)})\n")
 
 
 def _warm_ahead(

@@ -25,7 +25,15 @@ from rich.theme import Theme
 
 from mlxcache.events import Prefill
 
-THEME = Theme({"error": "bold red", "stats": "dim", "cached": "green", "warn": "yellow"})
+THEME = Theme(
+    {
+        "error": "bold red",
+        "stats": "dim",
+        "cached": "green",
+        "warn": "yellow",
+        "thought": "dim italic",
+    }
+)
 err = Console(stderr=True, theme=THEME, highlight=False)
 
 
@@ -103,6 +111,12 @@ def error(message: str) -> None:
 def info(message: str) -> None:
     """A plain status line on stderr (never wrapped: scripts may parse it)."""
     err.print(message, style="stats", markup=False, soft_wrap=True)
+
+
+def thought(reasoning: str | None) -> None:
+    """A plain reply's thinking section, on stderr: seen, and kept out of stdout's answer."""
+    if reasoning:
+        err.print(f"thinking: {reasoning}", style="thought", markup=False, highlight=False)
 
 
 def warn(message: str) -> None:

@@ -10,6 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from grammar_accepts import accepts
+from tinymodel import write_tiny_gguf
 from typer.testing import CliRunner
 
 from mlxcache.engine import Engine
@@ -210,3 +211,16 @@ def test_cli_think_budget_goes_with_think(cache_root: Path, tiny_gguf: Path) -> 
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 2 and result.stdout == ""
     assert result.stderr.strip() == "error: --think-budget goes with --think"
+
+
+def test_cli_plain_output_shows_the_thinking_on_stderr(cache_root: Path, tmp_path: Path) -> None:
+    model = tmp_path / "thinker.gguf"
+    write_tiny_gguf(model, context=1024, template=OPENS)
+    args = ["json", "hi", "--schema", json.dumps(SCHEMA), "-m", str(model), "--think"]
+    sampled = ["--temp", "1", "--seed", "2", "-n", "120", "--think-budget", "6"]
+    plain = CliRunner().invoke(app, [*args, *sampled])
+    as_json = CliRunner().invoke(app, [*args, *sampled, "--json"])
+    assert plain.exit_code == 0 and as_json.exit_code == 0, plain.stderr
+    doc = json.loads(as_json.stdout)
+    assert plain.stdout == json.dumps(doc["output"]) + "\n"  # the answer alone
+    assert plain.stderr.startswith(f"thinking: {doc['reasoning']}\n") and doc["reasoning"]

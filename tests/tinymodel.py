@@ -88,6 +88,7 @@ def write_tiny_gguf(
     seed: int = 0,
     heads: int = 4,
     kv_heads: int = 2,
+    template: str = CHATML,
 ) -> dict[str, np.ndarray]:
     """Write a tiny llama GGUF (Q/K permuted as llama.cpp does); returns the HF-layout weights."""
     hf = tiny_weights(seed, heads=heads, kv_heads=kv_heads)
@@ -118,7 +119,7 @@ def write_tiny_gguf(
         "tokenizer.ggml.merges": ["a b", "ab ab", "Ġ a"],
         "tokenizer.ggml.bos_token_id": mx.array(1, dtype=mx.uint32),
         "tokenizer.ggml.eos_token_id": mx.array(2, dtype=mx.uint32),
-        "tokenizer.chat_template": CHATML,
+        "tokenizer.chat_template": template,
     }
     mx.save_gguf(str(path), tensors, meta)
     return hf
