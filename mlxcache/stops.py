@@ -5,6 +5,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 
+def held(text: str, marker: str) -> int:
+    """Length of the longest tail of `text` that is a proper prefix of `marker`: what more
+    text may still turn into `marker`."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:n]):
+            return n
+    return 0
+
+
 class StopScanner:
     """Filters streamed text pieces so that no stop string (nor the text after it) is emitted.
 
@@ -22,13 +31,7 @@ class StopScanner:
 
     def _held(self) -> int:
         """Length of the longest tail of the text that is a proper prefix of a stop."""
-        best = 0
-        for stop in self._stops:
-            for n in range(min(len(stop) - 1, len(self._text)), best, -1):
-                if self._text.endswith(stop[:n]):
-                    best = n
-                    break
-        return best
+        return max((held(self._text, stop) for stop in self._stops), default=0)
 
     def feed(self, piece: str) -> str:
         """Add a piece of reply text; return the text that is safe to emit now."""

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+import io
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -13,7 +16,7 @@ from grammar_accepts import accepts
 from tinymodel import write_tiny_gguf
 from typer.testing import CliRunner
 
-from mlxcache.engine import Engine
+from mlxcache.engine import Engine, Request
 from mlxcache.errors import UserInputError
 from mlxcache.events import Result, Stats
 from mlxcache.model import LoadedModel
@@ -22,6 +25,9 @@ from mlxcache.modes.reasoning import Thinking, ThinkingBudget, thinking_for
 from mlxcache.modes.tool_chat import ToolsTask
 from mlxcache.modes.tools import ToolCall, ToolChoice, parse_tools
 from mlxcache.sampling import SamplingParams
+from mlxcache.server.app import Settings, create_app
+from mlxcache.server.log import RequestLog
+from mlxcache.worker import EngineWorker
 from mlxcache_cli.main import app
 
 CHATML = (
@@ -39,6 +45,8 @@ OPENS = (
     "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
     "{% if enable_thinking %}<think>\n{% endif %}{% endif %}"
 )
+# DeepSeek-R1 style, whatever `enable_thinking` says (the server leaves it to mlx-lm).
+ALWAYS_OPENS = OPENS.replace("{% if enable_thinking %}<think>\n{% endif %}", "<think>\n")
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 TOOLS = parse_tools([{"name": "ping", "parameters": {"type": "object", "properties": {}}}])
 
@@ -224,3 +232,43 @@ def test_cli_plain_output_shows_the_thinking_on_stderr(cache_root: Path, tmp_pat
     doc = json.loads(as_json.stdout)
     assert plain.stdout == json.dumps(doc["output"]) + "\n"  # the answer alone
     assert plain.stderr.startswith(f"thinking: {doc['reasoning']}\n") and doc["reasoning"]
+
+
+def post(app: Any, body: dict[str, Any]) -> bytes:
+    """POST /v1/chat/completions straight to the ASGI app; the whole response body."""
+    sent: list[dict[str, Any]] = []
+    incoming = [{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}]
+
+    async def receive() -> dict[str, Any]:
+        if incoming:
+            return incoming.pop(0)
+        await asyncio.Event().wait()  # the client stays until the reply is complete
+        raise AssertionError("unreachable")
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": []}
+    asyncio.run(app({**scope, "query_string": b""}, receive, send))
+    assert next(m for m in sent if m["type"] == "http.response.start")["status"] == 200
+    return b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+
+
+@pytest.mark.parametrize("wearing", [ALWAYS_OPENS], indirect=True)
+def test_the_server_sends_the_thinking_apart(wearing: LoadedModel) -> None:
+    messages = [{"role": "user", "content": "hi"}]
+    body = {"model": wearing.name, "messages": messages, "max_tokens": 12}
+    engine = Engine(wearing, warm_ahead=False)
+    with EngineWorker(engine) as worker:
+        app = create_app(engine, worker, Settings(wearing.name), RequestLog(stream=io.StringIO()))
+        plain = json.loads(post(app, body))["choices"][0]["message"]
+        chunks = [
+            json.loads(line.removeprefix("data: "))["choices"][0]["delta"]
+            for line in post(app, {**body, "stream": True}).decode().splitlines()
+            if line.startswith("data: {")
+        ]
+    cold = engine.complete(Request(engine.encode_chat(messages), SamplingParams(max_tokens=12)))
+    # The prompt opens the section and this random model never closes it: all reasoning.
+    assert plain == {"role": "assistant", "content": "", "reasoning": cold.text.strip()}
+    assert "".join(c.get("reasoning", "") for c in chunks) == cold.text.strip()
+    assert "".join(c.get("content", "") for c in chunks) == ""

@@ -8,6 +8,7 @@ import pytest
 from pydantic import ValidationError
 
 from mlxcache.errors import ContextLengthError, GrammarError, OutputError
+from mlxcache.modes.reasoning import Thinking
 from mlxcache.modes.tools import ToolCall
 from mlxcache.server import errors
 from mlxcache.server.log import line
@@ -150,3 +151,58 @@ def test_log_line() -> None:
         "ttft=0.821s total=1.900s finish=stop"
     )
     json.dumps(record)
+
+
+def feed_both(reply: ReplyText, pieces: list[str]) -> tuple[str, str]:
+    """The reasoning and content a stream sends, each checked to only ever grow."""
+    sent = {"reasoning": "", "content": ""}
+    for piece in pieces:
+        reply.add(piece)
+        for key, now in (("reasoning", reply.safe_reasoning()), ("content", reply.safe())):
+            assert now.startswith(sent[key]), (key, reply.text)
+            sent[key] = now
+    return sent["reasoning"], sent["content"]
+
+
+QWEN = Thinking("<think>", "</think>", enabled=True)
+R1 = Thinking("<think>", "</think>", enabled=True, opened=True)
+
+
+@pytest.mark.parametrize(
+    ("thinking", "text", "final"),
+    [
+        (QWEN, "<think>\nplan it\n</think>\n\nHello there ", ("plan it", "Hello there ")),
+        (QWEN, "<think>\n\n</think>\n\nHi", ("", "Hi")),  # an empty section
+        (QWEN, "<think>cut off in </thi", ("cut off in </thi", "")),  # all reasoning
+        (QWEN, "Hi <think>x</think>", (None, "Hi <think>x</think>")),  # not at the start
+        (QWEN, "<b>bold</b>", (None, "<b>bold</b>")),
+        (QWEN, "", (None, "")),
+        (R1, "plan</think>answer", ("plan", "answer")),
+        (R1, "<think>x</think>y", ("<think>x", "y")),
+    ],
+)
+def test_reasoning_streams_apart_and_joins_to_the_final_split(
+    thinking: Thinking, text: str, final: tuple[str | None, str]
+) -> None:
+    assert thinking.split(text) == final
+    for size in (1, 2, 3, 7):
+        pieces = [text[i : i + size] for i in range(0, len(text), size)]
+        reasoning, content = feed_both(ReplyText(thinking=thinking), pieces)
+        # The rest goes in the last chunk, once the reply is done.
+        assert (final[0] or "").startswith(reasoning) and final[1].startswith(content)
+    streamed = feed_both(ReplyText(thinking=QWEN), list("<think>\nplan it\n</think>\n\nHi "))
+    assert streamed == ("plan it", "Hi ")  # decided as soon as the end tag is whole
+    assert ReplyText().safe() == "" and ReplyText(thinking=QWEN).safe_reasoning() == ""
+    opening = ReplyText(thinking=QWEN)
+    opening.add("<thi")  # may still open the section: nothing is final
+    assert (opening.safe_reasoning(), opening.safe()) == ("", "")
+
+
+def test_a_chat_reply_carries_its_reasoning_only_when_there_is_some() -> None:
+    env = Envelope("chatcmpl-abc", "m", created=7)
+    usage = Usage(1, 1, 0)
+    thought = env.chat("4", (), "stop", usage, "two and two")["choices"][0]["message"]
+    assert thought == {"role": "assistant", "content": "4", "reasoning": "two and two"}
+    for none in (None, ""):
+        message = env.chat("4", (), "stop", usage, none)["choices"][0]["message"]
+        assert message == {"role": "assistant", "content": "4"}

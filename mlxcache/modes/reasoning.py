@@ -20,6 +20,7 @@ import numpy as np
 
 from mlxcache.constrain import apply_mask, regex_literal
 from mlxcache.errors import UserInputError
+from mlxcache.stops import held
 
 THINK_TAGS = ("<think>", "</think>")
 
@@ -63,19 +64,25 @@ class Thinking:
         lark = f"start: {head} SPACE @answer\nthought[lazy]: {thought}\nSPACE: /[ \\t\\n]*/\n"
         return json.dumps({**doc, "grammars": [{"name": "thinking", "lark_grammar": lark}, *subs]})
 
-    def split(self, text: str) -> tuple[str | None, str]:
-        """(the reasoning or None, the answer) of a reply."""
-        body = (
-            text
-            if self.opened
-            else text.removeprefix(self.start)
-            if text.startswith(self.start)
-            else None
-        )
-        if body is None or self.end not in body:
-            return None, text
-        reasoning, _, answer = body.partition(self.end)
-        return reasoning.strip(), answer.lstrip()
+    def split(self, text: str, final: bool = True) -> tuple[str | None, str]:
+        """(the reasoning, None: the reply has no section; the answer after it).
+
+        A section cut off before its end tag is all reasoning. While the reply is still
+        coming (`final` False): only what no later text can change, so a reply that may
+        still be opening its section shows nothing yet.
+        """
+        if not self.opened:
+            if not text.startswith(self.start):
+                if not final and self.start.startswith(text):
+                    return None, ""
+                return None, text
+            text = text[len(self.start) :]
+        cut = text.find(self.end)
+        if cut >= 0:
+            return text[:cut].strip(), text[cut + len(self.end) :].lstrip()
+        if not final:
+            text = text[: len(text) - held(text, self.end)]
+        return text.strip(), ""
 
 
 class ThinkingBudget:
@@ -116,19 +123,15 @@ class ThinkingBudget:
 
     def _rest_of_tag(self, text: str, spent: int) -> str | None:
         """What of the end tag must come next, or None: nothing to force (yet, or again)."""
-        start, end = self._thinking.start, self._thinking.end
-        if not self._thinking.opened:
-            if not text.startswith(start):
-                self._done = not start.startswith(text)  # no section, unless still opening
-                return None
-            text = text[len(start) :]
+        end = self._thinking.end
+        reasoning, answer = self._thinking.split(text, final=False)
+        if reasoning is None:
+            self._done = answer != ""  # no section; "": the reply may still open one
+            return None
         if end in text:
             self._done = True
             return None
-        if spent < self.budget:
-            return None
-        have = next((k for k in range(len(end) - 1, 0, -1) if text.endswith(end[:k])), 0)
-        return end[have:]
+        return end[held(text, end) :] if spent >= self.budget else None
 
 
 def budget_processors(
@@ -149,6 +152,17 @@ def _tags(tokenizer: Any) -> tuple[str, str] | None:
     if isinstance(template, str) and all(tag in template for tag in THINK_TAGS):
         return THINK_TAGS
     return None
+
+
+def reply_thinking(tokenizer: Any, prompt: str) -> Thinking | None:
+    """The thinking section a reply may open, or continue when `prompt` (the rendered
+    prompt's end) leaves it open, with the template left to its default (the server's
+    plain chat); None: the template has no thinking section."""
+    tags = _tags(tokenizer)
+    if tags is None:
+        return None
+    opened = prompt.rfind(tags[0]) > prompt.rfind(tags[1])
+    return Thinking(tags[0], tags[1], enabled=True, opened=opened)
 
 
 def thinking_for(tokenizer: Any, think: bool | None, budget: int | None = None) -> Thinking | None:

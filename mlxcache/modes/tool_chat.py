@@ -296,7 +296,7 @@ class ToolsTask:
         if result.finish_reason == "length" and unfinished:
             error = (
                 "the reply reached the token limit before the tool call was complete "
-                '(finish_reason "length"); raise max_tokens' + describe_loop(text)
+                '(finish_reason "length"); raise max_tokens' + describe_loop(result.text)
             )
             return ToolReply(reply.content, (), error, reasoning)
         return reply

@@ -134,7 +134,9 @@ def create_app(engine: Engine, worker: Worker, settings: Settings, log: RequestL
         outcome = await end(request, lane, env)
         answer = plan.answer(outcome.text, outcome.finish_reason)
         await warm(plan, answer)
-        reply = env.chat(answer.content, answer.calls, answer.finish_reason, outcome.usage)
+        reply = env.chat(
+            answer.content, answer.calls, answer.finish_reason, outcome.usage, answer.reasoning
+        )
         return JSONResponse(reply)
 
     @app.post("/v1/completions")
@@ -222,20 +224,20 @@ async def _chat_events(
     warm: Callable[[Plan, Answer], Awaitable[None]],
 ) -> AsyncIterator[str | Outcome]:
     yield sse(env.chat_chunk({"role": "assistant", "content": ""}))
-    sent = ""
-    async for delta in lane.deltas():
-        sent += delta
-        yield sse(env.chat_chunk({"content": delta}))
+    sent = {"reasoning": "", "content": ""}
+    async for key, delta in lane.deltas():
+        sent[key] += delta
+        yield sse(env.chat_chunk({key: delta}))
     outcome = lane.outcome()
     for item in _outcome_events(outcome):
         yield item
     if outcome.error is not None:
         return
     answer = plan.answer(outcome.text, outcome.finish_reason)
-    # `sent` is a prefix of the final content by construction (see ReplyText).
-    rest = answer.content[len(sent) :]
-    if rest:
-        yield sse(env.chat_chunk({"content": rest}))
+    # What was sent is a prefix of the final values by construction (see ReplyText).
+    for key, final in (("reasoning", answer.reasoning or ""), ("content", answer.content)):
+        if final[len(sent[key]) :]:
+            yield sse(env.chat_chunk({key: final[len(sent[key]) :]}))
     for chunk in env.call_deltas(answer.calls):
         yield sse(chunk)
     yield sse(env.chat_chunk({}, answer.finish_reason))
@@ -248,7 +250,7 @@ async def _chat_events(
 async def _completion_events(
     lane: Lane, env: Envelope, include_usage: bool
 ) -> AsyncIterator[str | Outcome]:
-    async for delta in lane.deltas():
+    async for _, delta in lane.deltas():  # no chat template: all of it is content
         yield sse(env.completion_chunk(delta))
     outcome = lane.outcome()
     for item in _outcome_events(outcome):

@@ -67,12 +67,13 @@ class Lane:
         self._prompt_tokens = len(request.tokens)
         self.handle = worker.submit(request, sink)
 
-    async def deltas(self) -> AsyncIterator[str]:
-        """New content as it becomes final; ends when the lane is done.
+    async def deltas(self) -> AsyncIterator[tuple[str, str]]:
+        """(field, new text) as the reply's reasoning and content become final, reasoning
+        first; ends when the lane is done.
 
         Leaving early (the consumer is cancelled or closes) cancels the lane.
         """
-        sent = ""
+        sent = {"reasoning": "", "content": ""}
         try:
             while True:
                 event = await self._queue.get()
@@ -84,10 +85,11 @@ class Lane:
                 if self._ttft is None:
                     self._ttft = time.perf_counter() - self._start
                 self.reply.add(event.text)
-                safe = self.reply.safe()
-                if len(safe) > len(sent):
-                    yield safe[len(sent) :]
-                    sent = safe
+                now = {"reasoning": self.reply.safe_reasoning(), "content": self.reply.safe()}
+                for field, text in now.items():
+                    if len(text) > len(sent[field]):
+                        yield field, text[len(sent[field]) :]
+                        sent[field] = text
         finally:
             if self._done is None:
                 self.handle.cancel()

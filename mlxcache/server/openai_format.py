@@ -67,9 +67,16 @@ class Envelope:
     # -- /v1/chat/completions ---------------------------------------------------------------
 
     def chat(
-        self, content: str, calls: tuple[ToolCall, ...], finish: str, usage: Usage
+        self,
+        content: str,
+        calls: tuple[ToolCall, ...],
+        finish: str,
+        usage: Usage,
+        reasoning: str | None = None,
     ) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": content}
+        if reasoning:  # a thinking section, apart (the field mlx_lm.server uses)
+            message["reasoning"] = reasoning
         if calls:
             message["content"] = content or None
             message["tool_calls"] = tool_calls(self.id, calls)

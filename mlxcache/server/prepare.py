@@ -17,6 +17,7 @@ from mlxcache.errors import UserInputError
 from mlxcache.events import Result, Stats
 from mlxcache.modes import json_mode
 from mlxcache.modes.json_mode import JsonTask
+from mlxcache.modes.reasoning import Thinking, reply_thinking
 from mlxcache.modes.tool_chat import ToolsTask, next_turn, read_messages
 from mlxcache.modes.tools import ToolCall, ToolChoice, ToolReply, parse_tools
 from mlxcache.sampling import SamplingParams
@@ -24,6 +25,8 @@ from mlxcache.server.errors import APIError
 from mlxcache.server.schemas import ChatRequest, CompletionRequest, Message, SamplingFields
 from mlxcache.server.text import ReplyText
 
+_PROMPT_END = 64
+"""Prompt tokens read back for an opened thinking section (the template's last words)."""
 SAMPLING_FIELDS = {"temperature", "top_p", "seed", "top_k", "min_p", "repetition_penalty"}
 """Request fields that override the server's sampling settings."""
 
@@ -35,6 +38,7 @@ class Answer:
     content: str
     calls: tuple[ToolCall, ...]
     finish_reason: str
+    reasoning: str | None = None
 
 
 @dataclass(slots=True)
@@ -46,16 +50,21 @@ class Plan:
     tools: ToolsTask | None = None
     next_turn: Callable[[Answer], list[int]] | None = None
     """The token prefix the conversation's next prompt starts with (for warm-ahead)."""
+    thinking: Thinking | None = None
+    """A plain chat reply's thinking section (its reasoning, apart from the content)."""
 
     def reply_text(self) -> ReplyText:
         if self.tools is None or self.tools.choice.mode == "none":
-            return ReplyText(strip=self.tools is not None)
+            return ReplyText(strip=self.tools is not None, thinking=self.thinking)
         return ReplyText(self.tools.call_start, strip=True)
 
     def answer(self, text: str, finish_reason: str) -> Answer:
         """The final content and calls of a reply whose text is `text`."""
         if self.tools is None:
-            return Answer(text, (), finish_reason)
+            reasoning, content = (
+                (None, text) if self.thinking is None else self.thinking.split(text)
+            )
+            return Answer(content, (), finish_reason, reasoning)
         reply = self.tools.read(Result(text, [], finish_reason, Stats()))
         return Answer(reply.content, reply.calls, "tool_calls" if reply.calls else finish_reason)
 
@@ -152,7 +161,9 @@ def chat(engine: Engine, body: ChatRequest, defaults: SamplingParams) -> Plan:
         ids = engine.encode_chat(messages)
         # A client may send the next turn as soon as this reply ends: follow it.
         request = Request(ids, params, stop_strings=body.stops(), follow=engine.warm_ahead)
-        return Plan(ids, request, next_turn=_warm(engine, messages))
+        tokenizer = engine.loaded.tokenizer
+        thinking = reply_thinking(tokenizer, tokenizer.decode(ids[-_PROMPT_END:]))
+        return Plan(ids, request, next_turn=_warm(engine, messages), thinking=thinking)
     if fmt.type == "json_schema":
         if fmt.json_schema is None:
             raise APIError(400, "response_format.json_schema is required", param="response_format")
