@@ -12,6 +12,7 @@ from mlxcache.errors import OutputError, OutputMismatchError, UserInputError
 from mlxcache.fileio import check_output_dir
 from mlxcache.modes import json_mode
 from mlxcache.modes.batch import read_input
+from mlxcache.modes.reasoning import check_think_options
 from mlxcache.modes.schema import CompiledSchema, check_schema, read_json_arg
 from mlxcache.sampling import SamplingParams
 from mlxcache_cli import options as o
@@ -97,6 +98,7 @@ def json_cmd(
         return
     task = json_mode.JsonTask(compiled, o.text_or_file(instructions, "instructions"))
     params = run.sampling()
+    check_think_options(think, think_budget, params.max_tokens)  # before the model loads
     o.positive(lanes=lanes)
     if input_path is None:
         if output is not None:

@@ -10,6 +10,7 @@ import typer
 from mlxcache.engine import Engine
 from mlxcache.errors import MlxcacheError, OutputError, UserInputError
 from mlxcache.fileio import loads_json
+from mlxcache.modes.reasoning import check_think_options
 from mlxcache.modes.schema import read_json_arg
 from mlxcache.modes.tool_chat import (
     ToolReply,
@@ -115,6 +116,7 @@ def tools_cmd(
             "the conversation ends with the assistant: add a prompt or --tool-result"
         )
     params = run.sampling()
+    check_think_options(think, think_budget, params.max_tokens)  # before the model loads
     task = ToolsTask(tools, choice, system, parallel, think, think_budget)
     engine = run.engine()
     ids = task.encode(engine, messages)

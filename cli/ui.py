@@ -116,7 +116,13 @@ def info(message: str) -> None:
 def thought(reasoning: str | None) -> None:
     """A plain reply's thinking section, on stderr: seen, and kept out of stdout's answer."""
     if reasoning:
-        err.print(f"thinking: {reasoning}", style="thought", markup=False, highlight=False)
+        err.print(
+            f"thinking: {reasoning}",
+            style="thought",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,  # as generated: no line breaks added at the terminal's width
+        )
 
 
 def warn(message: str) -> None:

@@ -178,6 +178,10 @@ class Engine:
         """Token ids of raw text (no template, no special tokens added)."""
         return [int(t) for t in self.loaded.tokenizer.encode(text, add_special_tokens=False)]
 
+    def reply_room(self, ids: Sequence[int] | np.ndarray, max_tokens: int) -> int:
+        """How many tokens a reply to `ids` may have: max_tokens, or less near the context's end."""
+        return min(max_tokens, self.loaded.context_length - len(ids))
+
     def check_fits(self, ids: Sequence[int] | np.ndarray, where: str = "the prompt") -> None:
         """Refuse a prompt that leaves no room for a reply in the model's context.
 
@@ -450,7 +454,7 @@ class Engine:
                 processors=req.processors,
                 stop_tokens=stop,
                 stop_strings=req.stop_strings,
-                budget=min(req.sampling.max_tokens, self.loaded.context_length - n),
+                budget=self.reply_room(tokens, req.sampling.max_tokens),
                 stats=stats,
                 start=start,
                 out=None if follow is None else follow.reply,

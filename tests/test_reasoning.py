@@ -6,6 +6,7 @@ import asyncio
 import io
 import json
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,8 @@ from mlxcache.engine import Engine, Request
 from mlxcache.errors import UserInputError
 from mlxcache.events import Result, Stats
 from mlxcache.model import LoadedModel
-from mlxcache.modes.json_mode import JsonTask, read_reply, request
+from mlxcache.modes.batch import read_input
+from mlxcache.modes.json_mode import JsonTask, plan_batch, read_reply, request
 from mlxcache.modes.reasoning import Thinking, ThinkingBudget, thinking_for
 from mlxcache.modes.tool_chat import ToolsTask
 from mlxcache.modes.tools import ToolCall, ToolChoice, parse_tools
@@ -28,6 +30,7 @@ from mlxcache.sampling import SamplingParams
 from mlxcache.server.app import Settings, create_app
 from mlxcache.server.log import RequestLog
 from mlxcache.worker import EngineWorker
+from mlxcache_cli import ui
 from mlxcache_cli.main import app
 
 CHATML = (
@@ -272,3 +275,88 @@ def test_the_server_sends_the_thinking_apart(wearing: LoadedModel) -> None:
     assert plain == {"role": "assistant", "content": "", "reasoning": cold.text.strip()}
     assert "".join(c.get("reasoning", "") for c in chunks) == cold.text.strip()
     assert "".join(c.get("content", "") for c in chunks) == ""
+
+
+class OneTokenTag:
+    """A tokenizer whose `</think>` is one token (300), as Qwen3's; other text: a token a
+    character."""
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        head, tag, tail = text.partition("</think>")
+        return [*map(ord, head), *([300] if tag else []), *(self.encode(tail) if tail else [])]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join("</think>" if i == 300 else chr(i) for i in ids)
+
+
+def test_a_one_token_tag_is_forced_whole_and_never_inside_a_character(tiny: LoadedModel) -> None:
+    logits = mx.zeros((1, 400))
+    tok = OneTokenTag()
+    budget = ThinkingBudget(Thinking("<think>", "</think>", True, opened=True), tok, 2)
+    budget(mx.array([1, 2]), logits)
+
+    def forced(reply: list[int]) -> list[int]:
+        out = np.asarray(budget(mx.array([1, 2, *reply]), logits)).reshape(-1)
+        return np.flatnonzero(np.isfinite(out)).tolist()
+
+    assert forced([ord("a"), 0xFFFD]) == list(range(400))  # a character half-written waits
+    assert forced([ord("a"), ord("<")]) == [300]  # the tag's own token, even after a "<"
+    assert budget.forced == 1
+    # The tiny byte-level tokenizer: a character's first byte waits for the rest.
+    byte_budget = ThinkingBudget(
+        Thinking("<think>", "</think>", True, opened=True), tiny.tokenizer, 1
+    )
+    byte_budget(mx.array([5]), mx.zeros((1, 262)))
+    first_byte = tiny.tokenizer.encode("é", add_special_tokens=False)[:1]
+    out = byte_budget(mx.array([5, *first_byte]), mx.zeros((1, 262)))
+    assert np.isfinite(np.asarray(out)).all() and byte_budget.forced == 0
+
+
+def test_the_default_budget_is_half_of_what_the_context_leaves(tiny: LoadedModel) -> None:
+    engine = Engine(tiny)  # context 256
+    thinking = Thinking("<think>", "</think>", True, opened=True)
+    task = replace(JsonTask.create(SCHEMA), thinking=thinking)
+    assert engine.reply_room(list(range(250)), 50) == 6
+    far = request(engine, list(range(3, 20)), task, SamplingParams(max_tokens=50))
+    near = request(engine, list(range(250)), task, SamplingParams(max_tokens=50))
+    assert [r.processors[-1].budget for r in (far, near)] == [25, 3]  # type: ignore[attr-defined]
+
+
+def test_cli_think_budget_is_checked_before_the_model_loads(tmp_path: Path) -> None:
+    base = ["json", "hi", "--schema", json.dumps(SCHEMA), "-m", str(tmp_path / "none.gguf")]
+    for extra, message in (
+        (["--think-budget", "9"], "--think-budget goes with --think"),
+        (
+            ["--think", "--think-budget", "9", "-n", "9"],
+            "--think-budget 9 leaves no room for the answer in --max-tokens 9",
+        ),
+    ):
+        result = CliRunner().invoke(app, [*base, *extra])
+        assert (result.exit_code, result.stderr.strip()) == (2, f"error: {message}")
+
+
+def test_a_batch_rerun_with_other_thinking_is_another_run(
+    tiny: LoadedModel, tmp_path: Path
+) -> None:
+    (tmp_path / "in.jsonl").write_text('{"prompt": "a"}\n')
+    lines = read_input(tmp_path / "in.jsonl")
+    engine, task = Engine(tiny), JsonTask.create(SCHEMA)
+    thinking = Thinking("<think>", "</think>", True, opened=True)
+    runs = [
+        plan_batch(
+            engine, t, lines, tmp_path / "in.jsonl", tmp_path / "o.jsonl", SamplingParams()
+        ).run
+        for t in (
+            task,
+            replace(task, thinking=thinking),
+            replace(task, thinking=replace(thinking, budget=5)),
+        )
+    ]
+    assert runs[0]["thinking"] is None and len({json.dumps(r) for r in runs}) == 3
+
+
+def test_long_thinking_goes_to_stderr_on_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    thought = " ".join(["a long thought"] * 20)  # wider than any terminal default
+    ui.thought(thought)
+    ui.thought("")  # nothing to show
+    assert capsys.readouterr() == ("", f"thinking: {thought}\n")

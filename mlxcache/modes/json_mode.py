@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -170,8 +170,8 @@ def read_reply(task: JsonTask, result: Result) -> JsonReply:
 
 def request(engine: Engine, ids: list[int], task: JsonTask, params: SamplingParams) -> Request:
     """A constrained request (a fresh grammar matcher each time)."""
-    tokenizer = engine.loaded.tokenizer
-    budget = budget_processors(task.thinking, tokenizer, params.max_tokens)
+    room = engine.reply_room(ids, params.max_tokens)
+    budget = budget_processors(task.thinking, engine.loaded.tokenizer, room)
     return Request(ids, params, [processor_for(engine.loaded, task.grammar), *budget])
 
 
@@ -243,8 +243,13 @@ def plan_batch(
         UserInputError: a missing var, a prompt too long, or an output file that is not ours.
         OutputMismatchError: `output` holds records of another run (and not `redo`).
     """
+    thinking = None if task.thinking is None else asdict(task.thinking)
     run = run_description(
-        engine.loaded.key, params, schema=task.schema, instructions=task.instructions
+        engine.loaded.key,
+        params,
+        schema=task.schema,
+        instructions=task.instructions,
+        thinking=thinking,
     )
     state = read_output(output, run, redo)
     ids: dict[int, list[int]] = {}

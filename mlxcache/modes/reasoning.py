@@ -87,17 +87,20 @@ class Thinking:
 
 class ThinkingBudget:
     """Logits processor: once the reply has spent `budget` tokens inside its thinking
-    section, only the tokens of the end tag stay allowed, one per step, then the answer
-    follows. Placed after the grammar's processor, it forces nothing the grammar forbids.
+    section, only the end tag stays allowed (its token when it is one, as Qwen3's
+    `</think>`; else its text's tokens, one per step), then the answer follows.
 
-    It reads the reply decoded (tags are text, tokenized any way), until the section
-    closes or the reply turns out to have none.
+    Placed after the grammar's processor, it forces nothing the grammar forbids, and
+    never inside a half-written character. Until the budget is spent it reads nothing;
+    then it reads the reply decoded until the section closes (or turns out not to exist).
     """
 
     def __init__(self, thinking: Thinking, tokenizer: Any, budget: int) -> None:
         self._thinking = thinking
         self._tokenizer = tokenizer
         self.budget = budget
+        tag = tokenizer.encode(thinking.end, add_special_tokens=False)
+        self._tag_token: int | None = int(tag[0]) if len(tag) == 1 else None
         self._prompt_len: int | None = None
         self._done = False
         self.forced = 0
@@ -106,13 +109,13 @@ class ThinkingBudget:
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
         if self._prompt_len is None:
             self._prompt_len = int(tokens.shape[-1])
-        if self._done:
+        spent = int(tokens.shape[-1]) - self._prompt_len
+        if self._done or spent < self.budget:
             return logits
         reply: list[int] = np.asarray(tokens).reshape(-1)[self._prompt_len :].tolist()
-        rest = self._rest_of_tag(self._tokenizer.decode(reply), len(reply))
-        if rest is None:
+        token = self._next_tag_token(self._tokenizer.decode(reply))
+        if token is None:
             return logits
-        token = int(self._tokenizer.encode(rest, add_special_tokens=False)[0])
         width = int(logits.shape[-1])
         if token >= width or not np.isfinite(np.asarray(logits.reshape(-1)[token].item())):
             return logits  # the grammar has the last word
@@ -121,8 +124,8 @@ class ThinkingBudget:
         self.forced += 1
         return apply_mask(logits, allowed)
 
-    def _rest_of_tag(self, text: str, spent: int) -> str | None:
-        """What of the end tag must come next, or None: nothing to force (yet, or again)."""
+    def _next_tag_token(self, text: str) -> int | None:
+        """The end tag's next token, or None: nothing to force (yet, or ever again)."""
         end = self._thinking.end
         reasoning, answer = self._thinking.split(text, final=False)
         if reasoning is None:
@@ -131,17 +134,34 @@ class ThinkingBudget:
         if end in text:
             self._done = True
             return None
-        return end[held(text, end) :] if spent >= self.budget else None
+        if text.endswith("\ufffd"):
+            return None  # a character half-written: let it complete first
+        if self._tag_token is not None:
+            return self._tag_token
+        return int(self._tokenizer.encode(end[held(text, end) :], add_special_tokens=False)[0])
 
 
-def budget_processors(
-    thinking: Thinking | None, tokenizer: Any, max_tokens: int
-) -> list[ThinkingBudget]:
-    """The processor holding a request's thinking to its budget (none: no section)."""
+def budget_processors(thinking: Thinking | None, tokenizer: Any, room: int) -> list[ThinkingBudget]:
+    """The processor holding a request's thinking to its budget (none: no section);
+    `room`: the tokens the reply may have (`Engine.reply_room`), halved by default."""
     if thinking is None or not thinking.in_reply:
         return []
-    budget = thinking.budget if thinking.budget is not None else max_tokens // 2
+    budget = thinking.budget if thinking.budget is not None else room // 2
     return [ThinkingBudget(thinking, tokenizer, budget)]
+
+
+def check_think_options(think: bool | None, budget: int | None, max_tokens: int | None) -> None:
+    """Refuse a thinking budget without thinking, or one that leaves the answer nothing.
+
+    Raises:
+        UserInputError: naming the option.
+    """
+    if budget is not None and not think:
+        raise UserInputError("--think-budget goes with --think")
+    if budget is not None and max_tokens is not None and budget >= max_tokens:
+        raise UserInputError(
+            f"--think-budget {budget} leaves no room for the answer in --max-tokens {max_tokens}"
+        )
 
 
 def _tags(tokenizer: Any) -> tuple[str, str] | None:
@@ -174,8 +194,7 @@ def thinking_for(tokenizer: Any, think: bool | None, budget: int | None = None) 
         UserInputError: `think` is True and the template has no thinking section, or a
             budget is given without `think`.
     """
-    if budget is not None and not think:
-        raise UserInputError("--think-budget goes with --think")
+    check_think_options(think, budget, None)
     tags = _tags(tokenizer)
     if tags is None:
         if think:

@@ -275,7 +275,8 @@ class ToolsTask:
         processors: list[LogitsProcessor] = []
         if style.grammar is not None:
             processors.append(processor_for(engine.loaded, style.grammar))
-        processors += budget_processors(style.thinking, engine.loaded.tokenizer, params.max_tokens)
+        room = engine.reply_room(ids, params.max_tokens)
+        processors += budget_processors(style.thinking, engine.loaded.tokenizer, room)
         return Request(ids, params, processors)
 
     def read(self, result: Result) -> ToolReply:
