@@ -470,7 +470,8 @@ class Engine:
         yield Done(rid, result)  # after the release: a finished request holds no pin
 
     def _warm_lane(self, rid: int, tokens: np.ndarray) -> Generator[Event, None, None]:
-        resume = self.cache.restore(with_probe(tokens))  # no logits needed: every full block
+        # No logits needed: every full block. Warm work is not a request: not counted.
+        resume = self.cache.restore(with_probe(tokens), count=False)
         try:
             if resume.length < len(tokens):
                 yield from self._prefill(rid, tokens, resume.layers, resume.length, len(tokens))
@@ -496,7 +497,7 @@ class Engine:
                         resume = None
                     continue
                 if resume is None:
-                    resume = self.cache.restore(with_probe(ids[: f.done]))
+                    resume = self.cache.restore(with_probe(ids[: f.done]), count=False)
                     f.done = resume.length
                 stop = min(target, f.done + block)  # one chunk per step
                 yield from self._prefill(rid, ids[:stop], resume.layers, f.done, stop)

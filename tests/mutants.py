@@ -88,8 +88,8 @@ def penalty_without_cached_prompt(patch: Patch) -> None:
     restore = PromptCache.restore
     starts: dict[int, int] = {}  # id(layers) -> the resume point they were restored at
 
-    def restore_noting(self: PromptCache, tokens: np.ndarray) -> Any:
-        resume = restore(self, tokens)
+    def restore_noting(self: PromptCache, tokens: np.ndarray, count: bool = True) -> Any:
+        resume = restore(self, tokens, count)
         starts[id(resume.layers)] = resume.length
         return resume
 
@@ -143,8 +143,8 @@ def partial_last_block(patch: Patch) -> None:
     restore, release, keep = PromptCache.restore, PromptCache.release, PromptCache.keep
     prompts: dict[int, np.ndarray] = {}  # id(layers) -> the prompt they were restored for
 
-    def restore_noting(self: PromptCache, tokens: np.ndarray) -> Any:
-        resume = restore(self, tokens)
+    def restore_noting(self: PromptCache, tokens: np.ndarray, count: bool = True) -> Any:
+        resume = restore(self, tokens, count)
         prompts[id(resume.layers)] = np.asarray(tokens)
         return resume
 
@@ -276,11 +276,11 @@ def tail_of_a_prefix(patch: Patch) -> None:
     with it, as if that prompt ended there."""
     restore = PromptCache.restore
 
-    def restore_prefix(self: PromptCache, tokens: np.ndarray) -> Any:
+    def restore_prefix(self: PromptCache, tokens: np.ndarray, count: bool = True) -> Any:
         for k in range(len(tokens) - 1, self.block_size - 1, -1):
             if digest_tokens(tokens[:k]) in self._tails:
-                return restore(self, tokens[:k])
-        return restore(self, tokens)
+                return restore(self, tokens[:k], count)
+        return restore(self, tokens, count)
 
     patch(PromptCache, "restore", restore_prefix)
 

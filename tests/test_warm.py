@@ -246,10 +246,10 @@ def test_a_followed_request_that_fails_to_start_ends_its_follow_lane(
     restore = engine.cache.restore
     calls = iter([True])
 
-    def failing(tokens: Any) -> Any:
+    def failing(tokens: Any, count: bool = True) -> Any:
         if next(calls, False):
             raise MemoryError("no room for the KV")
-        return restore(tokens)
+        return restore(tokens, count)
 
     monkeypatch.setattr(engine.cache, "restore", failing)
     rid = engine.submit(Request(prompt(9), GREEDY, follow=True))
@@ -516,3 +516,16 @@ def test_a_failing_warm_lane_warns_once_and_ends_alone(
     assert not engine._lanes and sum(e.pins for e in engine.cache.mem) == 0  # type: ignore[attr-defined]
     result = engine.complete(Request(prompt(12), GREEDY))  # the engine goes on
     assert result.finish_reason == "length" and result.stats.cached_tokens == 0
+
+
+def test_warm_work_is_not_counted_as_hits_or_misses(tiny: LoadedModel) -> None:
+    engine, _spy = cached(tiny)
+    convo = prompt(12)
+    engine.warm(convo)  # a miss and a keep, as warm work
+    list(engine.run(warm=True))
+    stats = engine.cache.stats  # type: ignore[attr-defined]
+    assert (stats.hits, stats.misses, stats.cached_tokens) == (0, 0, 0)
+    engine.complete(Request([*convo, 9], GREEDY))  # a request resuming what warm kept
+    assert (stats.hits, stats.misses, stats.cached_tokens) == (1, 0, 12)
+    engine.complete(Request(prompt(6, seed=4), GREEDY))
+    assert (stats.hits, stats.misses) == (1, 1)

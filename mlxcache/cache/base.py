@@ -31,8 +31,9 @@ class PrefixCache(Protocol):
     trimmable: bool
     """Whether the model's state can be rewound (all plain KV layers)."""
 
-    def restore(self, tokens: np.ndarray) -> Resume:
-        """Fresh layers restored to the longest reusable prefix of `tokens` (pinned)."""
+    def restore(self, tokens: np.ndarray, count: bool = True) -> Resume:
+        """Fresh layers restored to the longest reusable prefix of `tokens` (pinned);
+        `count` False: warm-ahead work, left out of the hit and miss counters."""
         ...
 
     def keep(self, tokens: np.ndarray, layers: list[Any]) -> None:
@@ -79,7 +80,7 @@ class NoCache:
         self.block_size = block_size
         self.trimmable = is_trimmable(make_prompt_cache(model))
 
-    def restore(self, tokens: np.ndarray) -> Resume:
+    def restore(self, tokens: np.ndarray, count: bool = True) -> Resume:
         return Resume(make_prompt_cache(self._model), 0)
 
     def keep(self, tokens: np.ndarray, layers: list[Any]) -> None:

@@ -131,9 +131,12 @@ class PromptCache:
 
     # -- PrefixCache ------------------------------------------------------------------------
 
-    def restore(self, tokens: np.ndarray) -> Resume:
+    def restore(self, tokens: np.ndarray, count: bool = True) -> Resume:
         """Fresh caches restored to the longest reusable prefix of `tokens`, entry pinned;
-        the whole prompt, with its last logits, when its tail is remembered."""
+        the whole prompt, with its last logits, when its tail is remembered. `count`
+        False (warm-ahead work): the request counters (hits, misses, cached tokens,
+        disk hits) stay as they are."""
+        stats = self.stats if count else CacheStats()
         self._sync_disk()
         key = digest_tokens(tokens) if self._tails else ""
         tail = self._tails.get(key)
@@ -145,15 +148,15 @@ class PromptCache:
                 entry = self._promote(disk.entry, disk.length)
                 if entry is None:
                     continue  # the file was bad: dropped and counted; look again
-                self.stats.disk_hits += 1
+                stats.disk_hits += 1
                 length = disk.length
             elif mem is not None:
                 entry, length = mem.entry, mem.length
             else:
-                self.stats.misses += 1
+                stats.misses += 1
                 self.reserve(self._token_bytes * len(tokens), None, tokens)
                 return Resume(make_prompt_cache(self._model), 0)
-            self.stats.hits += 1
+            stats.hits += 1
             if length != len(tokens) // self.block_size * self.block_size:
                 tail = None  # its full blocks are not all here: an ordinary resume
             if tail is None:
@@ -165,7 +168,7 @@ class PromptCache:
                 self._tails.move_to_end(key)
                 # A copy: logits processors (the repetition penalty) write into their input.
                 length, logits = len(tokens), mx.array(tail.logits)
-            self.stats.cached_tokens += length
+            stats.cached_tokens += length
             self.mem.pin(entry)
             return Resume(layers, length, entry, logits)
 
