@@ -27,8 +27,10 @@ from mlxcache.modes.reasoning import Thinking, ThinkingBudget, thinking_for
 from mlxcache.modes.tool_chat import ToolsTask
 from mlxcache.modes.tools import ToolCall, ToolChoice, parse_tools
 from mlxcache.sampling import SamplingParams
+from mlxcache.server import prepare
 from mlxcache.server.app import Settings, create_app
 from mlxcache.server.log import RequestLog
+from mlxcache.server.schemas import ChatRequest
 from mlxcache.worker import EngineWorker
 from mlxcache_cli import ui
 from mlxcache_cli.main import app
@@ -360,3 +362,23 @@ def test_long_thinking_goes_to_stderr_on_one_line(capsys: pytest.CaptureFixture[
     ui.thought(thought)
     ui.thought("")  # nothing to show
     assert capsys.readouterr() == ("", f"thinking: {thought}\n")
+
+
+@pytest.mark.parametrize("wearing", [QWEN3, ALWAYS_OPENS], indirect=True)
+def test_server_json_thinks_as_json_mode_does_by_default(wearing: LoadedModel) -> None:
+    engine = Engine(wearing)
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}
+    messages = [{"role": "user", "content": "hi"}]
+    body = ChatRequest.model_validate({"model": "m", "messages": messages, "response_format": fmt})
+    plan = prepare.chat(engine, body, SamplingParams(max_tokens=40))
+    task = JsonTask.create(SCHEMA).for_model(wearing.tokenizer, False)  # `mlxcache json`
+    ids = engine.encode_chat([task.messages("")[0], *messages], **task.template_kwargs)
+    assert plan.ids == ids
+    if wearing.tokenizer._tokenizer.chat_template == QWEN3:  # asked not to think: it does not
+        assert wearing.tokenizer.decode(ids).endswith("<think>\n\n</think>\n\n")
+        assert plan.thinking is None and len(plan.request.processors) == 1
+    else:  # the template opens the section anyway: bounded, and apart in the answer
+        assert plan.thinking is not None and plan.thinking.opened
+        assert isinstance(plan.request.processors[-1], ThinkingBudget)
+        answer = plan.answer('plan</think>\n{"a": 1}', "stop")
+        assert (answer.reasoning, answer.content) == ("plan", '{"a": 1}')

@@ -174,17 +174,24 @@ def chat(engine: Engine, body: ChatRequest, defaults: SamplingParams) -> Plan:
     strict = bool(fmt.json_schema and fmt.json_schema.strict)
     instructions = system if system and system.strip() else None
     task = JsonTask.create(schema, instructions=instructions, strict=strict)
+    # As `mlxcache json` by default: a reasoning template is asked not to think (one that
+    # opens the section anyway gets it bounded and apart).
+    task = task.for_model(engine.loaded.tokenizer, False)
     rendered = [task.messages("")[0], *rest]  # the schema's system message, then the chat
-    ids = json_mode.encode(engine, rendered)
+    ids = json_mode.encode(engine, rendered, **task.template_kwargs)
     request = replace(json_mode.request(engine, ids, task, params), stop_strings=body.stops())
-    return Plan(ids, request, next_turn=_warm(engine, rendered))
+    thinking = task.thinking if task.thinking is not None and task.thinking.in_reply else None
+    warm = _warm(engine, rendered, **task.template_kwargs)
+    return Plan(ids, request, next_turn=warm, thinking=thinking)
 
 
-def _warm(engine: Engine, rendered: list[dict[str, Any]]) -> Callable[[Answer], list[int]] | None:
+def _warm(
+    engine: Engine, rendered: list[dict[str, Any]], **template_kwargs: Any
+) -> Callable[[Answer], list[int]] | None:
     if not engine.warm_ahead:
         return None
     return lambda answer: engine.encode_next_turn(
-        [*rendered, {"role": "assistant", "content": answer.content}]
+        [*rendered, {"role": "assistant", "content": answer.content}], **template_kwargs
     )
 
 
