@@ -4,9 +4,10 @@ A chat template with a thinking section (`<think>...</think>`, what mlx-lm detec
 the vocabulary, or the tags in the template) is asked through `enable_thinking` to think
 or not. Thinking on: the grammar lets the reply open with one thinking section, then the
 constrained answer; `ThinkingBudget` closes the section once it has taken its budget of
-tokens (by default half of max_tokens), so the answer always keeps the rest. Thinking off:
-the answer comes first. A template that opens the section in the prompt itself is
-followed inside it either way.
+tokens (by default half of what the reply may have), so the answer keeps the rest.
+Thinking off: the answer comes first. A template that opens the section in the prompt
+itself is followed inside it either way. `Thinking.split` sets the reasoning apart (json,
+tools and the server's replies alike).
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ class Thinking:
     opened: bool = False
     """The rendered prompt itself ends inside the section."""
     budget: int | None = None
-    """Most reply tokens spent thinking (tags included); None: half of max_tokens."""
+    """Reply tokens spent thinking before the end tag is forced (the start tag included);
+    None: half of what the reply may have (`budget_processors`)."""
 
     def __post_init__(self) -> None:
         if self.budget is not None and self.budget < 0:

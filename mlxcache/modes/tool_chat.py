@@ -228,7 +228,7 @@ class ToolsTask:
     think: bool | None = False
     """Think first (True), not at all (False, the default), or as the template does (None)."""
     think_budget: int | None = None
-    """Most reply tokens spent thinking; None: half of max_tokens."""
+    """Reply tokens spent thinking (see `Thinking.budget`); None: half of the reply's room."""
     style: ToolStyle | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
