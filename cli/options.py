@@ -197,8 +197,8 @@ ThinkBudget = Annotated[
         "--think-budget",
         metavar="N",
         min=0,
-        help="With --think: most tokens spent thinking, then the section is closed and "
-        "the answer follows [default: half of --max-tokens].",
+        help="With --think: tokens spent thinking, then the section is closed and the "
+        "answer follows [default: half of --max-tokens, less near the context's end].",
     ),
 ]
 

@@ -54,8 +54,8 @@ class JsonTask:
     def for_model(
         self, tokenizer: Any, think: bool | None, think_budget: int | None = None
     ) -> JsonTask:
-        """This task on a model: think first (at most `think_budget` tokens, default half
-        of max_tokens), or not (`think` False).
+        """This task on a model: think first (`think_budget` tokens, by default half of
+        what the reply may have), or not (`think` False).
 
         Raises:
             UserInputError: `think` is True and the model's template has no thinking section.
