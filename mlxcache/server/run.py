@@ -1,13 +1,16 @@
 """Run the server: one engine worker, uvicorn on the main thread, a drain on exit.
 
 Ctrl-C or SIGTERM stops accepting connections, lets running requests finish (uvicorn
-waits for open responses), then stops the worker and returns normally.
+waits for open responses), then stops the worker and returns normally. Another SIGTERM
+from then on (a supervisor repeating itself) changes nothing.
 """
 
 from __future__ import annotations
 
+import signal
 import socket
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -71,7 +74,8 @@ def serve(
     max_queue: int = 0,
     on_listen: Callable[[str], None] | None = None,
 ) -> None:
-    """Serve until Ctrl-C / SIGTERM, then drain. `port` 0 picks a free port."""
+    """Serve until Ctrl-C / SIGTERM, then drain; SIGTERM is ignored once the drain has
+    begun (the process is ending). `port` 0 picks a free port."""
 
     def announce(url: str) -> None:
         print(f"mlxcache: serving {settings.model_id} on {url}", file=sys.stderr, flush=True)
@@ -89,3 +93,7 @@ def serve(
             timeout_graceful_shutdown=None,
         )
         _Server(config, on_listen or announce).run(sockets=[sock])
+        if threading.current_thread() is threading.main_thread():
+            # uvicorn has put back SIGTERM's default, which kills; the drain goes on (the
+            # worker's close) and the process is on its way out: ignore it from now on.
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
