@@ -27,7 +27,7 @@ from mlxcache.modes.batch import (
     run_lanes,
     substitute,
 )
-from mlxcache.modes.reasoning import Thinking, budget_processors, thinking_for
+from mlxcache.modes.reasoning import Thinking, budget_processors, split_reply, thinking_for
 from mlxcache.modes.repeats import describe_loop
 from mlxcache.modes.schema import CompiledSchema, check_schema, parse_json, validation_error
 from mlxcache.sampling import SamplingParams
@@ -141,9 +141,7 @@ def read_reply(task: JsonTask, result: Result) -> JsonReply:
     """Parse and validate a reply (its thinking section set apart); a failure is recorded in
     `error`, never raised."""
     stats = result.stats.as_dict()
-    reasoning, text = None, result.text
-    if task.thinking is not None and task.thinking.in_reply:
-        reasoning, text = task.thinking.split(result.text)
+    reasoning, text = split_reply(task.thinking, result.text)
 
     def reply(output: Any, error: str | None = None) -> JsonReply:
         raw = result.text if error is not None else text

@@ -87,6 +87,13 @@ class Thinking:
         return text.strip(), ""
 
 
+def split_reply(thinking: Thinking | None, text: str, final: bool = True) -> tuple[str | None, str]:
+    """`Thinking.split` of a reply that may hold a section; (None, `text`) when it cannot."""
+    if thinking is None or not thinking.in_reply:
+        return None, text
+    return thinking.split(text, final)
+
+
 class ThinkingBudget:
     """Logits processor: once the reply has spent `budget` tokens inside its thinking
     section, only the end tag stays allowed (its token when it is one, as Qwen3's
@@ -183,8 +190,13 @@ def reply_thinking(tokenizer: Any, prompt: str) -> Thinking | None:
     tags = _tags(tokenizer)
     if tags is None:
         return None
-    opened = prompt.rfind(tags[0]) > prompt.rfind(tags[1])
-    return Thinking(tags[0], tags[1], enabled=True, opened=opened)
+    return Thinking(tags[0], tags[1], enabled=True, opened=_left_open(prompt, tags))
+
+
+def _left_open(prompt: str, tags: tuple[str, str]) -> bool:
+    """Whether a rendered prompt ends by opening a thinking section (whitespace aside)."""
+    tail = prompt.rstrip()
+    return tail.endswith(tags[0]) and not tail.endswith(tags[1])
 
 
 def thinking_for(tokenizer: Any, think: bool | None, budget: int | None = None) -> Thinking | None:
@@ -208,6 +220,4 @@ def thinking_for(tokenizer: Any, think: bool | None, budget: int | None = None) 
     prompt = tokenizer.apply_chat_template(
         probe, add_generation_prompt=True, tokenize=False, enable_thinking=think
     )
-    tail = str(prompt).rstrip()
-    opened = tail.endswith(tags[0]) and not tail.endswith(tags[1])
-    return Thinking(tags[0], tags[1], think, opened, budget)
+    return Thinking(tags[0], tags[1], think, _left_open(str(prompt), tags), budget)

@@ -21,7 +21,7 @@ from mlxcache.constrain import processor_for
 from mlxcache.engine import Engine, LogitsProcessor, Request, next_turn_prefix
 from mlxcache.errors import UserInputError
 from mlxcache.events import Result
-from mlxcache.modes.reasoning import Thinking, budget_processors, thinking_for
+from mlxcache.modes.reasoning import Thinking, budget_processors, split_reply, thinking_for
 from mlxcache.modes.repeats import describe_loop
 from mlxcache.modes.tool_formats import HERMES, ToolFormat, format_for
 from mlxcache.modes.tools import (
@@ -285,9 +285,7 @@ class ToolsTask:
         A forced call cut off at the token limit is an error saying so.
         """
         thinking = self.style.thinking if self.style else None
-        reasoning, text = None, result.text
-        if thinking is not None and thinking.in_reply:
-            reasoning, text = thinking.split(text)
+        reasoning, text = split_reply(thinking, result.text)
         reply = self._parse(text)
         reply = replace(reply, reasoning=reasoning)
         if self.choice.mode == "none":

@@ -17,7 +17,7 @@ from mlxcache.errors import UserInputError
 from mlxcache.events import Result, Stats
 from mlxcache.modes import json_mode
 from mlxcache.modes.json_mode import JsonTask
-from mlxcache.modes.reasoning import Thinking, reply_thinking
+from mlxcache.modes.reasoning import Thinking, reply_thinking, split_reply
 from mlxcache.modes.tool_chat import ToolsTask, next_turn, read_messages
 from mlxcache.modes.tools import ToolCall, ToolChoice, ToolReply, parse_tools
 from mlxcache.sampling import SamplingParams
@@ -61,9 +61,7 @@ class Plan:
     def answer(self, text: str, finish_reason: str) -> Answer:
         """The final content and calls of a reply whose text is `text`."""
         if self.tools is None:
-            reasoning, content = (
-                (None, text) if self.thinking is None else self.thinking.split(text)
-            )
+            reasoning, content = split_reply(self.thinking, text)
             return Answer(content, (), finish_reason, reasoning)
         reply = self.tools.read(Result(text, [], finish_reason, Stats()))
         return Answer(reply.content, reply.calls, "tool_calls" if reply.calls else finish_reason)

@@ -11,7 +11,7 @@ here.)
 
 from __future__ import annotations
 
-from mlxcache.modes.reasoning import Thinking
+from mlxcache.modes.reasoning import Thinking, split_reply
 from mlxcache.stops import held
 
 
@@ -36,18 +36,13 @@ class ReplyText:
     def add(self, piece: str) -> None:
         self.text += piece
 
-    def _split(self) -> tuple[str | None, str]:
-        if self.thinking is None:
-            return None, self.text
-        return self.thinking.split(self.text, final=False)
-
     def safe_reasoning(self) -> str:
         """The reasoning that no later piece can change."""
-        return self._split()[0] or ""
+        return split_reply(self.thinking, self.text, final=False)[0] or ""
 
     def safe(self) -> str:
         """The content that no later piece can change."""
-        text = self._split()[1]
+        text = split_reply(self.thinking, self.text, final=False)[1]
         if self.call_tag is not None:
             cut = text.find(self.call_tag)
             text = text[:cut] if cut >= 0 else text[: len(text) - held(text, self.call_tag)]
