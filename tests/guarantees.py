@@ -32,7 +32,7 @@ from mlxcache.cache.base import NoCache, is_trimmable
 from mlxcache.cache.store import PromptCache
 from mlxcache.config import CacheConfig
 from mlxcache.engine import Engine, Request
-from mlxcache.events import Done, Event, Result
+from mlxcache.events import Done, Event, Result, Token
 from mlxcache.model import LoadedModel, load
 from mlxcache.sampling import SamplingParams
 from mlxcache.worker import EngineWorker
@@ -574,6 +574,50 @@ def check_bit_flip(rig: Rig) -> None:
     # The entry was dropped; the re-prefilled prompt was kept again, intact.
     again, spy3 = rig.engine()
     rig.warm(again, spy3, p)
+
+
+def check_cancelled_decode(rig: Rig) -> None:
+    """A reply cancelled mid-decode (Ctrl-C in chat, a client gone) keeps only the prompt's
+    canonically prefilled blocks, never the KV its decode steps computed: the next turn
+    (prompt + the partial reply + a new message) resumes where the geometry says, with the
+    cold run's bits."""
+    engine, spy = rig.engine()
+    p = prompt(13, seed=4)
+    expect = rig.geo.resume(p, engine.cache)
+    rid = engine.submit(Request(p, SamplingParams(max_tokens=12)))
+    reply: list[int] = []
+    while len(reply) < 7:  # the prompt's chunks, then seven decode steps
+        reply += [e.token for e in engine.step() if isinstance(e, Token)]
+    engine.cancel(rid)
+    rig.geo.ran(p, expect, engine.cache)
+    rig.entries(engine.cache)
+    rig.warm(engine, spy, [*p, *reply, *prompt(6, seed=8)])
+
+
+def check_two_block_sizes(rig: Rig) -> None:
+    """One directory used with block size B and then 2B (two processes, or a changed
+    --block-size): the second never resumes, drops or rewrites the first's entries, and
+    each resumes from its own."""
+    engine, spy = rig.engine()
+    p = prompt(26)
+    rig.warm(engine, spy, p)
+    loaded, spy2 = spied(rig.variant.loaded)
+    config = CacheConfig(block_size=2 * B, directory=rig.dir)
+    wide = PromptCache(loaded.model, loaded.key, config, root=rig.dir / "kv")
+    assert wide.cached_length(p) == 0, "a cache of block size 2B sees entries of B"
+    engine2 = Engine(loaded, wide)
+    got = run(engine2, spy2, p)
+    assert got.cached == 0, f"block size 2B resumed {got.cached} tokens of B's entries"
+    cold = Engine(loaded, NoCache(loaded.model, 2 * B))
+    assert got.tokens == cold.complete(Request(p, GREEDY)).tokens
+    assert wide.report()["dropped_corrupt"] == 0
+    # 2B kept its own entry, and finds it again in a new cache (a new process) ...
+    again = PromptCache(loaded.model, loaded.key, config, root=rig.dir / "kv")
+    assert again.cached_length(p) == len(p) // (2 * B) * 2 * B
+    # ... while B's entries are all still there, intact.
+    rig.entries(engine.cache)
+    reopened, spy3 = rig.engine()
+    rig.warm(reopened, spy3, p)
 
 
 def check_two_models(rig: Rig, other: Variant) -> None:

@@ -23,7 +23,7 @@ from mlxcache.cache import blocks
 from mlxcache.cache.disk import DiskTier, digest_tokens
 from mlxcache.cache.store import PromptCache
 from mlxcache.engine import Engine
-from mlxcache.events import Event, Prefill, Result
+from mlxcache.events import Event, Prefill, Result, Token
 
 Patch = Callable[[Any, str, Any], None]
 
@@ -290,6 +290,48 @@ def tail_without_kv(patch: Patch) -> None:
     patch(blocks, "append", lambda layers, tail: None)
 
 
+def keep_decode_on_cancel(patch: Patch) -> None:
+    """A request cancelled during its reply (Ctrl-C, a client gone) keeps the prompt and
+    the reply so far, KV its decode steps computed included."""
+    restore, lane = PromptCache.restore, Engine._lane
+    restored: dict[bytes, Any] = {}  # prompt bytes -> the layers restored for it
+
+    def restore_noting(self: PromptCache, tokens: np.ndarray, count: bool = True) -> Any:
+        resume = restore(self, tokens, count)
+        restored[np.asarray(tokens, np.int32).tobytes()] = resume.layers
+        return resume
+
+    def _lane(
+        self: Engine, rid: int, tokens: np.ndarray, *rest: Any
+    ) -> Generator[Event, None, None]:
+        reply: list[int] = []
+        gen = lane(self, rid, tokens, *rest)
+        try:
+            for event in gen:
+                if isinstance(event, Token):
+                    reply.append(event.token)
+                yield event
+        except GeneratorExit:
+            layers = restored.get(np.asarray(tokens, np.int32).tobytes())
+            if layers is not None and reply:
+                held = int(layers[0].offset) // self.cache.block_size * self.cache.block_size
+                seen = np.concatenate([tokens, np.asarray(reply, np.int32)])[:held]
+                if held > len(tokens) and (self.cache.trimmable or held == layers[0].offset):
+                    self.cache.keep(seen, layers)
+            gen.close()
+            raise
+
+    patch(PromptCache, "restore", restore_noting)
+    patch(Engine, "_lane", _lane)
+
+
+def namespace_without_block_size(patch: Patch) -> None:
+    """Stored KV filed without its block size: a cache of another block size on the same
+    directory sees (and tries to resume) the entries of the first."""
+    namespace = blocks.namespace
+    patch(blocks, "namespace", lambda model_key, block_size: namespace(model_key, 0))
+
+
 MUTANTS: dict[str, Callable[[Patch], None]] = {
     f.__name__: f
     for f in (
@@ -309,5 +351,7 @@ MUTANTS: dict[str, Callable[[Patch], None]] = {
         tail_of_a_prefix,
         tail_without_kv,
         follow_in_one_chunk,
+        keep_decode_on_cancel,
+        namespace_without_block_size,
     )
 }

@@ -13,6 +13,7 @@ from guarantees import (
     Rig,
     Variant,
     check_bit_flip,
+    check_cancelled_decode,
     check_chat,
     check_disk,
     check_follow,
@@ -22,6 +23,7 @@ from guarantees import (
     check_lanes,
     check_new_process,
     check_restore_repeatedly,
+    check_two_block_sizes,
     check_two_models,
     check_warm,
     check_warm_ahead,
@@ -54,6 +56,8 @@ CHECKS: list[Callable[[Rig], None]] = [
     check_new_process,
     check_restore_repeatedly,
     check_bit_flip,
+    check_cancelled_decode,
+    check_two_block_sizes,
 ]
 
 

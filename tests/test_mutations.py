@@ -11,11 +11,13 @@ from guarantees import (
     Rig,
     Variant,
     check_bit_flip,
+    check_cancelled_decode,
     check_chat,
     check_follow,
     check_fork,
     check_lanes,
     check_restore_repeatedly,
+    check_two_block_sizes,
     check_two_models,
     check_warm,
     check_warm_ahead,
@@ -42,6 +44,11 @@ CAUGHT_BY: dict[str, list[tuple[str, str]]] = {
     "tail_of_a_prefix": [("plain", "chat"), ("shaped", "chat")],
     "tail_without_kv": [("plain", "warm"), ("plain", "chat")],
     "follow_in_one_chunk": [("shaped", "follow")],
+    "keep_decode_on_cancel": [
+        ("plain", "cancelled_decode"),
+        ("shaped-sliding", "cancelled_decode"),
+    ],
+    "namespace_without_block_size": [("plain", "two_block_sizes"), ("sliding", "two_block_sizes")],
 }
 
 
@@ -72,6 +79,8 @@ def test_mutant_is_caught(
         "bit_flip": check_bit_flip,
         "warm_ahead": check_warm_ahead,
         "follow": check_follow,
+        "cancelled_decode": check_cancelled_decode,
+        "two_block_sizes": check_two_block_sizes,
         "two_models": lambda rig: check_two_models(rig, other_variants[rig.variant.name]),
     }
     for i, (variant, check) in enumerate(CAUGHT_BY[mutant]):
