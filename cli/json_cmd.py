@@ -24,11 +24,13 @@ def json_cmd(
     prompt: o.PromptArg = None,
     *,
     schema: Annotated[
-        str,
+        str | None,
         typer.Option(
-            "--schema", metavar="JSON|FILE", help="JSON Schema: inline JSON, a file or @FILE."
+            "--schema",
+            metavar="JSON|FILE",
+            help="JSON Schema: inline JSON, a file or @FILE (default: any JSON object).",
         ),
-    ],
+    ] = None,
     prompt_file: o.PromptFile = None,
     instructions: Annotated[
         str | None,
@@ -62,8 +64,10 @@ def json_cmd(
         bool,
         typer.Option(
             "--strict",
-            help="Refuse schema features the grammar cannot enforce (default: enforce what "
-            "it can, validate the rest after decoding).",
+            help="Refuse schema features the grammar cannot enforce, and decode numbers as "
+            "the schema bounds them, without the digit cap (default: enforce what it can, "
+            "validate the rest after decoding; numbers the schema leaves unbounded get at "
+            "most 16 digits, 10 after the point).",
         ),
     ] = False,
     allow_extra_keys: Annotated[
@@ -89,10 +93,10 @@ def json_cmd(
     as_json: o.Json = False,
     run: o.RunOptions,
 ) -> None:
-    """Reply with one JSON document valid against --schema (printed on stdout)."""
-    compiled = check_schema(
-        read_json_arg(schema, "schema"), strict=strict, allow_extra_keys=allow_extra_keys
-    )
+    """Reply with one JSON document valid against --schema, or one JSON object without it
+    (printed on stdout)."""
+    given = json_mode.ANY_OBJECT if schema is None else read_json_arg(schema, "schema")
+    compiled = check_schema(given, strict=strict, allow_extra_keys=allow_extra_keys)
     if check:
         _report_check(compiled, as_json)
         return

@@ -156,7 +156,7 @@ command(
     "json",
     examples="""
 mlxcache json --schema person.json "Ada Lovelace, born 1815 in London"
-mlxcache json --schema '{"type": "object"}' -f letter.txt
+mlxcache json -f letter.txt   # no --schema: any JSON object
 mlxcache json --schema person.json --instructions @rules.txt --input people.jsonl -o out.jsonl
 """,
 )

@@ -54,6 +54,22 @@ def test_messages_put_instructions_and_schema_first() -> None:
     assert task.messages("{{as is}}")[1]["content"] == "{{as is}}"  # one prompt: no templating
 
 
+def test_without_a_schema_the_prompt_asks_for_an_object_and_shows_none() -> None:
+    for task in (JsonTask.create(), JsonTask.create({"type": "object"})):
+        assert task.schema == {"type": "object"}
+        assert task.messages("hi")[0] == {
+            "role": "system",
+            "content": "Reply with one JSON object.",
+        }
+    briefed = JsonTask.create(instructions="Be brief.")
+    assert briefed.messages("hi")[0]["content"] == "Be brief.\n\nReply with one JSON object."
+    listed = {"type": "object", "properties": {"a": {"type": "string"}}}
+    assert JsonTask.create(listed).messages("hi")[0]["content"] == (
+        'Reply with one JSON document that follows this JSON Schema:\n{"type": "object", '
+        '"properties": {"a": {"type": "string"}}}'
+    )
+
+
 def result(text: str, finish: str = "stop") -> Result:
     return Result(text, [], finish, Stats(generated_tokens=7))
 

@@ -2,7 +2,8 @@
 
 The prompt is [system: instructions + the schema, user: prompt]. Instructions and schema
 come first and are the same for every request of a batch, so the prefix cache reuses
-them; only the user turn is new.
+them; only the user turn is new. Without a schema (`ANY_OBJECT`) the system message only
+asks for one JSON object: a small model shown `{"type": "object"}` copies it.
 """
 
 from __future__ import annotations
@@ -33,6 +34,18 @@ from mlxcache.modes.schema import CompiledSchema, check_schema, parse_json, vali
 from mlxcache.sampling import SamplingParams
 
 SCHEMA_INTRO = "Reply with one JSON document that follows this JSON Schema:\n"
+OBJECT_INTRO = "Reply with one JSON object."
+ANY_OBJECT: dict[str, Any] = {"type": "object"}
+"""The schema of JSON mode without one (`mlxcache json` with no --schema, the server's
+`response_format: {"type": "json_object"}`): any JSON object."""
+
+
+def json_intro(schema: Any) -> str:
+    """What the system message asks for: the schema to follow, or one JSON object when the
+    schema says no more than that (it is not shown: a small model copies it as its reply)."""
+    if schema == ANY_OBJECT:
+        return OBJECT_INTRO
+    return SCHEMA_INTRO + json.dumps(schema, ensure_ascii=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,19 +95,22 @@ class JsonTask:
     @classmethod
     def create(
         cls,
-        schema: Any,
+        schema: Any = ANY_OBJECT,
         instructions: str | None = None,
         strict: bool = False,
         allow_extra_keys: bool = False,
+        cap_numbers: bool | None = None,
     ) -> JsonTask:
-        """Check `schema` and build the task (see `schema.check_schema` for the options).
+        """Check `schema` (by default any JSON object) and build the task (see
+        `schema.check_schema` for the options).
 
         Raises:
             GrammarError: one line, naming the location in the schema when known.
         """
-        return cls(
-            check_schema(schema, strict=strict, allow_extra_keys=allow_extra_keys), instructions
+        compiled = check_schema(
+            schema, strict=strict, allow_extra_keys=allow_extra_keys, cap_numbers=cap_numbers
         )
+        return cls(compiled, instructions)
 
     def messages(
         self, prompt: str, values: Mapping[str, str] | None = None, where: str = "prompt"
@@ -104,7 +120,7 @@ class JsonTask:
         With `values` (batch lines, even empty), `{{var}}` placeholders in the prompt and
         instructions are filled from it; without, the text is taken as is.
         """
-        system = SCHEMA_INTRO + json.dumps(self.schema, ensure_ascii=False)
+        system = json_intro(self.schema)
         instructions, user = self.instructions, prompt
         if values is not None:
             user = substitute(prompt, values, where)

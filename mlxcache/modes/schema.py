@@ -6,6 +6,10 @@ validated against the schema as given, formats included. `strict` refuses up fro
 the grammar cannot enforce. Every refusal is one line and names its location as a JSON
 pointer into the schema when it is known for sure, never a guess:
 "schema uses what constrained decoding cannot enforce: Unimplemented keys: ["not"] at /properties/age/not".
+
+Numbers the schema leaves unbounded get a digit cap while decoding (`bound_numbers`), so a
+small model cannot write digits until the token limit; `strict` keeps the schema's own
+numbers unless asked (`cap_numbers`).
 """
 
 from __future__ import annotations
@@ -43,6 +47,16 @@ _MAX_NARROWING = 8
 # llguidance naming a definition, under the schema's $id or not: "...#/definitions/node".
 _NAMED_DEFINITION = re.compile(r"\S*?(#/[^\s)]*)")
 _CIRCULAR = "circular references with sibling keys"
+
+NUMBER_CAP = 2**53 - 1
+"""Largest magnitude decoding lets an integer or number the schema leaves unbounded take:
+16 digits, the integers every JSON parser reads exactly (RFC 8259 section 6); llama.cpp's
+converter also stops at about 16 digits."""
+FRACTION_DIGITS = 10
+"""Most fraction digits of a `number` without `multipleOf` (expressed as `multipleOf` 1e-10,
+the finest step llguidance compiles over the whole capped range)."""
+_FRACTION_STEP = 1e-10
+_NUMBER_KEYS = ("type", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
 
 MAX_ERROR = 300
 """Longest error line: long quotes of the schema are cut, the location is kept..."""
@@ -108,6 +122,44 @@ def _drop_bad_patterns(root: dict[str, Any]) -> list[str]:
             del node["pattern"]
             dropped.append(f"pattern at {pointer((*parts, 'pattern'))}")
     return dropped
+
+
+def _number_cap(node: dict[str, Any]) -> dict[str, Any]:
+    """The bounds `bound_numbers` adds to `node`: those of an integer or number it lacks."""
+    kinds = node.get("type")
+    kinds = [kinds] if isinstance(kinds, str) else kinds if isinstance(kinds, list) else []
+    if not {"integer", "number"} & set(kinds) or any(k in node for k in ("enum", "const", "$ref")):
+        return {}
+    cap: dict[str, Any] = {}
+    if "minimum" not in node and "exclusiveMinimum" not in node:
+        cap["minimum"] = -NUMBER_CAP
+    if "maximum" not in node and "exclusiveMaximum" not in node:
+        cap["maximum"] = NUMBER_CAP
+    if "number" in kinds and "multipleOf" not in node:
+        cap["multipleOf"] = _FRACTION_STEP
+    return cap
+
+
+@lru_cache(maxsize=4096)
+def _numbers_ok(schema: str) -> bool:
+    return grammar_error(grammar_from_json_schema(loads_json(schema))) is None
+
+
+def bound_numbers(root: dict[str, Any]) -> None:
+    """Cap (in place) every reachable integer and number schema the schema leaves unbounded:
+    at most NUMBER_CAP in magnitude, at most FRACTION_DIGITS fraction digits.
+
+    Bounds the schema gives are kept (only a missing side is added). A cap that would leave
+    no value or that llguidance cannot compile (a range narrower than a fraction step, a
+    lower bound past the cap) is not added. Capping only narrows: every value it lets
+    through is valid against the schema as given.
+    """
+    draft = {"$schema": root["$schema"]} if isinstance(root.get("$schema"), str) else {}
+    for _, node in reachable(root):
+        cap = _number_cap(node)
+        numbers = {**draft, **{k: node[k] for k in _NUMBER_KEYS if k in node}, **cap}
+        if cap and _numbers_ok(json.dumps(numbers, sort_keys=True)):
+            node.update(cap)
 
 
 def problem_location(schema: Any, message: str) -> str | None:
@@ -176,7 +228,11 @@ def _metaschema_error(schema: dict[str, Any], what: str) -> str | None:
 
 
 def check_schema(
-    schema: Any, what: str = "schema", strict: bool = False, allow_extra_keys: bool = False
+    schema: Any,
+    what: str = "schema",
+    strict: bool = False,
+    allow_extra_keys: bool = False,
+    cap_numbers: bool | None = None,
 ) -> CompiledSchema:
     """Check `schema` and compile its grammar, without a model (fast, bounded).
 
@@ -184,6 +240,8 @@ def check_schema(
         strict: refuse what the grammar cannot enforce instead of checking it after decoding.
         allow_extra_keys: leave objects open where the schema does (by default an object
             with `properties` and no `additionalProperties` gets no other keys).
+        cap_numbers: bound the numbers the schema leaves unbounded while decoding
+            (`bound_numbers`); None: unless `strict`, which keeps the schema's own numbers.
 
     Raises:
         GrammarError: not an object, not valid JSON Schema, a `$ref` cycle, or (strict, or
@@ -203,6 +261,8 @@ def check_schema(
     unenforced = [] if strict else _drop_bad_patterns(decoding)
     if not allow_extra_keys:
         close_objects(decoding)
+    if cap_numbers if cap_numbers is not None else not strict:
+        bound_numbers(decoding)
     grammar = grammar_from_json_schema(decoding, lenient=not strict)
     problem, warnings = grammar_check(grammar)
     if problem is not None and not strict and problem.startswith(_CIRCULAR):

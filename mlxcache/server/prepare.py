@@ -167,11 +167,13 @@ def chat(engine: Engine, body: ChatRequest, defaults: SamplingParams) -> Plan:
             raise APIError(400, "response_format.json_schema is required", param="response_format")
         schema: dict[str, Any] = fmt.json_schema.schema_
     else:
-        schema = {"type": "object"}
+        schema = json_mode.ANY_OBJECT  # json_object: the prompt asks for an object, shows no schema
     system, rest = _split_system(messages)
     strict = bool(fmt.json_schema and fmt.json_schema.strict)
     instructions = system if system and system.strip() else None
-    task = JsonTask.create(schema, instructions=instructions, strict=strict)
+    # OpenAI's strict refuses what the grammar cannot enforce, as --strict, but keeps the
+    # digit cap: the SDKs' parse() sets it on every request, and a reply must end.
+    task = JsonTask.create(schema, instructions=instructions, strict=strict, cap_numbers=True)
     # As `mlxcache json` by default: a reasoning template is asked not to think (one that
     # opens the section anyway gets it bounded and apart).
     task = task.for_model(engine.loaded.tokenizer, False)
