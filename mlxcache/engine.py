@@ -525,6 +525,8 @@ class Engine:
         try:
             for stop, out in prefill(self.model, layers, tokens, start, block):
                 done, logits, at_chunk_end = stop, out, True
+                if stop % block == 0 and stop <= keep_at:
+                    self.cache.capture(tokens[:stop], layers)
                 if stop == keep_at and keep_at > start:
                     kept = keep_at  # tried once: not again while unwinding if it fails
                     self.cache.keep(tokens[:keep_at], layers)

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
-from tinymodel import write_sliding, write_tiny_gguf
+from tinymodel import LFM2, write_mlx_lm, write_sliding, write_tiny_gguf
 
 from mlxcache.model import LoadedModel, load
 
@@ -68,12 +68,19 @@ def sliding(tiny: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> Load
 
 
 @pytest.fixture(scope="session")
-def variants(tiny: LoadedModel, sliding: LoadedModel) -> dict[str, Variant]:
-    """The models the exactness checks run on (tests/guarantees.py): the tiny model and
-    its sliding-window version, each plain and shape-sensitive (tests/shapemodel.py)."""
+def recurrent(tiny: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    """A tiny random LFM2 (mlx-lm's class): attention, then two recurrent conv layers."""
+    return load(str(write_mlx_lm(tmp_path_factory.mktemp("lfm2") / "model", tiny.path, LFM2)))
+
+
+@pytest.fixture(scope="session")
+def variants(tiny: LoadedModel, sliding: LoadedModel, recurrent: LoadedModel) -> dict[str, Variant]:
+    """The models the exactness checks run on (tests/guarantees.py): the tiny model, its
+    sliding-window version, a recurrent hybrid and a checkpoint-only cache kind, each plain
+    and shape-sensitive (tests/shapemodel.py)."""
     from guarantees import Variant
 
-    return Variant.all(tiny, sliding)
+    return Variant.all(tiny, sliding, recurrent)
 
 
 @pytest.fixture(scope="session")
@@ -87,4 +94,6 @@ def other_variants(
     other = load(str(folder / "other.gguf"), cache_root=cache_root)
     from guarantees import Variant
 
-    return Variant.all(other, load(str(write_sliding(other.path, folder / "sliding"))))
+    sliding = load(str(write_sliding(other.path, folder / "sliding")))
+    recurrent = load(str(write_mlx_lm(folder / "lfm2", other.path, LFM2, seed=9)))
+    return Variant.all(other, sliding, recurrent)

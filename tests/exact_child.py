@@ -14,7 +14,7 @@ from mutants import MUTANTS
 def main(spec: dict[str, object]) -> None:
     if spec["mutant"]:
         MUTANTS[str(spec["mutant"])](setattr)
-    variant = load_variant(str(spec["source"]), bool(spec["shaped"]))
+    variant = load_variant(str(spec["source"]), bool(spec["shaped"]), bool(spec["checkpointed"]))
     engine, spy = Rig(variant, Path(str(spec["dir"]))).engine()
     prompts = spec["prompts"]
     assert isinstance(prompts, list)

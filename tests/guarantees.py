@@ -25,7 +25,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
-from shapemodel import shaped
+from shapemodel import checkpointed, shaped
 from spy import Spy, spied
 
 from mlxcache.cache.base import NoCache, is_trimmable
@@ -48,33 +48,47 @@ def prompt(n: int, seed: int = 0) -> list[int]:
 
 @dataclass(frozen=True)
 class Variant:
-    """A model under test: `source` is what `load` takes (a child process loads it too)."""
+    """A model under test: `source` is what `load` takes (a child process loads it too);
+    `is_checkpointed`: its first layer's cache has no block layout (whole-state
+    checkpoints)."""
 
     name: str
     source: str
     is_shaped: bool
+    is_checkpointed: bool
     loaded: LoadedModel
 
     @classmethod
-    def of(cls, name: str, plain: LoadedModel, is_shaped: bool) -> Variant:
-        return cls(name, str(plain.path), is_shaped, shaped(plain) if is_shaped else plain)
+    def of(
+        cls, name: str, plain: LoadedModel, is_shaped: bool, is_checkpointed: bool = False
+    ) -> Variant:
+        loaded = checkpointed(plain) if is_checkpointed else plain
+        loaded = shaped(loaded) if is_shaped else loaded
+        return cls(name, str(plain.path), is_shaped, is_checkpointed, loaded)
 
     @classmethod
-    def all(cls, plain: LoadedModel, sliding: LoadedModel) -> dict[str, Variant]:
-        """The four variants: with or without a sliding window, plain or shape-sensitive."""
-        return {
-            name: cls.of(name, base, is_shaped)
-            for name, base, is_shaped in [
-                ("plain", plain, False),
-                ("shaped", plain, True),
-                ("sliding", sliding, False),
-                ("shaped-sliding", sliding, True),
-            ]
-        }
+    def all(
+        cls, plain: LoadedModel, sliding: LoadedModel, recurrent: LoadedModel
+    ) -> dict[str, Variant]:
+        """Each model kind plain and shape-sensitive: full attention, a sliding window
+        (ring buffers), recurrent state (LFM2's convolutions), and the recurrent model with
+        a first-layer cache kind kept only as whole-state checkpoints."""
+        kinds = [
+            ("plain", plain, False),
+            ("sliding", sliding, False),
+            ("recurrent", recurrent, False),
+            ("checkpointed", recurrent, True),
+        ]
+        out = {}
+        for name, base, is_checkpointed in kinds:
+            out[name] = cls.of(name, base, False, is_checkpointed)
+            shaped_name = "shaped" if name == "plain" else f"shaped-{name}"
+            out[shaped_name] = cls.of(shaped_name, base, True, is_checkpointed)
+        return out
 
     @property
     def trimmable(self) -> bool:
-        return is_trimmable(make_prompt_cache(self.loaded.model))
+        return is_trimmable(make_prompt_cache(self.loaded.model), B)
 
 
 class Geometry:
@@ -258,6 +272,7 @@ class Rig:
         spec = {
             "source": self.variant.source,
             "shaped": self.variant.is_shaped,
+            "checkpointed": self.variant.is_checkpointed,
             "dir": str(self.dir),
             "prompts": prompts,
             "mutant": self.mutant,
@@ -635,7 +650,7 @@ def check_two_models(rig: Rig, other: Variant) -> None:
     rig.warm(engine, spy, p)  # the first model's own entries are intact
 
 
-def load_variant(source: str, is_shaped: bool) -> Variant:
+def load_variant(source: str, is_shaped: bool, is_checkpointed: bool) -> Variant:
     """A variant as a child process loads it."""
     plain = load(source)
-    return Variant.of("child", plain, is_shaped)
+    return Variant.of("child", plain, is_shaped, is_checkpointed)

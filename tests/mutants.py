@@ -21,6 +21,7 @@ import mlxcache.prefill as prefill_mod
 import mlxcache.sampling as sampling_mod
 from mlxcache.cache import blocks
 from mlxcache.cache.disk import DiskTier, digest_tokens
+from mlxcache.cache.layout import Layout
 from mlxcache.cache.store import PromptCache
 from mlxcache.engine import Engine
 from mlxcache.events import Event, Prefill, Result, Token
@@ -287,7 +288,7 @@ def tail_of_a_prefix(patch: Patch) -> None:
 
 def tail_without_kv(patch: Patch) -> None:
     """A whole prompt resumes with its remembered logits but without its tail's KV."""
-    patch(blocks, "append", lambda layers, tail: None)
+    patch(Layout, "append", lambda self, layers, tail: None)
 
 
 def keep_decode_on_cancel(patch: Patch) -> None:
@@ -329,7 +330,36 @@ def namespace_without_block_size(patch: Patch) -> None:
     """Stored KV filed without its block size: a cache of another block size on the same
     directory sees (and tries to resume) the entries of the first."""
     namespace = blocks.namespace
-    patch(blocks, "namespace", lambda model_key, block_size: namespace(model_key, 0))
+    patch(blocks, "namespace", lambda key, size, *layout: namespace(key, 0, *layout))
+
+
+def snapshot_shares_state(patch: Patch) -> None:
+    """A whole-state checkpoint takes the live cache's state as it is (no copy): what the
+    live cache does next (a recurrent layer's new state in its slot list) reaches it."""
+    patch(blocks, "snapshot", lambda layers: [type(c).from_state(c.state) for c in layers])
+
+
+def no_capture(patch: Patch) -> None:
+    """Blocks are not noted right after their chunk: keep cuts them out of the layers
+    later, which no longer hold a sliding window's old positions or a block's state."""
+    patch(PromptCache, "capture", lambda self, tokens, layers: None)
+
+
+def state_of_the_block_start(patch: Patch) -> None:
+    """Restored at block k, a recurrent layer gets the state from before block k-1's
+    tokens (the previous block's), not the state after them."""
+    join = Layout.join
+
+    def join_stale(self: Layout, parts: list[Any], block_size: int) -> list[Any]:
+        layers = join(self, parts, block_size)
+        if len(parts) > 1:
+            older = join(self, parts[:-1], block_size)
+            for i, kind in enumerate(self.kinds):
+                if kind == "state":
+                    layers[i] = older[i]
+        return layers
+
+    patch(Layout, "join", join_stale)
 
 
 MUTANTS: dict[str, Callable[[Patch], None]] = {
@@ -353,5 +383,8 @@ MUTANTS: dict[str, Callable[[Patch], None]] = {
         follow_in_one_chunk,
         keep_decode_on_cancel,
         namespace_without_block_size,
+        snapshot_shares_state,
+        no_capture,
+        state_of_the_block_start,
     )
 }

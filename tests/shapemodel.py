@@ -51,3 +51,28 @@ class Shaped:
 def shaped(loaded: LoadedModel) -> LoadedModel:
     """The model made shape-sensitive (a key of its own: it computes other bits)."""
     return dataclasses.replace(loaded, model=Shaped(loaded.model), key=loaded.key + "-shaped")
+
+
+class Checkpointed:
+    """Forwards to a model whose first layer's cache is of a kind the store has no block
+    layout for (ConcatenateKVCache): it keeps whole-state checkpoints for such a model."""
+
+    def __init__(self, model: Any) -> None:
+        self._model = model
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> mx.array:
+        return self._model(*args, **kwargs)
+
+    def make_cache(self) -> list[Any]:
+        from mlx_lm.models.cache import ConcatenateKVCache, make_prompt_cache
+
+        return [ConcatenateKVCache(), *make_prompt_cache(self._model)[1:]]
+
+
+def checkpointed(loaded: LoadedModel) -> LoadedModel:
+    """The model with a first-layer cache kind that makes the store keep whole-state
+    checkpoints (of every layer: recurrent states included)."""
+    return dataclasses.replace(loaded, model=Checkpointed(loaded.model))

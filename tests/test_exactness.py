@@ -40,7 +40,16 @@ from mlxcache.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow  # every guarantee on four model variants, new processes
 
-VARIANTS = ["plain", "shaped", "sliding", "shaped-sliding"]
+VARIANTS = [
+    "plain",
+    "shaped",
+    "sliding",
+    "shaped-sliding",
+    "recurrent",
+    "shaped-recurrent",
+    "checkpointed",
+    "shaped-checkpointed",
+]
 CHECKS: list[Callable[[Rig], None]] = [
     check_warm,
     check_fork,
@@ -84,7 +93,7 @@ def last_logits(loaded: LoadedModel, tokens: list[int], block: int) -> mx.array:
     return spy.last_logits[[sum(c) for c in spy.calls].index(len(tokens))]
 
 
-@pytest.mark.parametrize("name", ["shaped", "shaped-sliding"])
+@pytest.mark.parametrize("name", ["shaped", "shaped-sliding", "shaped-recurrent"])
 def test_the_shaped_model_has_teeth(name: str, variants: dict[str, Variant]) -> None:
     """Another chunking of the same prompt gives other bits (the plain model on CPU: the same)."""
     p = prompt(16)

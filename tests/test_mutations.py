@@ -28,27 +28,40 @@ pytestmark = pytest.mark.slow  # the exactness checks rerun under each mutant
 
 # Which checks, on which variant, must catch each mutant (every one of them must fail).
 CAUGHT_BY: dict[str, list[tuple[str, str]]] = {
-    "shared_checkpoint": [("sliding", "restore_repeatedly")],
-    "no_checksum": [("plain", "bit_flip"), ("sliding", "bit_flip")],
-    "hash_without_namespace": [("plain", "two_models")],
-    "checkpoint_name_without_namespace": [("sliding", "two_models")],
-    "checkpoint_at_prompt_end": [("sliding", "warm")],
+    "shared_checkpoint": [("checkpointed", "restore_repeatedly")],
+    "no_checksum": [("plain", "bit_flip"), ("recurrent", "bit_flip")],
+    "hash_without_namespace": [("plain", "two_models"), ("sliding", "two_models")],
+    "checkpoint_name_without_namespace": [("checkpointed", "two_models")],
+    "checkpoint_at_prompt_end": [("checkpointed", "warm")],
     "keep_decode_kv": [("plain", "chat"), ("shaped", "chat")],
-    "penalty_without_cached_prompt": [("plain", "chat"), ("sliding", "chat")],
+    "penalty_without_cached_prompt": [("plain", "chat"), ("recurrent", "chat")],
     "lanes_batched": [("plain", "lanes"), ("shaped", "lanes")],
     "partial_last_block": [("plain", "warm")],
-    "unaligned_chunks": [("plain", "warm"), ("shaped", "fork"), ("sliding", "warm")],
+    "unaligned_chunks": [
+        ("plain", "warm"),
+        ("shaped", "fork"),
+        ("sliding", "warm"),
+        ("recurrent", "warm"),
+    ],
     "restore_without_copy": [("plain", "restore_repeatedly")],
     "shared_sampler": [("plain", "lanes")],
-    "warm_in_one_chunk": [("shaped", "warm_ahead"), ("shaped-sliding", "warm_ahead")],
-    "tail_of_a_prefix": [("plain", "chat"), ("shaped", "chat")],
-    "tail_without_kv": [("plain", "warm"), ("plain", "chat")],
-    "follow_in_one_chunk": [("shaped", "follow")],
-    "keep_decode_on_cancel": [
-        ("plain", "cancelled_decode"),
-        ("shaped-sliding", "cancelled_decode"),
+    "warm_in_one_chunk": [
+        ("shaped", "warm_ahead"),
+        ("shaped-sliding", "warm_ahead"),
+        ("shaped-recurrent", "warm_ahead"),
     ],
-    "namespace_without_block_size": [("plain", "two_block_sizes"), ("sliding", "two_block_sizes")],
+    "tail_of_a_prefix": [("plain", "chat"), ("shaped", "chat"), ("recurrent", "chat")],
+    "tail_without_kv": [("plain", "warm"), ("plain", "chat"), ("sliding", "warm")],
+    "follow_in_one_chunk": [("shaped", "follow")],
+    "keep_decode_on_cancel": [("plain", "cancelled_decode"), ("shaped", "cancelled_decode")],
+    "namespace_without_block_size": [
+        ("plain", "two_block_sizes"),
+        ("sliding", "two_block_sizes"),
+        ("checkpointed", "two_block_sizes"),
+    ],
+    "snapshot_shares_state": [("checkpointed", "restore_repeatedly")],
+    "no_capture": [("sliding", "fork"), ("recurrent", "fork")],
+    "state_of_the_block_start": [("recurrent", "fork"), ("recurrent", "chat")],
 }
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+from shapemodel import checkpointed
 from spy import Spy, spied
 
 from mlxcache.cache.store import PromptCache
@@ -200,8 +201,39 @@ def test_memory_budget_evicts_by_policy(tiny: LoadedModel, tmp_path: Path) -> No
     assert cache.report()["evictions_mem"] == 1
 
 
-def test_non_trimmable_model(sliding: LoadedModel, tmp_path: Path) -> None:
+def test_sliding_window_model_resumes_block_by_block(
+    sliding: LoadedModel, tiny: LoadedModel, tmp_path: Path
+) -> None:
+    """Ring-buffer layers are kept block by block: a fork inside an earlier prompt resumes
+    at its last common block, past the window (8) too, and a block costs what the plain
+    model's does (no padding)."""
     cached, spy, fresh, fspy = engine_pair(sliding, tmp_path)
+    assert cached.cache.trimmable
+    p = prompt(22)
+    run(cached, spy, p)
+    again = run(cached, spy, p)
+    assert again.stats.cached_tokens == 22  # the same prompt: its tail too
+    check_same(again, spy, run(fresh, fspy, p), fspy, 22)
+    fork = p[:13] + prompt(8, seed=4)
+    forked = run(cached, spy, fork)
+    assert forked.stats.cached_tokens == 12
+    check_same(forked, spy, run(fresh, fspy, fork), fspy, len(fork))
+    report = cached.cache.report()
+    plain, *_ = engine_pair(tiny, tmp_path / "plain")
+    plain.complete(Request(p, GREEDY))
+    assert report["kv_bytes_per_token"] == plain.cache.report()["kv_bytes_per_token"] == 512
+    # From disk, in a new cache.
+    reopened, spy2, _, _ = engine_pair(sliding, tmp_path)
+    longer = p + prompt(5, seed=6)
+    warm = run(reopened, spy2, longer)
+    assert warm.stats.cached_tokens == 20
+    check_same(warm, spy2, run(fresh, fspy, longer), fspy, len(longer))
+
+
+def test_checkpoint_model(tiny: LoadedModel, tmp_path: Path) -> None:
+    """A cache kind with no block layout is kept as one whole-state checkpoint per prompt."""
+    model = checkpointed(tiny)
+    cached, spy, fresh, fspy = engine_pair(model, tmp_path)
     assert not cached.cache.trimmable
     p = prompt(22)
     run(cached, spy, p)
@@ -215,7 +247,7 @@ def test_non_trimmable_model(sliding: LoadedModel, tmp_path: Path) -> None:
     assert forked.stats.cached_tokens == 0
     assert forked.tokens == run(fresh, fspy, fork).tokens
     # From disk, in a new cache.
-    reopened, spy2, _, _ = engine_pair(sliding, tmp_path)
+    reopened, spy2, _, _ = engine_pair(model, tmp_path)
     longer = p + prompt(5, seed=6)
     warm = run(reopened, spy2, longer)
     assert warm.stats.cached_tokens == 20

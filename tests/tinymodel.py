@@ -204,3 +204,46 @@ def _gguf_name(hf_name: str, heads: int = 4, kv_heads: int = 2) -> tuple[str, in
     module = rest.rsplit(".", 1)[0]
     n_head = {"self_attn.q_proj": heads, "self_attn.k_proj": kv_heads}.get(module, 0)
     return f"blk.{layer}.{_GGUF_NAMES[module]}.weight", n_head
+
+
+# A tiny LFM2 (mlx-lm's own class): short convolutions (their state, an ArraysCache, is
+# recurrent) between two attention layers; the last one spreads what a wrong state
+# changes to every later position, past the convolutions' own window.
+LFM2 = {
+    "model_type": "lfm2",
+    "vocab_size": 262,
+    "hidden_size": 64,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "norm_eps": 1e-5,
+    "conv_bias": False,
+    "conv_L_cache": 3,
+    "block_dim": 64,
+    "block_multiple_of": 16,
+    "block_ffn_dim_multiplier": 1.0,
+    "block_auto_adjust_ff_dim": False,
+    "block_ff_dim": 128,
+    "full_attn_idxs": [0, 3],
+    "tie_word_embeddings": True,
+}
+
+
+def write_mlx_lm(dest: Path, tokenizer_dir: Path, config: dict[str, Any], seed: int = 0) -> Path:
+    """An mlx-lm model folder of random weights for `config` (any of mlx-lm's model types),
+    with the tokenizer files of `tokenizer_dir` (a converted tiny model's folder)."""
+    import importlib
+
+    from mlx.utils import tree_flatten
+
+    module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    mx.random.seed(seed)
+    model = module.Model(module.ModelArgs.from_dict(config))
+    dest.mkdir(parents=True)
+    mx.save_safetensors(str(dest / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (dest / "config.json").write_text(json.dumps(config))
+    for f in tokenizer_dir.iterdir():
+        if f.name.startswith("tokenizer") or f.suffix == ".jinja":
+            shutil.copy(f, dest / f.name)
+    return dest

@@ -36,6 +36,13 @@ class PrefixCache(Protocol):
         `count` False: warm-ahead work, left out of the hit and miss counters."""
         ...
 
+    def capture(self, tokens: np.ndarray, layers: list[Any]) -> None:
+        """`layers` hold exactly `tokens` (whole blocks), right after the canonical chunk
+        that ended them: note the last block now if only this moment shows it (sliding
+        windows drop it later, recurrent state moves on). `keep` with the same layers
+        stores it; `release` forgets what was not kept."""
+        ...
+
     def keep(self, tokens: np.ndarray, layers: list[Any]) -> None:
         """Store the first len(tokens) positions of `layers` (a whole number of blocks)."""
         ...
@@ -65,11 +72,13 @@ def with_probe(tokens: Any) -> np.ndarray:
     return np.append(np.asarray(tokens, dtype=np.int32), np.int32(-1))
 
 
-def is_trimmable(layers: list[Any]) -> bool:
-    """True when every layer is a plain KV cache that can be cut back to any length."""
-    from mlx_lm.models.cache import KVCache
+def is_trimmable(layers: list[Any], block_size: int) -> bool:
+    """True when the store keeps these layers block by block (plain KV, sliding-window and
+    recurrent layers: `layout.Layout`), so a prompt resumes at any block boundary of a
+    prefix it shares; False for other cache kinds, kept as whole-state checkpoints."""
+    from mlxcache.cache.layout import Layout
 
-    return all(type(c) is KVCache for c in layers)
+    return Layout.of(layers, block_size) is not None
 
 
 class NoCache:
@@ -78,10 +87,13 @@ class NoCache:
     def __init__(self, model: Any, block_size: int) -> None:
         self._model = model
         self.block_size = block_size
-        self.trimmable = is_trimmable(make_prompt_cache(model))
+        self.trimmable = is_trimmable(make_prompt_cache(model), block_size)
 
     def restore(self, tokens: np.ndarray, count: bool = True) -> Resume:
         return Resume(make_prompt_cache(self._model), 0)
+
+    def capture(self, tokens: np.ndarray, layers: list[Any]) -> None:
+        return None
 
     def keep(self, tokens: np.ndarray, layers: list[Any]) -> None:
         return None

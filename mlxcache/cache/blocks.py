@@ -17,12 +17,13 @@ from mlx_lm.models import cache as mlx_cache
 ROOT = b"mlxcache-block-v1"
 
 
-def namespace(model_key: str, block_size: int) -> str:
+def namespace(model_key: str, block_size: int, layout: str = "") -> str:
     """The key every stored block and entry is filed under.
 
     Besides the model key and block size it names the MLX build and device: kernels
     differ between versions and backends, and a KV computed by another build could
-    break "resumed == fresh" bit for bit.
+    break "resumed == fresh" bit for bit. `layout` names how blocks are laid out when
+    that is not the plain stacked KV (whose namespace stays as it always was).
     """
     import mlx_lm
 
@@ -32,6 +33,7 @@ def namespace(model_key: str, block_size: int) -> str:
         getattr(mx, "__version__", "?"),
         mlx_lm.__version__,
         str(mx.default_device()),
+        *([layout] if layout else []),
     ]
     return str(xxhash.xxh3_128_hexdigest("\0".join(parts).encode()))
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import fcntl
 import os
-import shutil
 import sqlite3
 import time
 from collections.abc import Callable, Iterator
@@ -185,17 +184,16 @@ class DiskTier:
             raise CorruptCacheFileError(f"{name}: checksum mismatch")
         return path
 
-    def read_block(self, name: str) -> mx.array:
-        """The block array stored under `name` (checksum verified)."""
+    def read_block(self, name: str) -> dict[str, mx.array]:
+        """The block's arrays stored under `name` (checksum verified)."""
         path = self._read(name)
         try:
             arrays = mx.load(str(path))
-            block = arrays["kv"] if isinstance(arrays, dict) else None
         except Exception as exc:  # MLX raises plain RuntimeError on a bad file
             raise CorruptCacheFileError(f"{name}: {exc}") from exc
-        if block is None:
-            raise CorruptCacheFileError(f"{name}: no kv tensor")
-        return block
+        if not isinstance(arrays, dict) or not arrays:
+            raise CorruptCacheFileError(f"{name}: no tensors")
+        return arrays
 
     def read_checkpoint(self, name: str) -> list[Any]:
         """The cache list stored under `name` (checksum verified)."""
@@ -371,22 +369,41 @@ class DiskTier:
             db.executemany("DELETE FROM files WHERE name = ?", [(n,) for n in orphans])
         return orphans
 
-    def clear(self) -> int:
-        """Remove every entry and file; returns how many entries there were."""
+    def clear(self) -> tuple[int, list[str]]:
+        """Remove every entry and file; returns how many entries there were and what was
+        left (`remove_files`)."""
         with self._writer():
             with self._tx() as db:
                 n = int(db.execute("SELECT COUNT(*) FROM entries").fetchone()[0])
                 db.execute("DELETE FROM entry_files")
                 db.execute("DELETE FROM entries")
                 db.execute("DELETE FROM files")
-            for path in self.files.iterdir():
-                path.unlink(missing_ok=True)
-        return n
+            return n, remove_files(self.files)
 
 
-def reset(root: Path) -> None:
+def remove_files(folder: Path) -> list[str]:
+    """Delete the regular files in `folder` (blocks, checkpoints, temp files); returns the
+    paths of what stays: directories, links and the like, which mlxcache never writes there.
+    A link is never followed, `folder` itself included: what it points to is not the cache's.
+    """
+    if folder.is_symlink():
+        return [str(folder)]
+    left = []
+    with os.scandir(folder) as found:
+        for entry in found:
+            if entry.is_file(follow_symlinks=False):
+                Path(entry.path).unlink(missing_ok=True)
+            else:
+                left.append(entry.path)
+    return left
+
+
+def reset(root: Path) -> list[str]:
     """Delete the index and every block file of the disk tier at `root`, whatever state
     they are in (the way out of a damaged index). Holds the writer lock meanwhile.
+
+    Returns:
+        What was left (`remove_files`): never a link's target.
 
     Raises:
         CacheStoreError: the files cannot be removed (e.g. a read-only directory).
@@ -397,19 +414,22 @@ def reset(root: Path) -> None:
         root.mkdir(parents=True, exist_ok=True)
         with (root / "write.lock").open("a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            for name in (INDEX, f"{INDEX}-wal", f"{INDEX}-shm", "files"):
+            for name in (INDEX, f"{INDEX}-wal", f"{INDEX}-shm"):
                 path = root / name
-                if path.is_dir() and not path.is_symlink():
-                    shutil.rmtree(path)
-                else:
-                    path.unlink(missing_ok=True)
+                if path.is_file() or path.is_symlink():
+                    path.unlink()
+            files = root / "files"
+            if files.is_dir() or files.is_symlink():
+                return remove_files(files)
+            files.unlink(missing_ok=True)  # a stray file where the folder goes
+            return []
     except OSError as exc:
         raise CacheStoreError(f"cannot reset the disk cache at {root}: {exc}") from exc
 
 
-def block_writer(block: mx.array) -> Writer:
-    """How to write one KV block file."""
-    return lambda path: mx.save_safetensors(str(path), {"kv": block})
+def block_writer(block: dict[str, mx.array]) -> Writer:
+    """How to write one block file (its arrays by name, see `layout.Layout`)."""
+    return lambda path: mx.save_safetensors(str(path), block)
 
 
 def checkpoint_writer(layers: list[Any]) -> Writer:

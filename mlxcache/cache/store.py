@@ -1,10 +1,13 @@
 """The prompt cache: two prompt indexes (memory, disk) over shared KV blocks and checkpoints.
 
-Trimmable models (plain KV layers) store blocks of B tokens keyed by chained hashes, so
-entries sharing a prefix share its blocks and memory follows unique tokens. Models with
-recurrent or rotating layers store one whole-state checkpoint per entry, taken at a block
-boundary, and their entries are non-trimmable. Every insert path ends in `_fit()`, which
-evicts through the index's victim order until the byte budget holds.
+Models whose layers are plain KV, sliding-window or recurrent ("trimmable": they resume
+at any block boundary) store blocks of B tokens keyed by chained hashes (`layout.Layout`
+says what a block holds), so entries sharing a prefix share its blocks and memory follows
+unique tokens. A block that only exists right after its prefill chunk (a sliding window's
+keys, a recurrent state) is captured then (`capture`) and stored when the lane keeps its
+prompt. Models with other cache kinds store one whole-state checkpoint per entry, taken at
+a block boundary, and their entries are non-trimmable. Every insert path ends in `_fit()`,
+which evicts through the index's victim order until the byte budget holds.
 
 The memory tier of a trimmable model also remembers the tails of the last few whole
 prompts: the KV past the last full block and the last token's logits, as the prompt's
@@ -29,7 +32,7 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlxcache.cache import blocks as kv
-from mlxcache.cache.base import Resume, is_trimmable, with_probe
+from mlxcache.cache.base import Resume, with_probe
 from mlxcache.cache.disk import (
     DiskTier,
     Writer,
@@ -39,6 +42,8 @@ from mlxcache.cache.disk import (
     index_error,
 )
 from mlxcache.cache.index import Entry, Match, PromptIndex
+from mlxcache.cache.layout import Block, Layout
+from mlxcache.cache.layout import nbytes as block_nbytes
 from mlxcache.config import CacheConfig
 from mlxcache.errors import CacheStoreError, CorruptCacheFileError
 
@@ -65,19 +70,23 @@ class CacheStats:
 
 @dataclass(slots=True)
 class _Block:
-    kv: mx.array
+    data: Block
     refs: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return block_nbytes(self.data)
 
 
 @dataclass(slots=True)
 class _Tail:
     base: Entry  # holds the prompt's full blocks; the tail goes with it
-    kv: mx.array  # positions [last full block end, prompt end) of every layer (maybe none)
+    kv: Block  # positions [last full block end, prompt end) (maybe none), states at the end
     logits: mx.array
 
     @property
     def nbytes(self) -> int:
-        return int(self.kv.nbytes + self.logits.nbytes)
+        return block_nbytes(self.kv) + int(self.logits.nbytes)
 
 
 class PromptCache:
@@ -103,8 +112,10 @@ class PromptCache:
     ) -> None:
         self._model = model
         self.block_size = config.block_size
-        self.trimmable = is_trimmable(make_prompt_cache(model))
-        self.ns = kv.namespace(model_key, config.block_size)
+        self.layout = Layout.of(make_prompt_cache(model), config.block_size)
+        self.trimmable = self.layout is not None
+        mixed = self.layout is not None and not self.layout.plain
+        self.ns = kv.namespace(model_key, config.block_size, "layout-v1" if mixed else "")
         self.config = config
         self.stats = CacheStats()
         self._warn = on_warning or (lambda _msg: None)
@@ -113,8 +124,10 @@ class PromptCache:
         self._entry_blocks: dict[Entry, list[str]] = {}
         self._checkpoints: dict[Entry, list[Any]] = {}
         self._tails: OrderedDict[str, _Tail] = OrderedDict()  # by prompt digest, oldest first
+        # Blocks captured by running lanes (by id of their layers, then block number) until
+        # they keep them; outside the budget, like the lanes' own layers.
+        self._staged: dict[int, dict[int, Block]] = {}
         self._mem_bytes = 0
-        self._n_layers = len(make_prompt_cache(model))
         self._token_bytes = 0  # KV bytes per token, learned from the first block kept
         self.disk_index = PromptIndex(config.block_size)
         self._disk_ids: dict[Entry, int] = {}
@@ -164,7 +177,8 @@ class PromptCache:
             layers = self._layers(entry, length)  # before the pin: if this fails, none is left
             logits = None
             if tail is not None:
-                kv.append(layers, tail.kv)
+                assert self.layout is not None  # tails are kept for block layouts only
+                self.layout.append(layers, tail.kv)
                 self._tails.move_to_end(key)
                 # A copy: logits processors (the repetition penalty) write into their input.
                 length, logits = len(tokens), mx.array(tail.logits)
@@ -176,14 +190,23 @@ class PromptCache:
         """Store the first len(tokens) positions of `layers`, in memory and on disk."""
         tokens = np.array(tokens, dtype=np.int32)
         self._make_room(tokens)
-        if self.trimmable:
+        if self.layout is not None:
             names = kv.chain_hashes(tokens, self.block_size, self.ns)
-            fresh = {
-                h: kv.cut_block(layers, j * self.block_size, (j + 1) * self.block_size)
-                for j, h in enumerate(names)
-                if h not in self._blocks
-            }
-            mx.eval(list(fresh.values()))
+            staged = self._staged.get(id(layers), {})
+            fresh: dict[str, Block] = {}
+            for j, h in enumerate(names):
+                if h in self._blocks or h in fresh:
+                    continue
+                block = staged.pop(j, None)
+                if block is None and self.layout.plain:  # plain KV: cut out of any state
+                    b = self.block_size
+                    block = self.layout.cut(layers, j * b, (j + 1) * b)
+                if block is None:  # never captured: keep the blocks before it
+                    names, tokens = names[:j], tokens[: j * self.block_size]
+                    break
+                fresh[h] = block
+            if not names:
+                return
             entry = self._add_blocks(tokens, names, fresh)
             self._write_blocks(tokens, names)
         else:
@@ -191,6 +214,15 @@ class PromptCache:
             entry = self._add_checkpoint(tokens, checkpoint)
             self._write_checkpoint(tokens, checkpoint)
         self._fit(skip=entry, prompt=tokens)
+
+    def capture(self, tokens: np.ndarray, layers: list[Any]) -> None:
+        """Note the last block of `layers` (holding exactly `tokens`, right after its chunk)
+        when the layout cannot cut it later; `keep` with these layers stores it."""
+        if self.layout is None or not self.layout.needs_capture:
+            return
+        j = len(tokens) // self.block_size - 1
+        start = j * self.block_size
+        self._staged.setdefault(id(layers), {})[j] = self.layout.cut(layers, start, len(tokens))
 
     def cached_length(self, tokens: np.ndarray) -> int:
         """How many of `tokens` a restore would resume now (a lookup, counted as a use of
@@ -205,14 +237,14 @@ class PromptCache:
     def keep_tail(self, tokens: np.ndarray, layers: list[Any], logits: mx.array) -> None:
         """Remember `tokens`' tail in `layers` (past its last full block) and its logits."""
         at = len(tokens) // self.block_size * self.block_size
-        if not self.trimmable or at == 0:
+        if self.layout is None or at == 0:
             return  # a checkpoint holds the whole state; no block to continue
         found = self.mem.lookup(with_probe(tokens[:at]))
         if found is None or found.length < at:
             return  # its blocks are gone already (memory too small)
-        tail = kv.cut_block(layers, at, len(tokens))
+        tail = self.layout.cut(layers, at, len(tokens))
         logits = mx.array(logits)
-        mx.eval(tail, logits)
+        mx.eval(logits)
         key = digest_tokens(tokens)
         self._drop_tail(key)
         self._tails[key] = _Tail(found.entry, tail, logits)
@@ -227,6 +259,7 @@ class PromptCache:
             self._mem_bytes -= tail.nbytes
 
     def release(self, resume: Resume) -> None:
+        self._staged.pop(id(resume.layers), None)  # what the lane captured and did not keep
         if resume.lease is not None and resume.lease in self.mem:
             self.mem.unpin(resume.lease)
         self._fit(prompt=None)  # entries kept over budget go once nothing runs on them
@@ -259,8 +292,9 @@ class PromptCache:
     def _layers(self, entry: Entry, length: int) -> list[Any]:
         if entry in self._checkpoints:
             return kv.from_snapshot(self._checkpoints[entry])
+        assert self.layout is not None  # an entry of blocks: the model has a layout
         names = self._entry_blocks[entry][: length // self.block_size]
-        return kv.join_blocks([self._blocks[h].kv for h in names], self._n_layers)
+        return self.layout.join([self._blocks[h].data for h in names], self.block_size)
 
     def _add_checkpoint(self, tokens: np.ndarray, checkpoint: list[Any]) -> Entry:
         """Add a memory entry backed by a whole-state checkpoint."""
@@ -270,15 +304,13 @@ class PromptCache:
             self._mem_bytes += entry.nbytes
         return entry
 
-    def _add_blocks(
-        self, tokens: np.ndarray, names: list[str], fresh: dict[str, mx.array]
-    ) -> Entry:
+    def _add_blocks(self, tokens: np.ndarray, names: list[str], fresh: dict[str, Block]) -> Entry:
         """Add a memory entry backed by blocks `names`; `fresh` holds those not stored yet."""
         added = 0
         for h, block in fresh.items():
             self._blocks[h] = _Block(block)
-            added += int(block.nbytes)
-            self._token_bytes = int(block.nbytes) // self.block_size
+            added += self._blocks[h].nbytes
+            self._token_bytes = self._blocks[h].nbytes // self.block_size
         entry = self.mem.add(tokens, trimmable=True, nbytes=added)
         if entry not in self._entry_blocks:
             self._entry_blocks[entry] = names
@@ -323,7 +355,7 @@ class PromptCache:
             block.refs -= 1
             if block.refs == 0:
                 del self._blocks[h]
-                self._mem_bytes -= int(block.kv.nbytes)
+                self._mem_bytes -= block.nbytes
         return True
 
     def _fit(self, skip: Entry | None = None, prompt: np.ndarray | None = None) -> None:
@@ -374,8 +406,8 @@ class PromptCache:
 
     def _write_blocks(self, tokens: np.ndarray, names: list[str]) -> None:
         """Store an entry of blocks `names` (all in memory now) on disk."""
-        files = {h: block_writer(self._blocks[h].kv) for h in names}
-        nbytes = sum(int(self._blocks[h].kv.nbytes) for h in names)
+        files = {h: block_writer(self._blocks[h].data) for h in names}
+        nbytes = sum(self._blocks[h].nbytes for h in names)
         self._write_disk(tokens, True, files, nbytes)
 
     def _write_checkpoint(self, tokens: np.ndarray, checkpoint: list[Any]) -> None:
@@ -411,10 +443,12 @@ class PromptCache:
         tokens = np.asarray(entry.tokens[:length], dtype=np.int32)
         self._make_room(tokens)
         try:
-            if entry.trimmable:
+            if entry.trimmable and self.layout is not None:
                 names = kv.chain_hashes(tokens, self.block_size, self.ns)
                 fresh = {h: self.disk.read_block(h) for h in names if h not in self._blocks}
-                mx.eval(list(fresh.values()))
+                if not all(self.layout.check(block) for block in fresh.values()):
+                    raise CorruptCacheFileError("a block file lacks arrays its model needs")
+                mx.eval([list(block.values()) for block in fresh.values()])
                 mem_entry = self._add_blocks(tokens, names, fresh)
             else:
                 checkpoint = self.disk.read_checkpoint(self._checkpoint_name(tokens))

@@ -1,0 +1,186 @@
+"""How a model's layer caches are stored block by block, whatever their kind.
+
+A block is a dict of arrays for B tokens of every layer, keyed by the chained hash of the
+tokens up to its end (`blocks.chain_hashes`), so a prompt can resume at any block boundary
+of a prefix it shares with a kept one:
+
+- plain KV layers (`KVCache`): the block's keys and values; all of them, when the model
+  has only such layers, stacked into one array "kv" (one tensor per block in memory and on
+  disk);
+- sliding-window layers (`RotatingKVCache`): the block's keys and values too, cut right
+  after the chunk that computed them (the ring buffer drops them later). Restored at
+  block k, the ring holds exactly what a cold canonical prefill leaves there: the same
+  positions, in the same order, at the same size (`_ring_start`);
+- recurrent layers (`ArraysCache`: SSM, gated delta, conv states): their state after the
+  block, which cannot be rebuilt from anything else.
+
+A model with any other cache kind has no layout: the store keeps whole-state checkpoints.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+
+from mlxcache.cache import blocks as kv
+
+Block = dict[str, mx.array]
+
+
+def _kind(cache: Any) -> str | None:
+    if type(cache) is KVCache:
+        return "kv"
+    if type(cache) is RotatingKVCache:
+        return "ring"
+    if isinstance(cache, ArraysCache):
+        return "state"
+    return None
+
+
+def _ring_start(stop: int, block: int, max_size: int, keep: int) -> tuple[int, int]:
+    """Which positions a ring buffer holds after canonical chunks of `block` up to `stop`:
+    the first `keep` ones, then [start, stop). Each chunk keeps the last max_size - 1
+    positions before it (besides `keep`) and appends itself, so the window before the last
+    chunk is max_size - 1 long."""
+    start = max(keep, stop - block - (max_size - 1 - keep))
+    return (keep if start > keep else 0), (start if start > keep else 0)
+
+
+def _fresh_arrays(values: list[mx.array]) -> list[mx.array]:
+    # New array objects: a live cache's in-place updates never reach a stored block.
+    return [mx.array(v) for v in values]
+
+
+class Layout:
+    """The block layout of one model (see the module docstring)."""
+
+    def __init__(self, fresh: list[Any], kinds: list[str]) -> None:
+        self.kinds = kinds
+        self.n_layers = len(kinds)
+        self.plain = all(k == "kv" for k in kinds)
+        self._rings = {
+            i: (int(c.max_size), int(c.keep)) for i, c in enumerate(fresh) if kinds[i] == "ring"
+        }
+        self._slots = {i: len(c.cache) for i, c in enumerate(fresh) if kinds[i] == "state"}
+
+    @classmethod
+    def of(cls, fresh: list[Any], block_size: int) -> Layout | None:
+        """The layout of a model whose fresh caches are `fresh`; None when some layer's
+        cache kind cannot be stored block by block (a ring buffer fed chunks of one token
+        takes another path, whose layout this does not rebuild)."""
+        kinds = [_kind(c) for c in fresh]
+        if not kinds or any(k is None for k in kinds) or ("ring" in kinds and block_size < 2):
+            return None
+        return cls(fresh, [str(k) for k in kinds])
+
+    @property
+    def needs_capture(self) -> bool:
+        """Whether a block must be cut right after the chunk that computed it (sliding and
+        recurrent layers do not hold it, or its state, later); plain KV is cut at keep time."""
+        return not self.plain
+
+    def cut(self, layers: list[Any], start: int, stop: int) -> Block:
+        """Positions [start, stop) of every attention layer, and every recurrent layer's
+        state, from `layers` holding exactly `stop` tokens (right after a prefill chunk
+        that covered [start, stop)). A copy: never aliases `layers`."""
+        if self.plain:
+            return {"kv": kv.cut_block(layers, start, stop)}
+        out: Block = {}
+        for i, (kind, c) in enumerate(zip(self.kinds, layers, strict=True)):
+            if kind == "state":
+                for j, value in enumerate(c.cache):
+                    if value is not None:
+                        out[f"s.{i}.{j}"] = mx.array(value)
+                continue
+            keys, values = c.keys, c.values
+            if kind == "ring":  # the ring in time order ends at position stop - 1
+                keys, values = c._temporal_order(keys), c._temporal_order(values)
+                first = stop - keys.shape[2]
+            else:
+                first = 0
+            out[f"k.{i}"] = mx.array(keys[0, :, start - first : stop - first, :])
+            out[f"v.{i}"] = mx.array(values[0, :, start - first : stop - first, :])
+        mx.eval(list(out.values()))
+        return out
+
+    def check(self, block: Block) -> bool:
+        """Whether a block read back from disk has every array this layout needs."""
+        if self.plain:
+            return set(block) == {"kv"}
+        need = {f"{p}.{i}" for i, k in enumerate(self.kinds) if k != "state" for p in "kv"}
+        states = {f"s.{i}." for i, k in enumerate(self.kinds) if k == "state"}
+        return need <= set(block) and all(any(n.startswith(s) for n in block) for s in states)
+
+    def join(self, blocks: list[Block], block_size: int) -> list[Any]:
+        """Fresh caches holding `blocks` (consecutive from token 0): exactly the state a cold
+        canonical prefill leaves at their end."""
+        if self.plain:
+            return kv.join_blocks([b["kv"] for b in blocks], self.n_layers)
+        layers = [
+            self._state(i, blocks[-1])
+            if kind == "state"
+            else self._attention(i, blocks, block_size)
+            for i, kind in enumerate(self.kinds)
+        ]
+        mx.eval([c.state for c in layers])
+        return layers
+
+    def _state(self, i: int, last: Block) -> ArraysCache:
+        c = ArraysCache(self._slots[i])
+        for j in range(self._slots[i]):
+            name = f"s.{i}.{j}"
+            c[j] = mx.array(last[name]) if name in last else None
+        return c
+
+    def _attention(self, i: int, blocks: list[Block], block_size: int) -> Any:
+        stop = len(blocks) * block_size
+
+        def positions(first: int, last: int) -> list[mx.array]:
+            parts = blocks[first // block_size : -(-last // block_size)]
+            at = first // block_size * block_size
+            return [
+                mx.concatenate([b[f"{p}.{i}"] for b in parts], axis=1)[None][
+                    ..., first - at : last - at, :
+                ]
+                for p in "kv"
+            ]
+
+        if self.kinds[i] == "kv":
+            c: Any = KVCache()
+            keys, values = positions(0, stop)
+        else:
+            max_size, keep = self._rings[i]
+            c = RotatingKVCache(max_size=max_size, keep=keep)
+            kept, first = _ring_start(stop, block_size, max_size, keep)
+            keys, values = positions(first, stop)
+            if kept:  # the `keep` first positions stay in front
+                head = positions(0, kept)
+                keys = mx.concatenate([head[0], keys], axis=2)
+                values = mx.concatenate([head[1], values], axis=2)
+        c.keys, c.values = _fresh_arrays([keys, values])
+        c.offset = stop
+        if self.kinds[i] == "ring":
+            c._idx = int(c.keys.shape[2])
+        return c
+
+    def append(self, layers: list[Any], tail: Block) -> None:
+        """Continue `layers` with a tail cut past their end (`cut`), as its prefill chunk
+        did: attention layers take its positions, recurrent layers its state."""
+        if self.plain:
+            kv.append(layers, tail["kv"])
+            return
+        for i, (kind, c) in enumerate(zip(self.kinds, layers, strict=True)):
+            if kind == "state":
+                for j in range(self._slots[i]):
+                    name = f"s.{i}.{j}"
+                    c[j] = mx.array(tail[name]) if name in tail else None
+            elif tail[f"k.{i}"].shape[1]:
+                c.update_and_fetch(tail[f"k.{i}"][None], tail[f"v.{i}"][None])
+        mx.eval([c.state for c in layers])
+
+
+def nbytes(block: Block) -> int:
+    """Bytes of a block's arrays."""
+    return sum(int(v.nbytes) for v in block.values())
