@@ -61,8 +61,11 @@ def test_unsupported_architecture(tmp_path: Path) -> None:
 def test_not_a_gguf_file(tmp_path: Path) -> None:
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF" + b"\0" * 10)
-    with pytest.raises(UnsupportedModelError, match="cannot read GGUF"):
+    with pytest.raises(UnsupportedModelError) as err:
         load(str(bad), cache_root=tmp_path / "c")
+    assert str(err.value) == (
+        f"cannot read GGUF {bad}: unsupported or damaged header: GGUF version 0 (known: 2, 3)"
+    )
 
 
 def test_missing_model(tmp_path: Path) -> None:

@@ -1,15 +1,16 @@
 """Convert a llama-architecture GGUF file into an mlx-lm model folder.
 
-`mlx.core.load` reads GGUF tensors; Q4_0/Q4_1/Q8_0 come back as MLX affine-quantized
-triples (weight, scales, biases; group size 32), F16/F32 as dense arrays. What is left
-to do is renaming, undoing llama.cpp's rotary row permutation of Q/K, and writing the
-config and tokenizer files mlx-lm expects.
+`gguf_file.open_gguf` reads the file with llama.cpp's own `gguf` library, checking it
+first; `gguf_tensors.to_mlx` turns each tensor into MLX arrays with exactly the values
+llama.cpp's dequantizer gives (affine-quantized, group size 32, where the type maps onto
+MLX's quantization; dense float32 otherwise). What is left to do here is renaming, undoing
+llama.cpp's rotary row permutation of Q/K, and writing the config and tokenizer files
+mlx-lm expects.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -17,15 +18,14 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+from gguf import GGUFReader
 
-from mlxcache.errors import (
-    MlxcacheError,
-    ModelConversionError,
-    ModelNotFoundError,
-    UnsupportedModelError,
-)
+from mlxcache.errors import MlxcacheError, ModelConversionError, UnsupportedModelError
 from mlxcache.fileio import loads_json
 from mlxcache.model.digest import file_digest
+from mlxcache.model.folder import load_folder
+from mlxcache.model.gguf_file import meta_value, open_gguf
+from mlxcache.model.gguf_tensors import GROUP_SIZE, to_mlx
 from mlxcache.model.gguf_tokenizer import build_tokenizer
 
 Progress = Callable[[str, int, int], None]
@@ -45,29 +45,8 @@ _LAYER_NAMES = {
 }
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _PARTS = ("weight", "scales", "biases")
-_GROUP_SIZE = 32  # every GGUF quant type MLX reads (Q4_0, Q4_1, Q8_0)
 MANIFEST = "mlxcache-manifest.json"
 """Checksums of every other file of a converted folder, written last (see `check_folder`)."""
-
-
-def _scalar(meta: dict[str, Any], key: str, default: Any = None) -> Any:
-    value = meta.get(key, default)
-    return value.item() if isinstance(value, mx.array) else value
-
-
-def read_gguf(path: Path) -> tuple[dict[str, mx.array], dict[str, Any]]:
-    """Read a GGUF file's tensors and metadata, with domain errors for bad files."""
-    if not path.is_file():
-        raise ModelNotFoundError(f"model file not found: {path}")
-    if not os.access(path, os.R_OK):
-        raise ModelNotFoundError(f"model file is not readable: {path}")
-    try:
-        weights, meta = mx.load(str(path), return_metadata=True)
-    except Exception as exc:  # MLX raises bare RuntimeError/ValueError for bad files
-        raise UnsupportedModelError(f"cannot read GGUF {path}: {exc}") from exc
-    if not isinstance(weights, dict) or not isinstance(meta, dict):
-        raise UnsupportedModelError(f"{path} is not a GGUF file")
-    return weights, meta
 
 
 def _hf_name(name: str) -> str:
@@ -85,38 +64,45 @@ def _hf_name(name: str) -> str:
 def _unpermute_rows(x: mx.array, n_head: int) -> mx.array:
     """Invert llama.cpp's `permute()` of Q/K rows (exact: quantization groups run along columns)."""
     rows = x.shape[0]
+    if n_head <= 0 or rows % (2 * n_head):
+        raise UnsupportedModelError(f"{rows} rows of Q or K do not split into {n_head} heads")
     half = rows // n_head // 2
     return x.reshape(n_head, half, 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
 
 
-def _config(meta: dict[str, Any], weights: dict[str, mx.array]) -> dict[str, Any]:
-    arch = _scalar(meta, "general.architecture")
+def _architecture(meta: dict[str, Any]) -> str:
+    arch = meta.get("general.architecture")
     if arch not in _SUPPORTED_ARCHS:
-        raise UnsupportedModelError(f"unsupported GGUF architecture {arch!r} (supported: llama)")
+        supported = ", ".join(sorted(_SUPPORTED_ARCHS))
+        raise UnsupportedModelError(
+            f"unsupported GGUF architecture {arch!r} (supported: {supported})"
+        )
+    return str(arch)
 
-    def need(key: str) -> Any:
-        value = _scalar(meta, f"{arch}.{key}")
-        if value is None:
-            raise UnsupportedModelError(f"GGUF metadata lacks {arch}.{key}")
-        return value
 
-    hidden = int(need("embedding_length"))
-    heads = int(need("attention.head_count"))
+def _config(meta: dict[str, Any], weights: dict[str, mx.array]) -> dict[str, Any]:
+    arch = _architecture(meta)
+
+    def num(key: str, kind: type[int | float] = int, default: float | None = None) -> Any:
+        return meta_value(meta, f"{arch}.{key}", kind, default)
+
+    hidden = num("embedding_length")
+    heads = num("attention.head_count")
     config: dict[str, Any] = {
         "model_type": "llama",
         "hidden_size": hidden,
-        "num_hidden_layers": int(need("block_count")),
-        "intermediate_size": int(need("feed_forward_length")),
+        "num_hidden_layers": num("block_count"),
+        "intermediate_size": num("feed_forward_length"),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(_scalar(meta, f"{arch}.attention.head_count_kv", heads)),
-        "head_dim": int(_scalar(meta, f"{arch}.rope.dimension_count", hidden // heads)),
-        "rms_norm_eps": float(need("attention.layer_norm_rms_epsilon")),
-        "rope_theta": float(_scalar(meta, f"{arch}.rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(need("context_length")),
-        "vocab_size": len(meta["tokenizer.ggml.tokens"]),
+        "num_key_value_heads": num("attention.head_count_kv", default=heads),
+        "head_dim": num("rope.dimension_count", default=hidden // max(heads, 1)),
+        "rms_norm_eps": num("attention.layer_norm_rms_epsilon", float),
+        "rope_theta": num("rope.freq_base", float, 10000.0),
+        "max_position_embeddings": num("context_length"),
+        "vocab_size": len(meta_value(meta, "tokenizer.ggml.tokens", list)),
         "tie_word_embeddings": "lm_head.weight" not in weights,
-        "eos_token_id": int(_scalar(meta, "tokenizer.ggml.eos_token_id")),
-        "bos_token_id": int(_scalar(meta, "tokenizer.ggml.bos_token_id")),
+        "eos_token_id": meta_value(meta, "tokenizer.ggml.eos_token_id", int),
+        "bos_token_id": meta_value(meta, "tokenizer.ggml.bos_token_id", int),
     }
     # mlx-lm infers each layer's bits from its tensors' shapes (SmolLM2: 8-bit embedding,
     # 4-bit layers); the top-level entry just marks the model quantized.
@@ -126,34 +112,31 @@ def _config(meta: dict[str, Any], weights: dict[str, mx.array]) -> dict[str, Any
         if n.endswith(".scales")
     }
     if bits:
-        config["quantization"] = {"group_size": _GROUP_SIZE, "bits": min(bits)}
+        config["quantization"] = {"group_size": GROUP_SIZE, "bits": min(bits)}
     return config
 
 
 def convert_weights(
-    weights: dict[str, mx.array], meta: dict[str, Any], progress: Progress | None = None
+    reader: GGUFReader, meta: dict[str, Any], progress: Progress | None = None
 ) -> tuple[dict[str, mx.array], dict[str, Any]]:
-    """Rename, un-permute and re-type GGUF tensors; returns (weights, config)."""
-    out: dict[str, mx.array] = {}
-    total = len(weights)
-    for i, (name, value) in enumerate(sorted(weights.items())):
-        if value.dtype not in (mx.float32, mx.float16, mx.bfloat16, mx.uint32):
-            raise UnsupportedModelError(f"unsupported GGUF tensor type {value.dtype} for {name}")
-        out[_hf_name(name)] = value
+    """Read, rename and un-permute the GGUF's tensors; returns (weights, config)."""
+    _architecture(meta)  # before any tensor is read
+    parts: dict[str, mx.array] = {}
+    for i, tensor in enumerate(reader.tensors):
+        stem = tensor.name.removesuffix(".weight")
+        parts |= {f"{stem}.{part}": value for part, value in to_mlx(tensor).items()}
         if progress:
-            progress("weights", i + 1, total)
+            progress("weights", i + 1, len(reader.tensors))
+    # In the order of the GGUF names, as conversions since version 1 write them: the same
+    # file bytes, so the same model key (and cache entries) for the same weights.
+    out = {_hf_name(name): parts[name] for name in sorted(parts)}
     config = _config(meta, out)
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     for name, value in out.items():
         if ".self_attn.q_proj." in name:
-            value = _unpermute_rows(value, heads)
+            out[name] = _unpermute_rows(value, heads)
         elif ".self_attn.k_proj." in name:
-            value = _unpermute_rows(value, kv_heads)
-        # Float32 everywhere but the packed ints: MLX's CPU quantized matmul is ~40x
-        # slower with float16 scales, and float32 activations keep results exact.
-        if value.dtype != mx.uint32:
-            value = value.astype(mx.float32)
-        out[name] = value
+            out[name] = _unpermute_rows(value, kv_heads)
     return out, config
 
 
@@ -182,11 +165,13 @@ def convert_gguf(path: Path, out_dir: Path, progress: Progress | None = None) ->
     The folder's manifest is written last, so a folder that passes `check_folder` is whole.
 
     Raises:
-        ModelConversionError: the folder cannot be written (full or read-only disk); no
-            part of it is left behind.
+        UnsupportedModelError: the file is damaged, or its architecture, a tensor's type or
+            its shapes are not what mlx-lm can run.
+        ModelConversionError: the folder cannot be written (full or read-only disk).
+        Either way, no part of the folder is left behind.
     """
-    weights, meta = read_gguf(path)
-    converted, config = convert_weights(weights, meta, progress)
+    reader, meta = open_gguf(path)
+    converted, config = convert_weights(reader, meta, progress)
     try:
         out_dir.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=out_dir.parent))
@@ -199,6 +184,8 @@ def convert_gguf(path: Path, out_dir: Path, progress: Progress | None = None) ->
         mx.eval(converted)
         mx.save_safetensors(str(tmp / "model.safetensors"), converted, metadata={"format": "mlx"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+        # mlx-lm must accept the folder (shapes that fit the config) before it is kept.
+        load_folder(tmp, lazy=True, what=f"{path.name} as an mlx-lm model")
         (tmp / "mlxcache-source.json").write_text(json.dumps({"gguf": str(path)}))
         digests = {f.name: file_digest(f) for f in sorted(tmp.iterdir())}
         (tmp / MANIFEST).write_text(json.dumps({"files": digests}, indent=1))

