@@ -134,23 +134,25 @@ def clear(directory: Directory = None, on_warning: Callable[[str], None] | None 
     """Delete every entry and file; returns how many entries went.
 
     Without a usable index (none, or damaged: `on_warning` says so) the directory is reset
-    to empty and 0 is returned.
+    to empty and 0 is returned. What mlxcache does not write there (a directory, a link) is
+    left as it is, links never followed; `on_warning` says so in one line.
     """
+    warn = on_warning or (lambda _message: None)
     root = kv_dir(directory)
+    n, left = 0, list[str]()
     try:
         with _opened(directory) as disk:
             if disk:
-                return disk.clear()
-        if root.exists():
-            reset(root)  # block files that no index names
-        return 0
+                n, left = disk.clear()
+        if not disk and root.exists():
+            left = reset(root)  # block files that no index names
     except CorruptIndexError as exc:
-        reset(root)
-        if on_warning:
-            on_warning(
-                f"the cache index was damaged ({exc.__cause__}): deleted it and every block file"
-            )
-        return 0
+        left = reset(root)
+        warn(f"the cache index was damaged ({exc.__cause__}): deleted it and every block file")
+    if left:
+        more = f" and {len(left) - 1} more" if len(left) > 1 else ""
+        warn(f"left {left[0]}{more} as it is: not a file mlxcache wrote (links are not followed)")
+    return n
 
 
 def prune(max_bytes: int, directory: Directory = None) -> dict[str, int]:
