@@ -26,7 +26,7 @@ class Spy:
         return getattr(self._model, name)
 
     def __call__(self, x: mx.array, cache: list[Any]) -> mx.array:
-        self.calls.append((int(cache[0].offset), int(x.shape[1])))
+        self.calls.append((offset(cache), int(x.shape[1])))
         self.batch_sizes.append(int(x.shape[0]))
         self.lanes.append(id(cache))
         self._held.append(cache)
@@ -40,6 +40,11 @@ class Spy:
         self.lanes.clear()
         self._held.clear()
         self.last_logits.clear()
+
+
+def offset(cache: list[Any]) -> int:
+    """Tokens the caches hold: an attention layer's offset (a recurrent layer has none)."""
+    return int(next(c.offset for c in cache if hasattr(c, "offset")))
 
 
 def spied(loaded: LoadedModel) -> tuple[LoadedModel, Spy]:

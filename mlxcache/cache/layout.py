@@ -5,8 +5,8 @@ tokens up to its end (`blocks.chain_hashes`), so a prompt can resume at any bloc
 of a prefix it shares with a kept one:
 
 - plain KV layers (`KVCache`): the block's keys and values; all of them, when the model
-  has only such layers, stacked into one array "kv" (one tensor per block in memory and on
-  disk);
+  has only such layers and keys and values of one shape, stacked into one array "kv" (one
+  tensor per block in memory and on disk; MLA models' keys and values differ in width);
 - sliding-window layers (`RotatingKVCache`): the block's keys and values too, cut right
   after the chunk that computed them (the ring buffer drops them later). Restored at
   block k, the ring holds exactly what a cold canonical prefill leaves there: the same
@@ -85,7 +85,7 @@ class Layout:
         """Positions [start, stop) of every attention layer, and every recurrent layer's
         state, from `layers` holding exactly `stop` tokens (right after a prefill chunk
         that covered [start, stop)). A copy: never aliases `layers`."""
-        if self.plain:
+        if self.plain and layers[0].keys.shape == layers[0].values.shape:
             return {"kv": kv.cut_block(layers, start, stop)}
         out: Block = {}
         for i, (kind, c) in enumerate(zip(self.kinds, layers, strict=True)):
@@ -107,8 +107,8 @@ class Layout:
 
     def check(self, block: Block) -> bool:
         """Whether a block read back from disk has every array this layout needs."""
-        if self.plain:
-            return set(block) == {"kv"}
+        if self.plain and set(block) == {"kv"}:
+            return True
         need = {f"{p}.{i}" for i, k in enumerate(self.kinds) if k != "state" for p in "kv"}
         states = {f"s.{i}." for i, k in enumerate(self.kinds) if k == "state"}
         return need <= set(block) and all(any(n.startswith(s) for n in block) for s in states)
@@ -116,7 +116,7 @@ class Layout:
     def join(self, blocks: list[Block], block_size: int) -> list[Any]:
         """Fresh caches holding `blocks` (consecutive from token 0): exactly the state a cold
         canonical prefill leaves at their end."""
-        if self.plain:
+        if "kv" in blocks[0]:
             return kv.join_blocks([b["kv"] for b in blocks], self.n_layers)
         layers = [
             self._state(i, blocks[-1])
@@ -168,7 +168,7 @@ class Layout:
     def append(self, layers: list[Any], tail: Block) -> None:
         """Continue `layers` with a tail cut past their end (`cut`), as its prefill chunk
         did: attention layers take its positions, recurrent layers its state."""
-        if self.plain:
+        if "kv" in tail:
             kv.append(layers, tail["kv"])
             return
         for i, (kind, c) in enumerate(zip(self.kinds, layers, strict=True)):
