@@ -175,8 +175,13 @@ class Engine:
         return next_turn_prefix(lambda m: self.encode_chat(m, **template_kwargs), messages)
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of raw text (no template, no special tokens added)."""
-        return [int(t) for t in self.loaded.tokenizer.encode(text, add_special_tokens=False)]
+        """Token ids of raw text (no template), as mlx-lm's generate and server encode it:
+        with the special tokens the tokenizer adds itself (the BOS of Gemma or Llama 3, which
+        their replies degrade without), unless the text already starts with the BOS."""
+        tokenizer = self.loaded.tokenizer
+        bos = tokenizer.bos_token
+        add = bos is None or not text.startswith(bos)
+        return [int(t) for t in tokenizer.encode(text, add_special_tokens=add)]
 
     def reply_room(self, ids: Sequence[int] | np.ndarray, max_tokens: int) -> int:
         """How many tokens a reply to `ids` may have: max_tokens, or less near the context's end."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import mlx.core as mx
@@ -98,3 +99,31 @@ def test_quantized_gguf_types(tmp_path: Path, qtype: str, bits: int) -> None:
     # Quantized vs dense kernels: same weights, different summation order.
     assert mx.allclose(ours, ref, atol=1e-4, rtol=1e-4)
     assert mx.array_equal(mx.argmax(ours, axis=-1), mx.argmax(ref, axis=-1))
+
+
+def test_raw_prompts_keep_the_bos_the_tokenizer_adds(tmp_path: Path) -> None:
+    """`--raw` encodes as mlx-lm does: a tokenizer that adds a BOS (Gemma, Llama 3) gets it."""
+    from gguf import GGMLQuantizationType
+    from test_gguf_quants import write_random_quantized_llama
+    from typer.testing import CliRunner
+
+    from mlxcache_cli.main import app
+
+    gguf = tmp_path / "bos.gguf"
+    write_random_quantized_llama(gguf, GGMLQuantizationType.Q8_0, add_bos=True)
+    loaded = load(str(gguf), cache_root=tmp_path)
+    engine = Engine(loaded)
+    plain = loaded.tokenizer.encode("ab ab", add_special_tokens=False)
+    assert engine.encode("ab ab") == [1, *plain] == loaded.tokenizer.encode("ab ab")
+    assert engine.encode("<|im_start|>ab ab") == [1, *plain]  # never a second BOS
+    args = ["generate", "--raw", "-m", str(gguf), "--cache-dir", str(tmp_path), "-n", "1"]
+    result = CliRunner().invoke(app, [*args, "--json", "ab ab"])
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout)["stats"]["prompt_tokens"] == 1 + len(plain)
+    # A tokenizer that adds nothing (SmolLM2's, the tiny model's) is encoded as before.
+    tiny = tmp_path / "tiny.gguf"
+    write_tiny_gguf(tiny)
+    no_bos = load(str(tiny), cache_root=tmp_path)
+    assert Engine(no_bos).encode("ab ab") == no_bos.tokenizer.encode(
+        "ab ab", add_special_tokens=False
+    )

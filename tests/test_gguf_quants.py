@@ -150,8 +150,11 @@ _GGUF_LAYER = {
 }
 
 
-def write_random_quantized_llama(path: Path, qtype: GGMLQuantizationType) -> dict[str, np.ndarray]:
-    """A tiny llama whose matrices are random `qtype` blocks (norms F32, embedding Q8_0).
+def write_random_quantized_llama(
+    path: Path, qtype: GGMLQuantizationType, *, add_bos: bool = False
+) -> dict[str, np.ndarray]:
+    """A tiny llama whose matrices are random `qtype` blocks (norms F32, embedding Q8_0);
+    `add_bos`: its tokenizer adds a BOS token (`<|im_start|>`, id 1) as Llama 3's does.
 
     Returns the HF-layout float32 weights the file holds (dequantized by `gguf.quants`).
     """
@@ -176,6 +179,7 @@ def write_random_quantized_llama(path: Path, qtype: GGMLQuantizationType) -> dic
     writer.add_array("tokenizer.ggml.token_type", [3] * 3 + [1] * (len(tokens) - 3))
     writer.add_array("tokenizer.ggml.merges", ["a b", "ab ab", "Ġ a"])
     writer.add_string("tokenizer.chat_template", CHATML)
+    writer.add_bool("tokenizer.ggml.add_bos_token", add_bos)
     hf: dict[str, np.ndarray] = {}
     for seed, (name, shape) in enumerate(sorted(shapes.items())):
         if name == "model.embed_tokens.weight":
