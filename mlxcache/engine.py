@@ -163,7 +163,16 @@ class Engine:
     # -- encoding ---------------------------------------------------------------------------
 
     def encode_chat(self, messages: list[dict[str, Any]], **template_kwargs: Any) -> list[int]:
-        """Token ids of `messages` rendered with the model's chat template, ready to reply."""
+        """Token ids of `messages` rendered with the model's chat template, ready to reply.
+
+        Raises:
+            UserInputError: the model has no chat template (a base model's GGUF or folder).
+        """
+        if not getattr(self.loaded.tokenizer, "has_chat_template", True):
+            raise UserInputError(
+                f"model {self.loaded.name} has no chat template: send the prompt as raw "
+                f"text (generate --raw, or the server's /v1/completions)"
+            )
         ids = self.loaded.tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, **template_kwargs
         )

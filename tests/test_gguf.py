@@ -52,8 +52,11 @@ def test_model_key_depends_on_weights(tmp_path: Path) -> None:
 
 def test_unsupported_architecture(tmp_path: Path) -> None:
     write_tiny_gguf(tmp_path / "q.gguf", arch="qwen3moe")
-    with pytest.raises(UnsupportedModelError, match="unsupported GGUF architecture 'qwen3moe'"):
+    with pytest.raises(UnsupportedModelError) as err:
         load(str(tmp_path / "q.gguf"), cache_root=tmp_path / "c")
+    assert str(err.value) == (
+        "unsupported GGUF: architecture 'qwen3moe' (supported: gemma3, llama, phi3, qwen2, qwen3)"
+    )
     assert not (tmp_path / "c" / "models").exists() or not any(
         (tmp_path / "c" / "models").iterdir()
     )

@@ -24,41 +24,16 @@ from mlxcache.errors import MlxcacheError, ModelConversionError, UnsupportedMode
 from mlxcache.fileio import loads_json
 from mlxcache.model.digest import file_digest
 from mlxcache.model.folder import load_folder
-from mlxcache.model.gguf_file import meta_value, open_gguf
+from mlxcache.model.gguf_arch import architecture, base_config, hf_names
+from mlxcache.model.gguf_file import open_gguf
 from mlxcache.model.gguf_tensors import GROUP_SIZE, to_mlx
 from mlxcache.model.gguf_tokenizer import build_tokenizer
 
 Progress = Callable[[str, int, int], None]
 """progress(stage, done, total): called as conversion advances."""
 
-_SUPPORTED_ARCHS = {"llama"}
-_LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
-_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_PARTS = ("weight", "scales", "biases")
 MANIFEST = "mlxcache-manifest.json"
 """Checksums of every other file of a converted folder, written last (see `check_folder`)."""
-
-
-def _hf_name(name: str) -> str:
-    stem, _, part = name.rpartition(".")
-    if part not in _PARTS:
-        raise UnsupportedModelError(f"unexpected GGUF tensor {name!r}")
-    if stem in _TOP_NAMES:
-        return f"{_TOP_NAMES[stem]}.{part}"
-    blk, layer, kind = stem.split(".", 2) if stem.count(".") == 2 else ("", "", stem)
-    if blk != "blk" or kind not in _LAYER_NAMES:
-        raise UnsupportedModelError(f"unsupported GGUF tensor {name!r} for a llama model")
-    return f"model.layers.{layer}.{_LAYER_NAMES[kind]}.{part}"
 
 
 def _unpermute_rows(x: mx.array, n_head: int) -> mx.array:
@@ -70,73 +45,59 @@ def _unpermute_rows(x: mx.array, n_head: int) -> mx.array:
     return x.reshape(n_head, half, 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
 
 
-def _architecture(meta: dict[str, Any]) -> str:
-    arch = meta.get("general.architecture")
-    if arch not in _SUPPORTED_ARCHS:
-        supported = ", ".join(sorted(_SUPPORTED_ARCHS))
-        raise UnsupportedModelError(
-            f"unsupported GGUF architecture {arch!r} (supported: {supported})"
-        )
-    return str(arch)
-
-
-def _config(meta: dict[str, Any], weights: dict[str, mx.array]) -> dict[str, Any]:
-    arch = _architecture(meta)
-
-    def num(key: str, kind: type[int | float] = int, default: float | None = None) -> Any:
-        return meta_value(meta, f"{arch}.{key}", kind, default)
-
-    hidden = num("embedding_length")
-    heads = num("attention.head_count")
-    config: dict[str, Any] = {
-        "model_type": "llama",
-        "hidden_size": hidden,
-        "num_hidden_layers": num("block_count"),
-        "intermediate_size": num("feed_forward_length"),
-        "num_attention_heads": heads,
-        "num_key_value_heads": num("attention.head_count_kv", default=heads),
-        "head_dim": num("rope.dimension_count", default=hidden // max(heads, 1)),
-        "rms_norm_eps": num("attention.layer_norm_rms_epsilon", float),
-        "rope_theta": num("rope.freq_base", float, 10000.0),
-        "max_position_embeddings": num("context_length"),
-        "vocab_size": len(meta_value(meta, "tokenizer.ggml.tokens", list)),
-        "tie_word_embeddings": "lm_head.weight" not in weights,
-        "eos_token_id": meta_value(meta, "tokenizer.ggml.eos_token_id", int),
-        "bos_token_id": meta_value(meta, "tokenizer.ggml.bos_token_id", int),
-    }
-    # mlx-lm infers each layer's bits from its tensors' shapes (SmolLM2: 8-bit embedding,
-    # 4-bit layers); the top-level entry just marks the model quantized.
+def _quantization(weights: dict[str, mx.array]) -> dict[str, int] | None:
+    """The config's quantization entry: mlx-lm infers each layer's bits from its tensors'
+    shapes (SmolLM2: 8-bit embedding, 4-bit layers); this entry marks the model quantized."""
     bits = {
         weights[n[: -len("scales")] + "weight"].shape[-1] // weights[n].shape[-1]
         for n in weights
         if n.endswith(".scales")
     }
-    if bits:
-        config["quantization"] = {"group_size": GROUP_SIZE, "bits": min(bits)}
-    return config
+    return {"group_size": GROUP_SIZE, "bits": min(bits)} if bits else None
 
 
 def convert_weights(
     reader: GGUFReader, meta: dict[str, Any], progress: Progress | None = None
 ) -> tuple[dict[str, mx.array], dict[str, Any]]:
-    """Read, rename and un-permute the GGUF's tensors; returns (weights, config)."""
-    _architecture(meta)  # before any tensor is read
+    """Read the GGUF's tensors as mlx-lm's model names and holds them; returns (weights, config).
+
+    Raises:
+        UnsupportedModelError: an architecture, metadata or tensor mlxcache cannot convert
+            (checked before any tensor is read, but for a tensor's type).
+    """
+    arch, spec = architecture(meta)
+    config = base_config(meta, arch, spec)
+    names = [t.name for t in reader.tensors]
+    config["tie_word_embeddings"] = "output.weight" not in names
+    hf = hf_names(arch, config, names)
     parts: dict[str, mx.array] = {}
     for i, tensor in enumerate(reader.tensors):
-        stem = tensor.name.removesuffix(".weight")
-        parts |= {f"{stem}.{part}": value for part, value in to_mlx(tensor).items()}
+        stem = tensor.name.rpartition(".")[0]
+        value = to_mlx(tensor)
+        if isinstance(value, dict):  # affine triple of a quantized matrix
+            parts |= {f"{stem}.{part}": v for part, v in value.items()}
+        else:
+            parts[tensor.name] = value
         if progress:
             progress("weights", i + 1, len(reader.tensors))
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    out: dict[str, mx.array] = {}
     # In the order of the GGUF names, as conversions since version 1 write them: the same
     # file bytes, so the same model key (and cache entries) for the same weights.
-    out = {_hf_name(name): parts[name] for name in sorted(parts)}
-    config = _config(meta, out)
-    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-    for name, value in out.items():
-        if ".self_attn.q_proj." in name:
-            out[name] = _unpermute_rows(value, heads)
-        elif ".self_attn.k_proj." in name:
-            out[name] = _unpermute_rows(value, kv_heads)
+    for name in sorted(parts):
+        stem, _, part = name.rpartition(".")
+        value = parts[name]
+        kind = stem.rpartition(".")[2]
+        if spec.permute_qk and kind in ("attn_q", "attn_k"):
+            value = _unpermute_rows(value, heads if kind == "attn_q" else kv_heads)
+        if spec.norm_shift and kind.endswith("norm"):
+            value = value - spec.norm_shift
+        source = name if name in hf else f"{stem}.weight"
+        target = hf[source].rpartition(".")[0]
+        out[f"{target}.{part}"] = value
+    config["quantization"] = _quantization(out)
+    if config["quantization"] is None:
+        del config["quantization"]
     return out, config
 
 
@@ -180,7 +141,8 @@ def convert_gguf(path: Path, out_dir: Path, progress: Progress | None = None) ->
             f"cannot convert {path.name} into {out_dir.parent}: {exc}"
         ) from exc
     try:
-        build_tokenizer(meta, tmp)
+        arch, spec = architecture(meta)
+        build_tokenizer(meta, tmp, arch, spec.chat_template)
         mx.eval(converted)
         mx.save_safetensors(str(tmp / "model.safetensors"), converted, metadata={"format": "mlx"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))

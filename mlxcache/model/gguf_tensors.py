@@ -148,9 +148,9 @@ def _repack(t: ReaderTensor, rows: int, cols: int) -> dict[str, mx.array]:
     return {"weight": mx.array(weight), "scales": mx.array(scales), "biases": mx.array(biases)}
 
 
-def to_mlx(t: ReaderTensor) -> dict[str, mx.array]:
-    """One GGUF tensor as MLX arrays: {"weight"} dense float32, or the affine triple
-    {"weight", "scales", "biases"} (group size 32) for a matrix of a type in `AFFINE`.
+def to_mlx(t: ReaderTensor) -> mx.array | dict[str, mx.array]:
+    """One GGUF tensor as MLX arrays: dense float32, or for a matrix of a type in `AFFINE`
+    the affine triple {"weight", "scales", "biases"} (group size 32).
 
     Raises:
         UnsupportedModelError: a type the `gguf` library cannot dequantize.
@@ -170,4 +170,4 @@ def to_mlx(t: ReaderTensor) -> dict[str, mx.array]:
     # dequantized value exactly.
     if dense.dtype != np.float32:
         raise UnsupportedModelError(f"tensor {t.name}: {kind.name} did not dequantize to float32")
-    return {"weight": mx.array(dense.reshape(shape))}
+    return mx.array(dense.reshape(shape))

@@ -18,28 +18,65 @@ _DIGIT_SPLITTING_PRE = {"smollm"}
 _PLAIN_PRE = {"gpt2", "default"}
 
 
-def build_tokenizer(meta: dict[str, Any], out_dir: Path) -> None:
-    """Write tokenizer.json and tokenizer_config.json for a GGUF's byte-level BPE vocabulary.
+def build_tokenizer(
+    meta: dict[str, Any], out_dir: Path, arch: str, fallback_template: str | None = None
+) -> None:
+    """Write tokenizer.json and tokenizer_config.json for a GGUF's vocabulary (and chat
+    template: the file's own, else `fallback_template`).
+
+    A byte-level BPE vocabulary with the GPT-2 split (or SmolLM2's) is built here; any other
+    (SentencePiece, BPE with another pre-tokenizer) by transformers' own GGUF tokenizer
+    builders. Either way the result is checked against the vocabulary.
 
     Raises:
-        UnsupportedModelError: if the vocabulary is not GPT-2 style BPE or its
-            pre-tokenizer is one we do not reproduce exactly.
+        UnsupportedModelError: a vocabulary neither reproduces exactly, or a damaged one.
     """
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    kind = meta.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise UnsupportedModelError(f"unsupported GGUF tokenizer model {kind!r} (only 'gpt2' BPE)")
-    pre = meta.get("tokenizer.ggml.pre", "default")
-    if pre not in _DIGIT_SPLITTING_PRE | _PLAIN_PRE:
-        raise UnsupportedModelError(f"unsupported GGUF pre-tokenizer {pre!r}")
-
+    kind = meta_value(meta, "tokenizer.ggml.model", str)
+    pre = meta_value(meta, "tokenizer.ggml.pre", str, "default")
     tokens = meta_value(meta, "tokenizer.ggml.tokens", list)
-    merge_list = meta_value(meta, "tokenizer.ggml.merges", list)
     types = meta_value(meta, "tokenizer.ggml.token_type", list)
-    if len(types) != len(tokens) or not all(isinstance(t, str) for t in tokens + merge_list):
+    if len(types) != len(tokens) or not all(isinstance(t, str) for t in tokens):
         raise UnsupportedModelError("GGUF vocabulary is damaged (token list and types disagree)")
+    if kind == "gpt2" and pre in _DIGIT_SPLITTING_PRE | _PLAIN_PRE:
+        tok = _byte_level(meta, pre, tokens, types)
+    else:
+        tok = _by_transformers(meta, arch, kind, pre)
+    _check_vocabulary(tok, tokens, types)
+
+    def special(key: str) -> str | None:
+        name = f"tokenizer.ggml.{key}_token_id"
+        if name not in meta:
+            return None
+        idx = meta_value(meta, name, int)
+        if not 0 <= idx < len(tokens):
+            raise UnsupportedModelError(f"GGUF metadata {name} is {idx}, outside the vocabulary")
+        return str(tokens[idx])
+
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=special("bos"),
+        eos_token=special("eos"),
+        unk_token=special("unknown"),
+        pad_token=special("padding"),
+        additional_special_tokens=[tokens[i] for i, t in enumerate(types) if t == _CONTROL],
+        clean_up_tokenization_spaces=False,
+        add_bos_token=meta_value(meta, "tokenizer.ggml.add_bos_token", bool, False),
+    )
+    template = meta.get("tokenizer.chat_template") or fallback_template
+    if template:
+        fast.chat_template = str(template)
+    fast.save_pretrained(str(out_dir))
+
+
+def _byte_level(meta: dict[str, Any], pre: str, tokens: list[Any], types: list[Any]) -> Any:
+    """GPT-2 style byte-level BPE, with the GPT-2 split or SmolLM2's digit split before it."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    merge_list = meta_value(meta, "tokenizer.ggml.merges", list)
+    if not all(isinstance(m, str) for m in merge_list):
+        raise UnsupportedModelError("GGUF vocabulary is damaged (a merge is not text)")
     merges = [tuple(m.split(" ", 1)) for m in merge_list]
     vocab = {tok: i for i, tok in enumerate(tokens)}
     try:
@@ -71,27 +108,48 @@ def build_tokenizer(meta: dict[str, Any], out_dir: Path) -> None:
             if t == _USER_DEFINED
         ]
     )
+    return tok
 
-    def special(key: str) -> str | None:
-        name = f"tokenizer.ggml.{key}_token_id"
-        if name not in meta:
-            return None
-        idx = meta_value(meta, name, int)
-        if not 0 <= idx < len(tokens):
-            raise UnsupportedModelError(f"GGUF metadata {name} is {idx}, outside the vocabulary")
-        return str(tokens[idx])
 
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token=special("bos"),
-        eos_token=special("eos"),
-        unk_token=special("unknown"),
-        pad_token=special("padding"),
-        additional_special_tokens=[tokens[i] for i, t in enumerate(types) if t == _CONTROL],
-        clean_up_tokenization_spaces=False,
-        add_bos_token=meta_value(meta, "tokenizer.ggml.add_bos_token", bool, False),
+def _by_transformers(meta: dict[str, Any], arch: str, kind: str, pre: str) -> Any:
+    """transformers' GGUF builder for this vocabulary (SentencePiece with Gemma's and
+    Phi-3's variants, byte-level BPE with Llama 3's, Qwen2's, ... splits)."""
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+        GGUF_PRE_TOKENIZER_SPLITS,
+        GGUF_TOKENIZER_MAPPING,
+        convert_gguf_tokenizer,
     )
-    template = meta.get("tokenizer.chat_template")
-    if template:
-        fast.chat_template = template
-    fast.save_pretrained(str(out_dir))
+
+    # A byte-level vocabulary split some other way than the builders know would encode
+    # text into other tokens than the model was trained on: refused, not guessed.
+    if kind == "gpt2" and pre not in GGUF_PRE_TOKENIZER_SPLITS:
+        raise UnsupportedModelError(f"unsupported GGUF pre-tokenizer {pre!r}")
+    if kind not in ("gpt2", "llama"):
+        raise UnsupportedModelError(
+            f"unsupported GGUF tokenizer model {kind!r} (supported: 'gpt2' BPE, 'llama' "
+            f"SentencePiece)"
+        )
+    fields = {
+        name: meta[f"tokenizer.{key}"]
+        for key, name in GGUF_TOKENIZER_MAPPING["tokenizer"].items()
+        if f"tokenizer.{key}" in meta
+    }
+    try:
+        tok, _ = convert_gguf_tokenizer(arch, fields)
+    except Exception as exc:  # whatever the builder meets in a damaged vocabulary
+        raise UnsupportedModelError(f"cannot build the GGUF's {kind} tokenizer: {exc}") from exc
+    return tok
+
+
+def _check_vocabulary(tok: Any, tokens: list[Any], types: list[Any]) -> None:
+    """The built tokenizer has exactly the file's ids, its control tokens at their ids."""
+    size = tok.get_vocab_size(with_added_tokens=True)
+    if size != len(tokens):
+        raise UnsupportedModelError(
+            f"the tokenizer built from the GGUF has {size} tokens, the file {len(tokens)}"
+        )
+    for i, t in enumerate(types):
+        if t == _CONTROL and tok.token_to_id(tokens[i]) != i:
+            raise UnsupportedModelError(
+                f"the tokenizer built from the GGUF puts {tokens[i]!r} at another id than {i}"
+            )
