@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
-from tinymodel import CHATML, SPECIALS, byte_chars, llama_permute
+from test_gguf_quants import gpt2_vocab
+from tinymodel import llama_permute
 from typer.testing import CliRunner
 
 from mlxcache.engine import Engine
@@ -111,20 +112,6 @@ def gguf_name(arch: str, hf: str) -> str:
     _, _, layer, part = stem.split(".", 3)
     names = LAYER_NAMES | POST_ATTENTION.get(arch, {"post_attention_layernorm": "ffn_norm"})
     return f"blk.{layer}.{names[part]}.{suffix}"
-
-
-def gpt2_vocab(writer: gguf.GGUFWriter, template: str = CHATML) -> None:
-    """The tiny model's byte-level BPE vocabulary, with a ChatML template (or none)."""
-    tokens = SPECIALS + byte_chars() + ["ab", "abab", "Ġa"]
-    writer.add_string("tokenizer.ggml.model", "gpt2")
-    writer.add_string("tokenizer.ggml.pre", "default")
-    writer.add_array("tokenizer.ggml.tokens", tokens)
-    writer.add_array("tokenizer.ggml.token_type", [3] * 3 + [1] * (len(tokens) - 3))
-    writer.add_array("tokenizer.ggml.merges", ["a b", "ab ab", "Ġ a"])
-    writer.add_uint32("tokenizer.ggml.bos_token_id", 1)
-    writer.add_uint32("tokenizer.ggml.eos_token_id", 2)
-    if template:
-        writer.add_string("tokenizer.chat_template", template)
 
 
 SPM_SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>", "<end_of_turn>"]

@@ -16,6 +16,7 @@ import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 from mlx_lm.models.llama import Model, ModelArgs
 from tinymodel import CHATML, SPECIALS, byte_chars, tiny_weights
+from tinymodel import _gguf_name as gguf_name
 
 from mlxcache.errors import UnsupportedModelError
 from mlxcache.model import load
@@ -144,17 +145,20 @@ def unpermute(value: np.ndarray, n_head: int) -> np.ndarray:
     return value.reshape(n_head, rows // n_head // 2, 2, -1).swapaxes(1, 2).reshape(value.shape)
 
 
-_GGUF_LAYER = {
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-    "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm",
-}
+def gpt2_vocab(writer: gguf.GGUFWriter, template: str = CHATML, add_bos: bool = False) -> None:
+    """The tiny model's byte-level BPE vocabulary and chat template (none if empty);
+    `add_bos`: its tokenizer adds a BOS token (`<|im_start|>`, id 1) as Llama 3's does."""
+    tokens = SPECIALS + byte_chars() + ["ab", "abab", "Ġa"]
+    writer.add_string("tokenizer.ggml.model", "gpt2")
+    writer.add_string("tokenizer.ggml.pre", "default")
+    writer.add_array("tokenizer.ggml.tokens", tokens)
+    writer.add_array("tokenizer.ggml.token_type", [3] * 3 + [1] * (len(tokens) - 3))
+    writer.add_array("tokenizer.ggml.merges", ["a b", "ab ab", "Ġ a"])
+    writer.add_uint32("tokenizer.ggml.bos_token_id", 1)
+    writer.add_uint32("tokenizer.ggml.eos_token_id", 2)
+    writer.add_bool("tokenizer.ggml.add_bos_token", add_bos)
+    if template:
+        writer.add_string("tokenizer.chat_template", template)
 
 
 def write_random_quantized_llama(
@@ -166,7 +170,6 @@ def write_random_quantized_llama(
     Returns the HF-layout float32 weights the file holds (dequantized by `gguf.quants`).
     """
     shapes = {k: v.shape for k, v in tiny_weights(hidden=256, ffn=512).items()}
-    tokens = SPECIALS + byte_chars() + ["ab", "abab", "Ġa"]
     writer = gguf.GGUFWriter(str(path), arch="llama")
     for key, value in {
         "llama.embedding_length": 256,
@@ -175,28 +178,14 @@ def write_random_quantized_llama(
         "llama.attention.head_count": 4,
         "llama.attention.head_count_kv": 2,
         "llama.context_length": 256,
-        "tokenizer.ggml.bos_token_id": 1,
-        "tokenizer.ggml.eos_token_id": 2,
     }.items():
         writer.add_uint32(key, value)
     writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
-    writer.add_string("tokenizer.ggml.model", "gpt2")
-    writer.add_string("tokenizer.ggml.pre", "default")
-    writer.add_array("tokenizer.ggml.tokens", tokens)
-    writer.add_array("tokenizer.ggml.token_type", [3] * 3 + [1] * (len(tokens) - 3))
-    writer.add_array("tokenizer.ggml.merges", ["a b", "ab ab", "Ġ a"])
-    writer.add_string("tokenizer.chat_template", CHATML)
-    writer.add_bool("tokenizer.ggml.add_bos_token", add_bos)
+    gpt2_vocab(writer, add_bos=add_bos)
     hf: dict[str, np.ndarray] = {}
     for seed, (name, shape) in enumerate(sorted(shapes.items())):
-        if name == "model.embed_tokens.weight":
-            gname, kind = "token_embd.weight", T.Q8_0
-        elif name == "model.norm.weight":
-            gname, kind = "output_norm.weight", None
-        else:
-            _, _, layer, rest = name.split(".", 3)
-            gname = f"blk.{layer}.{_GGUF_LAYER[rest.removesuffix('.weight')]}.weight"
-            kind = None if "norm" in name else qtype
+        gname, n_head = gguf_name(name)
+        kind = T.Q8_0 if gname == "token_embd.weight" else None if "norm" in gname else qtype
         if kind is None:
             data = 1 + np.random.default_rng(seed).standard_normal(shape).astype(np.float32) * 0.1
             writer.add_tensor(gname, data)
@@ -205,7 +194,6 @@ def write_random_quantized_llama(
             data = random_blocks(kind, *shape, seed=seed)
             writer.add_tensor(gname, data, raw_dtype=kind)
             value = quants.dequantize(data, kind)
-        n_head = {"attn_q": 4, "attn_k": 2}.get(gname.split(".")[-2], 0)
         hf[name] = unpermute(value, n_head) if n_head else value
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
