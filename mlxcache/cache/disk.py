@@ -419,10 +419,12 @@ def reset(root: Path) -> list[str]:
                 if path.is_file() or path.is_symlink():
                     path.unlink()
             files = root / "files"
-            if files.is_dir() or files.is_symlink():
-                return remove_files(files)
-            files.unlink(missing_ok=True)  # a stray file where the folder goes
-            return []
+            left = remove_files(files) if files.is_dir() or files.is_symlink() else []
+            if not left and files.is_dir():
+                files.rmdir()
+            elif not left:
+                files.unlink(missing_ok=True)  # a stray file where the folder goes
+            return left
     except OSError as exc:
         raise CacheStoreError(f"cannot reset the disk cache at {root}: {exc}") from exc
 
