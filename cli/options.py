@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import sys
@@ -354,6 +355,13 @@ class RunOptions:
         return engine(self.model, self.cache())
 
 
+def _config_default(name: str) -> Any:
+    """A `CacheConfig` field's declared default, read without building one: building one
+    reads $MLXCACHE_BLOCK_SIZE, and a bad value must fail the command that needs it as one
+    error line, not the import of every command (`mlxcache --version` included)."""
+    return next(f.default for f in dataclasses.fields(CacheConfig) if f.name == name)
+
+
 _RUN_OPTIONS: list[tuple[str, Any, Any]] = [
     ("model", Model, None),
     ("max_tokens", MaxTokens, SamplingParams().max_tokens),
@@ -367,8 +375,8 @@ _RUN_OPTIONS: list[tuple[str, Any, Any]] = [
     ("cache_dir", CacheDir, None),
     ("no_cache", NoCache, False),
     # Defaults come from CacheConfig, their one home, in the form the options take.
-    ("cache_mem", CacheMem, format_size(CacheConfig().mem_bytes)),
-    ("cache_disk", CacheDisk, format_size(CacheConfig().disk_bytes)),
+    ("cache_mem", CacheMem, format_size(_config_default("mem_bytes"))),
+    ("cache_disk", CacheDisk, format_size(_config_default("disk_bytes"))),
     ("block_size", BlockSize, None),
     ("warm_ahead", WarmAhead, True),
     ("quiet", Quiet, False),
