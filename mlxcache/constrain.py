@@ -8,6 +8,7 @@ stay allowed, so the engine ends the reply with finish_reason "stop".
 
 from __future__ import annotations
 
+import functools
 import re
 import threading
 from collections.abc import Collection
@@ -118,6 +119,28 @@ def apply_mask(logits: mx.array, allowed: np.ndarray) -> mx.array:
     return mx.where(mx.array(allowed), logits, neg_inf)
 
 
+@functools.lru_cache(maxsize=16)
+def compiled_matcher(tokenizer: LLTokenizer, grammar: str) -> LLMatcher:
+    """A fresh matcher of `grammar`, compiled once and then copied (`deep_copy` takes
+    microseconds; compiling a large schema's grammar takes seconds): every request of a
+    batch, and every server request with the same schema, starts from a copy. Never
+    advanced itself.
+
+    Raises:
+        GrammarError: the grammar does not compile (not cached: raised each time).
+    """
+    limits = LLParserLimits(verbose_errors=_LIMITS_VERBOSE)
+    matcher = LLMatcher(tokenizer, grammar, log_level=0, limits=limits)
+    if matcher.is_error():
+        raise GrammarError(f"cannot compile the grammar: {matcher_error(matcher)}")
+    return matcher
+
+
+def matcher_error(matcher: LLMatcher) -> str:
+    """The matcher's error on one line."""
+    return " ".join(str(matcher.get_error()).split()) or "unknown matcher error"
+
+
 class GrammarProcessor:
     """Logits processor enforcing one grammar on one request's reply.
 
@@ -138,10 +161,7 @@ class GrammarProcessor:
     def __init__(self, tokenizer: LLTokenizer, grammar: str, stop_tokens: Collection[int]) -> None:
         if not stop_tokens:
             raise ValueError("stop_tokens must not be empty: a complete grammar needs a way out")
-        limits = LLParserLimits(verbose_errors=_LIMITS_VERBOSE)
-        self.matcher = LLMatcher(tokenizer, grammar, log_level=0, limits=limits)
-        if self.matcher.is_error():
-            raise GrammarError(f"cannot compile the grammar: {self._error()}")
+        self.matcher = compiled_matcher(tokenizer, grammar).deep_copy()
         self._stop = np.fromiter(sorted(stop_tokens), dtype=np.int64)
         self._bitmask = allocate_token_bitmask(1, tokenizer.vocab_size)
         self._prompt_len: int | None = None
@@ -153,7 +173,7 @@ class GrammarProcessor:
         return bool(self.matcher.is_stopped() and not self.matcher.is_error())
 
     def _error(self) -> str:
-        return " ".join(str(self.matcher.get_error()).split()) or "unknown matcher error"
+        return matcher_error(self.matcher)
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
         n = int(tokens.shape[-1])
@@ -194,6 +214,16 @@ class GrammarProcessor:
                 "vocabulary"
             )
         return allowed
+
+
+def compile_for(loaded: Any, grammar: str) -> None:
+    """Compile `grammar` for `loaded`'s vocabulary now (`compiled_matcher`), so that the
+    processors `processor_for` makes of it later are copies.
+
+    Raises:
+        GrammarError: the grammar does not compile.
+    """
+    compiled_matcher(ll_tokenizer(loaded.tokenizer, loaded.key), grammar)
 
 
 def processor_for(

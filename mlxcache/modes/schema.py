@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import re
 import warnings
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from mlxcache.constrain import grammar_check, grammar_error, grammar_from_json_s
 from mlxcache.errors import GrammarError, UserInputError
 from mlxcache.fileio import loads_json
 from mlxcache.modes.schema_walk import (
+    Parts,
     close_objects,
     keyword_at,
     narrow_recursive_allof,
@@ -57,6 +59,16 @@ FRACTION_DIGITS = 10
 the finest step llguidance compiles over the whole capped range)."""
 _FRACTION_STEP = 1e-10
 _NUMBER_KEYS = ("type", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
+
+MAX_SCHEMA_OBJECTS = 2_000
+"""Most JSON objects (subschemas and property maps) in the schemas of one request. Checking
+and compiling grow faster than their size (llguidance builds an object of n optional
+properties in ~n² steps), so this bounds each request's schema work: at the limit, about
+3 s on 2 CPU cores; a 5 MB schema is refused at once instead of running for minutes."""
+MAX_SCHEMA_VALUES = 100_000
+"""Most JSON values in them (strings, numbers, enum members, ...)."""
+_INTEGERS = range(-(2**63), 2**64)
+"""The integers llguidance's JSON compiler takes (64 bits, signed or not)."""
 
 MAX_ERROR = 300
 """Longest error line: long quotes of the schema are cut, the location is kept..."""
@@ -216,6 +228,46 @@ def _located(schema: dict[str, Any], warning: str) -> str:
     return one_line(f"{text} at {where}" if where else text, 160)
 
 
+def _readable_number(value: Any) -> bool:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return True
+    return value in _INTEGERS if isinstance(value, int) else math.isfinite(value)
+
+
+def check_size(schema: Any, what: str = "schema") -> None:
+    """Refuse schemas too large to prepare in bounded time (`MAX_SCHEMA_OBJECTS`,
+    `MAX_SCHEMA_VALUES`) and numbers constrained decoding cannot read, before any other
+    work; the walk stops at the first excess.
+
+    Raises:
+        GrammarError: one line, naming the number's location.
+    """
+    stack: list[tuple[Any, Parts]] = [(schema, ())]
+    objects = values = 0
+    while stack:
+        node, parts = stack.pop()
+        values += 1
+        if isinstance(node, dict):
+            objects += 1
+            stack.extend((value, (*parts, key)) for key, value in node.items())
+        elif isinstance(node, list):
+            stack.extend((value, (*parts, i)) for i, value in enumerate(node))
+        elif not _readable_number(node):
+            raise GrammarError(
+                f"{what} has a number constrained decoding cannot read at {pointer(parts)} "
+                "(integers must fit in 64 bits, numbers must be finite)"
+            )
+        if objects > MAX_SCHEMA_OBJECTS or values > MAX_SCHEMA_VALUES:
+            count, limit = (
+                ("objects", MAX_SCHEMA_OBJECTS)
+                if objects > MAX_SCHEMA_OBJECTS
+                else ("values", MAX_SCHEMA_VALUES)
+            )
+            raise GrammarError(
+                f"{what} is too large: more than {limit:,} JSON {count} (split or simplify it)"
+            )
+
+
 def _metaschema_error(schema: dict[str, Any], what: str) -> str | None:
     try:
         with warnings.catch_warnings():  # Python's `re` warns about odd patterns it compiles
@@ -244,11 +296,13 @@ def check_schema(
             (`bound_numbers`); None: unless `strict`, which keeps the schema's own numbers.
 
     Raises:
-        GrammarError: not an object, not valid JSON Schema, a `$ref` cycle, or (strict, or
+        GrammarError: not an object, too large (`check_size`), not valid JSON Schema, a
+            `$ref` cycle, or (strict, or
             beyond what lenient decoding can skip) a feature the grammar cannot enforce.
     """
     if not isinstance(schema, dict):
         raise GrammarError(f"{what} must be a JSON object, got {type(schema).__name__}")
+    check_size(schema, what)
     invalid = _metaschema_error(schema, what)
     if invalid is not None:
         raise GrammarError(invalid)

@@ -22,7 +22,7 @@ from typing import Any
 from mlxcache.constrain import grammar_error, grammar_from_lark
 from mlxcache.errors import GrammarError, UserInputError
 from mlxcache.fileio import loads_json
-from mlxcache.modes.schema import check_schema, one_line, validation_error
+from mlxcache.modes.schema import check_schema, check_size, one_line, validation_error
 from mlxcache.modes.tool_formats import HERMES, ToolFormat, blocks, grammar_lines
 
 CALL_START = "<tool_call>"
@@ -84,8 +84,10 @@ def parse_tools(doc: Any, origin: str = "tools") -> tuple[Tool, ...]:
 
     Raises:
         UserInputError: a malformed definition or duplicate name.
-        GrammarError: a parameters schema that is invalid or cannot be enforced.
+        GrammarError: a parameters schema that is invalid or cannot be enforced, or
+            definitions too large together (`check_size`).
     """
+    check_size(doc, origin)  # all tools together: each one's bound alone would not bound them
     entries = doc if isinstance(doc, list) else [doc]
     if not entries:
         raise UserInputError(f"{origin} has no tool (expected a list of function definitions)")

@@ -51,16 +51,16 @@ def create_app(engine: Engine, worker: Worker, settings: Settings, log: RequestL
     """The ASGI app serving `engine` through `worker` (which must be started)."""
     app = FastAPI(title="mlxcache", docs_url=None, redoc_url=None, openapi_url=None)
     errors.install(app)
-    # Templates, tokenizer and grammar compilation run one request at a time: a fast
-    # tokenizer used from two threads at once can fail ("Already borrowed").
-    prepare_lock = threading.Lock()
+    # Tokenizer calls run one request at a time: a fast tokenizer used from two threads at
+    # once can fail ("Already borrowed"). Grammar work runs outside this lock (see prepare).
+    tokenizing = threading.Lock()
 
     def locked(fn: Callable[[], T]) -> T:
-        with prepare_lock:
+        with tokenizing:
             return fn()
 
     async def prepared(fn: Callable[..., Plan], body: Any) -> Plan:
-        return await run_in_threadpool(locked, lambda: fn(engine, body, settings.defaults))
+        return await run_in_threadpool(fn, engine, body, settings.defaults, tokenizing)
 
     def check_model(model: str) -> None:
         if model != settings.model_id:

@@ -3,15 +3,20 @@
 Plain chat, JSON mode (`response_format`) and tools reuse the library's modes, so a reply
 over HTTP is bitwise what `mlxcache generate` / `json` / `tools` give on the same prompt.
 Everything here is plain Python (templates, tokenizer, grammar compilation): it runs on
-the handler's thread; only the returned Request goes to the engine worker.
+the handler's thread; only the returned Request goes to the engine worker. Grammar work
+(checking a schema, compiling its grammar: seconds for a large one, bounded by
+`schema.MAX_SCHEMA_OBJECTS`) runs outside `tokenizing`, the server's one lock, which is
+held only where the tokenizer is called: one client's schema never stalls another's reply.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 from typing import Any
 
+from mlxcache.constrain import compile_for
 from mlxcache.engine import Engine, Request
 from mlxcache.errors import UserInputError
 from mlxcache.events import Result, Stats
@@ -139,7 +144,18 @@ def _choice(body: ChatRequest, names: list[str]) -> ToolChoice:
     return ToolChoice("function", choice.function.name)
 
 
-def chat(engine: Engine, body: ChatRequest, defaults: SamplingParams) -> Plan:
+Tokenizing = AbstractContextManager[Any]
+"""Held around tokenizer calls (a fast tokenizer used from two threads at once can fail)."""
+ALONE: Tokenizing = nullcontext()
+"""No lock: for a caller preparing one request at a time."""
+
+
+def chat(
+    engine: Engine,
+    body: ChatRequest,
+    defaults: SamplingParams,
+    tokenizing: Tokenizing = ALONE,
+) -> Plan:
     """The plan of a chat completion.
 
     Raises:
@@ -151,16 +167,17 @@ def chat(engine: Engine, body: ChatRequest, defaults: SamplingParams) -> Plan:
     if body.tools:
         if fmt is not None and fmt.type != "text":
             raise APIError(400, "response_format cannot be combined with tools", param="tools")
-        return _tools_plan(engine, body, messages, params)
+        return _tools_plan(engine, body, messages, params, tokenizing)
     if body.tool_choice not in (None, "none", "auto"):
         raise APIError(400, "tool_choice needs tools", param="tool_choice", code="invalid_value")
     _refuse_tool_turns(messages)
     if fmt is None or fmt.type == "text":
-        ids = engine.encode_chat(messages)
+        tokenizer = engine.loaded.tokenizer
+        with tokenizing:
+            ids = engine.encode_chat(messages)
+            thinking = reply_thinking(tokenizer, tokenizer.decode(ids[-_PROMPT_END:]))
         # A client may send the next turn as soon as this reply ends: follow it.
         request = Request(ids, params, stop_strings=body.stops(), follow=engine.warm_ahead)
-        tokenizer = engine.loaded.tokenizer
-        thinking = reply_thinking(tokenizer, tokenizer.decode(ids[-_PROMPT_END:]))
         return Plan(ids, request, next_turn=_warm(engine, messages), thinking=thinking)
     if fmt.type == "json_schema":
         if fmt.json_schema is None:
@@ -176,10 +193,13 @@ def chat(engine: Engine, body: ChatRequest, defaults: SamplingParams) -> Plan:
     task = JsonTask.create(schema, instructions=instructions, strict=strict, cap_numbers=True)
     # As `mlxcache json` by default: a reasoning template is asked not to think (one that
     # opens the section anyway gets it bounded and apart).
-    task = task.for_model(engine.loaded.tokenizer, False)
+    task = task.for_model(engine.loaded.tokenizer, False)  # renders a probe: no tokenizer call
+    compile_for(engine.loaded, task.grammar)
     rendered = [task.messages("")[0], *rest]  # the schema's system message, then the chat
-    ids = json_mode.encode(engine, rendered, **task.template_kwargs)
-    request = replace(json_mode.request(engine, ids, task, params), stop_strings=body.stops())
+    with tokenizing:
+        ids = json_mode.encode(engine, rendered, **task.template_kwargs)
+        request = json_mode.request(engine, ids, task, params)
+    request = replace(request, stop_strings=body.stops())
     thinking = task.thinking if task.thinking is not None and task.thinking.in_reply else None
     warm = _warm(engine, rendered, **task.template_kwargs)
     return Plan(ids, request, next_turn=warm, thinking=thinking)
@@ -196,7 +216,11 @@ def _warm(
 
 
 def _tools_plan(
-    engine: Engine, body: ChatRequest, messages: list[dict[str, Any]], params: SamplingParams
+    engine: Engine,
+    body: ChatRequest,
+    messages: list[dict[str, Any]],
+    params: SamplingParams,
+    tokenizing: Tokenizing,
 ) -> Plan:
     tools = parse_tools([t.model_dump(exclude_none=True) for t in body.tools or ()])
     choice = _choice(body, [t.name for t in tools])
@@ -204,10 +228,13 @@ def _tools_plan(
     conversation = read_messages(rest)
     parallel = body.parallel_tool_calls is not False  # OpenAI's default: allowed
     task = ToolsTask(tools, choice, system, parallel)
-    ids = task.encode(engine, conversation)
-    request = replace(
-        task.request(engine, ids, params), stop_strings=body.stops(), follow=engine.warm_ahead
-    )
+    style = task.style_for(engine)  # renders probes and compiles the schemas: no tokenizer call
+    if style.grammar is not None:
+        compile_for(engine.loaded, style.grammar)
+    with tokenizing:
+        ids = task.encode(engine, conversation)
+        request = task.request(engine, ids, params)
+    request = replace(request, stop_strings=body.stops(), follow=engine.warm_ahead)
 
     def warm(answer: Answer) -> list[int]:
         return next_turn(task, engine, conversation, ToolReply(answer.content, answer.calls))
@@ -215,7 +242,12 @@ def _tools_plan(
     return Plan(ids, request, task, warm if engine.warm_ahead else None)
 
 
-def completion(engine: Engine, body: CompletionRequest, defaults: SamplingParams) -> Plan:
+def completion(
+    engine: Engine,
+    body: CompletionRequest,
+    defaults: SamplingParams,
+    tokenizing: Tokenizing = ALONE,
+) -> Plan:
     """The plan of a raw text completion (no chat template)."""
     params = sampling(body, defaults, body.max_tokens)
     prompt = body.prompt
@@ -223,6 +255,7 @@ def completion(engine: Engine, body: CompletionRequest, defaults: SamplingParams
         if len(prompt) != 1:
             raise APIError(400, "prompt must be one string", param="prompt", code="invalid_value")
         prompt = prompt[0]
-    ids = engine.encode(prompt)
+    with tokenizing:
+        ids = engine.encode(prompt)
     engine.check_fits(ids)
     return Plan(ids, Request(ids, params, stop_strings=body.stops()))
