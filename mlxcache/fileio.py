@@ -25,6 +25,13 @@ MAX_YAML_VALUES = 1_000_000
 """Most values a YAML document may expand to through its aliases (a "billion laughs" guard)."""
 # A JSON string (skipped whole: brackets inside it do not nest) or one bracket.
 _JSON_TOKENS = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]')
+# One escape in a JSON string (`\\` is one: finditer keeps the backslashes paired).
+_JSON_ESCAPE = re.compile(r"\\(?:u([0-9a-fA-F]{4})|.)", re.DOTALL)
+_SURROGATE = re.compile("[\ud800-\udfff]")
+"""A code point no text holds: half of a UTF-16 pair, or an undecodable byte (surrogateescape)."""
+MAX_DIGITS = 4300
+"""Longest integer in a JSON input (Python's own limit on converting one from text)."""
+_LONG_NUMBER = re.compile(rf"\d{{{MAX_DIGITS + 1}}}")
 
 
 def _too_deep_at(text: str) -> int | None:
@@ -41,11 +48,36 @@ def _too_deep_at(text: str) -> int | None:
     return None
 
 
+def _lone_surrogate_at(text: str) -> int | None:
+    """Offset of the first lone surrogate in JSON text, as a character or a `\\u` escape
+    (a high one not followed at once by a low one, or a low one alone), or None."""
+    raw = _SURROGATE.search(text)
+    if raw is not None:
+        return raw.start()
+    if "\\u" not in text:
+        return None
+    high: int | None = None  # offset of a high surrogate's escape waiting for its low half
+    for m in _JSON_ESCAPE.finditer(text):
+        code = int(m.group(1), 16) if m.group(1) else 0
+        if high is not None:
+            if 0xDC00 <= code <= 0xDFFF and m.start() == high + 6:
+                high = None
+                continue
+            return high
+        if 0xD800 <= code <= 0xDBFF:
+            high = m.start()
+        elif 0xDC00 <= code <= 0xDFFF:
+            return m.start()
+    return high
+
+
 def loads_json(text: str | bytes, **options: Any) -> Any:
-    """`json.loads(text, **options)`, refusing documents nested deeper than MAX_DEPTH first.
+    """`json.loads(text, **options)`, refusing first documents nested deeper than MAX_DEPTH,
+    strings that are not text (a lone surrogate, e.g. `"\\ud800"`: no tokenizer or UTF-8
+    file takes one) and integers longer than MAX_DIGITS.
 
     Raises:
-        json.JSONDecodeError: not JSON, or nested too deeply (with the offending position).
+        json.JSONDecodeError: not JSON, or one of the above (with the offending position).
         UnicodeDecodeError: `text` is bytes that are not UTF-8.
     """
     if isinstance(text, bytes):
@@ -53,7 +85,18 @@ def loads_json(text: str | bytes, **options: Any) -> Any:
     at = _too_deep_at(text)
     if at is not None:
         raise json.JSONDecodeError(f"nested deeper than {MAX_DEPTH} levels", text, at)
-    return json.loads(text, **options)
+    at = _lone_surrogate_at(text)
+    if at is not None:
+        raise json.JSONDecodeError("a lone surrogate in a string (not valid text)", text, at)
+    try:
+        return json.loads(text, **options)
+    except ValueError as exc:
+        # Python's digit limit raises a plain ValueError (subclasses are the caller's own).
+        long = _LONG_NUMBER.search(text)
+        if type(exc) is not ValueError or long is None:
+            raise
+        message = f"an integer longer than {MAX_DIGITS} digits"
+        raise json.JSONDecodeError(message, text, long.start()) from None
 
 
 def load_yaml(text: str) -> Any:
@@ -81,6 +124,8 @@ def _check_tree(doc: Any) -> None:
             raise yaml.YAMLError(
                 f"more than {MAX_YAML_VALUES} values once its aliases are expanded"
             )
+        if isinstance(node, str) and _SURROGATE.search(node):
+            raise yaml.YAMLError("a lone surrogate in a string (not valid text)")
         children = node.values() if isinstance(node, dict) else node
         if isinstance(node, (dict, list)):
             if depth == MAX_DEPTH:
