@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from numbers import Integral, Real
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
@@ -39,6 +40,14 @@ class SamplingParams:
     repetition_context: int = 20
 
     def __post_init__(self) -> None:
+        # Types first (settings also come from JSON files): a float seed or a string
+        # temperature would otherwise fail deep inside MLX, or be silently coerced.
+        for f in fields(self):
+            value = getattr(self, f.name)
+            whole = isinstance(f.default, int)
+            if isinstance(value, bool) or not isinstance(value, Integral if whole else Real):
+                kind = "an integer" if whole else "a number"
+                raise ValueError(f"{f.name} must be {kind}, got {value!r}")
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -73,7 +82,7 @@ def make_sampler(params: SamplingParams) -> Sampler:
     Replies therefore depend only on (seed, logits), never on other requests in flight.
     """
     if params.temperature == 0:
-        return lambda logprobs: mx.argmax(logprobs, axis=-1)
+        return greedy
 
     key = mx.random.key(params.seed)
     inv_temp = 1.0 / params.temperature
@@ -88,11 +97,23 @@ def make_sampler(params: SamplingParams) -> Sampler:
     def sample(logprobs: mx.array) -> mx.array:
         nonlocal key
         key, sub = mx.random.split(key)
+        kept = logprobs
         for keep in filters:
-            logprobs = keep(logprobs)
-        return mx.random.categorical(logprobs * inv_temp, key=sub)
+            kept = keep(kept)
+        scaled = kept * inv_temp
+        # A temperature so close to 0 that 1/T overflows the logits' dtype, or a top-p that
+        # rounds to 0, leaves no finite logit, and a draw among those picks any token, the
+        # least likely included: take their common limit, the most likely token (greedy).
+        # Otherwise the draw is used as is (the same key, the same token as without this).
+        usable = mx.isfinite(mx.max(scaled, axis=-1))
+        return mx.where(usable, mx.random.categorical(scaled, key=sub), greedy(logprobs))
 
     return sample
+
+
+def greedy(logprobs: mx.array) -> mx.array:
+    """The most likely token (temperature 0)."""
+    return mx.argmax(logprobs, axis=-1)
 
 
 def _top_k(logprobs: mx.array, k: int) -> mx.array:
