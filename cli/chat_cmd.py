@@ -15,6 +15,7 @@ from rich.markdown import Markdown
 
 from mlxcache.errors import MlxcacheError, UserInputError
 from mlxcache.events import Done, Event, Token
+from mlxcache.model import LoadedModel
 from mlxcache.modes import chat
 from mlxcache.paths import cache_dir as resolve_cache_dir
 from mlxcache.worker import EngineWorker
@@ -47,9 +48,11 @@ class Repl:
         sessions: Path,
         markdown: bool,
         quiet: bool = False,
+        force: bool = False,
     ) -> None:
         self.engine = engine  # a worker thread runs the model: warm-ahead fills idle time
         self.quiet = quiet
+        self.force = force
         self.session = session
         self.sessions = sessions
         self.markdown = markdown
@@ -165,9 +168,12 @@ class Repl:
         ui.info(f"saved {path}")
 
     def _load(self, arg: str) -> None:
-        self.session = chat.load(self.sessions, arg)
-        self.name = arg
+        session = chat.load(self.sessions, arg)
+        note = on_model(session, arg, self.engine.engine.loaded, self.force)
+        self.session, self.name = session, arg
         ui.info(describe_session(arg, self.session))
+        if note:
+            ui.warn(note)
 
     def _stats(self, arg: str) -> None:
         cache = self.engine.call(lambda e: e.cache.report())
@@ -213,6 +219,28 @@ class Repl:
             self.failed = True
             ui.error(str(exc))
         return True
+
+
+def on_model(session: chat.ChatSession, name: str, loaded: LoadedModel, force: bool) -> str | None:
+    """Record `loaded` as the session's model; a session made with another model goes on
+    with this one only with `force` (its replies would come from two models).
+
+    Returns:
+        A note when it goes on with another model.
+
+    Raises:
+        UserInputError: the session was made with another model and not `force`.
+    """
+    note = None
+    if session.other_model(loaded.key):
+        change = f"session {name!r} was made with model {session.model}, not {loaded.name}"
+        if not force:
+            raise UserInputError(
+                f"{change}: pass --model for it, or --force to go on with {loaded.name}"
+            )
+        note = f"{change}: going on with {loaded.name} (--force)"
+    session.model, session.model_key = loaded.name, loaded.key
+    return note
 
 
 def describe_session(name: str, session: chat.ChatSession) -> str:
@@ -333,6 +361,12 @@ def chat_cmd(
     markdown: Annotated[
         bool, typer.Option("--markdown", help="Render replies as Markdown.")
     ] = False,
+    force: Annotated[
+        bool,
+        typer.Option(
+            "--force", help="Resume (or /load) a session made with another model, with this one."
+        ),
+    ] = False,
     *,
     run: o.RunOptions,
 ) -> None:
@@ -343,16 +377,21 @@ def chat_cmd(
         return
     params, stops = run.sampling(), run.stop_strings()
     system = o.text_or_file(system, "system")
+    changed: list[str] = []
     if resume is not None:
-        session = chat.load(sessions, resume)
-        ui.info(describe_session(resume, session))
+        session = chat.load(sessions, resume)  # checked before the model loads
         changed = apply_options(ctx, session, run, system)
-        if changed:
-            ui.info("changed: " + ", ".join(changed))
     else:
         session = chat.ChatSession(system=system, sampling=params, stop=stops)
     with EngineWorker(run.engine()) as worker:
-        _repl(Repl(worker, session, sessions, markdown, run.quiet), resume, run)
+        note = on_model(session, resume or "", worker.engine.loaded, force)
+        if resume is not None:
+            ui.info(describe_session(resume, session))
+            if changed:
+                ui.info("changed: " + ", ".join(changed))
+        if note:
+            ui.warn(note)
+        _repl(Repl(worker, session, sessions, markdown, run.quiet, force), resume, run)
 
 
 def _repl(repl: Repl, resume: str | None, run: o.RunOptions) -> None:

@@ -55,6 +55,14 @@ class ChatSession:
     """Stop strings: a reply ends before the first one."""
     generations: int = 0
     """Replies generated so far (retries included): seeds each one differently."""
+    model: str | None = None
+    """The name of the model the replies come from (None: not recorded, an older file)."""
+    model_key: str | None = None
+    """Its key (`LoadedModel.key`): what tells whether another model would continue it."""
+
+    def other_model(self, key: str) -> bool:
+        """Whether the session was made with a model other than the one of `key`."""
+        return self.model_key is not None and self.model_key != key
 
     def messages(self, upto: int | None = None) -> list[dict[str, str]]:
         """Chat-template messages of the first `upto` turns (all by default)."""
@@ -146,32 +154,67 @@ class ChatSession:
             "sampling": asdict(self.sampling),
             "stop": list(self.stop),
             "generations": self.generations,
+            "model": self.model,
+            "model_key": self.model_key,
         }
 
     @classmethod
     def from_json(cls, doc: Any) -> ChatSession:
-        """Parse a saved session.
+        """Parse a saved session, every field's type checked (nothing is coerced, so a bad
+        value is refused here, before any work, not deep inside a generation).
 
         Raises:
             UserInputError: not a session file of this format.
         """
         try:
-            if doc["format"] != FORMAT:
-                raise ValueError(f"format {doc['format']!r}")
+            if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+                found = doc.get("format") if isinstance(doc, dict) else None
+                raise ValueError(f"format {found!r}, expected {FORMAT!r}")
             turns = [
-                Turn(str(t["user"]), str(t["reply"]), bool(t.get("interrupted")))
-                for t in doc["turns"]
+                Turn(
+                    _typed(t, "user", str),
+                    _typed(t, "reply", str),
+                    _typed(t, "interrupted", bool, False),
+                )
+                for t in _typed(doc, "turns", list)
             ]
-            system = doc["system"]
+            sampling = _typed(doc, "sampling", dict)
+            stop = _typed(doc, "stop", list, [])
+            if not all(isinstance(s, str) and s for s in stop):
+                raise ValueError("'stop' must be a list of non-empty strings")
             return cls(
-                system=None if system is None else str(system),
+                system=_typed(doc, "system", str | None),
                 turns=turns,
-                sampling=SamplingParams(**doc["sampling"]),
-                stop=tuple(str(s) for s in doc.get("stop", ())),
-                generations=int(doc["generations"]),
+                sampling=SamplingParams(**sampling),
+                stop=tuple(stop),
+                generations=_typed(doc, "generations", int),
+                model=_typed(doc, "model", str | None, None),
+                model_key=_typed(doc, "model_key", str | None, None),
             )
-        except (KeyError, TypeError, ValueError) as exc:
+        except (TypeError, ValueError) as exc:
             raise UserInputError(f"not a saved chat session: {exc}") from exc
+
+
+_REQUIRED: Any = object()
+
+
+def _typed(doc: Any, key: str, kind: Any, default: Any = _REQUIRED) -> Any:
+    """`doc[key]`, which must be an instance of `kind` (a bool is not an int here).
+
+    Raises:
+        ValueError: `doc` is not an object, the key is missing (and has no default), or
+            its value has another type.
+    """
+    if not isinstance(doc, dict):
+        raise ValueError(f"expected an object with {key!r}, got {type(doc).__name__}")
+    if key not in doc:
+        if default is _REQUIRED:
+            raise ValueError(f"no {key!r}")
+        return default
+    value = doc[key]
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
+        raise ValueError(f"{key!r} has the wrong type ({type(value).__name__}): {value!r}"[:200])
+    return value
 
 
 def session_path(directory: Path, name: str) -> Path:
@@ -210,4 +253,7 @@ def load(directory: Path, name: str) -> ChatSession:
         raise UserInputError(f"no saved session {name!r} in {directory}") from None
     except (OSError, ValueError) as exc:
         raise UserInputError(f"cannot read session {name!r}: {exc}") from exc
-    return ChatSession.from_json(doc)
+    try:
+        return ChatSession.from_json(doc)
+    except UserInputError as exc:
+        raise UserInputError(f"session {name!r}: {exc}") from exc
