@@ -11,7 +11,7 @@ from mlxcache.engine import Engine
 from mlxcache.errors import OutputError, OutputMismatchError, UserInputError
 from mlxcache.fileio import check_output_dir
 from mlxcache.modes import json_mode
-from mlxcache.modes.batch import read_input
+from mlxcache.modes.batch import claim_output, read_input
 from mlxcache.modes.reasoning import check_think_options
 from mlxcache.modes.schema import CompiledSchema, check_schema, read_json_arg
 from mlxcache.sampling import SamplingParams
@@ -124,15 +124,16 @@ def json_cmd(
         raise UserInputError("--input needs --output FILE (the file a rerun resumes)")
     check_output_dir(output, "--output")
     lines = read_input(input_path)
-    engine = run.engine()
-    task = task.for_model(engine.loaded.tokenizer, think, think_budget)
-    try:
-        plan = json_mode.plan_batch(engine, task, lines, input_path, output, params, force)
-    except OutputMismatchError as exc:
-        raise OutputMismatchError(
-            f"{exc}: pass --force to redo its lines, or choose another --output"
-        ) from exc
-    _batch(engine, task, plan, lanes)
+    with claim_output(output):  # before the model loads: a second run is refused at once
+        engine = run.engine()
+        task = task.for_model(engine.loaded.tokenizer, think, think_budget)
+        try:
+            plan = json_mode.plan_batch(engine, task, lines, input_path, output, params, force)
+        except OutputMismatchError as exc:
+            raise OutputMismatchError(
+                f"{exc}: pass --force to redo its lines, or choose another --output"
+            ) from exc
+        _batch(engine, task, plan, lanes)
 
 
 def _report_check(compiled: CompiledSchema, as_json: bool) -> None:

@@ -6,11 +6,15 @@ order, appended and fsynced line by line. Every record says what produced it (`r
 model, a digest of each shared input such as the schema, and the sampling), so a rerun
 continues only the same run: it skips the lines already there and refuses records of
 another run unless told to redo them. A last line cut short by a crash (no final newline)
-is dropped and redone.
+is dropped and redone. A run claims its output file (`claim_output`) from reading what it
+holds to its last record: a second run on the same file is refused, never writing its lines
+twice.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -180,6 +184,48 @@ def read_output(path: Path, run: dict[str, Any] | None = None, redo: bool = Fals
                 f"{', '.join(differences)})"
             )
     return OutputState(frozenset(done), keep, keep < len(data))
+
+
+@contextlib.contextmanager
+def claim_output(path: Path) -> Iterator[None]:
+    """Hold `path` for one run: read what it holds, plan, append, all under an OS lock on the
+    file (released when the run ends or its process dies). A file created for the claim
+    and left empty is removed again: a refused or failed plan leaves nothing behind.
+
+    Raises:
+        OutputFileError: another run holds the file, or it cannot be opened.
+    """
+    try:
+        try:
+            fd, created = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644), True
+        except FileExistsError:
+            fd, created = os.open(path, os.O_RDWR), False
+    except OSError as exc:
+        raise OutputFileError(f"cannot write output file {path}: {exc.strerror or exc}") from exc
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise OutputFileError(
+                f"output file {path} is being written by another run; wait for it to end, "
+                "or write to another file"
+            ) from None
+        if os.fstat(fd).st_ino != _inode(path):  # removed by the run that held it before
+            raise OutputFileError(f"output file {path} was removed meanwhile; run again")
+        try:
+            yield
+        finally:
+            if created and os.fstat(fd).st_size == 0:
+                Path(path).unlink(missing_ok=True)  # still under the lock: nobody writes it
+    finally:
+        os.close(fd)
+
+
+def _inode(path: Path) -> int | None:
+    try:
+        return os.stat(path).st_ino
+    except FileNotFoundError:
+        return None
 
 
 class RecordWriter:
