@@ -78,17 +78,23 @@ def _describe(label: str, diff: dict[str, Any]) -> str:
     )
 
 
+def _load(
+    suite: Path, variants: str, block_size: int | None
+) -> tuple[suite_mod.Suite, tuple[str, ...]]:
+    """Check the options and load the suite (before any model loads)."""
+    if block_size is not None:
+        o.positive(block_size=block_size)
+    return suite_mod.load(suite), _variants(variants)
+
+
 def _run(
-    suite: Path,
-    variants: str,
+    cases: suite_mod.Suite,
+    chosen: tuple[str, ...],
     block_size: int | None,
     quiet: bool,
     act: Callable[[Runner, tuple[str, ...]], golden.Report],
 ) -> tuple[int, golden.Report]:
-    """Check the options, load the suite, and `act` in a scratch cache directory."""
-    if block_size is not None:
-        o.positive(block_size=block_size)
-    cases, chosen = suite_mod.load(suite), _variants(variants)
+    """`act` on the suite in a scratch cache directory."""
     progress = ui.regress_progress(quiet)
     with tempfile.TemporaryDirectory(prefix="mlxcache-regress-") as work:
         runner = Runner(cases, Path(work), block_size, progress)
@@ -108,7 +114,8 @@ def record(
     quiet: o.Quiet = False,
 ) -> None:
     """Run SUITE under every variant and write the golden file (only if all variants agree)."""
-    n, report = _run(suite, variants, block_size, quiet, lambda r, v: golden.record(r, output, v))
+    cases, chosen = _load(suite, variants, block_size)
+    n, report = _run(cases, chosen, block_size, quiet, lambda r, v: golden.record(r, output, v))
     if report.ok and not as_json:
         ui.info(f"recorded {n} cases to {output}")
     _show(report, as_json)
@@ -127,7 +134,7 @@ def check(
     quiet: o.Quiet = False,
 ) -> None:
     """Run SUITE again and compare every variant with GOLDEN byte for byte (exit 1 on a difference)."""
-    _, report = _run(
-        suite, variants, block_size, quiet, lambda r, v: golden.check(r, golden_file, v)
-    )
+    cases, chosen = _load(suite, variants, block_size)
+    doc = golden.load_golden(golden_file)  # a damaged golden is refused before any work
+    _, report = _run(cases, chosen, block_size, quiet, lambda r, v: golden.check(r, doc, v))
     _show(report, as_json)

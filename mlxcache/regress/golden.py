@@ -124,6 +124,12 @@ def record(runner: Runner, out: Path, variants: tuple[str, ...] = VARIANTS) -> R
 
 
 def load_golden(path: Path) -> dict[str, Any]:
+    """Read and check a golden file whole (every field `check` reads has its type), so a
+    damaged one is refused before any case runs.
+
+    Raises:
+        UserInputError: unreadable, or not a golden file (one line saying what is wrong).
+    """
     try:
         doc = loads_json(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
@@ -134,12 +140,17 @@ def load_golden(path: Path) -> dict[str, Any]:
         or not isinstance(doc.get("cases"), dict)
     ):
         raise UserInputError(f"{path} is not a golden file ({FORMAT})")
+    versions = doc.get("versions", {})
+    if not isinstance(versions, dict) or not all(isinstance(v, str) for v in versions.values()):
+        raise UserInputError(f"{path}: 'versions' must be an object of version strings")
     for name, case in doc["cases"].items():
         outputs = case.get("outputs") if isinstance(case, dict) else None
         if not isinstance(outputs, list) or not all(_is_output(o) for o in outputs):
             raise UserInputError(
                 f"{path}: case {name!r} has no valid 'outputs' (text, tokens, finish_reason)"
             )
+        if not isinstance(case.get("model_key", ""), str):
+            raise UserInputError(f"{path}: case {name!r}: 'model_key' must be a string")
     return doc
 
 
@@ -148,13 +159,22 @@ def _is_output(o: Any) -> bool:
         isinstance(o, dict)
         and isinstance(o.get("text"), str)
         and isinstance(o.get("tokens"), list)
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in o["tokens"])
         and isinstance(o.get("finish_reason"), str)
     )
 
 
-def check(runner: Runner, golden_path: Path, variants: tuple[str, ...] = VARIANTS) -> Report:
-    """Run the suite and compare every variant with the golden, byte for byte."""
-    golden = load_golden(golden_path)
+def check(
+    runner: Runner, golden: Path | dict[str, Any], variants: tuple[str, ...] = VARIANTS
+) -> Report:
+    """Run the suite and compare every variant with the golden, byte for byte.
+
+    Args:
+        golden: the golden file, or what `load_golden` read from it (checked before the
+            runner loads its models).
+    """
+    if isinstance(golden, Path):
+        golden = load_golden(golden)
     results, report = run_variants(runner, variants)
     now = versions()
     for name, then in golden.get("versions", {}).items():
