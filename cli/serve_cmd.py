@@ -56,6 +56,8 @@ def serve_cmd(
     except ValueError as exc:
         raise UserInputError(f"--max-body: {exc}") from exc
     o.positive(max_body=body_limit)
+    if api_key:  # compared as UTF-8 bytes: undecodable argv bytes could never match
+        api_key = o.utf8(api_key, "--api-key")
     defaults = run.sampling()
     engine = run.engine()
     if host not in LOOPBACK and not api_key:

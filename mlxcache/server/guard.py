@@ -65,9 +65,10 @@ class Guard:
     def _authorize(self, scope: Scope) -> APIError | None:
         if self.api_key is None or scope["path"] in OPEN_PATHS:
             return None
-        headers = dict(scope["headers"])
-        given = headers.get(b"authorization", b"").decode("latin-1")
-        if hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+        # Bytes against bytes: the header as sent, the key as UTF-8 (what clients send for
+        # a non-ASCII key; decoding the header as latin-1 first refused every such key).
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        if hmac.compare_digest(given, f"Bearer {self.api_key}".encode()):
             return None
         return APIError(
             401,

@@ -1,7 +1,8 @@
 """Request bodies of the OpenAI endpoints, as pydantic models.
 
 Unknown fields are ignored (clients send many we do not use); known fields are checked
-strictly enough that a wrong type is a 400 naming the field, never a crash later.
+strictly: a wrong type is a 400 naming the field, never a crash later, and nothing is
+coerced (`"stream": "yes"` or `"max_tokens": "5"` are refused; an integer is a number).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class TextPart(_Body):
