@@ -25,6 +25,7 @@ from tinymodel import llama_permute
 from typer.testing import CliRunner
 
 from mlxcache.engine import Engine
+from mlxcache.errors import UnsupportedModelError
 from mlxcache.model import load
 from mlxcache_cli.main import app
 
@@ -226,3 +227,25 @@ def test_a_model_without_chat_template_is_one_error_line(tmp_path: Path) -> None
         "(generate --raw, or the server's /v1/completions)\n"
     )
     assert CliRunner().invoke(app, [*args, "--raw", "hi"]).exit_code == 0
+
+
+@pytest.mark.parametrize(
+    ("pre", "error"), [("qwen2", None), ("llama-bpe", None), ("tiktoken-x", True)]
+)
+def test_byte_level_vocabularies_with_other_splits(tmp_path: Path, pre: str, error: Any) -> None:
+    """Qwen2's and Llama 3's splits come from transformers' builders; an unknown split is
+    refused (it would cut text where the model never saw it cut)."""
+    model, config = reference("qwen2")
+    write_gguf(tmp_path / "q.gguf", "qwen2", model, config, partial(gpt2_vocab, pre=pre))
+    if error:
+        with pytest.raises(UnsupportedModelError) as err:
+            load(str(tmp_path / "q.gguf"), cache_root=tmp_path / "cache")
+        assert str(err.value) == f"unsupported GGUF pre-tokenizer {pre!r}"
+        return
+    loaded = load(str(tmp_path / "q.gguf"), cache_root=tmp_path / "cache")
+    ours = tmp_path / "default.gguf"  # the same vocabulary through mlxcache's own builder
+    write_gguf(ours, "qwen2", model, config, gpt2_vocab)
+    text = "ab abab 12! Ġa"
+    ids = Engine(loaded).encode(text)
+    assert ids == Engine(load(str(ours), cache_root=tmp_path / "cache")).encode(text)
+    assert ids[:3] == [259, 35, 260] and loaded.tokenizer.decode(ids) == text

@@ -145,12 +145,15 @@ def unpermute(value: np.ndarray, n_head: int) -> np.ndarray:
     return value.reshape(n_head, rows // n_head // 2, 2, -1).swapaxes(1, 2).reshape(value.shape)
 
 
-def gpt2_vocab(writer: gguf.GGUFWriter, template: str = CHATML, add_bos: bool = False) -> None:
+def gpt2_vocab(
+    writer: gguf.GGUFWriter, template: str = CHATML, add_bos: bool = False, pre: str = "default"
+) -> None:
     """The tiny model's byte-level BPE vocabulary and chat template (none if empty);
-    `add_bos`: its tokenizer adds a BOS token (`<|im_start|>`, id 1) as Llama 3's does."""
+    `add_bos`: its tokenizer adds a BOS token (`<|im_start|>`, id 1) as Llama 3's does;
+    `pre`: the pre-tokenizer it names."""
     tokens = SPECIALS + byte_chars() + ["ab", "abab", "Ġa"]
     writer.add_string("tokenizer.ggml.model", "gpt2")
-    writer.add_string("tokenizer.ggml.pre", "default")
+    writer.add_string("tokenizer.ggml.pre", pre)
     writer.add_array("tokenizer.ggml.tokens", tokens)
     writer.add_array("tokenizer.ggml.token_type", [3] * 3 + [1] * (len(tokens) - 3))
     writer.add_array("tokenizer.ggml.merges", ["a b", "ab ab", "Ġ a"])
