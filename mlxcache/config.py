@@ -73,6 +73,9 @@ class CacheConfig:
         max_entries: slot limit of the prompt index.
         warm_ahead: after a reply, prefill the conversation as its next turn will start, in
             idle time (`Engine.warm_chat`), so the next turn resumes past the reply.
+        state_stride: for models with recurrent layers, keep their state after every
+            `state_stride`-th block (and after each kept prompt's last one); None: chosen
+            from the first state's size, so that states cost about half the blocks' KV.
     """
 
     enabled: bool = True
@@ -82,11 +85,14 @@ class CacheConfig:
     disk_bytes: int = 20 << 30
     max_entries: int = 256
     warm_ahead: bool = True
+    state_stride: int | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
             raise ValueError(f"block size must be >= 1, got {self.block_size}")
         if self.mem_bytes < 0 or self.disk_bytes < 0:
             raise ValueError("cache budgets must be >= 0")
+        if self.state_stride is not None and self.state_stride < 1:
+            raise ValueError(f"state stride must be >= 1, got {self.state_stride}")
         if self.max_entries < 1:
             raise ValueError(f"max entries must be >= 1, got {self.max_entries}")

@@ -157,6 +157,8 @@ def partial_last_block(patch: Patch) -> None:
 
     patch(PromptCache, "restore", restore_noting)
     patch(PromptCache, "release", release_keeping)
+    # The store cuts what it keeps to whole blocks; this one files the prompt as given.
+    patch(PromptCache, "_whole_blocks", lambda self, tokens, names: tokens)
 
 
 def checkpoint_at_prompt_end(patch: Patch) -> None:
@@ -346,20 +348,20 @@ def no_capture(patch: Patch) -> None:
 
 
 def state_of_the_block_start(patch: Patch) -> None:
-    """Restored at block k, a recurrent layer gets the state from before block k-1's
-    tokens (the previous block's), not the state after them."""
-    join = Layout.join
+    """Restored at block k, a recurrent layer gets the state kept after block k-1 (from
+    before block k's tokens), not the state after block k."""
+    layers_of = PromptCache._layers
 
-    def join_stale(self: Layout, parts: list[Any], block_size: int) -> list[Any]:
-        layers = join(self, parts, block_size)
-        if len(parts) > 1:
-            older = join(self, parts[:-1], block_size)
-            for i, kind in enumerate(self.kinds):
+    def stale(self: PromptCache, entry: Any, length: int) -> list[Any]:
+        layers = layers_of(self, entry, length)
+        if self.layout is not None and self.layout.has_state and length > self.block_size:
+            older = layers_of(self, entry, length - self.block_size)
+            for i, kind in enumerate(self.layout.kinds):
                 if kind == "state":
                     layers[i] = older[i]
         return layers
 
-    patch(Layout, "join", join_stale)
+    patch(PromptCache, "_layers", stale)
 
 
 MUTANTS: dict[str, Callable[[Patch], None]] = {

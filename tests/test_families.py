@@ -10,9 +10,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 from families import FAMILIES
 from guarantees import (
+    GREEDY,
+    B,
     Rig,
     Variant,
     check_cancelled_decode,
@@ -22,9 +25,14 @@ from guarantees import (
     check_fork,
     check_restore_repeatedly,
     check_warm,
+    prompt,
 )
 from tinymodel import write_mlx_lm
 
+from mlxcache.cache.base import NoCache
+from mlxcache.cache.store import PromptCache
+from mlxcache.config import CacheConfig
+from mlxcache.engine import Engine, Request
 from mlxcache.model import LoadedModel, load
 
 CHECKS: list[Callable[[Rig], None]] = [
@@ -60,3 +68,61 @@ def test_family(
     variant = family_models[family]
     assert variant.trimmable, f"{family} has no block layout"
     check(Rig(variant, tmp_path))
+
+
+def _states(directory: Path) -> list[Path]:
+    return sorted((directory / "kv" / "files").glob("*.s.safetensors"))
+
+
+def _cached_engine(variant: Variant, directory: Path, stride: int | None) -> Engine:
+    loaded = variant.loaded
+    config = CacheConfig(block_size=B, directory=directory, state_stride=stride)
+    return Engine(loaded, PromptCache(loaded.model, loaded.key, config, root=directory / "kv"))
+
+
+def test_recurrent_state_every_other_block(
+    family_models: dict[str, Variant], tmp_path: Path
+) -> None:
+    """With a state stride of 2, a gated-delta hybrid keeps its state after blocks 2, 4, 6
+    and after the prompt's last block (7); a fork resumes at the last of those it shares."""
+    variant = family_models["qwen3_next"]
+    engine = _cached_engine(variant, tmp_path, 2)
+    cold = Engine(variant.loaded, NoCache(variant.loaded.model, B))
+    p = prompt(30)
+    engine.complete(Request(p, GREEDY))
+    assert len(_states(tmp_path)) == 4
+    for tokens, resumed in [
+        (p[:23] + prompt(5, seed=3), 16),  # shares 5 blocks: block 5 has no state
+        (p[:29] + prompt(4, seed=4), 28),  # shares all 7: the last has its state
+        (p, 30),  # the same prompt: its tail
+    ]:
+        got = engine.complete(Request(tokens, GREEDY))
+        assert got.stats.cached_tokens == resumed
+        assert got.tokens == cold.complete(Request(tokens, GREEDY)).tokens
+    # A new process (a new cache on the directory) backs off the same way from disk.
+    reopened = _cached_engine(variant, tmp_path, 2)
+    fork = p[:23] + prompt(6, seed=5)
+    got = reopened.complete(Request(fork, GREEDY))
+    assert got.stats.cached_tokens == 16
+    assert got.tokens == cold.complete(Request(fork, GREEDY)).tokens
+
+
+def test_measured_state_stride(family_models: dict[str, Variant], tmp_path: Path) -> None:
+    """By default a hybrid's states cost about half of what its blocks' KV costs: the stride
+    is ceil(2 * state bytes / block KV bytes), and the last block always keeps its state."""
+    variant = family_models["qwen3_next"]
+    engine = _cached_engine(variant, tmp_path, None)
+    engine.complete(Request(prompt(30), GREEDY))
+    files = sorted((tmp_path / "kv" / "files").glob("*.safetensors"))
+    states = _states(tmp_path)
+    blocks = [f for f in files if f not in states]
+
+    def size(path: Path) -> int:
+        arrays = mx.load(str(path))
+        assert isinstance(arrays, dict)
+        return sum(int(a.nbytes) for a in arrays.values())
+
+    stride = -(-2 * size(states[0]) // size(blocks[0]))
+    assert stride > 1  # a gated-delta state outweighs a block of 4 tokens' KV
+    assert len(blocks) == 7
+    assert len(states) == len({j for j in range(7) if (j + 1) % stride == 0} | {6})

@@ -203,6 +203,16 @@ class DiskTier:
         except Exception as exc:
             raise CorruptCacheFileError(f"{name}: {exc}") from exc
 
+    def stored(self, names: list[str]) -> list[str]:
+        """Those of `names` that have a file, in the order given."""
+        have = set()
+        for i in range(0, len(names), 500):  # SQLite's limit on bound parameters
+            part = names[i : i + 500]
+            marks = ",".join("?" * len(part))
+            rows = self._db.execute(f"SELECT name FROM files WHERE name IN ({marks})", part)
+            have |= {r[0] for r in rows}
+        return [n for n in names if n in have]
+
     def name_namespace(self, ns: str, model: str, path: str, block_size: int) -> None:
         """Record which model (name, folder) and block size a namespace holds, for listings."""
         self._db.execute(

@@ -12,7 +12,9 @@ of a prefix it shares with a kept one:
   block k, the ring holds exactly what a cold canonical prefill leaves there: the same
   positions, in the same order, at the same size (`_ring_start`);
 - recurrent layers (`ArraysCache`: SSM, gated delta, conv states): their state after the
-  block, which cannot be rebuilt from anything else.
+  block, which cannot be rebuilt from anything else. The store keeps it apart from the
+  block (`split`), at some block boundaries only: a resume needs just the state where it
+  starts.
 
 A model with any other cache kind has no layout: the store keeps whole-state checkpoints.
 """
@@ -76,6 +78,16 @@ class Layout:
         return cls(fresh, [str(k) for k in kinds])
 
     @property
+    def has_state(self) -> bool:
+        """Whether some layer is recurrent (its state is kept apart from the blocks)."""
+        return bool(self._slots)
+
+    def split(self, block: Block) -> tuple[Block, Block]:
+        """A cut block's attention arrays, and its recurrent states (empty: no such layer)."""
+        state = {k: v for k, v in block.items() if k.startswith("s.")}
+        return {k: v for k, v in block.items() if not k.startswith("s.")}, state
+
+    @property
     def needs_capture(self) -> bool:
         """Whether a block must be cut right after the chunk that computed it (sliding and
         recurrent layers do not hold it, or its state, later); plain KV is cut at keep time."""
@@ -106,20 +118,25 @@ class Layout:
         return out
 
     def check(self, block: Block) -> bool:
-        """Whether a block read back from disk has every array this layout needs."""
+        """Whether a block read back from disk has every attention array this layout needs."""
         if self.plain and set(block) == {"kv"}:
             return True
-        need = {f"{p}.{i}" for i, k in enumerate(self.kinds) if k != "state" for p in "kv"}
-        states = {f"s.{i}." for i, k in enumerate(self.kinds) if k == "state"}
-        return need <= set(block) and all(any(n.startswith(s) for n in block) for s in states)
+        return {f"{p}.{i}" for i, k in enumerate(self.kinds) if k != "state" for p in "kv"} <= set(
+            block
+        )
 
-    def join(self, blocks: list[Block], block_size: int) -> list[Any]:
-        """Fresh caches holding `blocks` (consecutive from token 0): exactly the state a cold
-        canonical prefill leaves at their end."""
+    def check_state(self, state: Block) -> bool:
+        """Whether a state read back from disk has a state for every recurrent layer."""
+        return all(any(n.startswith(f"s.{i}.") for n in state) for i in self._slots)
+
+    def join(self, blocks: list[Block], block_size: int, state: Block | None = None) -> list[Any]:
+        """Fresh caches holding `blocks` (consecutive from token 0) and the recurrent
+        `state` after the last one: exactly what a cold canonical prefill leaves there.
+        Without a state, recurrent layers are empty (a tail's state follows)."""
         if "kv" in blocks[0]:
             return kv.join_blocks([b["kv"] for b in blocks], self.n_layers)
         layers = [
-            self._state(i, blocks[-1])
+            self._state(i, state or {})
             if kind == "state"
             else self._attention(i, blocks, block_size)
             for i, kind in enumerate(self.kinds)
@@ -127,11 +144,11 @@ class Layout:
         mx.eval([c.state for c in layers])
         return layers
 
-    def _state(self, i: int, last: Block) -> ArraysCache:
+    def _state(self, i: int, state: Block) -> ArraysCache:
         c = ArraysCache(self._slots[i])
         for j in range(self._slots[i]):
             name = f"s.{i}.{j}"
-            c[j] = mx.array(last[name]) if name in last else None
+            c[j] = mx.array(state[name]) if name in state else None
         return c
 
     def _attention(self, i: int, blocks: list[Block], block_size: int) -> Any:

@@ -127,6 +127,7 @@ class PromptCache:
         # Blocks captured by running lanes (by id of their layers, then block number) until
         # they keep them; outside the budget, like the lanes' own layers.
         self._staged: dict[int, dict[int, Block]] = {}
+        self._stride = config.state_stride
         self._mem_bytes = 0
         self._token_bytes = 0  # KV bytes per token, learned from the first block kept
         self.disk_index = PromptIndex(config.block_size)
@@ -169,6 +170,11 @@ class PromptCache:
                 stats.misses += 1
                 self.reserve(self._token_bytes * len(tokens), None, tokens)
                 return Resume(make_prompt_cache(self._model), 0)
+            length = self._resumable(entry, length)
+            if length == 0:  # no recurrent state kept on the way: a miss
+                stats.misses += 1
+                self.reserve(self._token_bytes * len(tokens), None, tokens)
+                return Resume(make_prompt_cache(self._model), 0)
             stats.hits += 1
             if length != len(tokens) // self.block_size * self.block_size:
                 tail = None  # its full blocks are not all here: an ordinary resume
@@ -191,22 +197,10 @@ class PromptCache:
         tokens = np.array(tokens, dtype=np.int32)
         self._make_room(tokens)
         if self.layout is not None:
-            names = kv.chain_hashes(tokens, self.block_size, self.ns)
-            staged = self._staged.get(id(layers), {})
-            fresh: dict[str, Block] = {}
-            for j, h in enumerate(names):
-                if h in self._blocks or h in fresh:
-                    continue
-                block = staged.pop(j, None)
-                if block is None and self.layout.plain:  # plain KV: cut out of any state
-                    b = self.block_size
-                    block = self.layout.cut(layers, j * b, (j + 1) * b)
-                if block is None:  # never captured: keep the blocks before it
-                    names, tokens = names[:j], tokens[: j * self.block_size]
-                    break
-                fresh[h] = block
+            names, fresh = self._fresh_blocks(tokens, layers)
             if not names:
                 return
+            tokens = self._whole_blocks(tokens, names)
             entry = self._add_blocks(tokens, names, fresh)
             self._write_blocks(tokens, names)
         else:
@@ -214,6 +208,58 @@ class PromptCache:
             entry = self._add_checkpoint(tokens, checkpoint)
             self._write_checkpoint(tokens, checkpoint)
         self._fit(skip=entry, prompt=tokens)
+
+    def _fresh_blocks(
+        self, tokens: np.ndarray, layers: list[Any]
+    ) -> tuple[list[str], dict[str, Block]]:
+        """The names an entry of `tokens` holds (its blocks, then the recurrent states it
+        keeps) and the blocks among them not stored yet: captured ones, or cut out of
+        `layers` (plain KV). It stops before the first block that is neither stored nor
+        captured. States are kept after every `stride`-th block and after the last."""
+        assert self.layout is not None
+        b, layout = self.block_size, self.layout
+        names = kv.chain_hashes(tokens, b, self.ns)
+        staged = self._staged.get(id(layers), {})
+        n = next(
+            (j for j, h in enumerate(names) if h not in self._blocks and j not in staged),
+            len(names),
+        )
+        if layout.plain:  # plain KV: cut out of any state
+            n = len(names)
+        fresh: dict[str, Block] = {}
+        states: list[str] = []
+        for j, h in enumerate(names[:n]):
+            piece = staged.pop(j, None)
+            if piece is None and h not in self._blocks:
+                piece = layout.cut(layers, j * b, (j + 1) * b)
+            blocks, state = layout.split(piece) if piece is not None else ({}, {})
+            if h not in self._blocks:
+                fresh[h] = blocks
+            if not layout.has_state:
+                continue
+            name = _state_name(h)
+            if (
+                name not in self._blocks
+                and state
+                and (j == n - 1 or self._keeps_state(j, state, blocks))
+            ):
+                fresh[name] = state
+            if name in self._blocks or name in fresh:
+                states.append(name)
+        return names[:n] + states, fresh
+
+    def _whole_blocks(self, tokens: np.ndarray, names: list[str]) -> np.ndarray:
+        """The tokens of the blocks among `names`: what an entry of them holds."""
+        return tokens[: sum(not _is_state(h) for h in names) * self.block_size]
+
+    def _keeps_state(self, j: int, state: Block, blocks: Block) -> bool:
+        """Whether block j keeps its recurrent state: every `stride`-th one. The stride is
+        set, or measured the first time: states may cost about half of what the blocks'
+        attention arrays cost (a state per block can outweigh a hybrid's KV many times)."""
+        if self._stride is None:
+            kv_bytes = block_nbytes(blocks) or 1
+            self._stride = max(1, -(-2 * block_nbytes(state) // kv_bytes))
+        return (j + 1) % self._stride == 0
 
     def capture(self, tokens: np.ndarray, layers: list[Any]) -> None:
         """Note the last block of `layers` (holding exactly `tokens`, right after its chunk)
@@ -294,7 +340,20 @@ class PromptCache:
             return kv.from_snapshot(self._checkpoints[entry])
         assert self.layout is not None  # an entry of blocks: the model has a layout
         names = self._entry_blocks[entry][: length // self.block_size]
-        return self.layout.join([self._blocks[h].data for h in names], self.block_size)
+        state = self._blocks.get(_state_name(names[-1]))
+        blocks = [self._blocks[h].data for h in names]
+        return self.layout.join(blocks, self.block_size, state.data if state else None)
+
+    def _resumable(self, entry: Entry, length: int) -> int:
+        """The longest resume point up to `length` in `entry` whose recurrent state is kept
+        (`length` itself for models without recurrent layers)."""
+        if self.layout is None or not self.layout.has_state:
+            return length
+        names = self._entry_blocks.get(entry, [])
+        for j in range(length // self.block_size - 1, -1, -1):
+            if _state_name(names[j]) in self._blocks:
+                return (j + 1) * self.block_size
+        return 0
 
     def _add_checkpoint(self, tokens: np.ndarray, checkpoint: list[Any]) -> Entry:
         """Add a memory entry backed by a whole-state checkpoint."""
@@ -310,7 +369,8 @@ class PromptCache:
         for h, block in fresh.items():
             self._blocks[h] = _Block(block)
             added += self._blocks[h].nbytes
-            self._token_bytes = self._blocks[h].nbytes // self.block_size
+            if not _is_state(h):
+                self._token_bytes = self._blocks[h].nbytes // self.block_size
         entry = self.mem.add(tokens, trimmable=True, nbytes=added)
         if entry not in self._entry_blocks:
             self._entry_blocks[entry] = names
@@ -448,6 +508,14 @@ class PromptCache:
                 fresh = {h: self.disk.read_block(h) for h in names if h not in self._blocks}
                 if not all(self.layout.check(block) for block in fresh.values()):
                     raise CorruptCacheFileError("a block file lacks arrays its model needs")
+                if self.layout.has_state:  # the last state kept on the way: where it resumes
+                    stored = self.disk.stored([_state_name(h) for h in names])
+                    name = next((n for n in reversed(stored) if n not in self._blocks), None)
+                    if name is not None:
+                        fresh[name] = self.disk.read_block(name)
+                        if not self.layout.check_state(fresh[name]):
+                            raise CorruptCacheFileError(f"{name}: not a state of this model")
+                    names += [n for n in stored if n in self._blocks or n in fresh]
                 mx.eval([list(block.values()) for block in fresh.values()])
                 mem_entry = self._add_blocks(tokens, names, fresh)
             else:
@@ -463,3 +531,12 @@ class PromptCache:
             return None
         self._fit(skip=mem_entry, prompt=tokens)
         return mem_entry
+
+
+def _state_name(block: str) -> str:
+    """The name of the recurrent state kept after block `block`."""
+    return f"{block}.s"
+
+
+def _is_state(name: str) -> bool:
+    return name.endswith(".s")
