@@ -196,3 +196,26 @@ def serve(
             block_size=block_size,
         )
     )
+
+
+def reuse(
+    model: Annotated[
+        str | None,
+        typer.Option(
+            "--model", "-m", help="Also a real model (a .gguf, an mlx-lm folder).", metavar="MODEL"
+        ),
+    ] = None,
+    block_size: o.BlockSize = 16,
+) -> None:
+    """Share of a shared prefix each model family resumes (one JSON line each), vs full
+    attention; bytes kept per token vs the model's KV; replies vs --no-cache. Exit 1 when a
+    goal fails."""
+    from mlxcache.bench import reuse_bench
+
+    o.positive(block_size=block_size)
+    *rows, summary = reuse_bench.run(model, block_size)
+    for row in rows:
+        ui.out_json(row)
+    _report(summary)
+    if not summary["pass"]:
+        raise typer.Exit(1)

@@ -194,6 +194,7 @@ command(bench.chunks, app=bench_app, examples="mlxcache bench chunks --tokens 25
 command(bench.chat, app=bench_app, examples="mlxcache bench chat --max-tokens 80")
 command(bench.schemas, app=bench_app, examples="mlxcache bench schemas schemas/ --generate 12")
 command(bench.serve, app=bench_app, examples="mlxcache bench serve --turns 2 --tokens 30")
+command(bench.reuse, app=bench_app, examples="mlxcache bench reuse --block-size 16")
 app.add_typer(bench_app, name="bench")
 
 models_app = typer.Typer(help="Converted models and what a model spec loads.", no_args_is_help=True)

@@ -8,8 +8,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
-from tinymodel import LFM2, write_mlx_lm, write_sliding, write_tiny_gguf
+from tinymodel import write_sliding, write_tiny_gguf
 
+from mlxcache.bench.families import FAMILIES, build
 from mlxcache.model import LoadedModel, load
 
 if TYPE_CHECKING:  # imported where used: other tests need not import what it imports
@@ -70,7 +71,7 @@ def sliding(tiny: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> Load
 @pytest.fixture(scope="session")
 def recurrent(tiny: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
     """A tiny random LFM2 (mlx-lm's class): attention, then two recurrent conv layers."""
-    return load(str(write_mlx_lm(tmp_path_factory.mktemp("lfm2") / "model", tiny.path, LFM2)))
+    return load(str(build(tmp_path_factory.mktemp("lfm2") / "model", tiny.path, FAMILIES["lfm2"])))
 
 
 @pytest.fixture(scope="session")
@@ -95,5 +96,5 @@ def other_variants(
     from guarantees import Variant
 
     sliding = load(str(write_sliding(other.path, folder / "sliding")))
-    recurrent = load(str(write_mlx_lm(folder / "lfm2", other.path, LFM2, seed=9)))
+    recurrent = load(str(build(folder / "lfm2", other.path, FAMILIES["lfm2"], seed=9)))
     return Variant.all(other, sliding, recurrent)

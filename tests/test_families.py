@@ -1,6 +1,6 @@
 """The architecture matrix: every mlx-lm family kind resumes block by block, exactly.
 
-Tiny random instances of mlx-lm's own model classes (tests/families.py) run the exactness
+Tiny random instances of mlx-lm's own model classes (mlxcache/bench/families.py) run the exactness
 checks of tests/guarantees.py: each reply equal to a cold run's, bit for bit (logits
 included), resumed where the cache geometry says, from memory, disk and after a fork.
 """
@@ -12,7 +12,6 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from families import FAMILIES
 from guarantees import (
     GREEDY,
     B,
@@ -27,8 +26,8 @@ from guarantees import (
     check_warm,
     prompt,
 )
-from tinymodel import write_mlx_lm
 
+from mlxcache.bench.families import FAMILIES, build
 from mlxcache.cache.base import NoCache
 from mlxcache.cache.store import PromptCache
 from mlxcache.config import CacheConfig
@@ -52,7 +51,7 @@ def family_models(
 ) -> dict[str, Variant]:
     root = tmp_path_factory.mktemp("families")
     return {
-        name: Variant.of(name, load(str(write_mlx_lm(root / name, tiny.path, config))), False)
+        name: Variant.of(name, load(str(build(root / name, tiny.path, config))), False)
         for name, config in FAMILIES.items()
     }
 
@@ -84,7 +83,8 @@ def test_recurrent_state_every_other_block(
     family_models: dict[str, Variant], tmp_path: Path
 ) -> None:
     """With a state stride of 2, a gated-delta hybrid keeps its state after blocks 2, 4, 6
-    and after the prompt's last block (7); a fork resumes at the last of those it shares."""
+    and after the prompt's last block (7); a fork resumes at the last of those it shares,
+    and keeps the state where it left the prompt, so the next fork there resumes there."""
     variant = family_models["qwen3_next"]
     engine = _cached_engine(variant, tmp_path, 2)
     cold = Engine(variant.loaded, NoCache(variant.loaded.model, B))
@@ -99,12 +99,13 @@ def test_recurrent_state_every_other_block(
         got = engine.complete(Request(tokens, GREEDY))
         assert got.stats.cached_tokens == resumed
         assert got.tokens == cold.complete(Request(tokens, GREEDY)).tokens
-    # A new process (a new cache on the directory) backs off the same way from disk.
+    # A new process (a new cache on the directory) resumes there from disk; a fork that
+    # shares block 6 but not 7 backs off to 24.
     reopened = _cached_engine(variant, tmp_path, 2)
-    fork = p[:23] + prompt(6, seed=5)
-    got = reopened.complete(Request(fork, GREEDY))
-    assert got.stats.cached_tokens == 16
-    assert got.tokens == cold.complete(Request(fork, GREEDY)).tokens
+    for tokens, resumed in [(p[:23] + prompt(6, seed=5), 20), (p[:27] + prompt(3, seed=6), 24)]:
+        got = reopened.complete(Request(tokens, GREEDY))
+        assert got.stats.cached_tokens == resumed
+        assert got.tokens == cold.complete(Request(tokens, GREEDY)).tokens
 
 
 def test_measured_state_stride(family_models: dict[str, Variant], tmp_path: Path) -> None:

@@ -128,6 +128,7 @@ class PromptCache:
         # they keep them; outside the budget, like the lanes' own layers.
         self._staged: dict[int, dict[int, Block]] = {}
         self._stride = config.state_stride
+        self._branches: dict[int, int] = {}  # id of a lane's layers -> its branch block
         self._mem_bytes = 0
         self._token_bytes = 0  # KV bytes per token, learned from the first block kept
         self.disk_index = PromptIndex(config.block_size)
@@ -170,7 +171,7 @@ class PromptCache:
                 stats.misses += 1
                 self.reserve(self._token_bytes * len(tokens), None, tokens)
                 return Resume(make_prompt_cache(self._model), 0)
-            length = self._resumable(entry, length)
+            shared, length = length, self._resumable(entry, length)
             if length == 0:  # no recurrent state kept on the way: a miss
                 stats.misses += 1
                 self.reserve(self._token_bytes * len(tokens), None, tokens)
@@ -181,6 +182,8 @@ class PromptCache:
             if tail is None:
                 self.reserve(self._token_bytes * (len(tokens) - length), entry, tokens)
             layers = self._layers(entry, length)  # before the pin: if this fails, none is left
+            if shared > length:  # where this prompt leaves the entry: keep its state there
+                self._branches[id(layers)] = shared // self.block_size - 1
             logits = None
             if tail is not None:
                 assert self.layout is not None  # tails are kept for block layouts only
@@ -215,11 +218,14 @@ class PromptCache:
         """The names an entry of `tokens` holds (its blocks, then the recurrent states it
         keeps) and the blocks among them not stored yet: captured ones, or cut out of
         `layers` (plain KV). It stops before the first block that is neither stored nor
-        captured. States are kept after every `stride`-th block and after the last."""
+        captured. States are kept after every `stride`-th block, after the last, and
+        after the block where this prompt left the entry it resumed from (had it a state
+        there, it would have resumed there: the next prompt that shares as much will)."""
         assert self.layout is not None
         b, layout = self.block_size, self.layout
         names = kv.chain_hashes(tokens, b, self.ns)
         staged = self._staged.get(id(layers), {})
+        branch = self._branches.get(id(layers))
         n = next(
             (j for j, h in enumerate(names) if h not in self._blocks and j not in staged),
             len(names),
@@ -238,11 +244,8 @@ class PromptCache:
             if not layout.has_state:
                 continue
             name = _state_name(h)
-            if (
-                name not in self._blocks
-                and state
-                and (j == n - 1 or self._keeps_state(j, state, blocks))
-            ):
+            ends = j in (n - 1, branch)
+            if name not in self._blocks and state and (ends or self._keeps_state(j, state, blocks)):
                 fresh[name] = state
             if name in self._blocks or name in fresh:
                 states.append(name)
@@ -306,6 +309,7 @@ class PromptCache:
 
     def release(self, resume: Resume) -> None:
         self._staged.pop(id(resume.layers), None)  # what the lane captured and did not keep
+        self._branches.pop(id(resume.layers), None)
         if resume.lease is not None and resume.lease in self.mem:
             self.mem.unpin(resume.lease)
         self._fit(prompt=None)  # entries kept over budget go once nothing runs on them

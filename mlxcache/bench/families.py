@@ -1,13 +1,24 @@
-"""Tiny random configs of mlx-lm model families, one per kind of layer cache the store lays out:
-full attention (qwen3, a MoE, MLA), sliding windows (gemma3_text, gpt_oss) and recurrent
-hybrids (qwen3_next: gated delta; nemotron_h: Mamba 2). Vocabulary 262: the tiny tokenizer's.
+"""Tiny random-weight instances of mlx-lm model families, for the tests and `bench reuse`.
+
+One per kind of layer cache the store lays out: full attention (qwen3, a MoE, MLA), sliding
+windows (gemma3_text, gpt_oss), recurrent hybrids (qwen3_next: gated delta; lfm2: short
+convolutions; nemotron_h: Mamba 2). Built from mlx-lm's own model classes, nothing is
+downloaded: the weights are random, so they test mechanics, not answers.
 """
 
 from __future__ import annotations
 
+import importlib
+import json
+import shutil
+from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
 COMMON: dict[str, Any] = {"vocab_size": 262, "max_position_embeddings": 256}
+"""The tests' tiny tokenizer's vocabulary; `build` takes another one."""
 FAMILIES: dict[str, dict[str, Any]] = {
     "qwen3": {
         "model_type": "qwen3",
@@ -132,3 +143,44 @@ FAMILIES: dict[str, dict[str, Any]] = {
 }
 for v in FAMILIES.values():
     v.update(COMMON)
+
+# Convolutions (their state, an ArraysCache, is recurrent) between two attention layers:
+# the last one spreads what a wrong state changes to every later position, past the
+# convolutions' own window.
+FAMILIES["lfm2"] = {
+    "model_type": "lfm2",
+    "hidden_size": 64,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "norm_eps": 1e-5,
+    "conv_bias": False,
+    "conv_L_cache": 3,
+    "block_dim": 64,
+    "block_multiple_of": 16,
+    "block_ffn_dim_multiplier": 1.0,
+    "block_auto_adjust_ff_dim": False,
+    "block_ff_dim": 128,
+    "full_attn_idxs": [0, 3],
+    "tie_word_embeddings": True,
+    **COMMON,
+}
+
+
+def build(
+    dest: Path, tokenizer_dir: Path, config: dict[str, Any], seed: int = 0, **overrides: Any
+) -> Path:
+    """An mlx-lm model folder of random weights for `config` (any of mlx-lm's model types)
+    with `overrides` (e.g. another `vocab_size`), and the tokenizer files of
+    `tokenizer_dir` (a converted model's folder)."""
+    config = {**config, **overrides}
+    module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    mx.random.seed(seed)
+    model = module.Model(module.ModelArgs.from_dict(config))
+    dest.mkdir(parents=True)
+    mx.save_safetensors(str(dest / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (dest / "config.json").write_text(json.dumps(config))
+    for f in tokenizer_dir.iterdir():
+        if f.name.startswith("tokenizer") or f.suffix == ".jinja":
+            shutil.copy(f, dest / f.name)
+    return dest
