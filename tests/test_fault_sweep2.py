@@ -223,6 +223,11 @@ def test_a_session_resumes_on_its_own_model_unless_forced(
         "or --force to go on with other.gguf"
     )
     assert json.loads((tmp_path / "sessions" / "s.json").read_text()) == recorded
+    code, _, err = run("chat", *common, "-m", str(other_gguf), stdin="/load s\n")
+    assert code == 2 and err.splitlines()[-1] == (
+        "error: session 's' was made with model tiny.gguf, not other.gguf: pass --model for "
+        "it, or --force to go on with other.gguf"
+    )
     code, _, err = run(*again, "-m", str(other_gguf), "--force", stdin="next\n")
     assert (
         code == 0
