@@ -383,7 +383,7 @@ def chat_cmd(
         changed = apply_options(ctx, session, run, system)
     else:
         session = chat.ChatSession(system=system, sampling=params, stop=stops)
-    with EngineWorker(run.engine()) as worker:
+    with EngineWorker(run.engine(keep_replies=True)) as worker:
         note = on_model(session, resume or "", worker.engine.loaded, force)
         if resume is not None:
             ui.info(describe_session(resume, session))

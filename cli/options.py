@@ -262,10 +262,13 @@ def cache_config(
         raise UserInputError(str(exc).replace("block size", "--block-size", 1)) from exc
 
 
-def engine(model: str | None, cache: CacheConfig) -> Engine:
-    """Open the engine, with a progress bar on stderr if a GGUF needs converting."""
+def engine(model: str | None, cache: CacheConfig, keep_replies: bool = False) -> Engine:
+    """Open the engine, with a progress bar on stderr if a GGUF needs converting;
+    `keep_replies`: see `open_engine` (chat and serve)."""
     with ui.progress_bar() as update:
-        return open_engine(model, cache, progress=update, on_warning=ui.warn)
+        return open_engine(
+            model, cache, progress=update, on_warning=ui.warn, keep_replies=keep_replies
+        )
 
 
 def utf8(value: str | bytes, what: str) -> str:
@@ -351,8 +354,8 @@ class RunOptions:
             self.warm_ahead,
         )
 
-    def engine(self) -> Engine:
-        return engine(self.model, self.cache())
+    def engine(self, keep_replies: bool = False) -> Engine:
+        return engine(self.model, self.cache(), keep_replies)
 
 
 def _config_default(name: str) -> Any:

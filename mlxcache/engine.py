@@ -142,6 +142,7 @@ class Engine:
         *,
         block_size: int | None = None,
         warm_ahead: bool = True,
+        keep_replies: bool = False,
         on_warning: Callable[[str], None] | None = None,
     ) -> None:
         if block_size is not None and block_size < 1:
@@ -151,6 +152,10 @@ class Engine:
         self.loaded = loaded
         self.cache: PrefixCache = cache or NoCache(loaded.model, block_size or default_block_size())
         self.warm_ahead = warm_ahead
+        # Keep a reply's own KV as its decode steps computed it: only where the device was
+        # measured to compute decode KV bitwise as canonical prefill does (`invariance`),
+        # for a plain KV model. Followed requests then need no follow lane.
+        self.keep_replies = keep_replies
         self._warn = on_warning or (lambda _msg: None)
         self._ids = itertools.count()
         self._lanes: dict[int, _Lane] = {}  # insertion order = round-robin order
@@ -250,7 +255,12 @@ class Engine:
                     self.warm(lane.tokens)  # its warm-ahead goes on later, from what it kept
         rid = next(self._ids)
         follow = None
-        if request.follow and self.cache.trimmable and not isinstance(self.cache, NoCache):
+        if (
+            request.follow
+            and self.cache.trimmable
+            and not self.keep_replies
+            and not isinstance(self.cache, NoCache)
+        ):
             follow = _Follow(tokens, [], len(tokens) // block * block)
         lane = _Lane(self._lane(rid, tokens, request, follow), tokens, warm=False, prefilling=True)
         self._lanes[rid] = lane
@@ -473,6 +483,8 @@ class Engine:
                 start=start,
                 out=None if follow is None else follow.reply,
             )
+            if self.keep_replies:
+                self._keep_reply(tokens, result.tokens, resume.layers)
         except GenerationError as exc:
             # This request fails alone: the lanes beside it go on.
             result = Result("", [], "error", stats, error=str(exc))
@@ -482,6 +494,14 @@ class Engine:
             if follow is not None:  # however the request ended: its follow lane may finish
                 follow.closed = True
         yield Done(rid, result)  # after the release: a finished request holds no pin
+
+    def _keep_reply(self, prompt: np.ndarray, reply: list[int], layers: list[Any]) -> None:
+        """Keep the full blocks of prompt + reply that `layers` hold past the prompt's own
+        (decode KV, canonical on this device: see `keep_replies`)."""
+        block = self.cache.block_size
+        held = min(int(layers[0].offset), prompt.size + len(reply)) // block * block
+        if held > prompt.size // block * block:
+            self.cache.keep(np.concatenate([prompt, np.asarray(reply, np.int32)])[:held], layers)
 
     def _warm_lane(self, rid: int, tokens: np.ndarray) -> Generator[Event, None, None]:
         # No logits needed: every full block. Warm work is not a request: not counted.

@@ -34,6 +34,7 @@ from mlxcache.config import CacheConfig
 from mlxcache.engine import Engine, Request
 from mlxcache.events import Done, Event, Result, Token
 from mlxcache.model import LoadedModel, load
+from mlxcache.runtime import reply_kv_is_canonical
 from mlxcache.sampling import SamplingParams
 from mlxcache.worker import EngineWorker
 
@@ -527,6 +528,40 @@ def check_follow(rig: Rig) -> None:
             rig.geo.kept.add(tuple(whole[:k]))
     rig.entries(engine.cache)
     rig.warm(engine, spy, whole + prompt(5, seed=4))
+
+
+def check_kept_replies(rig: Rig) -> None:
+    """Where the probe finds decode KV canonical (a plain KV model on MLX's CPU backend), a
+    reply's own KV is kept as it stands, without a follow lane; the next turn resumes past
+    the reply with the cold run's bits. The shape-sensitive model must fail the probe."""
+    engine, spy = rig.engine()
+    assert isinstance(engine.cache, PromptCache)
+    engine.keep_replies = reply_kv_is_canonical(engine.loaded, engine.cache, engine.cache.config)
+    plain = engine.cache.layout is not None and engine.cache.layout.plain
+    if rig.variant.is_shaped:
+        assert not engine.keep_replies, "the probe trusted a shape-sensitive model"
+    elif plain and mx.default_device() == mx.cpu:
+        assert engine.keep_replies, "decode KV is canonical on MLX's CPU backend"
+    params = SamplingParams(max_tokens=9)
+
+    def turn(tokens: list[int]) -> list[int]:
+        expect = rig.geo.resume(tokens, engine.cache)
+        got = run(engine, spy, tokens, params, follow=True)
+        rig.check(got, tokens, expect, rig.cold(tokens, params), engine.cache)
+        list(engine.run(warm=True))  # a follow lane, where replies are not kept
+        whole = [*tokens, *got.tokens]
+        if engine.keep_replies:  # one entry; a reply cut at its limit never fed its last token
+            fed = len(whole) - (len(got.tokens) == params.max_tokens)
+            if fed // B * B > rig.geo.keep_at(tokens):
+                rig.geo.kept.add(tuple(whole[: fed // B * B]))
+        elif rig.variant.trimmable:  # its follow lane keeps each block of the reply
+            for k in range(rig.geo.keep_at(tokens) + B, len(whole) // B * B + 1, B):
+                rig.geo.kept.add(tuple(whole[:k]))
+        rig.entries(engine.cache)
+        return whole
+
+    whole = turn(prompt(10, seed=3))
+    turn(whole + prompt(5, seed=4))
 
 
 def check_disk(rig: Rig) -> None:

@@ -17,6 +17,7 @@ from mlx_lm.models.cache import KVCache
 
 import mlxcache.decode as decode_mod
 import mlxcache.engine as engine_mod
+import mlxcache.invariance as invariance
 import mlxcache.prefill as prefill_mod
 import mlxcache.sampling as sampling_mod
 from mlxcache.cache import blocks
@@ -364,6 +365,12 @@ def state_of_the_block_start(patch: Patch) -> None:
     patch(PromptCache, "_layers", stale)
 
 
+def probe_trusted(patch: Patch) -> None:
+    """Decode KV is taken as canonical without running the probe (as if every device were
+    shape-invariant): a reply's decode KV is kept on the shape-sensitive model too."""
+    patch(invariance, "decode_matches_prefill", lambda model, block_size: True)
+
+
 MUTANTS: dict[str, Callable[[Patch], None]] = {
     f.__name__: f
     for f in (
@@ -388,5 +395,6 @@ MUTANTS: dict[str, Callable[[Patch], None]] = {
         snapshot_shares_state,
         no_capture,
         state_of_the_block_start,
+        probe_trusted,
     )
 }

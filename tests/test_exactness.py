@@ -20,6 +20,7 @@ from guarantees import (
     check_fork,
     check_interrupted,
     check_interrupted_inside_a_chunk,
+    check_kept_replies,
     check_lanes,
     check_new_process,
     check_restore_repeatedly,
@@ -67,6 +68,7 @@ CHECKS: list[Callable[[Rig], None]] = [
     check_bit_flip,
     check_cancelled_decode,
     check_two_block_sizes,
+    check_kept_replies,
 ]
 
 

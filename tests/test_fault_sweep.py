@@ -152,7 +152,6 @@ def cases(f: dict[str, Path], tiny: str) -> dict[str, Case]:
         out[f"{name}/stdin-empty"] = Case([*cmd, "-", *m], b"", needle="empty")
     j = ["json", *m]
     for fault, extra, needle in [
-        ("schema-missing-option", ["hi"], "--schema"),
         ("schema-deep-inline", ["hi", "--schema", deep_json()], "nested deeper"),
         ("schema-deep-file", ["hi", "--schema", str(f["deep_schema.json"])], "nested deeper"),
         ("schema-invalid-json", ["hi", "--schema", str(f["invalid.json"])], "not JSON"),

@@ -15,6 +15,7 @@ from guarantees import (
     check_chat,
     check_follow,
     check_fork,
+    check_kept_replies,
     check_lanes,
     check_restore_repeatedly,
     check_two_block_sizes,
@@ -62,6 +63,7 @@ CAUGHT_BY: dict[str, list[tuple[str, str]]] = {
     "snapshot_shares_state": [("checkpointed", "restore_repeatedly")],
     "no_capture": [("sliding", "fork"), ("recurrent", "fork")],
     "state_of_the_block_start": [("recurrent", "fork"), ("recurrent", "chat")],
+    "probe_trusted": [("shaped", "kept_replies")],
 }
 
 
@@ -94,6 +96,7 @@ def test_mutant_is_caught(
         "follow": check_follow,
         "cancelled_decode": check_cancelled_decode,
         "two_block_sizes": check_two_block_sizes,
+        "kept_replies": check_kept_replies,
         "two_models": lambda rig: check_two_models(rig, other_variants[rig.variant.name]),
     }
     for i, (variant, check) in enumerate(CAUGHT_BY[mutant]):

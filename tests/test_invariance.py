@@ -1,0 +1,56 @@
+"""The shape-invariance probe and its record (mlxcache/invariance.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from shapemodel import shaped
+
+import mlxcache.invariance as invariance
+from mlxcache.config import CacheConfig
+from mlxcache.model import LoadedModel
+from mlxcache.runtime import open_engine
+
+
+@pytest.mark.skipif(mx.default_device() != mx.cpu, reason="measured on MLX's CPU backend")
+def test_decode_is_canonical_on_cpu_and_not_for_a_shape_sensitive_model(tiny: LoadedModel) -> None:
+    assert invariance.decode_matches_prefill(tiny.model, 4)
+    assert invariance.decode_matches_prefill(tiny.model, 16)
+    assert not invariance.decode_matches_prefill(shaped(tiny).model, 4)
+
+
+def test_models_with_other_layers_are_not_probed(sliding: LoadedModel) -> None:
+    assert not invariance.decode_matches_prefill(sliding.model, 4)
+
+
+def test_the_answer_is_recorded_per_model_and_block_size(
+    tiny: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[int] = []
+
+    def probe(model: object, block_size: int) -> bool:
+        calls.append(block_size)
+        return block_size == 4
+
+    monkeypatch.setattr(invariance, "decode_matches_prefill", probe)
+    assert invariance.kept_decode(tiny, 4, tmp_path)
+    assert invariance.kept_decode(tiny, 4, tmp_path)  # read back, not probed again
+    assert not invariance.kept_decode(tiny, 8, tmp_path)
+    assert calls == [4, 8]
+    record = json.loads((tmp_path / invariance.PROBES).read_text())
+    assert sorted(record.values()) == [False, True]
+    (tmp_path / invariance.PROBES).write_text("{not json")  # a damaged record: probe again
+    assert invariance.kept_decode(tiny, 4, tmp_path)
+    assert calls == [4, 8, 4]
+
+
+def test_open_engine_keeps_replies_only_when_asked(tiny_gguf: Path, tmp_path: Path) -> None:
+    config = CacheConfig(block_size=4, directory=tmp_path)
+    assert not open_engine(str(tiny_gguf), config).keep_replies
+    on_cpu = mx.default_device() == mx.cpu
+    assert open_engine(str(tiny_gguf), config, keep_replies=True).keep_replies == on_cpu
+    off = CacheConfig(enabled=False, block_size=4, directory=tmp_path)
+    assert not open_engine(str(tiny_gguf), off, keep_replies=True).keep_replies
