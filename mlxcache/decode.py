@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Generator
 from typing import Any, cast
 
@@ -31,12 +32,16 @@ def decode(
     stats: Stats,
     start: float,
     out: list[int] | None = None,
+    logprobs: int | None = None,
 ) -> Generator[Token, None, Result]:
     """Generate up to `budget` tokens after `prompt`, whose last logits are `logits`.
 
     Yields one `Token` per generated token (its text may be empty while a character or a
     possible stop string is incomplete) and returns the `Result`. The generated ids are
-    appended to `out` as they come, when given (a follow lane reads them).
+    appended to `out` as they come, when given (a follow lane reads them). With
+    `logprobs` k, each Token carries its log-probability and the k most likely tokens'
+    (`_scored`), read from the distribution it was drawn from: after the processors,
+    before temperature and the top-p/min-p/top-k filters.
     """
     sampler = make_sampler(sampling)
     # Sampling's own processors (repetition penalty) first, then the request's (grammar).
@@ -52,11 +57,15 @@ def decode(
     out = [] if out is None else out
     pieces: list[str] = []
     finish = "length"
+    drawn_from: deque[mx.array] = deque()  # with logprobs: each queued pick's log-probs
 
     def pick(logits: mx.array) -> mx.array:
         for proc in procs:
             logits = proc(history, logits)
-        return sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+        logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        if logprobs is not None:
+            drawn_from.append(logp)
+        return sampler(logp)
 
     y = pick(logits)
     mx.async_eval(y)
@@ -75,13 +84,17 @@ def decode(
         if not out:
             stats.ttft_s = time.perf_counter() - start
             decode_start = time.perf_counter()
+        logprob: float | None = None
+        top: tuple[tuple[int, float], ...] = ()
+        if logprobs is not None:
+            logprob, top = _scored(drawn_from.popleft(), token, logprobs)
         if token in stop_tokens:
             finish = "stop"
             break
         out.append(token)
         piece = stops.feed(text.add(token))
         pieces.append(piece)
-        yield Token(rid, token, piece)
+        yield Token(rid, token, piece, logprob, top)
         if stops.stopped:
             finish = "stop"
             break
@@ -100,3 +113,16 @@ def decode(
     stats.generated_tokens = len(out)
     stats.decode_s = time.perf_counter() - decode_start
     return Result("".join(pieces), list(out), finish, stats)  # `out` may be a follow lane's
+
+
+def _scored(logp: mx.array, token: int, top: int) -> tuple[float, tuple[tuple[int, float], ...]]:
+    """`token`'s log-probability in `logp` and the `top` most likely (id, log-probability),
+    most likely first (ties: lower id first, so the list never depends on the sort)."""
+    row = logp.reshape(-1)
+    chosen = cast(float, row[token].item())
+    k = min(top, row.size)
+    if k == 0:
+        return chosen, ()
+    ids = mx.argpartition(-row, kth=k - 1)[:k]
+    pairs = zip(cast(list[int], ids.tolist()), cast(list[float], row[ids].tolist()), strict=True)
+    return chosen, tuple(sorted(pairs, key=lambda p: (-p[1], p[0])))

@@ -56,6 +56,8 @@ class Request:
     """Texts that end the reply; the reply's text stops before the first one."""
     follow: bool = False
     """Keep prompt + reply warm while the reply is generated (see the module's doc)."""
+    logprobs: int | None = None
+    """k: every Token carries its log-probability and the k most likely tokens' (`decode`)."""
 
 
 @dataclass(slots=True)
@@ -482,6 +484,7 @@ class Engine:
                 stats=stats,
                 start=start,
                 out=None if follow is None else follow.reply,
+                logprobs=req.logprobs,
             )
             if self.keep_replies:
                 self._keep_reply(tokens, result.tokens, resume.layers)

@@ -58,11 +58,18 @@ class Prefill:
 
 @dataclass(frozen=True, slots=True)
 class Token:
-    """One generated token and the text it completes (may be empty mid-character)."""
+    """One generated token and the text it completes (may be empty mid-character).
+
+    With `Request.logprobs` set, `logprob` is the token's log-probability and
+    `top_logprobs` the (id, log-probability) of the most likely tokens, most likely first.
+    A last Token that only flushes held-back text repeats the last id with `logprob` None.
+    """
 
     request_id: int
     token: int
     text: str
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
