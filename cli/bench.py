@@ -172,6 +172,20 @@ def serve(
         bool, typer.Option("--baseline/--no-baseline", help="Also run mlx_lm.server.")
     ] = True,
     block_size: o.BlockSize = None,
+    many_clients: Annotated[
+        int,
+        typer.Option(
+            "--many-clients",
+            help="Also a load profile on both servers: N streaming clients at once (0: off).",
+            metavar="N",
+        ),
+    ] = 0,
+    many_requests: Annotated[
+        int, typer.Option("--many-requests", help="Requests per client of it.", metavar="N")
+    ] = 2,
+    many_tokens: Annotated[
+        int, typer.Option("--many-tokens", help="Tokens per reply of it.", metavar="N")
+    ] = 16,
 ) -> None:
     """mlxcache serve vs mlx_lm.server (openai client, loopback): TTFT, cache, exactness, load."""
     from mlxcache.bench import serve_bench
@@ -183,7 +197,11 @@ def serve(
         load_requests=load_requests,
         load_clients=load_clients,
         block_size=block_size or 1,
+        many_requests=many_requests,
+        many_tokens=many_tokens,
     )
+    if many_clients < 0:
+        raise UserInputError(f"--many-clients must be >= 0, got {many_clients}")
     _report(
         serve_bench.run(
             model,
@@ -194,6 +212,9 @@ def serve(
             load_clients,
             baseline=baseline,
             block_size=block_size,
+            many_clients=many_clients,
+            many_requests=many_requests,
+            many_tokens=many_tokens,
         )
     )
 

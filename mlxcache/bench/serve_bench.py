@@ -8,6 +8,11 @@ turn new; reported, not a goal), tokens prefilled and cached (from `usage`), and
 every client's replies were identical solo vs concurrent. Then a bounded load test of mlxcache serve: short requests from many
 clients against a small --max-queue; every request must be answered or refused with 429,
 no pin or running lane left after, resident memory growth within the cache budget.
+
+With `many_clients`, a load profile runs on both servers too: that many streaming clients
+send `many_requests` one-turn chats each, all at once, after the same requests ran one at
+a time (their solo replies). Per server: wall, TTFT p50, replies identical to solo, RSS
+before and after; against mlx_lm.server: wall and TTFT p50 ratios (goals <= 1.0).
 """
 
 from __future__ import annotations
@@ -144,6 +149,39 @@ def _compare(url: str, model: str, clients: int, turns: int, tokens: int) -> dic
     }
 
 
+def _many(
+    url: str, model: str, clients: int, requests: int, tokens: int, pid: int | None
+) -> dict[str, Any]:
+    """The load profile: every client's requests solo, then all clients at once."""
+    client = _client(url)
+
+    def asks(c: int) -> list[Reply]:
+        return [
+            _ask(
+                client,
+                model,
+                [{"role": "user", "content": f"{FOLLOW_UPS[r % 4]} ({c}, {r})"}],
+                tokens,
+            )
+            for r in range(requests)
+        ]
+
+    before = _rss_bytes(pid) if pid else 0
+    solo = [asks(c) for c in range(clients)]
+    together, wall = _together([partial(asks, c) for c in range(clients)])
+    after = _rss_bytes(pid) if pid else 0
+    return {
+        "wall_s": round(wall, 3),
+        "ttft_p50_s": round(statistics.median(r.ttft_s for rs in together for r in rs), 4),
+        "ttft_p99_s": round(_percentile([r.ttft_s for rs in together for r in rs], 0.99), 4),
+        "identical_to_solo": [
+            [a.text for a in s] == [b.text for b in t] for s, t in zip(solo, together, strict=True)
+        ],
+        "rss_before_mb": round(before / 2**20, 1),
+        "rss_after_mb": round(after / 2**20, 1),
+    }
+
+
 def _rss_bytes(pid: int) -> int:
     out = subprocess.run(["ps", "-o", "rss=", "-p", str(pid)], capture_output=True, text=True)
     return int(out.stdout.strip() or 0) * 1024
@@ -208,8 +246,12 @@ def run(
     max_queue: int = 8,
     baseline: bool = True,
     block_size: int | None = None,
+    many_clients: int = 0,
+    many_requests: int = 2,
+    many_tokens: int = 16,
 ) -> dict[str, Any]:
     """Both servers on the same converted folder, one after the other (never at once)."""
+    many = partial(_many, clients=many_clients, requests=many_requests, tokens=many_tokens)
     folder = load(model).path
     result: dict[str, Any] = {
         "bench": "serve",
@@ -225,6 +267,9 @@ def run(
         ours = MlxcacheServer(args)
         try:
             result["mlxcache"] = _compare(ours.url, ours.model, clients, turns, tokens)
+            if many_clients:
+                result["mlxcache_many"] = many(ours.url, ours.model, pid=ours.proc.pid)
+                result["decode_kv"] = idle_report(ours.url).get("decode_kv", "?")
             result["load"] = _load_test(ours, load_requests, load_clients)
         finally:
             result["mlxcache_exit"] = ours.stop()
@@ -236,6 +281,8 @@ def run(
         try:
             url = f"http://127.0.0.1:{port}"
             result["mlx_lm"] = _compare(url, "default_model", clients, turns, tokens)
+            if many_clients:
+                result["mlx_lm_many"] = many(url, "default_model", pid=theirs.proc.pid)
         finally:
             theirs.stop()
     return _goals(result)
@@ -260,6 +307,23 @@ def _goals(result: dict[str, Any]) -> dict[str, Any]:
         goals["ttft_p50_within_1.3x_mlx_lm"] = ratio <= 1.3
         result["same_replies_as_mlx_lm"] = ours["replies"] == theirs["replies"]
         theirs.pop("replies")
+        solo = (
+            ours["solo_ttft_p50_s"] / theirs["solo_ttft_p50_s"]
+            if theirs["solo_ttft_p50_s"]
+            else 0.0
+        )
+        result["solo_ttft_p50_ratio"] = round(solo, 3)
+        goals["solo_ttft_p50_within_1.1x_mlx_lm"] = solo <= 1.1
+    if "mlxcache_many" in result:
+        mine = result["mlxcache_many"]
+        goals["many_identical_to_solo"] = all(mine["identical_to_solo"])
+        goals["many_rss_within_10pct"] = mine["rss_after_mb"] <= 1.1 * mine["rss_before_mb"]
+        if "mlx_lm_many" in result:
+            other = result["mlx_lm_many"]
+            for key in ("wall_s", "ttft_p50_s"):
+                ratio = mine[key] / other[key] if other[key] else 0.0
+                result[f"many_{key}_ratio"] = round(ratio, 3)
+                goals[f"many_{key}_within_1.0x_mlx_lm"] = ratio <= 1.0
     ours.pop("replies")
     result["goals"] = goals
     result["pass"] = all(goals.values())
