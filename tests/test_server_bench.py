@@ -38,4 +38,5 @@ def test_serve_bench(cache_root: Path, tmp_path: Path) -> None:
         "load_nothing_left",
         "load_rss_within_cache_budget",
         "ttft_p50_within_1.3x_mlx_lm",
+        "solo_ttft_p50_within_1.1x_mlx_lm",
     }
