@@ -316,11 +316,12 @@ class Engine:
         """Whether warm-ahead work is queued."""
         return any(lane.warm for lane in self._lanes.values())
 
-    def step(self) -> list[Event]:
+    def step(self, background: bool = True) -> list[Event]:
         """One lane's turn, one model call: the next request lane (or follow lane with work,
         while no request is prefilling), round robin; else the oldest warm lane with work.
         A request's last prefill chunk comes with its first token (and the next decode
-        step queued behind it).
+        step queued behind it). `background` False (requests are waiting to start): warm
+        and follow lanes get no turn.
 
         Returns the events of requests it produced (warm lanes produce none).
         """
@@ -335,11 +336,12 @@ class Engine:
             (
                 r
                 for r, lane in self._lanes.items()
-                if not lane.warm or (lane.follow and not prefilling and has_work(lane))
+                if not lane.warm
+                or (background and lane.follow and not prefilling and has_work(lane))
             ),
             None,
         )
-        if rid is None:
+        if rid is None and background:
             rid = next((r for r, lane in self._lanes.items() if has_work(lane)), None)
         if rid is None:
             return []

@@ -205,7 +205,8 @@ class EngineWorker:
                     break
                 self._read_inbox(block=idle)
                 self._admit()
-                for event in self.engine.step():
+                # Requests waiting for a lane: warm-ahead and follow lanes wait too.
+                for event in self.engine.step(background=not self._pending):
                     self._deliver(event)
             self.engine.cancel_warm()
             self._drain(_cancelled())

@@ -529,3 +529,27 @@ def test_warm_work_is_not_counted_as_hits_or_misses(tiny: LoadedModel) -> None:
     assert (stats.hits, stats.misses, stats.cached_tokens) == (1, 0, 12)
     engine.complete(Request(prompt(6, seed=4), GREEDY))
     assert (stats.hits, stats.misses) == (1, 1)
+
+
+def test_background_lanes_wait_while_requests_wait(tiny: LoadedModel) -> None:
+    """step(background=False), as the worker steps while requests wait for a lane: the
+    follow lane of a reply that has completed a block and a warm-ahead lane get no turn;
+    given turns again, they run."""
+    engine, spy = cached(tiny)
+    long_reply = SamplingParams(max_tokens=40)
+    a = engine.submit(Request(prompt(9, seed=1), long_reply, stop_tokens=frozenset(), follow=True))
+    engine.warm(prompt(12, seed=3))
+    replies = 0
+    while replies < 3:  # 9 + 3 tokens: the block [8, 12) is complete
+        replies += sum(isinstance(e, Token) for e in engine.step(background=False))
+    spy.reset()
+    for _ in range(6):
+        engine.step(background=False)
+    assert spy.calls == [(12 + i, 1) for i in range(6)]  # a's decode steps alone
+    spy.reset()
+    for _ in range(2):
+        engine.step()
+    assert (8, B) in spy.calls  # the follow lane's block, now that nothing waits
+    engine.cancel(a)
+    list(engine.run(warm=True))
+    assert engine.cache.cached_length([*prompt(12, seed=3), 0]) == 12  # the warm lane ran
