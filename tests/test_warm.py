@@ -414,7 +414,7 @@ def test_a_crashed_worker_fails_its_requests_instead_of_hanging(
 ) -> None:
     engine, _spy = cached(tiny)
 
-    def broken() -> list[Any]:
+    def broken(background: bool = True) -> list[Any]:
         raise RuntimeError("boom")
 
     monkeypatch.setattr(engine, "step", broken)
