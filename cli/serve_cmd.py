@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Annotated
+from urllib.parse import urlsplit
 
 import typer
 
@@ -39,12 +40,40 @@ def serve_cmd(
     log_file: Annotated[
         Path | None, typer.Option("--log-file", help="Append one JSON line per request.")
     ] = None,
+    cors_origin: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--cors-origin",
+            metavar="ORIGIN",
+            help="Let browser pages from ORIGIN (e.g. http://localhost:3000; * for any) call "
+            "the API (repeatable; off by default).",
+        ),
+    ] = None,
+    presence_penalty: Annotated[
+        float,
+        typer.Option(
+            "--presence-penalty",
+            metavar="X",
+            help="Default presence penalty (-2..2): subtracted once from the logit of each "
+            "token the reply has; a request's own wins.",
+        ),
+    ] = 0.0,
+    frequency_penalty: Annotated[
+        float,
+        typer.Option(
+            "--frequency-penalty",
+            metavar="X",
+            help="Default frequency penalty (-2..2): subtracted per occurrence in the reply; "
+            "a request's own wins.",
+        ),
+    ] = 0.0,
     *,
     run: o.RunOptions,
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (Ctrl-C drains and stops)."""
     from mlxcache.server.app import Settings
     from mlxcache.server.log import RequestLog
+    from mlxcache.server.prepare import Penalties
     from mlxcache.server.run import serve
 
     if not 0 <= port <= 65535:
@@ -56,6 +85,13 @@ def serve_cmd(
     except ValueError as exc:
         raise UserInputError(f"--max-body: {exc}") from exc
     o.positive(max_body=body_limit)
+    for flag, value in (
+        ("--presence-penalty", presence_penalty),
+        ("--frequency-penalty", frequency_penalty),
+    ):
+        if not -2 <= value <= 2:  # OpenAI's range (NaN is outside it too)
+            raise UserInputError(f"{flag} must be in [-2, 2], got {value}")
+    origins = tuple(_origin(origin) for origin in cors_origin or ())
     if api_key:  # compared as UTF-8 bytes: undecodable argv bytes could never match
         api_key = o.utf8(api_key, "--api-key")
     defaults = run.sampling()
@@ -64,7 +100,25 @@ def serve_cmd(
         ui.warn(f"serving on {host} without --api-key: anyone who can reach it can use it")
     log = RequestLog(log_file)
     try:
-        settings = Settings(engine.loaded.name, defaults, api_key or None, body_limit)
+        settings = Settings(
+            engine.loaded.name,
+            defaults,
+            api_key or None,
+            body_limit,
+            origins,
+            Penalties(presence_penalty, frequency_penalty),
+        )
         serve(engine, settings, log, host, port, max_queue)
     finally:
         log.close()
+
+
+def _origin(value: str) -> str:
+    """A --cors-origin value: `*` or an origin as browsers send it (scheme://host[:port]);
+    anything else (a trailing slash, a path) would never match one."""
+    text = o.utf8(value, "--cors-origin")
+    parts = urlsplit(text)
+    whole = parts.scheme and parts.netloc and not (parts.path or parts.query or parts.fragment)
+    if text != "*" and not whole:
+        raise UserInputError(f"--cors-origin must be * or scheme://host[:port], got {text!r}")
+    return text

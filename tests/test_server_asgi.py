@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from asgi import acall
 
 from mlxcache.engine import Engine, Request
 from mlxcache.errors import EngineStoppedError, QueueFullError
@@ -37,30 +38,8 @@ class FullWorker:
 def call(
     app: Any, path: str, chunks: list[bytes], headers: dict[str, str]
 ) -> tuple[int, dict[str, str], Any]:
-    sent: list[dict[str, Any]] = []
-    incoming = [
-        {"type": "http.request", "body": c, "more_body": i < len(chunks) - 1}
-        for i, c in enumerate(chunks)
-    ]
-
-    async def receive() -> dict[str, Any]:
-        return incoming.pop(0) if incoming else {"type": "http.disconnect"}
-
-    async def send(message: dict[str, Any]) -> None:
-        sent.append(message)
-
-    scope = {
-        "type": "http",
-        "method": "POST",
-        "path": path,
-        "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()],
-        "query_string": b"",
-    }
-    asyncio.run(app(scope, receive, send))
-    start = next(m for m in sent if m["type"] == "http.response.start")
-    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
-    head = {k.decode(): v.decode() for k, v in start["headers"]}
-    return start["status"], head, json.loads(body)
+    reply = asyncio.run(acall(app, "POST", path, chunks, headers))
+    return reply.status, reply.headers, reply.json()
 
 
 @pytest.fixture
@@ -113,3 +92,25 @@ def test_a_request_during_shutdown_is_503(tiny: LoadedModel) -> None:
             "code": "shutting_down",
         }
     }
+
+
+class QueuedWorker(FullWorker):
+    """A full queue whose engine answers reports (idle, on the caller's thread)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def call(self, fn: Callable[[Engine], Any]) -> Any:
+        return fn(self.engine)
+
+
+def test_metrics_show_the_queue_depth_and_refusals(tiny: LoadedModel) -> None:
+    engine = Engine(tiny)
+    log = RequestLog(stream=io.StringIO())
+    app = create_app(engine, QueuedWorker(engine), Settings(tiny.name), log)
+    body = json.dumps({"model": tiny.name, "messages": [{"role": "user", "content": "hi"}]})
+    assert call(app, "/v1/chat/completions", [body.encode()], {})[0] == 429
+    text = asyncio.run(acall(app, "GET", "/metrics")).body.decode().splitlines()
+    assert 'mlxcache_requests_total{path="/v1/chat/completions",status="429"} 1' in text
+    assert "mlxcache_requests_waiting 3" in text
+    assert "mlxcache_cache_hits_total 0" in text  # no cache: nothing to report, all zero

@@ -1,4 +1,5 @@
-"""The routes: chat and text completions (streamed or not), models, health, cache report."""
+"""The routes: chat and text completions (streamed or not), models, health, cache report,
+metrics; CORS when origins are given."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
+from starlette.middleware.cors import CORSMiddleware
 
 from mlxcache.engine import Engine
 from mlxcache.sampling import SamplingParams
@@ -22,8 +24,10 @@ from mlxcache.server.errors import APIError
 from mlxcache.server.guard import Guard
 from mlxcache.server.lane import Lane, Outcome, Worker
 from mlxcache.server.log import RequestLog, log_fields
+from mlxcache.server.logprobs import Formatter, Scored
+from mlxcache.server.metrics import CONTENT_TYPE, Metrics
 from mlxcache.server.openai_format import SSE_DONE, Envelope, error_event, sse
-from mlxcache.server.prepare import Answer, Plan
+from mlxcache.server.prepare import Answer, Penalties, Plan
 from mlxcache.server.schemas import ChatRequest, CompletionRequest, SamplingFields
 
 DEFAULT_MAX_BODY = 8 << 20
@@ -34,12 +38,15 @@ T = TypeVar("T")
 
 @dataclass(frozen=True, slots=True)
 class Settings:
-    """What the server answers with: its model id, default sampling, key and limits."""
+    """What the server answers with: its model id, default sampling, key, limits, and the
+    origins whose browser pages may call it (CORS; none by default)."""
 
     model_id: str
     defaults: SamplingParams = field(default_factory=SamplingParams)
     api_key: str | None = None
     max_body: int = DEFAULT_MAX_BODY
+    cors_origins: tuple[str, ...] = ()
+    penalties: Penalties = field(default_factory=Penalties)
 
 
 def _cache_report(engine: Engine) -> dict[str, Any]:
@@ -51,6 +58,7 @@ def create_app(engine: Engine, worker: Worker, settings: Settings, log: RequestL
     """The ASGI app serving `engine` through `worker` (which must be started)."""
     app = FastAPI(title="mlxcache", docs_url=None, redoc_url=None, openapi_url=None)
     errors.install(app)
+    metrics = Metrics()
     # Tokenizer calls run one request at a time: a fast tokenizer used from two threads at
     # once can fail ("Already borrowed"). Grammar work runs outside this lock (see prepare).
     tokenizing = threading.Lock()
@@ -60,7 +68,9 @@ def create_app(engine: Engine, worker: Worker, settings: Settings, log: RequestL
             return fn()
 
     async def prepared(fn: Callable[..., Plan], body: Any) -> Plan:
-        return await run_in_threadpool(fn, engine, body, settings.defaults, tokenizing)
+        return await run_in_threadpool(
+            fn, engine, body, settings.defaults, tokenizing, settings.penalties
+        )
 
     def check_model(model: str) -> None:
         if model != settings.model_id:
@@ -75,6 +85,7 @@ def create_app(engine: Engine, worker: Worker, settings: Settings, log: RequestL
         fields = log_fields(request.scope)
         fields["id"] = rid
         if outcome is not None:
+            metrics.completed(outcome.usage)
             fields.update(
                 prompt_tokens=outcome.usage.prompt_tokens,
                 cached_tokens=outcome.usage.cached_tokens,
@@ -96,15 +107,27 @@ def create_app(engine: Engine, worker: Worker, settings: Settings, log: RequestL
     async def health() -> dict[str, Any]:
         return {"status": "ok", "model": settings.model_id, "waiting": worker.waiting}
 
+    card = {"id": settings.model_id, "object": "model", "created": 0, "owned_by": "mlxcache"}
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        card = {"id": settings.model_id, "object": "model", "created": 0, "owned_by": "mlxcache"}
         return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{model:path}")  # a model id may hold slashes (org/name)
+    async def model_card(model: str) -> dict[str, Any]:
+        check_model(model)
+        return card
 
     @app.get("/v1/cache")
     async def cache() -> dict[str, Any]:
         report = await run_in_threadpool(worker.call, _cache_report)
         return {**report, "waiting": worker.waiting}
+
+    @app.get("/metrics")
+    async def metrics_text() -> PlainTextResponse:
+        report = await run_in_threadpool(worker.call, _cache_report)
+        text = metrics.render(report, worker.waiting, report["busy"])
+        return PlainTextResponse(text, media_type=CONTENT_TYPE)
 
     async def begin(
         request: Request, schema: type[R], make: Callable[..., Plan], prefix: str
@@ -128,27 +151,48 @@ def create_app(engine: Engine, worker: Worker, settings: Settings, log: RequestL
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Any:
         body, plan, env, lane = await begin(request, ChatRequest, prepare.chat, "chatcmpl")
+        chat_logprobs = None if plan.vocab is None else Formatter(plan.vocab).chat
         if body.stream:
-            events = _chat_events(lane, plan, env, body.include_usage, warm)
+            events = _chat_events(lane, plan, env, body.include_usage, warm, chat_logprobs)
             return _stream(events, request, env.id, note)
         outcome = await end(request, lane, env)
         answer = plan.answer(outcome.text, outcome.finish_reason)
         await warm(plan, answer)
         reply = env.chat(
-            answer.content, answer.calls, answer.finish_reason, outcome.usage, answer.reasoning
+            answer.content,
+            answer.calls,
+            answer.finish_reason,
+            outcome.usage,
+            answer.reasoning,
+            None if chat_logprobs is None else chat_logprobs(lane.scored),
         )
         return JSONResponse(reply)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
-        body, _, env, lane = await begin(request, CompletionRequest, prepare.completion, "cmpl")
+        body, plan, env, lane = await begin(request, CompletionRequest, prepare.completion, "cmpl")
+        text_logprobs = None if plan.vocab is None else Formatter(plan.vocab).completion
         if body.stream:
-            events = _completion_events(lane, env, body.include_usage)
+            events = _completion_events(lane, env, body.include_usage, text_logprobs)
             return _stream(events, request, env.id, note)
         outcome = await end(request, lane, env)
-        return JSONResponse(env.completion(outcome.text, outcome.finish_reason, outcome.usage))
+        logprobs = None if text_logprobs is None else text_logprobs(lane.scored)
+        return JSONResponse(
+            env.completion(outcome.text, outcome.finish_reason, outcome.usage, logprobs)
+        )
 
-    return Guard(app, log, settings.api_key, settings.max_body)
+    guarded = Guard(app, log, settings.api_key, settings.max_body, metrics)
+    if not settings.cors_origins:
+        return guarded
+    # Outside the guard: a browser's preflight carries no key, and a refusal (401, 413)
+    # needs the CORS headers too, or the page cannot read why.
+    return CORSMiddleware(
+        guarded,
+        allow_origins=list(settings.cors_origins),
+        allow_methods=["GET", "POST"],
+        allow_headers=["*"],
+        expose_headers=["Retry-After"],
+    )
 
 
 async def _body(request: Request, model: type[B]) -> B:
@@ -184,6 +228,15 @@ async def _finish(lane: Lane, request: Request) -> Outcome:
 
 
 Noter = Callable[[Request, str, Outcome | None], None]
+LogprobsOf = Callable[[list[Scored]], dict[str, Any]]
+"""A reply's `Formatter.chat` or `.completion`."""
+
+
+def _new_logprobs(lane: Lane, logprobs_of: LogprobsOf | None) -> dict[str, Any] | None:
+    """The logprobs of the tokens that came since the last chunk (a chunk whose tokens'
+    text is held back carries none: a later chunk carries them)."""
+    scores = lane.new_scores()
+    return logprobs_of(scores) if logprobs_of is not None and scores else None
 
 
 def _stream(
@@ -222,12 +275,16 @@ async def _chat_events(
     env: Envelope,
     include_usage: bool,
     warm: Callable[[Plan, Answer], Awaitable[None]],
+    logprobs_of: LogprobsOf | None,
 ) -> AsyncIterator[str | Outcome]:
-    yield sse(env.chat_chunk({"role": "assistant", "content": ""}))
+    def chunk(delta: dict[str, Any], finish: str | None = None) -> str:
+        return sse(env.chat_chunk(delta, finish, _new_logprobs(lane, logprobs_of)))
+
+    yield chunk({"role": "assistant", "content": ""})
     sent = {"reasoning": "", "content": ""}
     async for key, delta in lane.deltas():
         sent[key] += delta
-        yield sse(env.chat_chunk({key: delta}))
+        yield chunk({key: delta})
     outcome = lane.outcome()
     for item in _outcome_events(outcome):
         yield item
@@ -237,10 +294,10 @@ async def _chat_events(
     # What was sent is a prefix of the final values by construction (see ReplyText).
     for key, final in (("reasoning", answer.reasoning or ""), ("content", answer.content)):
         if final[len(sent[key]) :]:
-            yield sse(env.chat_chunk({key: final[len(sent[key]) :]}))
-    for chunk in env.call_deltas(answer.calls):
-        yield sse(chunk)
-    yield sse(env.chat_chunk({}, answer.finish_reason))
+            yield chunk({key: final[len(sent[key]) :]})
+    for call in env.call_deltas(answer.calls):
+        yield sse(call)
+    yield chunk({}, answer.finish_reason)
     if include_usage:
         yield sse(env.usage_chunk(outcome.usage))
     yield SSE_DONE
@@ -248,16 +305,19 @@ async def _chat_events(
 
 
 async def _completion_events(
-    lane: Lane, env: Envelope, include_usage: bool
+    lane: Lane, env: Envelope, include_usage: bool, logprobs_of: LogprobsOf | None
 ) -> AsyncIterator[str | Outcome]:
+    def chunk(text: str, finish: str | None = None) -> str:
+        return sse(env.completion_chunk(text, finish, _new_logprobs(lane, logprobs_of)))
+
     async for _, delta in lane.deltas():  # no chat template: all of it is content
-        yield sse(env.completion_chunk(delta))
+        yield chunk(delta)
     outcome = lane.outcome()
     for item in _outcome_events(outcome):
         yield item
     if outcome.error is not None:
         return
-    yield sse(env.completion_chunk("", outcome.finish_reason))
+    yield chunk("", outcome.finish_reason)
     if include_usage:
         yield sse(env.usage_chunk(outcome.usage, "text_completion"))
     yield SSE_DONE

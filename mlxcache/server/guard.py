@@ -1,4 +1,5 @@
-"""ASGI middleware around every HTTP request: bearer key, body size limit, request log.
+"""ASGI middleware around every HTTP request: bearer key, body size limit, request log and
+its count for `/metrics`.
 
 The body is read here (bounded) before any route sees it, so an oversized or
 unauthorized request never reaches the JSON parser or the engine.
@@ -14,17 +15,26 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from mlxcache.server.errors import APIError
 from mlxcache.server.log import RequestLog, log_fields
+from mlxcache.server.metrics import Metrics
 
 OPEN_PATHS = frozenset({"/health"})
 """Answered without the API key (a liveness probe; it reveals nothing else)."""
 
 
 class Guard:
-    def __init__(self, app: ASGIApp, log: RequestLog, api_key: str | None, max_body: int) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        log: RequestLog,
+        api_key: str | None,
+        max_body: int,
+        metrics: Metrics | None = None,
+    ) -> None:
         self.app = app
         self.log = log
         self.api_key = api_key
         self.max_body = max_body
+        self.metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -51,6 +61,8 @@ class Guard:
                 return
             await self.app(scope, _replay(body, receive), send_logged)
         finally:
+            if self.metrics is not None:
+                self.metrics.request(scope, status or "disconnected")
             self.log.write(
                 {
                     "id": fields.pop("id", None),
@@ -67,8 +79,11 @@ class Guard:
             return None
         # Bytes against bytes: the header as sent, the key as UTF-8 (what clients send for
         # a non-ASCII key; decoding the header as latin-1 first refused every such key).
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        if hmac.compare_digest(given, f"Bearer {self.api_key}".encode()):
+        # The scheme is case-insensitive (RFC 9110): "bearer KEY" is the same request.
+        scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(
+            given.lstrip(b" "), self.api_key.encode()
+        ):
             return None
         return APIError(
             401,

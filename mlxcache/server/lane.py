@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 from mlxcache.engine import Engine, Request
 from mlxcache.events import Done, Event, Token
+from mlxcache.server.logprobs import Scored
 from mlxcache.server.openai_format import Usage
 from mlxcache.server.text import ReplyText
 
@@ -65,7 +66,16 @@ class Lane:
         self._ttft: float | None = None
         self._done: Done | None = None
         self._prompt_tokens = len(request.tokens)
+        self.scored: list[Scored] = []
+        """Each generated token's log-probabilities (with `Request.logprobs`), as they come."""
+        self._taken = 0
         self.handle = worker.submit(request, sink)
+
+    def new_scores(self) -> list[Scored]:
+        """The entries of `scored` added since the last call."""
+        new = self.scored[self._taken :]
+        self._taken = len(self.scored)
+        return new
 
     async def deltas(self) -> AsyncIterator[tuple[str, str]]:
         """(field, new text) as the reply's reasoning and content become final, reasoning
@@ -84,6 +94,8 @@ class Lane:
                     continue
                 if self._ttft is None:
                     self._ttft = time.perf_counter() - self._start
+                if event.logprob is not None:  # None: a flush of held-back text, no token
+                    self.scored.append(Scored(event.token, event.logprob, event.top_logprobs))
                 self.reply.add(event.text)
                 now = {"reasoning": self.reply.safe_reasoning(), "content": self.reply.safe()}
                 for field, text in now.items():

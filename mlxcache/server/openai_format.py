@@ -73,6 +73,7 @@ class Envelope:
         finish: str,
         usage: Usage,
         reasoning: str | None = None,
+        logprobs: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if reasoning:  # a thinking section, apart (the field mlx_lm.server uses)
@@ -80,11 +81,16 @@ class Envelope:
         if calls:
             message["content"] = content or None
             message["tool_calls"] = tool_calls(self.id, calls)
-        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
+        choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}
         return {**self._head("chat.completion"), "choices": [choice], "usage": usage.as_dict()}
 
-    def chat_chunk(self, delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+    def chat_chunk(
+        self,
+        delta: dict[str, Any],
+        finish: str | None = None,
+        logprobs: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         return {**self._head("chat.completion.chunk"), "choices": [choice]}
 
     def call_deltas(self, calls: tuple[ToolCall, ...]) -> list[dict[str, Any]]:
@@ -99,12 +105,16 @@ class Envelope:
 
     # -- /v1/completions ----------------------------------------------------------------------
 
-    def completion(self, text: str, finish: str, usage: Usage) -> dict[str, Any]:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    def completion(
+        self, text: str, finish: str, usage: Usage, logprobs: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
         return {**self._head("text_completion"), "choices": [choice], "usage": usage.as_dict()}
 
-    def completion_chunk(self, text: str, finish: str | None = None) -> dict[str, Any]:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    def completion_chunk(
+        self, text: str, finish: str | None = None, logprobs: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
         return {**self._head("text_completion"), "choices": [choice]}
 
 

@@ -14,7 +14,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
+
+from mlx_lm.sample_utils import make_logits_processors
 
 from mlxcache.constrain import compile_for
 from mlxcache.engine import Engine, Request
@@ -25,15 +27,34 @@ from mlxcache.modes.json_mode import JsonTask
 from mlxcache.modes.reasoning import Thinking, reply_thinking, split_reply
 from mlxcache.modes.tool_chat import ToolsTask, next_turn, read_messages
 from mlxcache.modes.tools import ToolCall, ToolChoice, ToolReply, parse_tools
-from mlxcache.sampling import SamplingParams
+from mlxcache.sampling import LogitsProcessor, SamplingParams
 from mlxcache.server.errors import APIError
-from mlxcache.server.schemas import ChatRequest, CompletionRequest, Message, SamplingFields
+from mlxcache.server.logprobs import token_bytes
+from mlxcache.server.schemas import (
+    NEUTRAL,
+    UNSUPPORTED,
+    ChatRequest,
+    CompletionRequest,
+    MediaPart,
+    Message,
+    SamplingFields,
+)
 from mlxcache.server.text import ReplyText
 
 _PROMPT_END = 64
 """Prompt tokens read back for an opened thinking section (the template's last words)."""
 SAMPLING_FIELDS = {"temperature", "top_p", "seed", "top_k", "min_p", "repetition_penalty"}
 """Request fields that override the server's sampling settings."""
+_MEDIA = {"image_url": "images are", "input_audio": "audio is", "file": "files are"}
+"""A content part's type -> what the message says this model does not take."""
+
+
+@dataclass(frozen=True, slots=True)
+class Penalties:
+    """The server's default presence and frequency penalties (a request's own win)."""
+
+    presence: float = 0.0
+    frequency: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +78,8 @@ class Plan:
     """The token prefix the conversation's next prompt starts with (for warm-ahead)."""
     thinking: Thinking | None = None
     """A plain chat reply's thinking section (its reasoning, apart from the content)."""
+    vocab: tuple[bytes, ...] | None = None
+    """Each token's bytes, when the reply's logprobs are asked for (`logprobs.Formatter`)."""
 
     def reply_text(self) -> ReplyText:
         if self.tools is None or self.tools.choice.mode == "none":
@@ -79,6 +102,8 @@ def sampling(
     if body.n != 1:
         raise APIError(400, "n must be 1 (one choice per request)", param="n", code="invalid_value")
     given = body.model_dump(include=SAMPLING_FIELDS, exclude_none=True)
+    if given.get("top_p") == 0:  # a nucleus of no mass: the most likely token (OpenAI's 0)
+        given.update(top_p=1.0, temperature=0.0)
     try:
         return replace(defaults, **given, max_tokens=max_tokens or defaults.max_tokens)
     except ValueError as exc:
@@ -99,7 +124,16 @@ def _plain(messages: list[Message]) -> list[dict[str, Any]]:
     """OpenAI messages as the library's dicts (developer is system; parts joined)."""
     names = _tool_names(messages)
     out: list[dict[str, Any]] = []
-    for m in messages:
+    for i, m in enumerate(messages):
+        for j, part in enumerate(m.content if isinstance(m.content, list) else ()):
+            if isinstance(part, MediaPart):
+                raise APIError(
+                    400,
+                    f"messages.{i}.content.{j}: {_MEDIA[part.type]} not supported by this model "
+                    f"({part.type})",
+                    param=f"messages.{i}.content.{j}",
+                    code="unsupported_value",
+                )
         msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role}
         msg["content"] = m.text()
         if m.tool_calls:
@@ -155,12 +189,24 @@ def chat(
     body: ChatRequest,
     defaults: SamplingParams,
     tokenizing: Tokenizing = ALONE,
+    penalties: Penalties = Penalties(),
 ) -> Plan:
     """The plan of a chat completion.
 
     Raises:
         APIError, UserInputError, GrammarError, ContextLengthError: bad input (400).
     """
+    if body.top_logprobs is not None and not body.logprobs:
+        raise APIError(
+            400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value"
+        )
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    return _adjusted(engine, body, penalties, logprobs, tokenizing, _chat, defaults)
+
+
+def _chat(
+    engine: Engine, body: ChatRequest, defaults: SamplingParams, tokenizing: Tokenizing
+) -> Plan:
     params = sampling(body, defaults, body.max_completion_tokens or body.max_tokens)
     messages = _plain(body.messages)
     fmt = body.response_format
@@ -247,8 +293,15 @@ def completion(
     body: CompletionRequest,
     defaults: SamplingParams,
     tokenizing: Tokenizing = ALONE,
+    penalties: Penalties = Penalties(),
 ) -> Plan:
     """The plan of a raw text completion (no chat template)."""
+    return _adjusted(engine, body, penalties, body.logprobs, tokenizing, _completion, defaults)
+
+
+def _completion(
+    engine: Engine, body: CompletionRequest, defaults: SamplingParams, tokenizing: Tokenizing
+) -> Plan:
     params = sampling(body, defaults, body.max_tokens)
     prompt = body.prompt
     if isinstance(prompt, list):
@@ -259,3 +312,74 @@ def completion(
         ids = engine.encode(prompt)
     engine.check_fits(ids)
     return Plan(ids, Request(ids, params, stop_strings=body.stops()))
+
+
+def refuse_unsupported(body: SamplingFields) -> None:
+    """A 400 naming the first field OpenAI defines that would change the reply and that
+    is not implemented here (`schemas.UNSUPPORTED`), unless its value is neutral."""
+    for name, value in (body.model_extra or {}).items():
+        neutral = value is None or value is False or value in ("", [], {})
+        if name in UNSUPPORTED and not neutral and value != NEUTRAL.get(name, ()):
+            raise APIError(
+                400, f"{name}: {UNSUPPORTED[name]}", param=name, code="unsupported_parameter"
+            )
+
+
+B = TypeVar("B", bound=SamplingFields)
+
+
+def _adjusted(
+    engine: Engine,
+    body: B,
+    penalties: Penalties,
+    logprobs: int | None,
+    tokenizing: Tokenizing,
+    plan_of: Callable[[Engine, B, SamplingParams, Tokenizing], Plan],
+    defaults: SamplingParams,
+) -> Plan:
+    """`plan_of`'s plan with the request's logit bias and penalties (before the grammar's
+    mask, which has the last word) and, when asked, its log-probabilities. Fields checked
+    first, before any template or grammar work."""
+    refuse_unsupported(body)
+    tokenizer = engine.loaded.tokenizer
+    with tokenizing:
+        size = len(tokenizer)
+    bias = _logit_bias(body.logit_bias or {}, size)
+    presence = penalties.presence if body.presence_penalty is None else body.presence_penalty
+    frequency = penalties.frequency if body.frequency_penalty is None else body.frequency_penalty
+    plan = plan_of(engine, body, defaults, tokenizing)
+    request = plan.request
+    adjust = make_logits_processors(
+        logit_bias=bias,
+        presence_penalty=presence,
+        presence_context_size=request.sampling.max_tokens,
+        frequency_penalty=frequency,
+        frequency_context_size=request.sampling.max_tokens,
+    )
+    # OpenAI's penalties count the reply's tokens (mlx-lm's also the prompt's last ones).
+    reply = [_on_reply(proc, len(request.tokens)) for proc in adjust]
+    plan.request = replace(request, processors=[*reply, *request.processors], logprobs=logprobs)
+    if logprobs is not None:
+        with tokenizing:  # built once per model (a plain tokenizer decodes every id)
+            plan.vocab = token_bytes(tokenizer)
+    return plan
+
+
+def _on_reply(proc: LogitsProcessor, prompt: int) -> LogitsProcessor:
+    """`proc` seeing only the reply's tokens (decode passes prompt + reply)."""
+    return lambda tokens, logits: proc(tokens[prompt:], logits)
+
+
+def _logit_bias(given: dict[str, float], size: int) -> dict[int, float]:
+    """Token id -> bias, every key a token id of the model (JSON keys are strings)."""
+    bias: dict[int, float] = {}
+    for key, value in given.items():
+        if not (key.isascii() and key.isdigit() and int(key) < size):
+            raise APIError(
+                400,
+                f"logit_bias: {key!r} is not a token id of this model (0 to {size - 1})",
+                param="logit_bias",
+                code="invalid_value",
+            )
+        bias[int(key)] = value
+    return bias

@@ -1,13 +1,15 @@
 """Request bodies of the OpenAI endpoints, as pydantic models.
 
-Unknown fields are ignored (clients send many we do not use); known fields are checked
-strictly: a wrong type is a 400 naming the field, never a crash later, and nothing is
-coerced (`"stream": "yes"` or `"max_tokens": "5"` are refused; an integer is a number).
+Unknown fields are ignored (clients send many we do not use), except OpenAI's that would
+change the reply and are not implemented (`UNSUPPORTED`): those are a 400 naming them.
+Known fields are checked strictly, in OpenAI's ranges: a wrong type is a 400 naming the
+field, never a crash later, and nothing is coerced (`"stream": "yes"` or `"max_tokens":
+"5"` are refused; an integer is a number).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -19,6 +21,15 @@ class _Body(BaseModel):
 class TextPart(_Body):
     type: Literal["text"]
     text: str
+
+
+class MediaPart(_Body):
+    """An image, audio or file part: parsed only to be refused by name (`prepare`)."""
+
+    type: Literal["image_url", "input_audio", "file"]
+
+
+ContentPart = Annotated[TextPart | MediaPart, Field(discriminator="type")]
 
 
 class FunctionCall(_Body):
@@ -34,7 +45,7 @@ class ToolCall(_Body):
 
 class Message(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
@@ -42,7 +53,7 @@ class Message(_Body):
     def text(self) -> str:
         """The content as one string (text parts joined, None as empty)."""
         if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
+            return "".join(part.text for part in self.content if isinstance(part, TextPart))
         return self.content or ""
 
 
@@ -83,11 +94,21 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+Penalty = Annotated[float, Field(ge=-2, le=2)]
+Bias = Annotated[float, Field(ge=-100, le=100)]
+
+
 class SamplingFields(_Body):
+    model_config = ConfigDict(extra="allow", strict=True)  # `model_extra`: see UNSUPPORTED
+
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0)
-    top_p: float | None = Field(default=None, gt=0, le=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, ge=0, le=1)
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    logit_bias: dict[str, Bias] | None = None
+    """Token id (as a string, as JSON keys are) -> bias added to its logit."""
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     # Extensions mlx_lm.server and llama.cpp accept too.
     top_k: int | None = Field(default=None, ge=0)
@@ -111,6 +132,8 @@ class SamplingFields(_Body):
 
 class ChatRequest(SamplingFields):
     messages: list[Message] = Field(min_length=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     response_format: ResponseFormat | None = None
     tools: list[ToolDef] | None = None
@@ -120,3 +143,23 @@ class ChatRequest(SamplingFields):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str]
+    logprobs: int | None = Field(default=None, ge=0, le=5)
+
+
+UNSUPPORTED = {
+    "audio": "audio output is not supported",
+    "modalities": "only text output is supported",
+    "web_search_options": "web search is not supported",
+    "functions": "functions is not supported (send tools)",
+    "function_call": "function_call is not supported (send tool_choice)",
+    "reasoning_effort": "reasoning_effort is not supported",
+    "verbosity": "verbosity is not supported",
+    "echo": "echo is not supported",
+    "best_of": "best_of must be 1",
+    "suffix": "suffix is not supported",
+}
+"""OpenAI's fields that would change the reply if honoured, and why they are refused when
+set to anything but a neutral value (null, false, empty, or `NEUTRAL`'s): see
+`prepare.refuse_unsupported`. Fields that change only bookkeeping or speed (`user`,
+`metadata`, `store`, `service_tier`, `prediction`, ...) are accepted and ignored."""
+NEUTRAL: dict[str, Any] = {"modalities": ["text"], "best_of": 1}
