@@ -14,10 +14,30 @@ from mlxcache_cli import ui
 Rounds = Annotated[int, typer.Option("--rounds", help="Interleaved rounds.", metavar="N")]
 
 
-def _report(result: dict[str, Any]) -> None:
+def failed_goals(result: Any, path: str = "") -> list[str]:
+    """Where `result` says a goal failed: every `pass` / `*_pass` key that is false, and
+    every false entry of a `goals` object, as dotted paths."""
+    if not isinstance(result, dict):
+        return []
+    failed = []
     for key, value in result.items():
-        ui.err.print(f"{key}: {value}", style="stats")
+        here = f"{path}{key}"
+        if value is False and (key == "pass" or key.endswith("_pass") or path.endswith("goals.")):
+            failed.append(here)
+        failed += failed_goals(value, here + ".")
+    return failed
+
+
+def _report(result: dict[str, Any]) -> None:
+    """The result as one JSON line on stdout; on stderr, one line saying whether every goal
+    was met. Exit 1 when one was not, so a script or CI can tell."""
     ui.out_json(result)
+    name = f"bench {result.get('bench', '')}".rstrip()
+    failed = failed_goals(result)
+    if failed:
+        ui.error(f"{name}: goal not met: {', '.join(failed)}")
+        raise typer.Exit(1)
+    ui.info(f"{name}: every goal met")
 
 
 def decode(
@@ -142,6 +162,14 @@ def schemas(
             "--max-tokens", "-n", help="Token limit of each --generate reply.", metavar="N"
         ),
     ] = 256,
+    peer: Annotated[
+        str | None,
+        typer.Option(
+            "--peer",
+            metavar="NAME",
+            help="Also run the --generate schemas through llguidance in mlx-lm's own loop.",
+        ),
+    ] = None,
 ) -> None:
     """JSON Schema coverage: compiled, refused by kind, crashes, compile time (lenient vs --strict)."""
     from mlxcache.bench import schemas_bench
@@ -151,7 +179,13 @@ def schemas(
     o.positive(max_tokens=max_tokens)
     if generate < 0:
         raise UserInputError(f"--generate must be >= 0, got {generate}")
-    _report(schemas_bench.run(folder, generate, model, max_tokens))
+    if peer is not None and peer not in schemas_bench.PEERS:
+        raise UserInputError(
+            f"--peer must be one of: {', '.join(schemas_bench.PEERS)}; got {peer!r}"
+        )
+    if peer is not None and not generate:
+        raise UserInputError("--peer compares generated replies: give --generate N too")
+    _report(schemas_bench.run(folder, generate, model, max_tokens, peer))
 
 
 def serve(
@@ -238,5 +272,15 @@ def reuse(
     for row in rows:
         ui.out_json(row)
     _report(summary)
-    if not summary["pass"]:
-        raise typer.Exit(1)
+
+
+def startup(
+    rounds: Annotated[int, typer.Option("--rounds", help="Interleaved rounds.", metavar="N")] = 5,
+    cache_dir: o.CacheDir = None,
+) -> None:
+    """Wall time of --help, --version, a typo, json --check, cache ls and models ls vs
+    `python -c pass`, each in a new process (goal: <= 0.5 s each, fastest round)."""
+    from mlxcache_cli import startup_bench
+
+    o.positive(rounds=rounds)
+    _report(startup_bench.run(rounds, cache_dir))

@@ -8,7 +8,6 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from mlxcache.cache import manage
 from mlxcache.config import parse_size
 from mlxcache.errors import UserInputError
 from mlxcache_cli import options as o
@@ -21,6 +20,8 @@ def stats(
     as_json: o.Json = False,
 ) -> None:
     """Entries, bytes and models in the disk cache; with --check, exit 1 on any problem."""
+    from mlxcache.cache import manage
+
     info = manage.report(cache_dir, check=check)
     if as_json:
         ui.out_json(info)
@@ -43,6 +44,8 @@ def ls(cache_dir: o.CacheDir = None, as_json: o.Json = False) -> None:
 
     --json gives times as Unix seconds.
     """
+    from mlxcache.cache import manage
+
     rows = manage.entries(cache_dir, preview_tokens=12)
     if as_json:
         ui.out_json(rows)
@@ -65,6 +68,8 @@ def ls(cache_dir: o.CacheDir = None, as_json: o.Json = False) -> None:
 
 def clear(cache_dir: o.CacheDir = None, as_json: o.Json = False) -> None:
     """Delete every cached entry."""
+    from mlxcache.cache import manage
+
     n = manage.clear(cache_dir, on_warning=ui.warn)
     ui.out_json({"removed": n}) if as_json else ui.out_text(f"removed {n} entries\n")
 
@@ -83,6 +88,8 @@ def prune(
     as_json: o.Json = False,
 ) -> None:
     """Evict least recently used entries until the disk tier fits --max-size."""
+    from mlxcache.cache import manage
+
     try:
         limit = parse_size(max_size)
     except ValueError as exc:

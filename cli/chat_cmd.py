@@ -7,20 +7,20 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.live import Live
-from rich.markdown import Markdown
 
 from mlxcache.errors import MlxcacheError, UserInputError
 from mlxcache.events import Done, Event, Token
-from mlxcache.model import LoadedModel
 from mlxcache.modes import chat
 from mlxcache.paths import cache_dir as resolve_cache_dir
-from mlxcache.worker import EngineWorker
 from mlxcache_cli import options as o
 from mlxcache_cli import ui
+
+if TYPE_CHECKING:  # the worker and model import mlx_lm (seconds): `--list` needs neither
+    from mlxcache.model import LoadedModel
+    from mlxcache.worker import EngineWorker
 
 HELP = """commands:
   /retry            regenerate the last reply
@@ -61,6 +61,9 @@ class Repl:
 
     def reply(self, events: Iterator[Event]) -> None:
         """Stream a reply to stdout; Ctrl-C stops it (the partial reply stays in the session)."""
+        from rich.live import Live
+        from rich.markdown import Markdown
+
         text = ""
         stats = None
         finish = ("", 0)
@@ -383,6 +386,8 @@ def chat_cmd(
         changed = apply_options(ctx, session, run, system)
     else:
         session = chat.ChatSession(system=system, sampling=params, stop=stops)
+    from mlxcache.worker import EngineWorker
+
     with EngineWorker(run.engine(keep_replies=True)) as worker:
         note = on_model(session, resume or "", worker.engine.loaded, force)
         if resume is not None:

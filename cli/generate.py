@@ -6,7 +6,6 @@ from typing import Annotated
 
 import typer
 
-from mlxcache.engine import Request
 from mlxcache.errors import UserInputError
 from mlxcache.events import Done, Event, Token
 from mlxcache_cli import options as o
@@ -26,6 +25,8 @@ def generate(
     run: o.RunOptions,
 ) -> None:
     """Generate a reply to PROMPT, streamed to stdout; stats go to stderr."""
+    from mlxcache.engine import Request
+
     text = o.read_prompt(prompt, prompt_file)
     system = o.text_or_file(system, "system")
     params, stops = run.sampling(), run.stop_strings()

@@ -3,20 +3,20 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from mlxcache.engine import Engine
 from mlxcache.errors import OutputError, OutputMismatchError, UserInputError
 from mlxcache.fileio import check_output_dir
-from mlxcache.modes import json_mode
-from mlxcache.modes.batch import claim_output, read_input
-from mlxcache.modes.reasoning import check_think_options
-from mlxcache.modes.schema import CompiledSchema, check_schema, read_json_arg
-from mlxcache.sampling import SamplingParams
 from mlxcache_cli import options as o
 from mlxcache_cli import ui
+
+if TYPE_CHECKING:  # imported by the command: `--help` and `--check` load no model code
+    from mlxcache.engine import Engine
+    from mlxcache.modes import json_mode
+    from mlxcache.modes.schema import CompiledSchema
+    from mlxcache.sampling import SamplingParams
 
 
 @o.with_run_options()
@@ -95,11 +95,22 @@ def json_cmd(
 ) -> None:
     """Reply with one JSON document valid against --schema, or one JSON object without it
     (printed on stdout)."""
-    given = json_mode.ANY_OBJECT if schema is None else read_json_arg(schema, "schema")
+    from mlxcache.modes.schema import check_schema, read_json_arg
+
+    if schema is None:
+        from mlxcache.modes.json_mode import ANY_OBJECT
+
+        given = ANY_OBJECT
+    else:
+        given = read_json_arg(schema, "schema")
     compiled = check_schema(given, strict=strict, allow_extra_keys=allow_extra_keys)
     if check:
         _report_check(compiled, as_json)
         return
+    from mlxcache.modes import json_mode
+    from mlxcache.modes.batch import claim_output, read_input
+    from mlxcache.modes.reasoning import check_think_options
+
     task = json_mode.JsonTask(compiled, o.text_or_file(instructions, "instructions"))
     params = run.sampling()
     check_think_options(think, think_budget, params.max_tokens)  # before the model loads

@@ -13,7 +13,7 @@ from typer.core import TyperGroup, TyperOption
 
 from mlxcache import __version__
 from mlxcache.errors import MlxcacheError, UserInputError
-from mlxcache_cli import bench, cache_cmd, models_cmd, regress_cmd, ui
+from mlxcache_cli import bench, cache_cmd, coerce, models_cmd, regress_cmd, ui
 from mlxcache_cli.chat_cmd import chat_cmd
 from mlxcache_cli.generate import generate
 from mlxcache_cli.json_cmd import json_cmd
@@ -61,6 +61,7 @@ def _flag_display_type(self: TyperOption, ctx: Any) -> str | None:
 
 
 TyperOption.display_type_rich = _flag_display_type  # type: ignore[method-assign]
+coerce.install()
 
 
 def usage_message(exc: click_errors.ClickException) -> str:
@@ -195,6 +196,7 @@ command(bench.chat, app=bench_app, examples="mlxcache bench chat --max-tokens 80
 command(bench.schemas, app=bench_app, examples="mlxcache bench schemas schemas/ --generate 12")
 command(bench.serve, app=bench_app, examples="mlxcache bench serve --turns 2 --tokens 30")
 command(bench.reuse, app=bench_app, examples="mlxcache bench reuse --block-size 16")
+command(bench.startup, app=bench_app, examples="mlxcache bench startup --rounds 5")
 app.add_typer(bench_app, name="bench")
 
 models_app = typer.Typer(help="Converted models and what a model spec loads.", no_args_is_help=True)

@@ -6,14 +6,14 @@ from typing import Any
 
 from rich.table import Table
 
-from mlxcache.model import load
-from mlxcache.model.loader import converted, describe
 from mlxcache_cli import options as o
 from mlxcache_cli import ui
 
 
 def ls(cache_dir: o.CacheDir = None, as_json: o.Json = False) -> None:
     """GGUF files converted into the cache directory (sizes in bytes with --json)."""
+    from mlxcache.model.loader import converted
+
     rows = converted(cache_dir)
     if as_json:
         ui.out_json(rows)
@@ -27,6 +27,9 @@ def ls(cache_dir: o.CacheDir = None, as_json: o.Json = False) -> None:
 def info(model: o.Model = None, cache_dir: o.CacheDir = None, as_json: o.Json = False) -> None:
     """Load the model given with -m (default: the embedded SmolLM2; a GGUF is converted once)
     and show its name, key, context length and quantization."""
+    from mlxcache.model import load
+    from mlxcache.model.loader import describe
+
     with ui.progress_bar() as update:
         summary = describe(load(model, cache_root=cache_dir, progress=update))
     if as_json:

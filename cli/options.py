@@ -9,16 +9,17 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 
 from mlxcache.config import CPU_BLOCK_SIZE, METAL_BLOCK_SIZE, CacheConfig, format_size, parse_size
-from mlxcache.engine import Engine
 from mlxcache.errors import UserInputError
-from mlxcache.runtime import open_engine
 from mlxcache.sampling import SamplingParams
 from mlxcache_cli import ui
+
+if TYPE_CHECKING:  # the engine imports mlx_lm (seconds): only the commands that run one do
+    from mlxcache.engine import Engine
 
 # Help panels: a command's own options stay under "Options"; the shared ones are grouped.
 MODEL_PANEL, SAMPLING_PANEL, CACHE_PANEL = "Model", "Sampling", "Cache"
@@ -265,6 +266,8 @@ def cache_config(
 def engine(model: str | None, cache: CacheConfig, keep_replies: bool = False) -> Engine:
     """Open the engine, with a progress bar on stderr if a GGUF needs converting;
     `keep_replies`: see `open_engine` (chat and serve)."""
+    from mlxcache.runtime import open_engine
+
     with ui.progress_bar() as update:
         return open_engine(
             model, cache, progress=update, on_warning=ui.warn, keep_replies=keep_replies

@@ -5,16 +5,19 @@ from __future__ import annotations
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from mlxcache.errors import UserInputError
-from mlxcache.regress import golden
-from mlxcache.regress import suite as suite_mod
-from mlxcache.regress.runner import VARIANTS, Runner
+from mlxcache.regress import VARIANTS
 from mlxcache_cli import options as o
 from mlxcache_cli import ui
+
+if TYPE_CHECKING:  # the runner imports mlx_lm (seconds): imported by the commands
+    from mlxcache.regress import golden
+    from mlxcache.regress import suite as suite_mod
+    from mlxcache.regress.runner import Runner
 
 Variants = Annotated[
     str,
@@ -82,6 +85,8 @@ def _load(
     suite: Path, variants: str, block_size: int | None
 ) -> tuple[suite_mod.Suite, tuple[str, ...]]:
     """Check the options and load the suite (before any model loads)."""
+    from mlxcache.regress import suite as suite_mod
+
     if block_size is not None:
         o.positive(block_size=block_size)
     return suite_mod.load(suite), _variants(variants)
@@ -95,6 +100,8 @@ def _run(
     act: Callable[[Runner, tuple[str, ...]], golden.Report],
 ) -> tuple[int, golden.Report]:
     """`act` on the suite in a scratch cache directory."""
+    from mlxcache.regress.runner import Runner
+
     progress = ui.regress_progress(quiet)
     with tempfile.TemporaryDirectory(prefix="mlxcache-regress-") as work:
         runner = Runner(cases, Path(work), block_size, progress)
@@ -114,6 +121,8 @@ def record(
     quiet: o.Quiet = False,
 ) -> None:
     """Run SUITE under every variant and write the golden file (only if all variants agree)."""
+    from mlxcache.regress import golden
+
     cases, chosen = _load(suite, variants, block_size)
     n, report = _run(cases, chosen, block_size, quiet, lambda r, v: golden.record(r, output, v))
     if report.ok and not as_json:
@@ -134,6 +143,8 @@ def check(
     quiet: o.Quiet = False,
 ) -> None:
     """Run SUITE again and compare every variant with GOLDEN byte for byte (exit 1 on a difference)."""
+    from mlxcache.regress import golden
+
     cases, chosen = _load(suite, variants, block_size)
     doc = golden.load_golden(golden_file)  # a damaged golden is refused before any work
     _, report = _run(cases, chosen, block_size, quiet, lambda r, v: golden.check(r, doc, v))

@@ -3,26 +3,18 @@
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from mlxcache.engine import Engine
 from mlxcache.errors import MlxcacheError, OutputError, UserInputError
 from mlxcache.fileio import loads_json
-from mlxcache.modes.reasoning import check_think_options
-from mlxcache.modes.schema import read_json_arg
-from mlxcache.modes.tool_chat import (
-    ToolReply,
-    ToolsTask,
-    add_tool_results,
-    assistant_message,
-    next_turn,
-    read_messages,
-)
-from mlxcache.modes.tools import ToolChoice, parse_tools
 from mlxcache_cli import options as o
 from mlxcache_cli import ui
+
+if TYPE_CHECKING:  # imported by the command: `--help` loads no model code
+    from mlxcache.engine import Engine
+    from mlxcache.modes.tool_chat import ToolReply, ToolsTask
 
 
 def _results(specs: list[str]) -> list[tuple[str, str]]:
@@ -46,6 +38,9 @@ def _conversation(
     messages_file: str | None, system: str | None, results: list[str]
 ) -> tuple[list[dict[str, Any]], str | None]:
     """Prior messages (system message split off) with the tool results appended."""
+    from mlxcache.modes.schema import read_json_arg
+    from mlxcache.modes.tool_chat import add_tool_results, read_messages
+
     messages = read_messages(read_json_arg(messages_file, "messages")) if messages_file else []
     if messages and messages[0]["role"] == "system":
         if system is not None:
@@ -104,6 +99,11 @@ def tools_cmd(
     run: o.RunOptions,
 ) -> None:
     """Reply to PROMPT with text and/or calls to the functions in --tools."""
+    from mlxcache.modes.reasoning import check_think_options
+    from mlxcache.modes.schema import read_json_arg
+    from mlxcache.modes.tool_chat import ToolsTask, assistant_message
+    from mlxcache.modes.tools import ToolChoice, parse_tools
+
     tools = parse_tools(read_json_arg(tools_file, "tools"), f"tools {tools_file}")
     choice = ToolChoice.parse(tool_choice, tools)
     messages, system = _conversation(
@@ -160,6 +160,8 @@ def _warm_ahead(
     engine: Engine, task: ToolsTask, messages: list[dict[str, Any]], reply: ToolReply
 ) -> None:
     """Prefill the follow-up's prefix now (kept on disk): the `--tool-result` call resumes it."""
+    from mlxcache.modes.tool_chat import next_turn
+
     try:
         engine.warm(next_turn(task, engine, messages, reply))
         for _ in engine.run(warm=True):

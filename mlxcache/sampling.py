@@ -12,7 +12,9 @@ from dataclasses import dataclass, fields
 from numbers import Integral, Real
 
 import mlx.core as mx
-from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
+
+# mlx_lm is imported where a sampler is built, not here: importing it imports transformers
+# (seconds), and the CLI reads SamplingParams' defaults at start-up.
 
 Sampler = Callable[[mx.array], mx.array]
 """logprobs (1, vocab) -> token id array (1,)."""
@@ -70,6 +72,8 @@ def make_processors(params: SamplingParams) -> list[LogitsProcessor]:
     """The logits processors `params` asks for (none by default)."""
     if params.repetition_penalty == 1.0:
         return []
+    from mlx_lm.sample_utils import make_logits_processors
+
     return make_logits_processors(
         repetition_penalty=params.repetition_penalty,
         repetition_context_size=params.repetition_context,
@@ -83,6 +87,7 @@ def make_sampler(params: SamplingParams) -> Sampler:
     """
     if params.temperature == 0:
         return greedy
+    from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
     key = mx.random.key(params.seed)
     inv_temp = 1.0 / params.temperature
@@ -92,7 +97,10 @@ def make_sampler(params: SamplingParams) -> Sampler:
     if params.min_p > 0.0:
         filters.append(lambda lp: apply_min_p(lp, params.min_p))
     if params.top_k > 0:
-        filters.append(lambda lp: _top_k(lp, params.top_k))
+        # mlx-lm rejects k >= vocab; keeping every token is what such a k means.
+        filters.append(
+            lambda lp: lp if params.top_k >= lp.shape[-1] else apply_top_k(lp, params.top_k)
+        )
 
     def sample(logprobs: mx.array) -> mx.array:
         nonlocal key
@@ -114,8 +122,3 @@ def make_sampler(params: SamplingParams) -> Sampler:
 def greedy(logprobs: mx.array) -> mx.array:
     """The most likely token (temperature 0)."""
     return mx.argmax(logprobs, axis=-1)
-
-
-def _top_k(logprobs: mx.array, k: int) -> mx.array:
-    # mlx-lm rejects k >= vocab; keeping every token is what such a k means.
-    return logprobs if k >= logprobs.shape[-1] else apply_top_k(logprobs, k)

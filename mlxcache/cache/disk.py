@@ -23,7 +23,6 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 import xxhash
-from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
 from mlxcache.errors import CacheStoreError, CorruptCacheFileError, CorruptIndexError
 
@@ -197,6 +196,8 @@ class DiskTier:
 
     def read_checkpoint(self, name: str) -> list[Any]:
         """The cache list stored under `name` (checksum verified)."""
+        from mlx_lm.models.cache import load_prompt_cache  # not at import: see checkpoint_writer
+
         path = self._read(name)
         try:
             return list(load_prompt_cache(str(path)))
@@ -446,6 +447,10 @@ def block_writer(block: dict[str, mx.array]) -> Writer:
 
 def checkpoint_writer(layers: list[Any]) -> Writer:
     """How to write one whole-state checkpoint file."""
+    # Imported here: mlx_lm imports transformers (seconds), and `mlxcache cache ...` reads
+    # this module without running a model.
+    from mlx_lm.models.cache import save_prompt_cache
+
     return lambda path: save_prompt_cache(str(path), layers)
 
 

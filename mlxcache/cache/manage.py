@@ -10,6 +10,7 @@ import os
 import sqlite3
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -112,16 +113,21 @@ def entries(directory: Directory = None, preview_tokens: int = 0) -> list[dict[s
 
 
 def _decoders(names: dict[str, tuple[str, str, int]]) -> dict[str, Callable[[list[int]], str]]:
-    """A detokenizer per namespace whose model folder still has a loadable tokenizer."""
-    from mlx_lm.utils import load_tokenizer
+    """A detokenizer per namespace whose model folder still has a tokenizer.json.
+
+    The `tokenizers` library reads it directly: mlx-lm's loader imports transformers, which
+    takes seconds, and a listing needs only the text of a few tokens.
+    """
+    from tokenizers import Tokenizer
 
     out: dict[str, Callable[[list[int]], str]] = {}
     for ns, (_, path, _) in names.items():
-        if not Path(path).is_dir():  # moved or deleted (and never a Hub download)
+        file = Path(path) / "tokenizer.json"
+        if not file.is_file():  # moved or deleted (and never a Hub download)
             continue
         try:
-            out[ns] = load_tokenizer(Path(path)).decode
-        except Exception:
+            out[ns] = partial(Tokenizer.from_file(str(file)).decode, skip_special_tokens=False)
+        except Exception:  # a damaged or foreign file: no preview, the listing goes on
             continue
     return out
 

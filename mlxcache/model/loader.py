@@ -8,7 +8,7 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import xxhash
 
@@ -16,8 +16,10 @@ from mlxcache.errors import ModelConversionError, ModelNotFoundError, Unsupporte
 from mlxcache.fileio import loads_json
 from mlxcache.model.digest import file_digest, hash_file
 from mlxcache.model.folder import load_folder
-from mlxcache.model.gguf import Progress, check_folder, convert_gguf
 from mlxcache.paths import cache_dir
+
+if TYPE_CHECKING:  # the converter imports gguf and MLX: only a conversion needs them
+    from mlxcache.model.gguf import Progress
 
 # transformers announces at import time that PyTorch is missing; we never need it.
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -77,6 +79,8 @@ def folder_key(path: Path) -> str:
 def _converted(gguf: Path, root: Path, progress: Progress | None, warn: Warn) -> Path:
     """The mlx-lm folder converted from `gguf`: converted on first use, and again (with a
     warning) when the folder fails its checksum manifest."""
+    from mlxcache.model.gguf import check_folder, convert_gguf
+
     if not gguf.is_file():
         raise ModelNotFoundError(f"model file not found: {gguf}")
     out = root / "models" / f"{gguf.stem}-{file_digest(gguf)[:16]}-v{_CONVERTER_VERSION}"

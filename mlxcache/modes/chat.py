@@ -12,13 +12,15 @@ import re
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from mlxcache.engine import Request
 from mlxcache.errors import MlxcacheError, UserInputError
 from mlxcache.events import CANCELLED, Done, Event, Token
 from mlxcache.fileio import loads_json, write_atomic
 from mlxcache.sampling import SamplingParams
+
+if TYPE_CHECKING:  # the engine imports mlx_lm (seconds); listing sessions needs none of it
+    from mlxcache.engine import Request
 
 
 class Runner(Protocol):
@@ -86,6 +88,8 @@ class ChatSession:
         """
         if not text.strip():
             raise UserInputError("the message is empty")
+        from mlxcache.engine import Request
+
         ids = engine.encode_chat([*self.messages(), {"role": "user", "content": text}])
         params = replace(self.sampling, seed=(self.sampling.seed + self.generations) % 2**63)
         self.generations += 1

@@ -1,1 +1,4 @@
 """Byte-identical regression runs: suites, execution variants, golden files."""
+
+VARIANTS = ("cold", "warm", "disk", "lanes")
+"""Execution variants (`runner`); here so that the CLI lists them without importing a model."""

@@ -29,10 +29,10 @@ from mlxcache.model import LoadedModel, load
 from mlxcache.modes import json_mode
 from mlxcache.modes.tool_chat import ToolsTask
 from mlxcache.modes.tools import ToolChoice, parse_tools
+from mlxcache.regress import VARIANTS
 from mlxcache.regress.suite import SAMPLING_KEYS, Case, Suite
 from mlxcache.runtime import make_cache
 
-VARIANTS = ("cold", "warm", "disk", "lanes")
 Output = dict[str, Any]
 Steps = lanes.Steps[list[Output]]
 

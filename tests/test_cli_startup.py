@@ -1,0 +1,187 @@
+"""Start-up: the commands that need no model import no model code (issue 22, item 1).
+
+Times are the benchmark's (`mlxcache bench startup`); here, what is imported is checked,
+in a fresh process per command, as a user runs it.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import typer
+from typer._click import Context
+
+from mlxcache_cli import bench, coerce, startup_bench
+from mlxcache_cli.main import app
+
+HEAVY = ("mlx_lm", "transformers", "pydantic", "huggingface_hub")
+
+# Runs the CLI as the `mlxcache` script does, then lists the heavy packages it imported.
+_CHILD = """
+import json, sys
+out, sys.argv = sys.argv[1], ["mlxcache", *sys.argv[2:]]
+try:
+    from mlxcache_cli.main import app
+    app()
+except SystemExit as exc:
+    code = exc.code
+heavy = sorted({m.split(".")[0] for m in sys.modules} & set(json.loads(out)[1]))
+open(json.loads(out)[0], "w").write(json.dumps({"code": code, "heavy": heavy}))
+"""
+
+
+def _imports(tmp_path: Path, args: list[str]) -> dict[str, Any]:
+    report = tmp_path / "imports.json"
+    spec = json.dumps([str(report), list(HEAVY)])
+    subprocess.run(
+        [sys.executable, "-c", _CHILD, spec, *args],
+        capture_output=True,
+        check=False,
+        timeout=120,
+    )
+    return dict(json.loads(report.read_text()))
+
+
+@pytest.mark.parametrize(
+    "name", ["--help", "--version", "typo", "json --check", "cache ls", "models ls"]
+)
+def test_fast_commands_import_no_model_code(tmp_path: Path, name: str) -> None:
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"type": "object", "properties": {"a": {"type": "integer"}}}')
+    argv = startup_bench.commands(schema, tmp_path / "cache")[name][3:]  # after `-m mlxcache_cli`
+    result = _imports(tmp_path, argv)
+    assert result == {"code": 2 if name == "typo" else 0, "heavy": []}
+
+
+def test_cache_ls_with_entries_imports_no_model_code(tmp_path: Path) -> None:
+    """The preview of each entry's prompt reads the tokenizer without transformers."""
+    from mlxcache.cache.disk import DiskTier
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    _word_tokenizer(folder / "tokenizer.json")
+    disk = DiskTier(tmp_path / "cache" / "kv")
+    disk.name_namespace("ns", "wordy", str(folder), 4)
+    disk.close()
+    from mlxcache.cache import manage
+
+    decode = manage._decoders({"ns": ("wordy", str(folder), 4)})["ns"]
+    assert decode([0, 1, 2]) == "hello big world"
+    result = _imports(tmp_path, ["cache", "ls", "--cache-dir", str(tmp_path / "cache")])
+    assert result == {"code": 0, "heavy": []}
+
+
+def _word_tokenizer(path: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({"hello": 0, "big": 1, "world": 2, "[UNK]": 3}, "[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.WordPiece()
+    tok.save(str(path))
+
+
+def test_library_api_is_imported_on_first_use(tmp_path: Path) -> None:
+    code = (
+        "import sys, mlxcache\n"
+        "assert 'mlxcache.engine' not in sys.modules and 'mlx_lm' not in sys.modules\n"
+        "from mlxcache import CacheConfig, Engine, Request, SamplingParams, open_engine\n"
+        "import mlxcache.engine, mlxcache.runtime\n"
+        "assert Request is mlxcache.engine.Request and open_engine is mlxcache.runtime.open_engine\n"
+        "assert 'open_engine' in dir(mlxcache)\n"
+        "try:\n    mlxcache.nothing\nexcept AttributeError as exc:\n    print(exc)\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert run.stdout == "module 'mlxcache' has no attribute 'nothing'\n"
+
+
+def _params() -> list[tuple[str, Any, Any]]:
+    """(command path, click command, parameter) of every parameter of the app."""
+    out = []
+
+    def walk(cmd: Any, path: str) -> None:
+        out.extend((path, cmd, p) for p in cmd.params)
+        for name, sub in getattr(cmd, "commands", {}).items():
+            walk(sub, f"{path} {name}")
+
+    walk(typer.main.get_command(app), "mlxcache")
+    return out
+
+
+TEXTS = [None, "", "5", "-3", "0.5", "x", "a/b", "~/x", "1e3"]
+SAMPLES = [*TEXTS, ["a", "b"], (), ("c",), 7, 2.5, True]
+
+
+def _outcome(runtime: Any, value: Any, param: Any, ctx: Context) -> Any:
+    try:
+        return ("ok", type(runtime.coerce(value, param=param, ctx=ctx)).__name__, repr(value))
+    except Exception as exc:
+        return ("error", type(exc).__name__, str(exc))
+
+
+def test_coercion_fast_path_gives_what_typer_gives() -> None:
+    """Every parameter of every command, over values of every kind: the fast path returns
+    what Typer's own (pydantic) coercion returns, and fails where it fails, with its words."""
+    from typer._coercion import build_runtime_param
+
+    checked = 0
+    for _path, cmd, param in _params():
+        ctx = Context(cmd)
+        holder = SimpleNamespace(_runtime_param=None, type_descriptor=param.type_descriptor)
+        fast = coerce._runtime_param(holder)
+        slow = build_runtime_param(param.type_descriptor)
+        for value in [param.default, *SAMPLES]:
+            want, got = _outcome(slow, value, param, ctx), _outcome(fast, value, param, ctx)
+            if want[0] == "ok":
+                assert got[0] == "ok" and fast.coerce(value, param, ctx) == slow.coerce(
+                    value, param, ctx
+                ), (param.name, value)
+            assert got == want, (param.name, value)
+            checked += 1
+    assert checked > 500
+
+
+def test_failed_goals_reads_every_benchmark_shape() -> None:
+    assert bench.failed_goals({"pass": True, "goals": {"a": True}}) == []
+    assert bench.failed_goals(
+        {"pass": False, "goals": {"a": True, "b": False}, "decode": {"ratio_pass": False}}
+    ) == ["pass", "goals.b", "decode.ratio_pass"]
+    assert bench.failed_goals({"goals_pass": False, "n": 0}) == ["goals_pass"]
+
+
+def test_bench_report_is_json_and_exits_1_on_a_failed_goal(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    bench._report({"bench": "x", "ratio": 1.5, "pass": True})
+    out, err = capsys.readouterr()
+    assert (out, err) == (
+        '{"bench": "x", "ratio": 1.5, "pass": true}\n',
+        "bench x: every goal met\n",
+    )
+    with pytest.raises(typer.Exit) as stop:
+        bench._report({"bench": "x", "goals": {"fast": False}, "pass": False})
+    out, err = capsys.readouterr()
+    assert stop.value.exit_code == 1
+    assert out == '{"bench": "x", "goals": {"fast": false}, "pass": false}\n'
+    assert err == "error: bench x: goal not met: goals.fast, pass\n"
+
+
+def test_startup_bench_reports_ratios_and_goals(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The benchmark's shape (no time is asserted): commands swapped for trivial ones."""
+    fast = [sys.executable, "-c", "pass"]
+    slow = [sys.executable, "-c", "import time; time.sleep(0.6)"]
+    monkeypatch.setattr(startup_bench, "commands", lambda _s, _c: {"a": fast, "b": slow})
+    result = startup_bench.run(1, tmp_path)
+    assert set(result) == {"bench", "rounds", "python_s", "commands", "goals", "pass"}
+    assert set(result["commands"]) == {"a", "b"}
+    assert set(result["commands"]["a"]) == {"min_s", "median_s", "ratio"}
+    assert result["goals"]["b_le_0.5s"] is False and result["pass"] is False
