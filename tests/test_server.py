@@ -28,6 +28,7 @@ from tinymodel import write_tiny_gguf
 
 from mlxcache.bench.serve_bench import idle_report
 from mlxcache.engine import Engine, Request
+from mlxcache.events import Token
 from mlxcache.model import load
 from mlxcache.modes import json_mode
 from mlxcache.modes.json_mode import JsonTask
@@ -353,6 +354,51 @@ def test_four_clients_at_once_each_get_what_they_get_alone(server: ServerProcess
     assert together == alone
 
 
+def test_openai_client_gets_logprobs_and_a_model_card(server: ServerProcess, ref: Engine) -> None:
+    c = client(server)
+    messages = [{"role": "user", "content": "Hello"}]
+    kw: dict[str, Any] = {
+        "messages": messages,
+        "max_tokens": 6,
+        "logprobs": True,
+        "top_logprobs": 2,
+    }
+    plain = c.chat.completions.create(model=server.model, **kw)
+    streamed = list(c.chat.completions.create(model=server.model, stream=True, **kw))
+    expected = [
+        e
+        for e in ref.generate(Request(ref.encode_chat(messages), params(max_tokens=6), logprobs=2))
+        if isinstance(e, Token) and e.logprob is not None
+    ]
+    assert plain.choices[0].logprobs is not None and plain.choices[0].logprobs.content
+    content = plain.choices[0].logprobs.content
+    assert [t.logprob for t in content] == [e.logprob for e in expected]
+    assert [[a.logprob for a in t.top_logprobs] for t in content] == [
+        [v for _, v in e.top_logprobs] for e in expected
+    ]
+    assert [
+        t
+        for ch in streamed
+        if ch.choices and ch.choices[0].logprobs
+        for t in ch.choices[0].logprobs.content or ()
+    ] == content
+    text = c.completions.create(model=server.model, prompt="Once upon", max_tokens=4, logprobs=1)
+    assert text.choices[0].logprobs is not None
+    ids = ref.encode("Once upon")
+    expected = [
+        e
+        for e in ref.generate(Request(ids, params(max_tokens=4), logprobs=1))
+        if isinstance(e, Token) and e.logprob is not None
+    ]
+    assert text.choices[0].logprobs.token_logprobs == [e.logprob for e in expected]
+    assert c.models.retrieve(server.model).id == server.model
+    with pytest.raises(openai.NotFoundError):
+        c.models.retrieve("gpt-4o")
+    metrics = request(server, "GET", "/metrics")
+    assert metrics.status_code == 200
+    assert "mlxcache_generated_tokens_total " in metrics.text
+
+
 def test_models_health_and_cache(server: ServerProcess) -> None:
     c = client(server)
     assert [m.id for m in c.models.list().data] == [server.model]
@@ -519,12 +565,22 @@ def test_malformed_json_unknown_model_and_route(server: ServerProcess) -> None:
 
 
 def test_api_key_and_body_limit(model: Path) -> None:
-    with running(model, "--max-body", "2K", env={"MLXCACHE_API_KEY": "sekret"}) as srv:
+    args = ["--max-body", "2K", "--cors-origin", "http://localhost:3000"]
+    with running(model, *args, env={"MLXCACHE_API_KEY": "sekret"}) as srv:
         for headers in ({}, {"Authorization": "Bearer wrong"}):
             r = post(srv, "/v1/chat/completions", chat_body(srv, max_tokens=1), **headers)
             assert error_of(r, 401)["code"] == "invalid_api_key"
         assert request(srv, "GET", "/v1/models").status_code == 401
+        assert request(srv, "GET", "/v1/models", Authorization="bearer sekret").status_code == 200
         assert request(srv, "GET", "/health").status_code == 200
+        preflight = request(
+            srv,
+            "OPTIONS",
+            "/v1/chat/completions",
+            Origin="http://localhost:3000",
+            **{"Access-Control-Request-Method": "POST"},
+        )
+        assert preflight.headers["access-control-allow-origin"] == "http://localhost:3000"
         with pytest.raises(openai.AuthenticationError):
             client(srv).models.list()
         ok = client(srv, "sekret").chat.completions.create(
