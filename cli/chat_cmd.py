@@ -388,7 +388,7 @@ def chat_cmd(
         session = chat.ChatSession(system=system, sampling=params, stop=stops)
     from mlxcache.worker import EngineWorker
 
-    with EngineWorker(run.engine(keep_replies=True)) as worker:
+    with EngineWorker(run.engine(invariant=True)) as worker:
         note = on_model(session, resume or "", worker.engine.loaded, force)
         if resume is not None:
             ui.info(describe_session(resume, session))

@@ -263,15 +263,13 @@ def cache_config(
         raise UserInputError(str(exc).replace("block size", "--block-size", 1)) from exc
 
 
-def engine(model: str | None, cache: CacheConfig, keep_replies: bool = False) -> Engine:
+def engine(model: str | None, cache: CacheConfig, invariant: bool = False) -> Engine:
     """Open the engine, with a progress bar on stderr if a GGUF needs converting;
-    `keep_replies`: see `open_engine` (chat and serve)."""
+    `invariant`: see `open_engine` (chat and serve)."""
     from mlxcache.runtime import open_engine
 
     with ui.progress_bar() as update:
-        return open_engine(
-            model, cache, progress=update, on_warning=ui.warn, keep_replies=keep_replies
-        )
+        return open_engine(model, cache, progress=update, on_warning=ui.warn, invariant=invariant)
 
 
 def utf8(value: str | bytes, what: str) -> str:
@@ -357,8 +355,8 @@ class RunOptions:
             self.warm_ahead,
         )
 
-    def engine(self, keep_replies: bool = False) -> Engine:
-        return engine(self.model, self.cache(), keep_replies)
+    def engine(self, invariant: bool = False) -> Engine:
+        return engine(self.model, self.cache(), invariant)
 
 
 def _config_default(name: str) -> Any:

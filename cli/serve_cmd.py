@@ -95,7 +95,7 @@ def serve_cmd(
     if api_key:  # compared as UTF-8 bytes: undecodable argv bytes could never match
         api_key = o.utf8(api_key, "--api-key")
     defaults = run.sampling()
-    engine = run.engine(keep_replies=True)
+    engine = run.engine(invariant=True)
     if host not in LOOPBACK and not api_key:
         ui.warn(f"serving on {host} without --api-key: anyone who can reach it can use it")
     log = RequestLog(log_file)

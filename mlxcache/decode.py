@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Generator
+from dataclasses import dataclass
 from typing import Any, cast
 
 import mlx.core as mx
@@ -14,6 +15,23 @@ from mlxcache.detok import TextStream
 from mlxcache.events import Result, Stats, Token
 from mlxcache.sampling import SamplingParams, make_processors, make_sampler
 from mlxcache.stops import StopScanner
+
+
+@dataclass(frozen=True, slots=True)
+class Forward:
+    """Batched decode: the engine runs this decode step's forward (`y` after `layers`,
+    within a batch of lanes) and sends back its logits, shaped (1, vocab)."""
+
+    y: mx.array
+    layers: list[Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Leave:
+    """Batched decode: the reply needs no more forwards; the engine puts its KV back
+    into `layers` (from the batch) before the lane goes on."""
+
+    layers: list[Any]
 
 
 def decode(
@@ -33,7 +51,8 @@ def decode(
     start: float,
     out: list[int] | None = None,
     logprobs: int | None = None,
-) -> Generator[Token, None, Result]:
+    batched: bool = False,
+) -> Generator[Token | Forward | Leave, Any, Result]:
     """Generate up to `budget` tokens after `prompt`, whose last logits are `logits`.
 
     Yields one `Token` per generated token (its text may be empty while a character or a
@@ -41,7 +60,8 @@ def decode(
     appended to `out` as they come, when given (a follow lane reads them). With
     `logprobs` k, each Token carries its log-probability and the k most likely tokens'
     (`_scored`), read from the distribution it was drawn from: after the processors,
-    before temperature and the top-p/min-p/top-k filters.
+    before temperature and the top-p/min-p/top-k filters. `batched`: each forward is
+    asked of the engine (`Forward`), and `Leave` comes after the last.
     """
     sampler = make_sampler(sampling)
     # Sampling's own processors (repetition penalty) first, then the request's (grammar).
@@ -77,7 +97,10 @@ def decode(
             # Queue the next forward before waiting on this token: graph building overlaps
             # compute (as mlx-lm does). Without processors the sampling is queued too; a
             # processor (grammar) must see the token first.
-            nxt = model(y.reshape(1, 1), cache=layers)[:, -1, :]
+            if batched:
+                nxt = yield Forward(y, layers)
+            else:
+                nxt = model(y.reshape(1, 1), cache=layers)[:, -1, :]
             nxt = pick(nxt) if not procs else nxt
             mx.async_eval(nxt)
         token = cast(int, y.item())
@@ -106,6 +129,8 @@ def decode(
             nxt = pick(nxt)
             mx.async_eval(nxt)
         y = nxt
+    if batched:
+        yield Leave(layers)
     tail = stops.feed(text.flush()) + stops.flush()
     if tail:
         pieces.append(tail)

@@ -31,7 +31,8 @@ import numpy as np
 
 from mlxcache.cache.base import NoCache, PrefixCache, with_probe
 from mlxcache.config import default_block_size
-from mlxcache.decode import decode
+from mlxcache.decode import Forward, Leave, decode
+from mlxcache.decode_batch import DecodeBatch
 from mlxcache.errors import ContextLengthError, GenerationError, UserInputError
 from mlxcache.events import Done, Event, Prefill, Result, Stats, Token
 from mlxcache.model import LoadedModel
@@ -79,10 +80,11 @@ class _Follow:
 
 @dataclass(slots=True)
 class _Lane:
-    gen: Generator[Event, None, None]
+    gen: Generator[Any, Any, None]  # Events, and a batched decode's Forward / Leave
     tokens: np.ndarray
     warm: bool
     prefilling: bool = False  # a request that has not yet given its first token
+    batched: bool = False  # decoding in the batch: it steps with the batch
     follow: _Follow | None = None  # a follow lane's state
     follower: int | None = None  # a followed request's follow lane
 
@@ -145,6 +147,7 @@ class Engine:
         block_size: int | None = None,
         warm_ahead: bool = True,
         keep_replies: bool = False,
+        batch_decode: bool = False,
         on_warning: Callable[[str], None] | None = None,
     ) -> None:
         if block_size is not None and block_size < 1:
@@ -158,6 +161,11 @@ class Engine:
         # measured to compute decode KV bitwise as canonical prefill does (`invariance`),
         # for a plain KV model. Followed requests then need no follow lane.
         self.keep_replies = keep_replies
+        # Requests past their first token decode as one batch: only where the device was
+        # measured to give each row the bits it gets alone (`invariance`, `decode_batch`).
+        self.batch_decode = batch_decode
+        self._batch = DecodeBatch()
+        self._batch_next = False  # the batch's turn comes next (it alternates with lanes)
         self._warn = on_warning or (lambda _msg: None)
         self._ids = itertools.count()
         self._lanes: dict[int, _Lane] = {}  # insertion order = round-robin order
@@ -336,17 +344,24 @@ class Engine:
             (
                 r
                 for r, lane in self._lanes.items()
-                if not lane.warm
+                if (not lane.warm and not lane.batched)
                 or (background and lane.follow and not prefilling and has_work(lane))
             ),
             None,
         )
+        if self._batch and (self._batch_next or rid is None):
+            self._batch_next = False
+            return self._batch_step()
+        self._batch_next = True  # the batch (if any) goes next: lanes and batch alternate
         if rid is None and background:
             rid = next((r for r, lane in self._lanes.items() if has_work(lane)), None)
         if rid is None:
             return []
         lane = self._lanes.pop(rid)
         event = self._advance(rid, lane)
+        if event is None and lane.batched:  # it joined the batch: it steps with it
+            self._lanes[rid] = lane
+            return []
         if event is None or isinstance(event, Done):
             return [event] if event is not None and not lane.warm else []
         if lane.warm:
@@ -365,17 +380,73 @@ class Engine:
             events.append(first)
         lane.prefilling = not isinstance(events[-1], Token)
         self._lanes[rid] = lane  # requests take turns: to the back of the round
+        if self.batch_decode and not lane.prefilling:  # on to its next forward: the batch
+            more = self._advance(rid, lane)
+            if more is not None:
+                events.append(more)
+                if isinstance(more, Done):
+                    del self._lanes[rid]
         return events
 
-    def _advance(self, rid: int, lane: _Lane) -> Event | None:
-        """The lane's next event; None once it has ended (a warm lane, or a broken one).
+    def _batch_step(self) -> list[Event]:
+        """One forward for every request in the batch, then each on to its next one."""
+        rows = list(self._batch.rows)
+        try:
+            logits = self._batch.forward(self.model)
+        except Exception as exc:  # every row fails alone, as a lane's own call would
+            events: list[Event] = []
+            for rid in rows:
+                self._batch.drop(rid)
+                self.cancel(rid)
+                events.append(Done(rid, Result("", [], "error", Stats(), error=str(exc))))
+            return events
+        events = []
+        for i, rid in enumerate(rows):
+            lane = self._lanes[rid]
+            lane.batched = False
+            event = self._advance(rid, lane, logits[i : i + 1])
+            while event is not None:  # its Token, then on to its next forward or its end
+                events.append(event)
+                if isinstance(event, Done):
+                    del self._lanes[rid]
+                    break
+                event = self._advance(rid, lane)
+        return events
 
+    def _advance(
+        self, rid: int, lane: _Lane, value: mx.array | None = None, alone: bool = False
+    ) -> Event | None:
+        """The lane's next event (sending it `value`); None once it has ended (a warm lane,
+        or a broken one) or when it joined the decode batch to wait for its next forward.
+
+        A request's first forward, and every forward of a request run `alone`, is its own.
         A broken lane ends alone (its finally released its pin): a request with an error
         `Done`, a warm lane with a warning (it only cost the blocks it did not keep).
         """
         try:
-            return next(lane.gen, None)
+            step = lane.gen.send(value)
+            while isinstance(step, Forward | Leave):
+                if isinstance(step, Leave):
+                    if rid in self._batch:
+                        self._batch.leave(rid, step.layers)
+                    step = lane.gen.send(None)
+                elif alone or lane.prefilling:
+                    step = lane.gen.send(
+                        self.model(step.y.reshape(1, 1), cache=step.layers)[:, -1, :]
+                    )
+                else:
+                    if rid in self._batch:
+                        self._batch.wait(rid, step.y)
+                    else:
+                        self._batch.join(rid, step.layers, step.y)
+                    lane.batched = True
+                    return None
+            return step
+        except StopIteration:
+            return None
         except Exception as exc:
+            if rid in self._batch:
+                self._batch.drop(rid)
             if not lane.warm:
                 return Done(rid, Result("", [], "error", Stats(), error=str(exc)))
             self._warn(f"warm-ahead stopped early: {type(exc).__name__}: {exc}")
@@ -396,7 +467,7 @@ class Engine:
         rid = self.submit(request)
         try:
             while rid in self._lanes:
-                event = next(self._lanes[rid].gen, None)
+                event = self._advance(rid, self._lanes[rid], alone=True)
                 if event is None:
                     break
                 if isinstance(event, Done):
@@ -414,6 +485,8 @@ class Engine:
         stopped before its end takes its follow lane with it.
         """
         lane = self._lanes.pop(rid, None)
+        if rid in self._batch:
+            self._batch.drop(rid)
         if lane is not None:
             lane.gen.close()
             if lane.follower is not None:
@@ -445,7 +518,7 @@ class Engine:
 
     def _lane(
         self, rid: int, tokens: np.ndarray, req: Request, follow: _Follow | None
-    ) -> Generator[Event, None, None]:
+    ) -> Generator[Event | Forward | Leave, Any, None]:
         n = int(tokens.size)
         stats = Stats(prompt_tokens=n)
         start = time.perf_counter()
@@ -487,6 +560,7 @@ class Engine:
                 start=start,
                 out=None if follow is None else follow.reply,
                 logprobs=req.logprobs,
+                batched=self.batch_decode,
             )
             if self.keep_replies:
                 self._keep_reply(tokens, result.tokens, resume.layers)

@@ -9,8 +9,12 @@ kernels differ by call shape (GEMV for one row, GEMM for several), so there the 
 fails and the canonical path runs.
 
 The probe compares, bit for bit, every layer's keys and values and the logits of a decode
-run against chunked prefills of the same tokens at several chunk sizes. Its answer is
-kept per (model key, device, MLX and mlx-lm versions) in `<cache dir>/probes.json`.
+run against chunked prefills of the same tokens at several chunk sizes. A second probe
+decodes rows of different lengths as one batch (mlx-lm's left-padded `BatchKVCache`, with
+a row leaving and one joining on the way) against each row decoded alone: where the bits
+agree, lanes may decode together and a reply still does not depend on who else runs.
+The answers are kept per (model key, block size, device, MLX and mlx-lm versions) in
+`<cache dir>/probes.json`.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
 from mlxcache.fileio import write_atomic
 from mlxcache.model import LoadedModel
@@ -55,6 +59,54 @@ def decode_matches_prefill(model: Any, block_size: int) -> bool:
     return True
 
 
+def batch_matches_solo(model: Any) -> bool:
+    """True when rows decoded together (left-padded, one leaving and one joining midway)
+    give bitwise the logits each gives decoded alone. Plain KV models only."""
+    if not all(type(c) is KVCache for c in make_prompt_cache(model)):
+        return False
+    prompts = [[(7 * i + 3 * r) % 97 + 1 for i in range(n)] for r, n in enumerate((3, 6, 8, 4))]
+    steps = 3
+
+    def prefilled(p: list[int]) -> tuple[list[Any], int]:
+        layers = make_prompt_cache(model)
+        first = model(mx.array([p]), cache=layers)[0, -1]
+        return layers, int(mx.argmax(first).item())  # type: ignore[arg-type]
+
+    solo = []  # each row's tokens in and logits out, decoded alone
+    for p in prompts:
+        layers, y = prefilled(p)
+        seen = []
+        for _ in range(steps):
+            out = model(mx.array([[y]]), cache=layers)[0, -1]
+            seen.append((y, out))
+            y = int(mx.argmax(out).item())  # type: ignore[arg-type]
+        solo.append(seen)
+    rows = [0, 1, 2]
+    batch = [
+        BatchKVCache.merge(list(layers))
+        for layers in zip(*(prefilled(prompts[r])[0] for r in rows), strict=True)
+    ]
+    at = dict.fromkeys(rows, 0)
+    for step in range(steps + 2):
+        if step == 1:  # row 0 leaves, row 3 joins
+            for c in batch:
+                c.filter([1, 2])
+            joined = prefilled(prompts[3])[0]
+            for c, j in zip(batch, joined, strict=True):
+                c.extend(BatchKVCache.merge([j]))
+            rows, at[3] = [1, 2, 3], 0
+        live = [r for r in rows if at[r] < steps]
+        if len(live) < len(rows):
+            break
+        ys = mx.array([[solo[r][at[r]][0]] for r in rows])
+        out = model(ys, cache=batch)[:, -1]
+        for i, r in enumerate(rows):
+            if not mx.array_equal(out[i], solo[r][at[r]][1]).item():
+                return False
+            at[r] += 1
+    return True
+
+
 def _key(loaded: LoadedModel, block_size: int) -> str:
     import mlx_lm
 
@@ -63,9 +115,10 @@ def _key(loaded: LoadedModel, block_size: int) -> str:
     return f"{loaded.key}|{block_size}|{device}|{version}|{mlx_lm.__version__}"
 
 
-def kept_decode(loaded: LoadedModel, block_size: int, directory: Path) -> bool:
-    """The probe's answer for `loaded` on this device, from `directory`'s record or run now
-    (and recorded; a record that cannot be written is only a lost shortcut)."""
+def probe(loaded: LoadedModel, block_size: int, directory: Path) -> dict[str, bool]:
+    """{"decode": decode KV is canonical, "batch": rows may decode together} for `loaded`
+    on this device, from `directory`'s record or measured now (and recorded; a record that
+    cannot be written is only a lost shortcut)."""
     path = directory / PROBES
     try:
         record = json.loads(path.read_text())
@@ -73,10 +126,15 @@ def kept_decode(loaded: LoadedModel, block_size: int, directory: Path) -> bool:
     except (OSError, ValueError):
         record = {}
     key = _key(loaded, block_size)
-    if isinstance(record.get(key), bool):
-        return bool(record[key])
-    record[key] = decode_matches_prefill(loaded.model, block_size)
+    known = record.get(key)
+    if isinstance(known, dict) and all(isinstance(known.get(k), bool) for k in ("decode", "batch")):
+        return {"decode": known["decode"], "batch": known["batch"]}
+    found = {
+        "decode": decode_matches_prefill(loaded.model, block_size),
+        "batch": batch_matches_solo(loaded.model),
+    }
+    record[key] = found
     with contextlib.suppress(OSError):
         directory.mkdir(parents=True, exist_ok=True)
         write_atomic(path, json.dumps(record, indent=1))
-    return bool(record[key])
+    return found

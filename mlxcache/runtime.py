@@ -8,7 +8,7 @@ from mlxcache.cache.base import NoCache, PrefixCache
 from mlxcache.cache.store import PromptCache
 from mlxcache.config import CacheConfig
 from mlxcache.engine import Engine
-from mlxcache.invariance import kept_decode
+from mlxcache.invariance import probe
 from mlxcache.model import LoadedModel, load
 from mlxcache.model.gguf import Progress
 from mlxcache.paths import cache_dir, kv_dir
@@ -30,7 +30,7 @@ def open_engine(
     cache: CacheConfig | None = None,
     progress: Progress | None = None,
     on_warning: Callable[[str], None] | None = None,
-    keep_replies: bool = False,
+    invariant: bool = False,
 ) -> Engine:
     """Load `model` (default: the embedded SmolLM2) and attach the prompt cache `cache`.
 
@@ -40,28 +40,34 @@ def open_engine(
         progress: called as a GGUF conversion advances.
         on_warning: called with one-line warnings (e.g. the disk tier had to be disabled,
             a warm-ahead lane failed).
-        keep_replies: keep each reply's decode KV for the next turn where this device was
-            measured to compute it bitwise as canonical prefill does (`invariance`: the
-            probe runs once per model, device and versions); chat and serve ask for it.
+        invariant: use what this device was measured to compute exactly (`invariance`:
+            the probe runs once per model, device and versions): keep each reply's decode
+            KV for the next turn, and decode concurrent requests as one batch. Chat and
+            serve ask for it.
     """
     cache = cache or CacheConfig()
     loaded = load(model, cache_root=cache.directory, progress=progress, on_warning=on_warning)
     prompts = make_cache(loaded, cache, on_warning)
-    invariant = keep_replies and reply_kv_is_canonical(loaded, prompts, cache)
+    allowed = measured(loaded, prompts, cache) if invariant else NOTHING_MEASURED
     return Engine(
         loaded,
         prompts,
         warm_ahead=cache.warm_ahead,
-        keep_replies=invariant,
+        keep_replies=allowed["decode"],
+        batch_decode=allowed["batch"],
         on_warning=on_warning,
     )
 
 
-def reply_kv_is_canonical(loaded: LoadedModel, prompts: PrefixCache, cache: CacheConfig) -> bool:
-    """Whether a reply's decode KV may be kept as canonical: a plain KV model with a cache on
-    a device where the probe found decode bitwise equal to chunked prefill."""
+NOTHING_MEASURED = {"decode": False, "batch": False}
+
+
+def measured(loaded: LoadedModel, prompts: PrefixCache, cache: CacheConfig) -> dict[str, bool]:
+    """What the device allows for `loaded` (`invariance.probe`): "decode", a reply's decode
+    KV may be kept as canonical; "batch", requests may decode as one batch. Both False
+    but for a plain KV model with a prompt cache (whose directory keeps the record)."""
     if not isinstance(prompts, PromptCache) or prompts.layout is None:
-        return False
+        return NOTHING_MEASURED
     if not prompts.layout.plain:
-        return False
-    return kept_decode(loaded, cache.block_size, cache_dir(cache.directory))
+        return NOTHING_MEASURED
+    return probe(loaded, cache.block_size, cache_dir(cache.directory))

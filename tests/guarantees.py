@@ -34,7 +34,7 @@ from mlxcache.config import CacheConfig
 from mlxcache.engine import Engine, Request
 from mlxcache.events import Done, Event, Result, Token
 from mlxcache.model import LoadedModel, load
-from mlxcache.runtime import reply_kv_is_canonical
+from mlxcache.runtime import measured
 from mlxcache.sampling import SamplingParams
 from mlxcache.worker import EngineWorker
 
@@ -536,7 +536,7 @@ def check_kept_replies(rig: Rig) -> None:
     the reply with the cold run's bits. The shape-sensitive model must fail the probe."""
     engine, spy = rig.engine()
     assert isinstance(engine.cache, PromptCache)
-    engine.keep_replies = reply_kv_is_canonical(engine.loaded, engine.cache, engine.cache.config)
+    engine.keep_replies = measured(engine.loaded, engine.cache, engine.cache.config)["decode"]
     plain = engine.cache.layout is not None and engine.cache.layout.plain
     if rig.variant.is_shaped:
         assert not engine.keep_replies, "the probe trusted a shape-sensitive model"
@@ -562,6 +562,62 @@ def check_kept_replies(rig: Rig) -> None:
 
     whole = turn(prompt(10, seed=3))
     turn(whole + prompt(5, seed=4))
+
+
+def check_batched(rig: Rig) -> None:
+    """Where the probe finds batched rows exact (MLX's CPU backend, a plain KV model),
+    requests past their first token decode as one batch: each reply equals its solo run,
+    token for token and log-probability for log-probability, with rows of different
+    lengths joining and leaving on the way. The shape-sensitive model fails the probe
+    and decodes alone."""
+    engine, spy = rig.engine()
+    assert isinstance(engine.cache, PromptCache)
+    allowed = measured(engine.loaded, engine.cache, engine.cache.config)
+    engine.batch_decode, engine.keep_replies = allowed["batch"], allowed["decode"]
+    plain = engine.cache.layout is not None and engine.cache.layout.plain
+    if rig.variant.is_shaped:
+        assert not engine.batch_decode, "the probe trusted a shape-sensitive model"
+    elif plain and mx.default_device() == mx.cpu:
+        assert engine.batch_decode, "batched rows are exact on MLX's CPU backend"
+    requests = [
+        Request(
+            prompt(6 + 4 * i, seed=20 + i),
+            SamplingParams(temperature=0.8, seed=i, max_tokens=12 - i),
+            logprobs=2,
+        )
+        for i in range(4)
+    ]
+    cold = Engine(rig.variant.loaded, NoCache(rig.variant.loaded.model, B))
+
+    def scored(events: Sequence[Event]) -> list[tuple[int, float | None, Any]]:
+        return [(e.token, e.logprob, e.top_logprobs) for e in events if isinstance(e, Token)]
+
+    solo = [scored(list(cold.generate(r))) for r in requests]
+    seen: dict[int, list[Event]] = {}
+    ids = [engine.submit(r) for r in requests[:3]]
+    spy.reset()
+    for _ in range(8):  # the three start; then the fourth joins the batch midway
+        for e in engine.step():
+            seen.setdefault(e.request_id, []).append(e)
+    ids.append(engine.submit(requests[3]))
+    for e in engine.run():
+        seen.setdefault(e.request_id, []).append(e)
+    for i, rid in enumerate(ids):
+        assert scored(seen[rid]) == solo[i], f"request {i} differs from its solo run"
+    if engine.batch_decode:
+        assert max(spy.batch_sizes) >= 3, f"batch sizes {sorted(set(spy.batch_sizes))}"
+    else:
+        assert set(spy.batch_sizes) == {1}, f"batched forward calls: {set(spy.batch_sizes)}"
+    # A reply decoded in the batch is kept (its KV came back out of it): the next turn
+    # resumes inside that reply, with the cold run's bits.
+    first = requests[0]
+    reply = [t for t, _, _ in solo[0]]
+    nxt = [*first.tokens, *reply, *prompt(5, seed=40)]
+    got = engine.complete(Request(nxt, first.sampling))
+    assert got.tokens == cold.complete(Request(nxt, first.sampling)).tokens
+    past = len(first.tokens) // B * B
+    if engine.keep_replies:
+        assert got.stats.cached_tokens > past, f"resumed {got.stats.cached_tokens}"
 
 
 def check_disk(rig: Rig) -> None:

@@ -371,6 +371,12 @@ def probe_trusted(patch: Patch) -> None:
     patch(invariance, "decode_matches_prefill", lambda model, block_size: True)
 
 
+def batch_probe_trusted(patch: Patch) -> None:
+    """Rows are taken to decode exactly in a batch without running the probe: requests
+    decode together on the shape-sensitive model too."""
+    patch(invariance, "batch_matches_solo", lambda model: True)
+
+
 MUTANTS: dict[str, Callable[[Patch], None]] = {
     f.__name__: f
     for f in (
@@ -396,5 +402,6 @@ MUTANTS: dict[str, Callable[[Patch], None]] = {
         no_capture,
         state_of_the_block_start,
         probe_trusted,
+        batch_probe_trusted,
     )
 }

@@ -16,6 +16,7 @@ import zlib
 from typing import Any
 
 import mlx.core as mx
+from spy import offset
 
 from mlxcache.model import LoadedModel
 
@@ -41,7 +42,7 @@ class Shaped:
         return getattr(self._model, name)
 
     def __call__(self, x: mx.array, cache: list[Any]) -> mx.array:
-        eps = EPS * shape_factor(int(cache[0].offset), int(x.shape[1]), int(x.shape[0]))
+        eps = EPS * shape_factor(offset(cache), int(x.shape[1]), int(x.shape[0]))
         h = self._model.model.embed_tokens(x)
         h = h + eps * _pattern(h.shape[-1], h.dtype)
         out = self._model(x, cache=cache, input_embeddings=h)

@@ -43,8 +43,10 @@ class Spy:
 
 
 def offset(cache: list[Any]) -> int:
-    """Tokens the caches hold: an attention layer's offset (a recurrent layer has none)."""
-    return int(next(c.offset for c in cache if hasattr(c, "offset")))
+    """Tokens the caches hold: an attention layer's offset (a recurrent layer has none; a
+    batch of rows: its longest row's)."""
+    held = next(c.offset for c in cache if hasattr(c, "offset"))
+    return int(mx.max(held).item()) if isinstance(held, mx.array) else int(held)
 
 
 def spied(loaded: LoadedModel) -> tuple[LoadedModel, Spy]:

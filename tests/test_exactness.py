@@ -12,6 +12,7 @@ from guarantees import (
     B,
     Rig,
     Variant,
+    check_batched,
     check_bit_flip,
     check_cancelled_decode,
     check_chat,
@@ -69,6 +70,7 @@ CHECKS: list[Callable[[Rig], None]] = [
     check_cancelled_decode,
     check_two_block_sizes,
     check_kept_replies,
+    check_batched,
 ]
 
 

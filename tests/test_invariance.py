@@ -26,7 +26,7 @@ def test_models_with_other_layers_are_not_probed(sliding: LoadedModel) -> None:
     assert not invariance.decode_matches_prefill(sliding.model, 4)
 
 
-def test_the_answer_is_recorded_per_model_and_block_size(
+def test_the_answers_are_recorded_per_model_and_block_size(
     tiny: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     calls: list[int] = []
@@ -36,21 +36,32 @@ def test_the_answer_is_recorded_per_model_and_block_size(
         return block_size == 4
 
     monkeypatch.setattr(invariance, "decode_matches_prefill", probe)
-    assert invariance.kept_decode(tiny, 4, tmp_path)
-    assert invariance.kept_decode(tiny, 4, tmp_path)  # read back, not probed again
-    assert not invariance.kept_decode(tiny, 8, tmp_path)
+    monkeypatch.setattr(invariance, "batch_matches_solo", lambda model: False)
+    assert invariance.probe(tiny, 4, tmp_path) == {"decode": True, "batch": False}
+    assert invariance.probe(tiny, 4, tmp_path)["decode"]  # read back, not probed again
+    assert not invariance.probe(tiny, 8, tmp_path)["decode"]
     assert calls == [4, 8]
     record = json.loads((tmp_path / invariance.PROBES).read_text())
-    assert sorted(record.values()) == [False, True]
+    assert sorted(r["decode"] for r in record.values()) == [False, True]
     (tmp_path / invariance.PROBES).write_text("{not json")  # a damaged record: probe again
-    assert invariance.kept_decode(tiny, 4, tmp_path)
+    assert invariance.probe(tiny, 4, tmp_path)["decode"]
     assert calls == [4, 8, 4]
 
 
-def test_open_engine_keeps_replies_only_when_asked(tiny_gguf: Path, tmp_path: Path) -> None:
+def test_open_engine_uses_the_probe_only_when_asked(tiny_gguf: Path, tmp_path: Path) -> None:
     config = CacheConfig(block_size=4, directory=tmp_path)
-    assert not open_engine(str(tiny_gguf), config).keep_replies
+    plain = open_engine(str(tiny_gguf), config)
+    assert not plain.keep_replies and not plain.batch_decode
     on_cpu = mx.default_device() == mx.cpu
-    assert open_engine(str(tiny_gguf), config, keep_replies=True).keep_replies == on_cpu
+    asked = open_engine(str(tiny_gguf), config, invariant=True)
+    assert asked.keep_replies == asked.batch_decode == on_cpu
     off = CacheConfig(enabled=False, block_size=4, directory=tmp_path)
-    assert not open_engine(str(tiny_gguf), off, keep_replies=True).keep_replies
+    assert not open_engine(str(tiny_gguf), off, invariant=True).keep_replies
+
+
+@pytest.mark.skipif(mx.default_device() != mx.cpu, reason="measured on MLX's CPU backend")
+def test_batched_rows_are_exact_on_cpu_and_not_for_a_shape_sensitive_model(
+    tiny: LoadedModel,
+) -> None:
+    assert invariance.batch_matches_solo(tiny.model)
+    assert not invariance.batch_matches_solo(shaped(tiny).model)

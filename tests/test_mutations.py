@@ -10,6 +10,7 @@ import pytest
 from guarantees import (
     Rig,
     Variant,
+    check_batched,
     check_bit_flip,
     check_cancelled_decode,
     check_chat,
@@ -64,6 +65,7 @@ CAUGHT_BY: dict[str, list[tuple[str, str]]] = {
     "no_capture": [("sliding", "fork"), ("recurrent", "fork")],
     "state_of_the_block_start": [("recurrent", "fork"), ("recurrent", "chat")],
     "probe_trusted": [("shaped", "kept_replies")],
+    "batch_probe_trusted": [("shaped", "batched")],
 }
 
 
@@ -97,6 +99,7 @@ def test_mutant_is_caught(
         "cancelled_decode": check_cancelled_decode,
         "two_block_sizes": check_two_block_sizes,
         "kept_replies": check_kept_replies,
+        "batched": check_batched,
         "two_models": lambda rig: check_two_models(rig, other_variants[rig.variant.name]),
     }
     for i, (variant, check) in enumerate(CAUGHT_BY[mutant]):
