@@ -34,6 +34,15 @@ def serve_cmd(
         int,
         typer.Option("--max-queue", help="Waiting requests beyond this get 429; 0 = no limit."),
     ] = 64,
+    max_lanes: Annotated[
+        int | None,
+        typer.Option(
+            "--max-lanes",
+            help="Requests run at once (more wait in the queue); default 16 where requests "
+            "decode as one batch exactly (measured on the device), else 4.",
+            metavar="N",
+        ),
+    ] = None,
     max_body: Annotated[
         str, typer.Option("--max-body", help="Largest request body, e.g. 8M (else 413).")
     ] = "8M",
@@ -80,6 +89,8 @@ def serve_cmd(
         raise UserInputError(f"--port must be in 0..65535, got {port}")
     if max_queue < 0:
         raise UserInputError(f"--max-queue must be >= 0, got {max_queue}")
+    if max_lanes is not None:
+        o.positive(max_lanes=max_lanes)
     try:
         body_limit = parse_size(max_body)
     except ValueError as exc:
@@ -108,9 +119,16 @@ def serve_cmd(
             origins,
             Penalties(presence_penalty, frequency_penalty),
         )
-        serve(engine, settings, log, host, port, max_queue)
+        lanes = max_lanes or (BATCHED_LANES if engine.batch_decode else LANES)
+        serve(engine, settings, log, host, port, max_queue, lanes)
     finally:
         log.close()
+
+
+LANES = 4
+"""Requests run at once where each decodes alone (one forward per request and token)."""
+BATCHED_LANES = 16
+"""... and where requests decode as one batch: a larger batch costs little more per step."""
 
 
 def _origin(value: str) -> str:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import mlx.core as mx
 import openai
 import pytest
 from tinymodel import write_tiny_gguf
@@ -407,6 +408,11 @@ def test_models_health_and_cache(server: ServerProcess) -> None:
     report = idle_report(server.url)  # warm-ahead lanes pin what they resume from while they run
     assert report["block_size"] == BLOCK
     assert (report["pinned_entries"], report["busy"], report["waiting"]) == (0, False, 0)
+    # What the probe found on this device: on MLX's CPU backend, decode KV is kept and
+    # requests decode as one batch.
+    on_cpu = mx.default_device() == mx.cpu
+    assert report["decode_kv"] == ("kept" if on_cpu else "re-prefilled")
+    assert report["batched_decode"] == on_cpu
 
 
 def test_repeated_conversation_is_cached_with_the_cold_bytes_and_resumes_after_restart(

@@ -593,6 +593,7 @@ mlxcache_busy 0
             ["--cors-origin", "localhost"],
             "--cors-origin must be * or scheme://host[:port], got 'localhost'",
         ),
+        (["--max-lanes", "0"], "--max-lanes must be >= 1, got 0"),
     ],
 )
 def test_serve_refuses_bad_penalties_and_origins_before_loading(args: list[str], line: str) -> None:

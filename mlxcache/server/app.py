@@ -50,8 +50,16 @@ class Settings:
 
 
 def _cache_report(engine: Engine) -> dict[str, Any]:
-    """The cache's counters (`pinned_entries`: pinned by running lanes), whether lanes run."""
-    return {**engine.cache.report(), "busy": engine.busy, "warming": engine.warming}
+    """The cache's counters (`pinned_entries`: pinned by running lanes), whether lanes run,
+    and what the device was measured to allow: a reply's decode KV kept ("decode_kv":
+    "kept", else "re-prefilled"), requests decoding as one batch ("batched_decode")."""
+    return {
+        **engine.cache.report(),
+        "busy": engine.busy,
+        "warming": engine.warming,
+        "decode_kv": "kept" if engine.keep_replies else "re-prefilled",
+        "batched_decode": engine.batch_decode,
+    }
 
 
 def create_app(engine: Engine, worker: Worker, settings: Settings, log: RequestLog) -> Any:

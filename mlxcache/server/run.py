@@ -72,6 +72,7 @@ def serve(
     host: str = "127.0.0.1",
     port: int = 8080,
     max_queue: int = 0,
+    max_lanes: int = 4,
     on_listen: Callable[[str], None] | None = None,
 ) -> None:
     """Serve until Ctrl-C / SIGTERM, then drain; SIGTERM is ignored once the drain has
@@ -81,7 +82,7 @@ def serve(
         print(f"mlxcache: serving {settings.model_id} on {url}", file=sys.stderr, flush=True)
 
     sock = bind(host, port)  # before the worker starts: a refusal leaves nothing running
-    with sock, EngineWorker(engine, max_queue=max_queue) as worker:
+    with sock, EngineWorker(engine, max_lanes=max_lanes, max_queue=max_queue) as worker:
         app = create_app(engine, worker, settings, log)
         config = uvicorn.Config(
             app,
