@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import threading
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -14,8 +16,9 @@ from asgi import acall
 
 from mlxcache.engine import Engine, Request
 from mlxcache.errors import EngineStoppedError, QueueFullError
-from mlxcache.events import Event
+from mlxcache.events import Done, Event, Result, Stats, Token
 from mlxcache.model import LoadedModel
+from mlxcache.server import app as server_app
 from mlxcache.server.app import Settings, create_app
 from mlxcache.server.log import RequestLog
 
@@ -114,3 +117,80 @@ def test_metrics_show_the_queue_depth_and_refusals(tiny: LoadedModel) -> None:
     assert 'mlxcache_requests_total{path="/v1/chat/completions",status="429"} 1' in text
     assert "mlxcache_requests_waiting 3" in text
     assert "mlxcache_cache_hits_total 0" in text  # no cache: nothing to report, all zero
+
+
+class HeldWorker:
+    """A worker whose request runs only once the test lets it (`go`): until then the
+    stream waits, as one queued behind other requests does."""
+
+    waiting = 0
+
+    def __init__(self) -> None:
+        self.go = threading.Event()
+
+    def submit(self, request: Request, sink: Callable[[Event], None]) -> Any:
+        def run() -> None:
+            self.go.wait(timeout=300)
+            sink(Token(0, 97, "a"))
+            sink(Done(0, Result("a", [97], "length", Stats(prompt_tokens=3, generated_tokens=1))))
+
+        threading.Thread(target=run, daemon=True).start()
+        return SimpleNamespace(cancel=lambda: None)
+
+    def warm(self, tokens: list[int]) -> None:
+        return None
+
+    def call(self, fn: Callable[[Engine], Any]) -> Any:
+        raise AssertionError("not used here")
+
+
+def test_a_waiting_stream_gets_keepalive_comments(
+    tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While a stream has nothing to send, SSE comment lines keep it alive; the request
+    is let go only once one has come, so the test waits on no clock."""
+    monkeypatch.setattr(server_app, "KEEPALIVE_S", 0.01)
+    worker = HeldWorker()
+    app = create_app(Engine(tiny), worker, Settings(tiny.name), RequestLog(stream=io.StringIO()))
+    body = json.dumps(
+        {
+            "model": tiny.name,
+            "stream": True,
+            "max_tokens": 1,
+            "messages": [{"role": "user", "content": "hi"}],
+        }
+    ).encode()
+    sent: list[bytes] = []
+
+    async def drive() -> None:
+        scope = {
+            "type": "http",
+            "method": "POST",
+            "path": "/v1/chat/completions",
+            "headers": [],
+            "query_string": b"",
+        }
+        done = asyncio.Event()
+        requests = [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def receive() -> dict[str, Any]:
+            if requests:
+                return requests.pop(0)
+            await done.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict[str, Any]) -> None:
+            chunk = message.get("body", b"")
+            sent.append(chunk)
+            if server_app.KEEPALIVE.encode() in chunk:
+                worker.go.set()
+            if message["type"] == "http.response.body" and not message.get("more_body"):
+                done.set()
+
+        await app(scope, receive, send)
+
+    asyncio.run(drive())
+    stream = b"".join(sent).decode()
+    first_keepalive = stream.index(server_app.KEEPALIVE)
+    assert first_keepalive < stream.index('"content": "a"')  # before the reply's text
+    assert stream.endswith("data: [DONE]\n\n")

@@ -247,6 +247,35 @@ def _new_logprobs(lane: Lane, logprobs_of: LogprobsOf | None) -> dict[str, Any] 
     return logprobs_of(scores) if logprobs_of is not None and scores else None
 
 
+KEEPALIVE_S = 10.0
+"""A stream with nothing new for this long (queued behind other requests, a long prefill)
+gets an SSE comment line, so clients and proxies do not drop it as idle."""
+KEEPALIVE = ": keepalive\n\n"
+
+
+async def _kept_alive(events: AsyncIterator[str | Outcome]) -> AsyncIterator[str | Outcome]:
+    """`events`, with `KEEPALIVE` whenever none came for `KEEPALIVE_S` seconds."""
+    items = aiter(events)
+    pending: asyncio.Future[str | Outcome] = asyncio.ensure_future(anext(items))
+    try:
+        while True:
+            done, _ = await asyncio.wait({pending}, timeout=KEEPALIVE_S)
+            if not done:
+                yield KEEPALIVE
+                continue
+            try:
+                item = pending.result()
+            except StopAsyncIteration:
+                return
+            yield item
+            pending = asyncio.ensure_future(anext(items))
+    finally:
+        if not pending.done():
+            pending.cancel()
+            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                await pending
+
+
 def _stream(
     events: AsyncIterator[str | Outcome], request: Request, rid: str, note: Noter
 ) -> StreamingResponse:
@@ -255,7 +284,7 @@ def _stream(
     async def body() -> AsyncIterator[str]:
         finished = False
         try:
-            async for item in events:
+            async for item in _kept_alive(events):
                 if isinstance(item, Outcome):
                     finished = True
                     note(request, rid, item)
