@@ -26,12 +26,22 @@ def ls(cache_dir: o.CacheDir = None, as_json: o.Json = False) -> None:
 
 def info(model: o.Model = None, cache_dir: o.CacheDir = None, as_json: o.Json = False) -> None:
     """Load the model given with -m (default: the embedded SmolLM2; a GGUF is converted once)
-    and show its name, key, context length and quantization."""
+    and show its name, key, context length, quantization, and whether this device keeps a
+    reply's decode KV and decodes requests as one batch (measured once)."""
+    from mlxcache.config import CacheConfig
     from mlxcache.model import load
     from mlxcache.model.loader import describe
+    from mlxcache.runtime import measured
 
     with ui.progress_bar() as update:
-        summary = describe(load(model, cache_root=cache_dir, progress=update))
+        loaded = load(model, cache_root=cache_dir, progress=update)
+    allowed = measured(loaded, CacheConfig(directory=cache_dir))
+    summary = {
+        **describe(loaded),
+        # What this device computes exactly (measured once, for chat and serve).
+        "decode_kv": "kept" if allowed["decode"] else "re-prefilled",
+        "batched_decode": allowed["batch"],
+    }
     if as_json:
         ui.out_json(summary)
         return

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from mlx_lm.models.cache import make_prompt_cache
+
 from mlxcache.cache.base import NoCache, PrefixCache
+from mlxcache.cache.layout import Layout
 from mlxcache.cache.store import PromptCache
 from mlxcache.config import CacheConfig
 from mlxcache.engine import Engine
@@ -48,7 +51,7 @@ def open_engine(
     cache = cache or CacheConfig()
     loaded = load(model, cache_root=cache.directory, progress=progress, on_warning=on_warning)
     prompts = make_cache(loaded, cache, on_warning)
-    allowed = measured(loaded, prompts, cache) if invariant else NOTHING_MEASURED
+    allowed = measured(loaded, cache) if invariant else NOTHING_MEASURED
     return Engine(
         loaded,
         prompts,
@@ -62,12 +65,11 @@ def open_engine(
 NOTHING_MEASURED = {"decode": False, "batch": False}
 
 
-def measured(loaded: LoadedModel, prompts: PrefixCache, cache: CacheConfig) -> dict[str, bool]:
+def measured(loaded: LoadedModel, cache: CacheConfig) -> dict[str, bool]:
     """What the device allows for `loaded` (`invariance.probe`): "decode", a reply's decode
     KV may be kept as canonical; "batch", requests may decode as one batch. Both False
-    but for a plain KV model with a prompt cache (whose directory keeps the record)."""
-    if not isinstance(prompts, PromptCache) or prompts.layout is None:
-        return NOTHING_MEASURED
-    if not prompts.layout.plain:
+    but for a plain KV model with the prompt cache on (whose directory keeps the record)."""
+    layout = Layout.of(make_prompt_cache(loaded.model), cache.block_size)
+    if not cache.enabled or layout is None or not layout.plain:
         return NOTHING_MEASURED
     return probe(loaded, cache.block_size, cache_dir(cache.directory))

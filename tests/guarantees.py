@@ -536,7 +536,7 @@ def check_kept_replies(rig: Rig) -> None:
     the reply with the cold run's bits. The shape-sensitive model must fail the probe."""
     engine, spy = rig.engine()
     assert isinstance(engine.cache, PromptCache)
-    engine.keep_replies = measured(engine.loaded, engine.cache, engine.cache.config)["decode"]
+    engine.keep_replies = measured(engine.loaded, engine.cache.config)["decode"]
     plain = engine.cache.layout is not None and engine.cache.layout.plain
     if rig.variant.is_shaped:
         assert not engine.keep_replies, "the probe trusted a shape-sensitive model"
@@ -572,7 +572,7 @@ def check_batched(rig: Rig) -> None:
     and decodes alone."""
     engine, spy = rig.engine()
     assert isinstance(engine.cache, PromptCache)
-    allowed = measured(engine.loaded, engine.cache, engine.cache.config)
+    allowed = measured(engine.loaded, engine.cache.config)
     engine.batch_decode, engine.keep_replies = allowed["batch"], allowed["decode"]
     plain = engine.cache.layout is not None and engine.cache.layout.plain
     if rig.variant.is_shaped:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import mlx.core as mx
 from typer.testing import CliRunner
 
 from mlxcache_cli.main import app
@@ -26,6 +27,10 @@ def test_info_then_ls(tiny_gguf: Path, tmp_path: Path) -> None:
         262,
     )
     assert doc["quantization"] is None and len(doc["key"]) == 32
+    on_cpu = mx.default_device() == mx.cpu  # measured: MLX's CPU backend computes both exactly
+    assert (doc["decode_kv"], doc["batched_decode"]) == (
+        ("kept", True) if on_cpu else ("re-prefilled", False)
+    )
     ls = runner.invoke(app, ["models", "ls", "--cache-dir", str(tmp_path), "--json"])
     assert ls.exit_code == 0, ls.stderr
     (row,) = json.loads(ls.stdout)
