@@ -34,6 +34,15 @@ def serve_cmd(
         int,
         typer.Option("--max-queue", help="Waiting requests beyond this get 429; 0 = no limit."),
     ] = 64,
+    batch_inexact: Annotated[
+        bool,
+        typer.Option(
+            "--batch-inexact",
+            help="Decode requests as one batch even where that is not exact on this device "
+            "(replies then depend on the requests running beside them, as mlx_lm.server's "
+            "do). Where it is exact (measured), they are batched anyway.",
+        ),
+    ] = False,
     max_lanes: Annotated[
         int | None,
         typer.Option(
@@ -107,6 +116,16 @@ def serve_cmd(
         api_key = o.utf8(api_key, "--api-key")
     defaults = run.sampling()
     engine = run.engine(invariant=True)
+    if batch_inexact and not engine.batch_decode:
+        from mlxcache.runtime import batch_anyway
+
+        if batch_anyway(engine):
+            ui.warn(
+                "--batch-inexact: requests decode as one batch, which is not exact on this "
+                "device: a reply may depend on the requests running beside it"
+            )
+        else:
+            ui.warn("--batch-inexact: this model's caches cannot decode as one batch; ignored")
     if host not in LOOPBACK and not api_key:
         ui.warn(f"serving on {host} without --api-key: anyone who can reach it can use it")
     log = RequestLog(log_file)

@@ -73,3 +73,15 @@ def measured(loaded: LoadedModel, cache: CacheConfig) -> dict[str, bool]:
     if not cache.enabled or layout is None or not layout.plain:
         return NOTHING_MEASURED
     return probe(loaded, cache.block_size, cache_dir(cache.directory))
+
+
+def batch_anyway(engine: Engine) -> bool:
+    """Let `engine`'s requests decode as one batch even where this device was not measured
+    to give each the bits it gets alone: its replies then depend on the requests running
+    beside it (as mlx_lm.server's do); the caller says so to its user. False when the
+    model's caches cannot be batched (other than plain KV)."""
+    layout = Layout.of(make_prompt_cache(engine.model), engine.cache.block_size)
+    if layout is None or not layout.plain:
+        return False
+    engine.batch_decode = True
+    return True

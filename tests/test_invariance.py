@@ -8,11 +8,14 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 from shapemodel import shaped
+from spy import spied
 
 import mlxcache.invariance as invariance
 from mlxcache.config import CacheConfig
+from mlxcache.engine import Engine, Request
 from mlxcache.model import LoadedModel
-from mlxcache.runtime import open_engine
+from mlxcache.runtime import batch_anyway, open_engine
+from mlxcache.sampling import SamplingParams
 
 
 @pytest.mark.skipif(mx.default_device() != mx.cpu, reason="measured on MLX's CPU backend")
@@ -65,3 +68,18 @@ def test_batched_rows_are_exact_on_cpu_and_not_for_a_shape_sensitive_model(
 ) -> None:
     assert invariance.batch_matches_solo(tiny.model)
     assert not invariance.batch_matches_solo(shaped(tiny).model)
+
+
+def test_batching_anyway_is_what_a_user_asks_for(tiny: LoadedModel, sliding: LoadedModel) -> None:
+    """`serve --batch-inexact`: a model the probe refuses (the shape-sensitive one) decodes
+    as one batch all the same; a model whose caches are not plain KV cannot."""
+    engine = Engine(shaped(tiny), block_size=4)
+    assert not engine.batch_decode and batch_anyway(engine) and engine.batch_decode
+    loaded, spy = spied(engine.loaded)
+    engine.loaded = loaded
+    params = SamplingParams(max_tokens=6)
+    for seed in range(3):
+        engine.submit(Request([5 + seed, 6, 7], params, stop_tokens=frozenset()))
+    list(engine.run())
+    assert max(spy.batch_sizes) == 3
+    assert not batch_anyway(Engine(sliding, block_size=4))
