@@ -185,7 +185,7 @@ def schemas(
         )
     if peer is not None and not generate:
         raise UserInputError("--peer compares generated replies: give --generate N too")
-    _report(schemas_bench.run(folder, generate, model, max_tokens, peer))
+    _report(schemas_bench.run(folder, generate, model, max_tokens, peer, on_reply=ui.info))
 
 
 def serve(

@@ -4,27 +4,42 @@ Every `*.json` under DIR goes through the same check + grammar compile as `mlxca
 lenient (the default) and `--strict` (the baseline). Reported: compile coverage, refusals
 by kind, crashes (any exception other than a refusal: always a bug), compile time
 p50/p99/max. With `generate`, the first N compiled schemas also run on a model, greedy,
-counting valid / invalid / cut at the token limit. Goals: coverage >= 97%, 0 crashes,
-p99 <= 1 s; of generated outputs none invalid, <= 20% at the limit.
+counting valid / invalid / cut at the token limit; with `peer`, the same schemas and prompts
+also run through a peer on the same model (`run_peer`). Goals: coverage >= 97%, 0 crashes,
+p99 <= 1 s; of generated outputs none invalid and, with a peer, no more cut-offs than the
+peer's.
 """
 
 from __future__ import annotations
 
+import json
 import time
 import warnings
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from llguidance import LLMatcher
+
 from mlxcache.config import CacheConfig
-from mlxcache.errors import GrammarError
+from mlxcache.constrain import grammar_error, processor_for
+from mlxcache.errors import GenerationError, GrammarError
+from mlxcache.events import Result, Stats
 from mlxcache.fileio import loads_json
-from mlxcache.modes.json_mode import JsonTask, read_reply, request
-from mlxcache.modes.schema import CompiledSchema, check_schema
+from mlxcache.model import LoadedModel
+from mlxcache.modes.json_mode import JsonReply, JsonTask, read_reply, request
+from mlxcache.modes.repeats import describe_loop
+from mlxcache.modes.schema import CompiledSchema, check_schema, one_line
 from mlxcache.runtime import open_engine
 from mlxcache.sampling import SamplingParams
 
 PROMPT = "Write one realistic example document for this schema."
+PEERS = ("llguidance",)
+"""Peers `generate` compares with. llguidance: mlx-lm's own loop (`stream_generate`, greedy)
+masked by llguidance, the grammar built from the schema as given with llguidance's defaults.
+Not outlines: it installs without torch, but its mlx-lm processors mask logits with a Metal
+kernel, which MLX's CPU backend lacks ("[metal_kernel] No Metal back-end")."""
 # Refusal kinds, by what their message says (first match wins).
 KINDS = (
     ("not valid JSON Schema", "invalid schema"),
@@ -90,39 +105,143 @@ def compile_all(files: list[Path], strict: bool) -> dict[str, Any]:
     }
 
 
-def generate(
-    compiled: dict[Path, CompiledSchema], model: str | None, max_tokens: int
-) -> dict[str, Any]:
-    """Run each schema once (greedy); count valid, invalid and cut-off replies (naming
-    the files of the last two)."""
-    engine = open_engine(model, CacheConfig(enabled=False))
-    counts: Counter[str] = Counter()
-    errors: list[str] = []
-    cut: list[str] = []
-    params = SamplingParams(max_tokens=max_tokens)
-    for path, item in compiled.items():
-        task = JsonTask(item)
-        ids = engine.encode_chat(task.messages(PROMPT))
-        reply = read_reply(task, engine.complete(request(engine, ids, task, params)))
-        if reply.error is None:
-            counts["valid"] += 1
-        elif reply.finish_reason == "length":
-            counts["length"] += 1
-            cut.append(path.name)
-        else:
-            counts["invalid"] += 1
-            errors.append(f"{path.name}: {reply.error}"[:300])
+def outcome(reply: JsonReply | str) -> str:
+    """valid, invalid, length (cut at the token limit) or refused (a peer's refusal: a str)."""
+    if isinstance(reply, str):
+        return "refused"
+    if reply.error is None:
+        return "valid"
+    return "length" if reply.finish_reason == "length" else "invalid"
+
+
+def how_it_ends(text: str) -> str:
+    """The loop a cut-off reply was in (`describe_loop`), else its last 60 characters."""
+    loop = describe_loop(text).removeprefix("; ")
+    return loop or "ends " + json.dumps(text[-60:], ensure_ascii=False)
+
+
+def tally(replies: dict[str, JsonReply]) -> dict[str, Any]:
+    """Valid, invalid and cut-off replies by file name: the errors of the invalid ones, the
+    files cut off and how each ends."""
+    kinds = {name: outcome(reply) for name, reply in replies.items()}
+    cut = [name for name, kind in kinds.items() if kind == "length"]
     return {
-        "valid": counts["valid"],
-        "invalid": counts["invalid"],
-        "length": counts["length"],
-        "invalid_errors": errors,
+        "valid": sum(kind == "valid" for kind in kinds.values()),
+        "invalid": sum(kind == "invalid" for kind in kinds.values()),
+        "length": len(cut),
+        "invalid_errors": [
+            f"{name}: {replies[name].error}"[:300]
+            for name, kind in kinds.items()
+            if kind == "invalid"
+        ],
         "length_files": cut,
+        "length_ends": {name: how_it_ends(replies[name].text) for name in cut},
     }
 
 
+def plain_grammar(schema: dict[str, Any]) -> str:
+    """`schema`'s grammar the way llguidance builds it unasked: the schema as given, no
+    keyword skipped, numbers unbounded, whitespace flexible."""
+    return str(LLMatcher.grammar_from_json_schema(schema))
+
+
+def run_peer(
+    loaded: LoadedModel, task: JsonTask, ids: list[int], max_tokens: int
+) -> JsonReply | str:
+    """One reply of the llguidance peer (`PEERS`), checked as mlxcache's are (`read_reply`),
+    or why llguidance refuses the schema."""
+    from mlx_lm.generate import stream_generate
+
+    grammar = plain_grammar(task.schema)
+    problem = grammar_error(grammar)
+    if problem is not None:
+        return one_line(problem)
+    try:
+        processor = processor_for(loaded, grammar)
+    except GrammarError as exc:
+        return one_line(str(exc))
+    pieces: list[str] = []
+    tokens: list[int] = []
+    finish, error = "length", None
+    start = time.perf_counter()
+    try:
+        for response in stream_generate(
+            loaded.model,
+            loaded.tokenizer,
+            ids,
+            max_tokens=max_tokens,
+            logits_processors=[processor],
+        ):
+            pieces.append(response.text)
+            tokens.append(response.token)
+            finish = response.finish_reason or finish
+    except GenerationError as exc:  # the mask allowed nothing, or the matcher failed
+        finish, error = "error", str(exc)
+    if finish == "stop":
+        tokens.pop()  # the end-of-turn token
+    stats = Stats(
+        prompt_tokens=len(ids),
+        generated_tokens=len(tokens),
+        decode_s=time.perf_counter() - start,
+    )
+    return read_reply(task, Result("".join(pieces), tokens, finish, stats, error))
+
+
+def generate(
+    compiled: dict[Path, CompiledSchema],
+    model: str | None,
+    max_tokens: int,
+    peer: str | None = None,
+    on_reply: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Run each schema once (greedy) and `tally` the replies; with `peer`, the same prompt
+    ids also go through the peer (`run_peer`) on the same loaded model, and its tally (with
+    the schemas it refused) is under "peer". `on_reply` gets one line per schema done (a
+    run on a slow CPU takes minutes per schema)."""
+    engine = open_engine(model, CacheConfig(enabled=False))
+    params = SamplingParams(max_tokens=max_tokens)
+    ours: dict[str, JsonReply] = {}
+    theirs: dict[str, JsonReply] = {}
+    refused: dict[str, str] = {}
+    seconds = {"mlxcache": 0.0, "peer": 0.0}
+    for i, (path, item) in enumerate(compiled.items(), 1):
+        task = JsonTask(item)
+        ids = engine.encode_chat(task.messages(PROMPT))
+        start = time.perf_counter()
+        ours[path.name] = read_reply(task, engine.complete(request(engine, ids, task, params)))
+        seconds["mlxcache"] += time.perf_counter() - start
+        line = f"{i}/{len(compiled)} {path.name}: mlxcache {outcome(ours[path.name])}"
+        if peer is not None:
+            start = time.perf_counter()
+            reply = run_peer(engine.loaded, task, ids, max_tokens)
+            seconds["peer"] += time.perf_counter() - start
+            if isinstance(reply, str):
+                refused[path.name] = reply
+            else:
+                theirs[path.name] = reply
+            line += f", {peer} {outcome(reply)}"
+        if on_reply is not None:
+            on_reply(line)
+    result = tally(ours)
+    result["seconds"] = round(seconds["mlxcache"], 1)
+    if peer is not None:
+        result["peer"] = {
+            "peer": peer,
+            **tally(theirs),
+            "refused": len(refused),
+            "refused_errors": [f"{n}: {why}"[:300] for n, why in refused.items()],
+            "seconds": round(seconds["peer"], 1),
+        }
+    return result
+
+
 def run(
-    folder: Path, generate_n: int = 0, model: str | None = None, max_tokens: int = 256
+    folder: Path,
+    generate_n: int = 0,
+    model: str | None = None,
+    max_tokens: int = 256,
+    peer: str | None = None,
+    on_reply: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """The whole bench as one JSON-able dict (the CLI prints it as one line)."""
     files = sorted(folder.rglob("*.json"))
@@ -144,7 +263,9 @@ def run(
     )
     if generate_n:
         chosen = dict(list(compiled.items())[:generate_n])
-        gen = generate(chosen, model, max_tokens)
-        gen["goals_pass"] = gen["invalid"] == 0 and gen["length"] <= 0.2 * len(chosen)
+        gen = generate(chosen, model, max_tokens, peer, on_reply)
+        gen["goals_pass"] = gen["invalid"] == 0 and (
+            peer is None or gen["length"] <= gen["peer"]["length"]
+        )
         result["generate"] = gen
     return result
