@@ -328,8 +328,10 @@ class Engine:
         """One lane's turn, one model call: the next request lane (or follow lane with work,
         while no request is prefilling), round robin; else the oldest warm lane with work.
         A request's last prefill chunk comes with its first token (and the next decode
-        step queued behind it). `background` False (requests are waiting to start): warm
-        and follow lanes get no turn.
+        step queued behind it). With batched decode, requests past their first token take
+        their steps together (`_batch_step`), every other turn while lanes are prefilling.
+        `background` False (requests are waiting to start): warm and follow lanes get no
+        turn.
 
         Returns the events of requests it produced (warm lanes produce none).
         """
