@@ -42,7 +42,9 @@ def stats(
 def ls(cache_dir: o.CacheDir = None, as_json: o.Json = False) -> None:
     """List disk cache entries by model, least recently used first; the prompt's end shown.
 
-    --json gives times as Unix seconds.
+    An entry's size counts every block it resumes; entries that share a prefix share its
+    blocks, so the sizes add up to more than the disk holds (the total under the table).
+    --json gives times as Unix seconds, and each entry's id.
     """
     from mlxcache.cache import manage
 
@@ -50,12 +52,11 @@ def ls(cache_dir: o.CacheDir = None, as_json: o.Json = False) -> None:
     if as_json:
         ui.out_json(rows)
         return
-    table = Table("id", "model", "block", "tokens", "size", "used", "prompt ends with")
+    table = Table("model", "block", "tokens", "size", "used", "prompt ends with")
     now = time.time()
     for r in rows:
         preview = "" if r["preview"] is None else "…" + ui.preview(r["preview"], 40)
         table.add_row(
-            str(r["id"]),
             r["model"],
             str(r["block_size"] or "?"),
             str(r["tokens"]),
@@ -64,14 +65,24 @@ def ls(cache_dir: o.CacheDir = None, as_json: o.Json = False) -> None:
             preview,
         )
     ui.out_table(table)
+    total = ui.human_bytes(manage.report(cache_dir)["bytes"])
+    ui.out_text(
+        f"{len(rows)} entries, {total} on disk (an entry's size counts every block it resumes; "
+        "entries that share a prefix share its blocks)\n"
+    )
 
 
 def clear(cache_dir: o.CacheDir = None, as_json: o.Json = False) -> None:
     """Delete every cached entry."""
     from mlxcache.cache import manage
 
-    n = manage.clear(cache_dir, on_warning=ui.warn)
-    ui.out_json({"removed": n}) if as_json else ui.out_text(f"removed {n} entries\n")
+    done = manage.clear(cache_dir, on_warning=ui.warn)
+    if as_json:
+        ui.out_json(done)
+        return
+    ui.out_text(
+        f"removed {done['removed']} entries ({ui.human_bytes(done['bytes_freed'])} freed)\n"
+    )
 
 
 def prune(

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -15,15 +16,19 @@ from mlxcache.errors import MlxcacheError, UserInputError
 from mlxcache.events import Done, Event, Token
 from mlxcache.modes import chat
 from mlxcache.paths import cache_dir as resolve_cache_dir
+from mlxcache.paths import session_dirs
 from mlxcache_cli import options as o
 from mlxcache_cli import ui
 
 if TYPE_CHECKING:  # the worker and model import mlx_lm (seconds): `--list` needs neither
+    import numpy as np
+
+    from mlxcache.engine import Request
     from mlxcache.model import LoadedModel
     from mlxcache.worker import EngineWorker
 
 HELP = """commands:
-  /retry            regenerate the last reply
+  /retry [-t T]     regenerate the last reply (-t: at temperature T from now on)
   /edit N TEXT      rewrite turn N and continue from there
   /undo             remove the last turn
   /system TEXT      set the system message (/system alone clears it)
@@ -45,7 +50,7 @@ class Repl:
         self,
         engine: EngineWorker,
         session: chat.ChatSession,
-        sessions: Path,
+        sessions: list[Path],
         markdown: bool,
         quiet: bool = False,
         force: bool = False,
@@ -55,9 +60,17 @@ class Repl:
         self.force = force
         self.session = session
         self.sessions = sessions
+        """Where sessions are saved (the first), then where older versions saved them."""
         self.markdown = markdown
         self.name: str | None = None
         self.failed = False
+        self.runner = _Recorder(engine)
+        """What the session runs its turns on: the worker, remembering the last prompt."""
+        self.rate = ui.PrefillRate()
+        """The session's prefill speed, measured on its turns: what the cache saved."""
+
+    def _disk_hits(self) -> int:
+        return self.engine.call(o.disk_hits)
 
     def reply(self, events: Iterator[Event]) -> None:
         """Stream a reply to stdout; Ctrl-C stops it (the partial reply stays in the session)."""
@@ -67,22 +80,24 @@ class Repl:
         text = ""
         stats = None
         finish = ("", 0)
+        hits = self._disk_hits()
         live = Live(Markdown(""), console=ui.out, auto_refresh=False) if self.markdown else None
         bar = ui.PrefillBar(self.quiet)
         try:
             if live:
                 live.start()
-            for event in events:
-                bar(event)
-                if isinstance(event, Token):
-                    text += event.text
-                    if live:
-                        live.update(Markdown(text), refresh=True)
-                    else:
-                        ui.out_text(event.text)
-                elif isinstance(event, Done):
-                    stats = event.result.stats.as_dict()
-                    finish = (event.result.finish_reason, len(event.result.tokens))
+            with ui.no_echo() if live else contextlib.nullcontext():
+                for event in events:
+                    bar(event)
+                    if isinstance(event, Token):
+                        text += event.text
+                        if live:
+                            live.update(Markdown(text), refresh=True)
+                        else:
+                            ui.out_text(event.text)
+                    elif isinstance(event, Done):
+                        stats = o.request_stats(event.result.stats, hits, self._disk_hits())
+                        finish = (event.result.finish_reason, len(event.result.tokens))
         except KeyboardInterrupt:
             close = getattr(events, "close", None)
             if close:
@@ -99,21 +114,33 @@ class Repl:
                 "reply stopped; it stays in the session (/retry to regenerate)"
                 if kept
                 else "reply stopped before its first token; the message was not kept"
+                + self._prompt_kept()
             )
         else:
-            ui.stats_line(stats)
+            ui.stats_line(stats, self.rate)
             ui.finish_note(*finish)
         self.autosave()
 
+    def _prompt_kept(self) -> str:
+        """What the cache kept of the stopped prompt (the full blocks computed): the same
+        message sent again resumes there."""
+        import numpy as np
+
+        ids = np.asarray(self.runner.prompt, dtype=np.int32)
+        if not ids.size:
+            return ""
+        kept = self.engine.call(lambda e: e.cache.cached_length(ids))
+        return f"; {kept} of its {ids.size} prompt tokens are kept in the cache for next time"
+
     def autosave(self) -> None:
         if self.name:
-            chat.save(self.session, self.sessions, self.name)
+            chat.save(self.session, self.sessions[0], self.name)
 
     def command(self, line: str) -> bool:
         """Run a /command; False means leave."""
         name, _, arg = line[1:].partition(" ")
         handlers: dict[str, Callable[[str], bool | None]] = {
-            "retry": lambda _: self.reply(self.session.retry(self.engine)),
+            "retry": self._retry,
             "edit": self._edit,
             "undo": lambda _: self._undo(),
             "system": self._system,
@@ -132,6 +159,32 @@ class Repl:
             raise UserInputError(f"unknown command /{name} (try /help)")
         return handler(arg.strip()) is not False
 
+    def _retry(self, arg: str) -> None:
+        events = self.session.retry(self.runner)  # checked first: is there a reply to redo?
+        if arg:
+            flag, _, value = arg.partition(" ")
+            try:
+                temperature = float(value) if flag in ("-t", "--temp") else None
+            except ValueError:
+                temperature = None
+            if temperature is None:
+                raise UserInputError("usage: /retry or /retry -t TEMPERATURE")
+            self._set_temperature(temperature)
+        elif self.session.sampling.temperature == 0:
+            # Greedy decoding is exact here: the same prompt gives the same reply, always.
+            ui.info(
+                "temperature 0 picks the most likely reply, the same each time: "
+                "/retry -t 0.7 samples another"
+            )
+        self.reply(events)  # the generator reads the session's settings as it starts
+
+    def _set_temperature(self, temperature: float) -> None:
+        old = self.session.sampling
+        new = o.sampling(**{**dataclasses.asdict(old), "temperature": temperature})
+        self.session.sampling = new
+        if new.temperature != old.temperature:
+            ui.info(f"temperature {old.temperature} -> {new.temperature} for this session")
+
     def _undo(self) -> None:
         turn = self.session.undo()
         ui.info(f"removed turn {len(self.session.turns) + 1}: {turn.user!r}")
@@ -141,7 +194,7 @@ class Repl:
         number, _, text = arg.partition(" ")
         if not number.isdigit() or not text.strip():
             raise UserInputError("usage: /edit N TEXT")
-        self.reply(self.session.edit(self.engine, int(number), text))
+        self.reply(self.session.edit(self.runner, int(number), text))
 
     def _system(self, arg: str) -> None:
         self.session.system = arg or None
@@ -162,11 +215,11 @@ class Repl:
             )
 
     def _save(self, arg: str) -> None:
-        if arg != self.name and chat.session_path(self.sessions, arg).exists():
+        if arg != self.name and chat.find(self.sessions, arg) is not None:
             raise UserInputError(
                 f"a session {arg!r} exists already: pick another name, or /load it"
             )
-        path = chat.save(self.session, self.sessions, arg)
+        path = chat.save(self.session, self.sessions[0], arg)
         self.name = arg
         ui.info(f"saved {path}")
 
@@ -217,11 +270,30 @@ class Repl:
         try:
             if line.startswith("/"):
                 return self.command(line.strip())
-            self.reply(self.session.ask(self.engine, line))
+            self.reply(self.session.ask(self.runner, line))
         except MlxcacheError as exc:
             self.failed = True
             ui.error(str(exc))
         return True
+
+
+class _Recorder:
+    """An `EngineWorker` as the session's runner, keeping the last request's prompt ids:
+    after Ctrl-C, they tell what the cache kept."""
+
+    def __init__(self, worker: EngineWorker) -> None:
+        self.worker = worker
+        self.prompt: Sequence[int] | np.ndarray = ()
+
+    def encode_chat(self, messages: list[dict[str, Any]], **template_kwargs: Any) -> list[int]:
+        return self.worker.encode_chat(messages, **template_kwargs)
+
+    def generate(self, request: Request) -> Iterator[Event]:
+        self.prompt = request.tokens
+        return self.worker.generate(request)
+
+    def warm_chat(self, messages: list[dict[str, Any]], **template_kwargs: Any) -> None:
+        self.worker.warm_chat(messages, **template_kwargs)
 
 
 def on_model(session: chat.ChatSession, name: str, loaded: LoadedModel, force: bool) -> str | None:
@@ -257,20 +329,26 @@ def describe_session(name: str, session: chat.ChatSession) -> str:
     return text
 
 
-def saved_sessions(directory: Path) -> str:
-    """One line per saved session, most recently used first."""
-    files = sorted(directory.glob("*.json"), key=lambda p: p.stat().st_mtime, reverse=True)
+def saved_sessions(directories: list[Path]) -> str:
+    """One line per saved session, most recently used first (a name saved in an earlier
+    directory hides the same name in a later one, as /load reads it)."""
+    found: dict[str, Path] = {}
+    for directory in directories:
+        for path in directory.glob("*.json"):
+            found.setdefault(path.stem, path)
+    files = sorted(found.values(), key=lambda p: p.stat().st_mtime, reverse=True)
     lines = []
     now = time.time()
     for path in files:
         try:
-            session = chat.load(directory, path.stem)
+            session = chat.load(path.parent, path.stem)
         except MlxcacheError:
             continue  # not a session (or a bad name): nothing to resume there
         first = ui.preview(session.turns[0].user, 40) if session.turns else ""
         when = ui.age(now - path.stat().st_mtime)
         lines.append(f"{path.stem:<20} {len(session.turns):>3} turns  {when:>4} ago  {first}")
-    return "\n".join(lines) if lines else f"no saved sessions in {directory}"
+    where = " or ".join(str(d) for d in directories)
+    return "\n".join(lines) if lines else f"no saved sessions in {where}"
 
 
 # RunOptions names of the sampling settings a session keeps, and their SamplingParams fields.
@@ -374,7 +452,7 @@ def chat_cmd(
     run: o.RunOptions,
 ) -> None:
     """Chat in the terminal; every turn resumes the conversation from the prompt cache."""
-    sessions = resolve_cache_dir(run.cache_dir) / "sessions"
+    sessions = session_dirs(run.cache_dir)
     if list_sessions:
         ui.out_text(saved_sessions(sessions) + "\n")
         return

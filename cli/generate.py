@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
 from mlxcache.errors import UserInputError
-from mlxcache.events import Done, Event, Token
+from mlxcache.events import Done, Result, Token
 from mlxcache_cli import options as o
 from mlxcache_cli import ui
 
@@ -38,28 +38,28 @@ def generate(
     else:
         messages = [{"role": "system", "content": system}] if system is not None else []
         ids = engine.encode_chat([*messages, {"role": "user", "content": text}])
-    with ui.PrefillBar(run.quiet) as bar:
-        for event in engine.generate(Request(ids, params, stop_strings=stops)):
-            bar(event)
-            _show(event, as_json)
+    events = engine.generate(Request(ids, params, stop_strings=stops))
+    with o.watch(engine, ids, run.quiet, events) as seen:
+        for event in events:
+            seen(event)
+            if isinstance(event, Token) and not as_json:
+                ui.out_text(event.text)
+            elif isinstance(event, Done):
+                _done(event.result, seen.stats(event.result.stats), as_json)
 
 
-def _show(event: Event, as_json: bool) -> None:
-    if isinstance(event, Token) and not as_json:
-        ui.out_text(event.text)
-    elif isinstance(event, Done):
-        result = event.result
-        if as_json:
-            ui.out_json(
-                {
-                    "text": result.text,
-                    "tokens": result.tokens,
-                    "finish_reason": result.finish_reason,
-                    "stats": result.stats.as_dict(),
-                }
-            )
-        else:
-            ui.out_text("\n")
-        ui.stats_line(result.stats.as_dict())
-        if not as_json:
-            ui.finish_note(result.finish_reason, len(result.tokens))
+def _done(result: Result, stats: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        ui.out_json(
+            {
+                "text": result.text,
+                "tokens": result.tokens,
+                "finish_reason": result.finish_reason,
+                "stats": stats,
+            }
+        )
+    else:
+        ui.out_text("\n")
+    ui.stats_line(stats)
+    if not as_json:
+        ui.finish_note(result.finish_reason, len(result.tokens))

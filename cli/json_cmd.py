@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -164,8 +165,13 @@ def _single(
     as_json: bool,
     quiet: bool = False,
 ) -> None:
-    with ui.PrefillBar(quiet) as bar:
-        reply = json_mode.run_one(engine, task, text, params, bar)
+    from mlxcache.modes import json_mode
+
+    # json_mode.run_one, step by step: the prompt's ids tell what Ctrl-C left in the cache
+    ids = json_mode.encode(engine, task.messages(text), **task.template_kwargs)
+    with o.watch(engine, ids, quiet) as seen:
+        result = engine.complete(json_mode.request(engine, ids, task, params), seen)
+    reply = replace(json_mode.read_reply(task, result), stats=seen.stats(result.stats))
     if as_json:
         ui.out_json(reply.as_dict())
     else:
@@ -183,6 +189,8 @@ def _batch(
     plan: json_mode.BatchPlan,
     lanes: int,
 ) -> None:
+    from mlxcache.modes import json_mode
+
     if plan.torn:
         ui.warn(f"{plan.output}: dropping a partly written last line (interrupted run)")
 

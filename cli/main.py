@@ -206,6 +206,18 @@ command(
     app=models_app,
     examples="mlxcache models info\nmlxcache models info -m ./llama-3.2-1b.Q4_0.gguf --json",
 )
+command(
+    models_cmd.rm,
+    app=models_app,
+    examples="mlxcache models rm SmolLM2-135M-Instruct.Q4_1-1dff70ef9e211d0a-v1\n"
+    "mlxcache models rm ./llama-3.2-1b.Q4_0.gguf",
+)
+command(
+    models_cmd.default,
+    app=models_app,
+    examples="mlxcache models default\nmlxcache models default ./llama-3.2-1b.Q4_0.gguf\n"
+    "mlxcache models default --reset",
+)
 app.add_typer(models_app, name="models")
 
 regress_app = typer.Typer(

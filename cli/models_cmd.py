@@ -1,40 +1,103 @@
-"""`mlxcache models ls | info`: converted models and what a model spec resolves to."""
+"""`mlxcache models ls | info | rm | default`: converted models, what a model spec resolves
+to, and the model used when none is given."""
 
 from __future__ import annotations
 
-from typing import Any
+import time
+from typing import Annotated, Any
 
+import typer
 from rich.table import Table
+from rich.text import Text
 
+from mlxcache.errors import UserInputError
 from mlxcache_cli import options as o
 from mlxcache_cli import ui
 
 
 def ls(cache_dir: o.CacheDir = None, as_json: o.Json = False) -> None:
-    """GGUF files converted into the cache directory (sizes in bytes with --json)."""
-    from mlxcache.model.loader import converted
+    """GGUF files converted into the cache directory, by name (what `models rm` takes);
+    --json gives sizes in bytes, times as Unix seconds and each one's folder."""
+    from mlxcache.model.loader import converted, default_spec
 
     rows = converted(cache_dir)
     if as_json:
         ui.out_json(rows)
         return
-    table = Table("folder", "from", "size")
+    table = Table("name", "size", "converted", "from")
+    now = time.time()
     for r in rows:
-        table.add_row(r["folder"], r["gguf"] or "?", ui.human_bytes(r["bytes"]))
+        name = r["name"] if r["current"] else f"{r['name']} (older converter: unused)"
+        table.add_row(
+            Text(name, overflow="fold"),
+            ui.human_bytes(r["bytes"]),
+            ui.age(now - r["created"]) + " ago",
+            Text(r["gguf"] or "?", overflow="fold"),  # a path is never cut short
+        )
     ui.out_table(table)
+    total = ui.human_bytes(sum(r["bytes"] for r in rows))
+    ui.out_text(f"{len(rows)} converted, {total} · default model: {default_spec()}\n")
+
+
+def rm(
+    name: Annotated[
+        str,
+        typer.Argument(
+            metavar="NAME",
+            help="A name from `mlxcache models ls`, or a GGUF file (all of its conversions).",
+        ),
+    ],
+    cache_dir: o.CacheDir = None,
+    as_json: o.Json = False,
+) -> None:
+    """Delete converted models from the cache directory (a model used again is converted
+    again; prompts cached for it stay in the disk tier: see `mlxcache cache prune`)."""
+    from mlxcache.model.loader import remove_converted
+
+    removed = remove_converted(name, cache_dir)
+    if as_json:
+        ui.out_json(removed)
+        return
+    for row in removed:
+        ui.out_text(f"removed {row['name']} ({ui.human_bytes(row['bytes'])})\n")
+
+
+def default(
+    model: Annotated[
+        str | None,
+        typer.Argument(
+            metavar="MODEL",
+            help="A .gguf file, an mlx-lm folder, a Hub id or smollm2-135m.",
+        ),
+    ] = None,
+    reset: Annotated[
+        bool, typer.Option("--reset", help="Go back to the embedded smollm2-135m.")
+    ] = False,
+) -> None:
+    """Show the model commands use without -m; with MODEL, make it that model (a file or
+    folder is kept by its absolute path)."""
+    from mlxcache.model.loader import default_spec, set_default
+
+    if model is not None and reset:
+        raise UserInputError("give MODEL or --reset, not both")
+    if model is None and not reset:
+        ui.out_text(default_spec() + "\n")
+        return
+    spec = set_default(model)
+    ui.out_text(f"default model: {spec}\n")
 
 
 def info(model: o.Model = None, cache_dir: o.CacheDir = None, as_json: o.Json = False) -> None:
-    """Load the model given with -m (default: the embedded SmolLM2; a GGUF is converted once)
+    """Load the model given with -m (default: `models default`; a GGUF is converted once)
     and show its name, key, context length, quantization, and whether this device keeps a
     reply's decode KV and decodes requests as one batch (measured once)."""
     from mlxcache.config import CacheConfig
     from mlxcache.model import load
-    from mlxcache.model.loader import describe
+    from mlxcache.model.loader import default_spec, describe
     from mlxcache.runtime import measured
 
     with ui.progress_bar() as update:
-        loaded = load(model, cache_root=cache_dir, progress=update)
+        loaded = load(model or default_spec(), cache_root=cache_dir, progress=update)
     allowed = measured(loaded, CacheConfig(directory=cache_dir))
     summary = {
         **describe(loaded),

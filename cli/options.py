@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
+import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, TypeVar
@@ -15,6 +18,7 @@ import typer
 
 from mlxcache.config import CPU_BLOCK_SIZE, METAL_BLOCK_SIZE, CacheConfig, format_size, parse_size
 from mlxcache.errors import UserInputError
+from mlxcache.events import Event, Stats
 from mlxcache.sampling import SamplingParams
 from mlxcache_cli import ui
 
@@ -30,7 +34,8 @@ Model = Annotated[
         "--model",
         "-m",
         metavar="MODEL",
-        help="smollm2-135m (default), a .gguf file, an mlx-lm folder or a Hub id.",
+        help="A .gguf file, an mlx-lm folder, a Hub id or smollm2-135m (the default, unless "
+        "`mlxcache models default` chose another).",
         rich_help_panel=MODEL_PANEL,
     ),
 ]
@@ -95,7 +100,8 @@ Stop = Annotated[
     typer.Option(
         "--stop",
         metavar="TEXT",
-        help="End the reply before this text (repeatable).",
+        help="End the reply before this text (repeatable; \\n, \\t, \\r and \\\\ in it "
+        "are a newline, a tab, a carriage return and a backslash).",
         rich_help_panel=SAMPLING_PANEL,
     ),
 ]
@@ -114,7 +120,8 @@ CacheDir = Annotated[
         "--cache-dir",
         envvar="MLXCACHE_CACHE_DIR",
         metavar="DIR",
-        help="Cache directory (disk tier, converted models, chat sessions).",
+        help="Cache directory: the disk tier and converted models (saved chats are kept in "
+        "the data directory, $MLXCACHE_DATA_DIR).",
         rich_help_panel=CACHE_PANEL,
     ),
 ]
@@ -166,7 +173,7 @@ WarmAhead = Annotated[
 ]
 Quiet = Annotated[
     bool,
-    typer.Option("--quiet", "-q", help="No progress bars on stderr.", rich_help_panel=MODEL_PANEL),
+    typer.Option("--quiet", "-q", help="No progress on stderr.", rich_help_panel=MODEL_PANEL),
 ]
 PromptArg = Annotated[
     str | None, typer.Argument(metavar="PROMPT", help="The prompt; '-' or nothing reads stdin.")
@@ -264,12 +271,94 @@ def cache_config(
 
 
 def engine(model: str | None, cache: CacheConfig, invariant: bool = False) -> Engine:
-    """Open the engine, with a progress bar on stderr if a GGUF needs converting;
-    `invariant`: see `open_engine` (chat and serve)."""
+    """Open the engine (no `model`: the one `mlxcache models default` chose), with a
+    progress bar on stderr if a GGUF needs converting; `invariant`: see `open_engine`
+    (chat and serve)."""
+    from mlxcache.model.loader import default_spec
     from mlxcache.runtime import open_engine
 
+    spec = model or default_spec()
     with ui.progress_bar() as update:
-        return open_engine(model, cache, progress=update, on_warning=ui.warn, invariant=invariant)
+        return open_engine(spec, cache, progress=update, on_warning=ui.warn, invariant=invariant)
+
+
+def disk_hits(engine: Engine) -> int:
+    """How many requests the engine's cache has resumed from its disk tier so far."""
+    return int(engine.cache.report().get("disk_hits", 0))
+
+
+def request_stats(stats: Stats, disk_hits_before: int, disk_hits_after: int) -> dict[str, Any]:
+    """A request's stats as JSON, with `cached_from` ("memory" or "disk") when part of its
+    prompt came from the cache, told by the cache's disk-hit count around the request."""
+    out = stats.as_dict()
+    if out["cached_tokens"] and not out.get("cached_from"):
+        out["cached_from"] = "disk" if disk_hits_after > disk_hits_before else "memory"
+    return out
+
+
+@contextmanager
+def keep_note(bar: ui.PrefillBar, prompt_tokens: int, kept: Callable[[], int]) -> Iterator[None]:
+    """Ctrl-C before the first token: say how much of the prompt the cache kept for next
+    time (the engine keeps the full blocks it computed), then let the interrupt go on."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        if not bar.replying:
+            # Best effort while unwinding: a failed lookup must not replace the interrupt.
+            with contextlib.suppress(Exception):
+                n = kept()
+                ui.info(f"prefill stopped: {n} of {prompt_tokens} prompt tokens kept for next time")
+        raise
+
+
+class Watch:
+    """One request of a one-shot command, seen through its events: the prefill bar, and
+    the tier its cached prefix came from (`stats`)."""
+
+    def __init__(self, engine: Engine, quiet: bool) -> None:
+        self.engine = engine
+        self.bar = ui.PrefillBar(quiet)
+        self._hits = disk_hits(engine)
+
+    def __call__(self, event: object) -> None:
+        self.bar(event)
+
+    def stats(self, stats: Stats) -> dict[str, Any]:
+        return request_stats(stats, self._hits, disk_hits(self.engine))
+
+
+@contextmanager
+def watch(
+    engine: Engine, ids: Sequence[int], quiet: bool, events: Iterator[Event] | None = None
+) -> Iterator[Watch]:
+    """Watch one request of `ids`; Ctrl-C during its prefill says what the cache kept.
+
+    `events`: the request's event stream, when the caller iterates it; it is closed on the
+    way out, so a prefill interrupted between two events keeps its blocks before the note.
+    """
+    import numpy as np
+
+    seen = Watch(engine, quiet)
+
+    def kept() -> int:
+        return engine.cache.cached_length(np.asarray(ids, dtype=np.int32))
+
+    with seen.bar, keep_note(seen.bar, len(ids), kept):
+        try:
+            yield seen
+        finally:
+            close = getattr(events, "close", None)
+            if close is not None:
+                close()
+
+
+_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
+_ESCAPE = re.compile(r"\\([ntr\\])")
+
+
+def unescape(text: str) -> str:
+    """`\\n`, `\\t`, `\\r` and `\\\\` as the characters they name; any other backslash stays."""
+    return _ESCAPE.sub(lambda m: _ESCAPES[m.group(1)], text)
 
 
 def utf8(value: str | bytes, what: str) -> str:
@@ -340,10 +429,12 @@ class RunOptions:
         )
 
     def stop_strings(self) -> tuple[str, ...]:
-        """--stop values; an empty one would end every reply at once."""
-        if any(not s for s in self.stop or ()):
+        """--stop values, escapes read (`\\n` is a newline: a shell passes `"\\n"` as a
+        backslash and an n); an empty one would end every reply at once."""
+        stops = tuple(unescape(s) for s in self.stop or ())
+        if any(not s for s in stops):
             raise UserInputError("--stop needs a non-empty text")
-        return tuple(self.stop or ())
+        return stops
 
     def cache(self) -> CacheConfig:
         return cache_config(

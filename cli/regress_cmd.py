@@ -73,9 +73,17 @@ def _show(report: golden.Report, as_json: bool) -> None:
 def _describe(label: str, diff: dict[str, Any]) -> str:
     if "token" not in diff:
         return f"    {label}: {diff['expected_outputs']} outputs expected, {diff['actual_outputs']} produced\n"
+    if diff["token"] is None:  # the same tokens: what differs is the text or the ending
+        where = "text" if diff["expected_text"] != diff["actual_text"] else "finish reason"
+        what = f"same tokens, different {where}"
+    else:
+        # None: that token list ended there (the other goes on)
+        want, got = (
+            "end" if t is None else t for t in (diff["expected_token"], diff["actual_token"])
+        )
+        what = f"first different token #{diff['token']} ({want} -> {got})"
     return (
-        f"    {label}: output {diff['output']}, first different token #{diff['token']} "
-        f"({diff['expected_token']} -> {diff['actual_token']})\n"
+        f"    {label}: output {diff['output']}, {what}\n"
         f"      expected: {diff['expected_text']!r} [{diff['expected_finish']}]\n"
         f"      actual:   {diff['actual_text']!r} [{diff['actual_finish']}]\n"
     )

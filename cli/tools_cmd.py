@@ -120,9 +120,9 @@ def tools_cmd(
     task = ToolsTask(tools, choice, system, parallel, think, think_budget)
     engine = run.engine()
     ids = task.encode(engine, messages)
-    with ui.PrefillBar(run.quiet) as bar:
-        result = engine.complete(task.request(engine, ids, params), bar)
-    reply = task.read(result)
+    with o.watch(engine, ids, run.quiet) as seen:
+        result = engine.complete(task.request(engine, ids, params), seen)
+    reply, stats = task.read(result), seen.stats(result.stats)
     if as_json:
         doc: dict[str, Any] = {
             "content": reply.content,
@@ -132,7 +132,7 @@ def tools_cmd(
         }
         if reply.error is not None:
             doc.update(error=reply.error, text=result.text)  # the raw reply, cut or not
-        doc["stats"] = result.stats.as_dict()
+        doc["stats"] = stats
         doc["messages"] = [*messages, assistant_message(reply)]
         if system is not None:
             doc["messages"].insert(0, {"role": "system", "content": system})
@@ -141,9 +141,11 @@ def tools_cmd(
         ui.thought(reply.reasoning)
         if reply.error is None:
             _print_reply(reply)
-    ui.stats_line(result.stats.as_dict())
+    ui.stats_line(stats)
     if reply.error is not None:
         raise OutputError(reply.error)
+    if not as_json:
+        ui.finish_note(result.finish_reason, len(result.tokens))
     if engine.warm_ahead and run.cache().disk_bytes:
         _warm_ahead(engine, task, messages, reply)
 

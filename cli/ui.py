@@ -8,6 +8,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from rich.console import Console
@@ -23,7 +24,7 @@ from rich.progress import (
 from rich.text import Text
 from rich.theme import Theme
 
-from mlxcache.events import Prefill
+from mlxcache.events import Done, Prefill, Token
 
 THEME = Theme(
     {
@@ -135,14 +136,49 @@ def finish_note(finish_reason: str, tokens: int) -> None:
         info(f"stopped at the token limit ({tokens} tokens; -n for more)")
 
 
-def stats_line(stats: dict[str, Any]) -> None:
-    """Per-request stats: the user sees how much of the prompt came from the cache (and why
-    nothing did, when nothing did)."""
+@dataclass(slots=True)
+class PrefillRate:
+    """Prefill speed measured on this run's own requests: what a cached token would have
+    cost to compute here. A prefill's time is its time to first token less its restore."""
+
+    tokens: int = 0
+    seconds: float = 0.0
+
+    def add(self, stats: dict[str, Any]) -> None:
+        if stats["prefilled_tokens"] > 0:
+            self.tokens += stats["prefilled_tokens"]
+            self.seconds += max(0.0, stats["ttft_s"] - stats["restore_s"])
+
+    def saved_s(self, stats: dict[str, Any]) -> float | None:
+        """Seconds the cached tokens would have taken to prefill, less their restore; None
+        when nothing was cached or nothing was prefilled yet to measure the speed on."""
+        if not stats["cached_tokens"] or not self.tokens or self.seconds <= 0:
+            return None
+        return max(0.0, stats["cached_tokens"] * self.seconds / self.tokens - stats["restore_s"])
+
+
+def seconds(value: float) -> str:
+    """A duration as people read it: 3.1 s, 0.25 s."""
+    return f"{value:.1f} s" if value >= 1 else f"{value:.2f} s"
+
+
+def stats_line(stats: dict[str, Any], rate: PrefillRate | None = None) -> None:
+    """Per-request stats: the user sees how much of the prompt came from the cache, from
+    which tier (or why nothing did), and about how much time that saved.
+
+    `rate`: the run's prefill speed so far (chat keeps one per session); this request's own
+    prefill is added to it first.
+    """
+    rate = rate if rate is not None else PrefillRate()
+    rate.add(stats)
     cached, prompt = stats["cached_tokens"], stats["prompt_tokens"]
-    why = f" ({stats['miss_reason']})" if not cached and stats.get("miss_reason") else ""
+    where = stats.get("cached_from") if cached else stats.get("miss_reason")
+    why = f" ({where})" if where else ""
+    saved = rate.saved_s(stats)
+    saving = "" if saved is None else f" · saved ~{seconds(saved)}"
     err.print(
         f"[cached]{cached}[/cached]/{prompt} prompt tokens cached{why}, "
-        f"{stats['prefilled_tokens']} prefilled · TTFT {stats['ttft_s']:.2f}s · "
+        f"{stats['prefilled_tokens']} prefilled{saving} · TTFT {stats['ttft_s']:.2f}s · "
         f"{stats['generated_tokens']} tokens at {stats['decode_tps']:.1f} tok/s",
         style="stats",
         markup=True,
@@ -151,9 +187,39 @@ def stats_line(stats: dict[str, Any]) -> None:
     )
 
 
+@contextmanager
+def no_echo(fd: int | None = None) -> Iterator[None]:
+    """Keys typed on the terminal (`fd`, default stdin) are not echoed meanwhile.
+
+    Rich's live display redraws a reply in place by moving the cursor up as many lines as it
+    drew; an echo (Ctrl-C's `^C` after a full-width line wraps to a new one) moves the
+    cursor under it, and the final redraw then repeats the reply's first line. Not a
+    terminal: nothing to do.
+    """
+    try:
+        import termios
+
+        fd = sys.stdin.fileno() if fd is None else fd
+        before = termios.tcgetattr(fd)
+    except ImportError:  # Windows
+        yield
+        return
+    except (termios.error, OSError, ValueError, AttributeError):
+        yield  # stdin is no terminal, or closed, or replaced by a test's stand-in
+        return
+    quiet = list(before)
+    quiet[3] &= ~(termios.ECHO | termios.ECHOCTL)
+    termios.tcsetattr(fd, termios.TCSANOW, quiet)
+    try:
+        yield
+    finally:
+        termios.tcsetattr(fd, termios.TCSANOW, before)
+
+
 def regress_progress(quiet: bool) -> Callable[[str, str, str], None] | None:
-    """Lines for each variant and case as it starts and ends: on a terminal, unless quiet."""
-    if quiet or not err.is_terminal:
+    """Lines on stderr for each variant and case as it starts and ends, unless quiet (piped
+    or not: a suite can run for minutes, and a log shows where it is)."""
+    if quiet:
         return None
     started: dict[tuple[str, str], float] = {}
 
@@ -182,6 +248,8 @@ class PrefillBar:
     """
 
     def __init__(self, quiet: bool = False, delay: float = 1.0) -> None:
+        self.replying = False
+        """Whether the request got past its prefill (a token, or its end)."""
         self._on = not quiet and err.is_terminal
         self._delay = delay
         self._start = time.monotonic()
@@ -189,6 +257,8 @@ class PrefillBar:
         self._task: TaskID | None = None
 
     def __call__(self, event: object) -> None:
+        if isinstance(event, Token | Done):
+            self.replying = True
         if not self._on or not isinstance(event, Prefill):
             return
         if event.done >= event.total:

@@ -1,4 +1,5 @@
-"""Where mlxcache keeps converted models, the disk cache tier and chat sessions."""
+"""Where mlxcache keeps converted models and the disk cache tier (the cache directory: all
+of it can be made again) and saved chat sessions (the data directory: the user's own)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 from mlxcache.errors import UserInputError
 
 ENV_CACHE_DIR = "MLXCACHE_CACHE_DIR"
+ENV_DATA_DIR = "MLXCACHE_DATA_DIR"
 
 
 def cache_dir(override: str | os.PathLike[str] | None = None) -> Path:
@@ -26,10 +28,40 @@ def cache_dir(override: str | os.PathLike[str] | None = None) -> Path:
         from platformdirs import user_cache_dir
 
         path = Path(user_cache_dir("mlxcache", appauthor=False))
+    return _directory(path, "cache")
+
+
+def data_dir() -> Path:
+    """The data directory: $MLXCACHE_DATA_DIR, else the platform's user data directory
+    (XDG data home, e.g. ~/.local/share/mlxcache; ~/Library/Application Support/mlxcache
+    on macOS). It need not exist yet.
+
+    Saved chat sessions live here, not in the cache directory, which cache cleaners empty.
+
+    Raises:
+        UserInputError: the path, or a parent of it, is something other than a directory.
+    """
+    if env := os.environ.get(ENV_DATA_DIR):
+        path = Path(env).expanduser()
+    else:
+        from platformdirs import user_data_dir
+
+        path = Path(user_data_dir("mlxcache", appauthor=False))
+    return _directory(path, "data")
+
+
+def session_dirs(cache_override: str | os.PathLike[str] | None = None) -> list[Path]:
+    """Where chat sessions are saved, then where mlxcache saved them before (the cache
+    directory's `sessions`: still read, never written)."""
+    home, legacy = data_dir() / "sessions", cache_dir(cache_override) / "sessions"
+    return [home] if legacy == home else [home, legacy]
+
+
+def _directory(path: Path, what: str) -> Path:
     existing = next((p for p in (path, *path.parents) if p.exists()), None)
     if existing is not None and not existing.is_dir():
         where = "" if existing == path else f" ({existing} is a file)"
-        raise UserInputError(f"cache directory {path} is not a directory{where}")
+        raise UserInputError(f"{what} directory {path} is not a directory{where}")
     return path
 
 

@@ -98,3 +98,10 @@ def other_variants(
     sliding = load(str(write_sliding(other.path, folder / "sliding")))
     recurrent = load(str(build(folder / "lfm2", other.path, FAMILIES["lfm2"], seed=9)))
     return Variant.all(other, sliding, recurrent)
+
+
+@pytest.fixture(autouse=True)
+def _data_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Saved chat sessions go to the test's own directory, never the user's data directory
+    (a test that gives `--cache-dir tmp_path` finds them where older versions put them)."""
+    monkeypatch.setenv("MLXCACHE_DATA_DIR", str(tmp_path))

@@ -107,8 +107,10 @@ def test_transcript_resume_and_retry(cache_root: Path, tmp_path: Path) -> None:
     lines = result.stderr.splitlines()  # type: ignore[attr-defined]
     assert lines[0].startswith("0/37 prompt tokens cached (no cached prefix), 37 prefilled")
     assert lines[1].startswith("saved ")
-    # The retry sends the same prompt again: it resumes whole, nothing to prefill.
-    assert lines[2].startswith("37/37 prompt tokens cached, 0 prefilled")
+    # The retry sends the same prompt again: it resumes whole, nothing to prefill; at
+    # temperature 0 the reply is the same, and the retry says so first.
+    assert lines[2].startswith("temperature 0 picks the most likely reply, the same each time")
+    assert lines[3].startswith("37/37 prompt tokens cached (memory), 0 prefilled · saved ~")
     # A new process reopens the session; its next turn resumes from the disk tier.
     again = invoke(["--resume", "trip"], "And of Spain?\n", tmp_path)
     assert again.exit_code == 0, again.stderr  # type: ignore[attr-defined]

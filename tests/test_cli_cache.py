@@ -50,7 +50,9 @@ def test_generate_resumes_across_processes_and_cache_commands(
     pruned = cache("prune", "--max-size", "1", "--cache-dir", d)
     assert pruned == {"removed": 2, "bytes_before": stats["bytes"], "bytes_after": 0}
     gen(tiny_gguf, tmp_path, "abcdefghijklmnop")
-    assert cache("clear", "--cache-dir", d) == {"removed": 1}
+    held = cache("stats", "--cache-dir", d)["bytes"]
+    assert held > 0
+    assert cache("clear", "--cache-dir", d) == {"removed": 1, "bytes_freed": held}
     assert cache("stats", "--cache-dir", d)["bytes"] == 0
 
 

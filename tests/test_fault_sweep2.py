@@ -317,7 +317,7 @@ def test_cache_clear_leaves_a_stray_directory_with_a_warning(tmp_path: Path) -> 
     (files / "ours.safetensors").write_bytes(b"block")
     assert run("cache", "clear", "--cache-dir", str(tmp_path)) == (
         0,
-        "removed 0 entries\n",
+        "removed 0 entries (5 B freed)\n",  # ours.safetensors
         f"warning: left {files / 'x'} as it is: not a file mlxcache wrote (links are not "
         "followed)\n",
     )
@@ -337,7 +337,7 @@ def test_cache_clear_never_follows_a_link_out_of_the_cache(tmp_path: Path, index
     files.symlink_to(outside)
     assert run("cache", "clear", "--cache-dir", str(cache)) == (
         0,
-        "removed 0 entries\n",
+        "removed 0 entries (0 B freed)\n",
         f"warning: left {files} as it is: not a file mlxcache wrote (links are not followed)\n",
     )
     assert (outside / "precious.txt").read_text() == "keep me"

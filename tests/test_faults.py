@@ -174,7 +174,7 @@ def test_a_garbage_index_is_reported_with_its_fix_and_cleared(
     assert err == ["error: the check found 1 problem(s), listed on stdout"]
     assert cache_cmd("clear", *d) == (
         0,
-        "removed 0 entries\n",
+        "removed 0 entries (1 B freed)\n",  # old.safetensors
         [
             "warning: the cache index was damaged (file is not a database): "
             "deleted it and every block file"
@@ -211,7 +211,11 @@ def test_clear_removes_block_files_no_index_names(tmp_path: Path) -> None:
     files = tmp_path / "kv" / "files"
     files.mkdir(parents=True)
     (files / "stray.safetensors").write_bytes(b"x")
-    assert cache_cmd("clear", "--cache-dir", str(tmp_path)) == (0, "removed 0 entries\n", [])
+    assert cache_cmd("clear", "--cache-dir", str(tmp_path)) == (
+        0,
+        "removed 0 entries (1 B freed)\n",
+        [],
+    )
     assert not files.exists()
 
 

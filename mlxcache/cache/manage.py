@@ -6,8 +6,10 @@ reported with its fix, and `clear` always gets the directory back to empty.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sqlite3
+import stat
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
@@ -136,15 +138,20 @@ def _preview(decode: Callable[[list[int]], str] | None, row: DiskEntry, n: int) 
     return None if decode is None else decode([int(t) for t in row.tokens[-n:]])
 
 
-def clear(directory: Directory = None, on_warning: Callable[[str], None] | None = None) -> int:
-    """Delete every entry and file; returns how many entries went.
+def clear(
+    directory: Directory = None, on_warning: Callable[[str], None] | None = None
+) -> dict[str, int]:
+    """Delete every entry and file; returns how many entries went ("removed") and the bytes
+    of block and checkpoint files deleted ("bytes_freed"; the index is not counted, as in
+    `prune`).
 
     Without a usable index (none, or damaged: `on_warning` says so) the directory is reset
-    to empty and 0 is returned. What mlxcache does not write there (a directory, a link) is
-    left as it is, links never followed; `on_warning` says so in one line.
+    to empty and no entry is counted. What mlxcache does not write there (a directory, a
+    link) is left as it is, links never followed; `on_warning` says so in one line.
     """
     warn = on_warning or (lambda _message: None)
     root = kv_dir(directory)
+    before = _file_bytes(root / "files")
     n, left = 0, list[str]()
     try:
         with _opened(directory) as disk:
@@ -158,7 +165,20 @@ def clear(directory: Directory = None, on_warning: Callable[[str], None] | None 
     if left:
         more = f" and {len(left) - 1} more" if len(left) > 1 else ""
         warn(f"left {left[0]}{more} as it is: not a file mlxcache wrote (links are not followed)")
-    return n
+    return {"removed": n, "bytes_freed": max(0, before - _file_bytes(root / "files"))}
+
+
+def _file_bytes(root: Path) -> int:
+    """Bytes of the regular files under `root` (links neither followed nor counted)."""
+    if root.is_symlink():
+        return 0
+    total = 0
+    for folder, _dirs, files in os.walk(root):  # os.walk follows no link to a directory
+        for name in files:
+            with contextlib.suppress(OSError):  # gone meanwhile (another process)
+                st = os.lstat(os.path.join(folder, name))
+                total += st.st_size if stat.S_ISREG(st.st_mode) else 0
+    return total
 
 
 def prune(max_bytes: int, directory: Directory = None) -> dict[str, int]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 from collections.abc import Callable
@@ -12,11 +13,16 @@ from typing import TYPE_CHECKING, Any
 
 import xxhash
 
-from mlxcache.errors import ModelConversionError, ModelNotFoundError, UnsupportedModelError
-from mlxcache.fileio import loads_json
+from mlxcache.errors import (
+    ModelConversionError,
+    ModelNotFoundError,
+    UnsupportedModelError,
+    UserInputError,
+)
+from mlxcache.fileio import loads_json, write_atomic
 from mlxcache.model.digest import file_digest, hash_file
 from mlxcache.model.folder import load_folder
-from mlxcache.paths import cache_dir
+from mlxcache.paths import cache_dir, data_dir
 
 if TYPE_CHECKING:  # the converter imports gguf and MLX: only a conversion needs them
     from mlxcache.model.gguf import Progress
@@ -177,13 +183,102 @@ def describe(loaded: LoadedModel) -> dict[str, Any]:
 
 
 def converted(root: str | os.PathLike[str] | None = None) -> list[dict[str, Any]]:
-    """The GGUF conversions kept in the cache directory (`mlxcache models ls`)."""
+    """The GGUF conversions kept in the cache directory (`mlxcache models ls`): each one's
+    name (its folder's, which `remove_converted` takes), folder, GGUF source, size, time
+    converted (Unix seconds) and whether this version of the converter made it ("current";
+    an older one's conversion is never loaded again)."""
     out = []
-    for folder in sorted((cache_dir(root) / "models").glob("*/config.json")):
-        gguf = _source(folder.parent / "mlxcache-source.json")
-        size = sum(p.stat().st_size for p in folder.parent.iterdir() if p.is_file())
-        out.append({"folder": str(folder.parent), "gguf": gguf, "bytes": size})
+    for config in sorted((cache_dir(root) / "models").glob("*/config.json")):
+        folder = config.parent
+        gguf = _source(folder / "mlxcache-source.json")
+        size = sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
+        out.append(
+            {
+                "name": folder.name,
+                "folder": str(folder),
+                "gguf": gguf,
+                "bytes": size,
+                "created": config.stat().st_mtime,
+                "current": folder.name.endswith(f"-v{_CONVERTER_VERSION}"),
+            }
+        )
     return out
+
+
+def remove_converted(name: str, root: str | os.PathLike[str] | None = None) -> list[dict[str, Any]]:
+    """Delete conversions from the cache directory: the one named `name` (see `converted`),
+    or every conversion of the GGUF file at path `name` (`smollm2-135m`: the embedded
+    one's). They are converted again when used.
+
+    Returns:
+        The rows of `converted` that were removed.
+
+    Raises:
+        ModelNotFoundError: nothing converted goes by that name or comes from that file.
+    """
+    gguf = default_model_path() if name == DEFAULT_MODEL else Path(name).expanduser()
+    # A file's conversions are named after its bytes (`_converted`), whatever its path was.
+    is_file = gguf.suffix.lower() == ".gguf" and gguf.is_file()
+    of_file = f"{gguf.stem}-{file_digest(gguf)[:16]}-v" if is_file else None
+    chosen = [
+        r
+        for r in converted(root)
+        if r["name"] == name or (of_file is not None and r["name"].startswith(of_file))
+    ]
+    if not chosen:
+        raise ModelNotFoundError(
+            f"no converted model {name!r} in {cache_dir(root) / 'models'} "
+            "(names: mlxcache models ls)"
+        )
+    for row in chosen:
+        _discard(Path(row["folder"]))
+    return chosen
+
+
+_SETTINGS = "settings.json"
+
+
+def default_spec() -> str:
+    """The model spec used when none is given (`mlxcache models default` sets it; else the
+    embedded SmolLM2), read from the data directory.
+
+    Raises:
+        UserInputError: the settings file is damaged.
+    """
+    path = data_dir() / _SETTINGS
+    try:
+        doc = loads_json(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return DEFAULT_MODEL
+    except (OSError, ValueError) as exc:
+        raise UserInputError(f"cannot read settings file {path}: {exc}") from exc
+    spec = doc.get("default_model", DEFAULT_MODEL) if isinstance(doc, dict) else None
+    if not isinstance(spec, str) or not spec:
+        raise UserInputError(f"settings file {path}: 'default_model' must be a model spec")
+    return spec
+
+
+def set_default(spec: str | None) -> str:
+    """Make `spec` the model used when none is given (None: the embedded SmolLM2 again);
+    a file or folder is recorded by its absolute path. Returns the spec recorded.
+
+    Raises:
+        ModelNotFoundError: a path that does not exist, or a spec that is none of a model
+            file, folder or Hub id.
+        OutputFileError: the settings file cannot be written.
+    """
+    spec = spec or DEFAULT_MODEL
+    path = Path(spec).expanduser()
+    if spec != DEFAULT_MODEL and (path.exists() or path.suffix.lower() == ".gguf"):
+        if not (path.is_dir() or path.is_file()):
+            raise ModelNotFoundError(f"model file not found: {path}")
+        spec = str(path.resolve())
+    elif spec != DEFAULT_MODEL and (spec.startswith((".", "/", "~")) or spec.count("/") != 1):
+        raise ModelNotFoundError(
+            f"model not found: {spec} (expected a .gguf file, an mlx-lm folder or a Hub repo id)"
+        )
+    write_atomic(data_dir() / _SETTINGS, json.dumps({"default_model": spec}) + "\n")
+    return spec
 
 
 def _source(path: Path) -> str | None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -244,17 +244,29 @@ def save(session: ChatSession, directory: Path, name: str) -> Path:
     return path
 
 
-def load(directory: Path, name: str) -> ChatSession:
-    """Read a saved session.
+def find(directories: Sequence[Path], name: str) -> Path | None:
+    """The file of session `name` in the first of `directories` that has one (None: none).
+
+    Raises:
+        UserInputError: bad name.
+    """
+    return next((p for d in directories if (p := session_path(d, name)).exists()), None)
+
+
+def load(directory: Path | Sequence[Path], name: str) -> ChatSession:
+    """Read a saved session; given several directories, from the first that has it (where
+    sessions are saved, then where older versions saved them).
 
     Raises:
         UserInputError: no such session, or the file is not a session.
     """
-    path = session_path(directory, name)
+    dirs = [directory] if isinstance(directory, Path) else list(directory)
+    path = find(dirs, name) or session_path(dirs[0], name)
     try:
         doc = loads_json(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise UserInputError(f"no saved session {name!r} in {directory}") from None
+        where = " or ".join(str(d) for d in dirs)
+        raise UserInputError(f"no saved session {name!r} in {where}") from None
     except (OSError, ValueError) as exc:
         raise UserInputError(f"cannot read session {name!r}: {exc}") from exc
     try:

@@ -29,7 +29,11 @@ def versions() -> dict[str, str]:
 
 
 def first_difference(expected: list[Output], actual: list[Output]) -> dict[str, Any] | None:
-    """Where two output lists first differ: output index, token index, text around it."""
+    """Where two output lists first differ: output index, token index, text around it.
+
+    `token` is None when the token lists are equal (the text or the finish reason differ);
+    an `expected_token` or `actual_token` of None means that list ended there.
+    """
     for i, (want, got) in enumerate(zip(expected, actual, strict=False)):
         if want == got:
             continue
@@ -44,7 +48,7 @@ def first_difference(expected: list[Output], actual: list[Output]) -> dict[str, 
         )
         return {
             "output": i,
-            "token": tok,
+            "token": None if a == b else tok,
             "expected_token": a[tok] if tok < len(a) else None,
             "actual_token": b[tok] if tok < len(b) else None,
             "expected_text": ta[max(0, ch - _CONTEXT) : ch + _CONTEXT],

@@ -15,6 +15,7 @@ import json
 import subprocess
 import sys
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -187,7 +188,7 @@ class Runner:
 
     def _run(self, variant: str, progress: Progress) -> dict[str, list[Output]]:
         if variant == "disk":
-            return self._run_child()
+            return self._run_child(progress)
         engine_for, caches = self._engines(cached=variant != "cold", disk=variant == "warm")
         schedule = run_lanes if variant == "lanes" else run_sequential
         outputs = schedule(engine_for, self.suite.cases, progress)
@@ -197,26 +198,28 @@ class Runner:
         }
         return outputs
 
-    def _run_child(self) -> dict[str, list[Output]]:
-        """The warm variant in a new process on the same cache directory (disk tier only)."""
+    def _run_child(self, progress: Progress) -> dict[str, list[Output]]:
+        """The warm variant in a new process on the same cache directory (disk tier only);
+        its cases' progress, which it writes on stderr, goes on to `progress`."""
         suite_file = self.work_dir / "suite.json"
         suite_file.write_text(json.dumps([_case_doc(c) for c in self.suite.cases]))
-        proc = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "mlxcache.regress.child",
-                str(suite_file),
-                str(self.work_dir),
-                str(self.block_size),
-            ],
-            capture_output=True,
-            text=True,
-        )
+        argv = [sys.executable, "-m", "mlxcache.regress.child"]
+        argv += [str(suite_file), str(self.work_dir), str(self.block_size)]
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            assert proc.stdout is not None and proc.stderr is not None
+            with ThreadPoolExecutor(1) as pool:
+                stdout = pool.submit(proc.stdout.read)  # no pipe fills while stderr is read
+                others = [line for line in proc.stderr if not _relay(line, progress)]
+                stdout.result()
+        finally:
+            if proc.poll() is None:  # interrupted: the child goes too
+                proc.kill()
+            proc.wait()
         if proc.returncode != 0:
-            last = (proc.stderr.strip().splitlines() or ["no message"])[-1]
+            last = ("".join(others).strip().splitlines() or ["no message"])[-1]
             raise MlxcacheError(f"the disk variant's process failed: {last}")
-        doc = json.loads(proc.stdout)
+        doc = json.loads(stdout.result())
         self.cache_stats["disk"] = doc["cache"]
         result: dict[str, list[Output]] = doc["outputs"]
         return result
@@ -224,6 +227,19 @@ class Runner:
     def models(self) -> dict[str, str]:
         """Model key of every case's model."""
         return {c.name: self.model(c).key for c in self.suite.cases}
+
+
+PROGRESS = "mlxcache-regress-progress\t"
+"""How the disk variant's process marks its progress lines on stderr."""
+
+
+def _relay(line: str, progress: Progress) -> bool:
+    """Pass a progress line of the disk variant's process on to `progress` (False: not one)."""
+    if not line.startswith(PROGRESS):
+        return False
+    case, what = json.loads(line[len(PROGRESS) :])
+    progress(case, what)
+    return True
 
 
 def _case_doc(case: Case) -> dict[str, Any]:
