@@ -8,6 +8,7 @@ command's fastest round (the time on a quiet machine; the median is reported bes
 from __future__ import annotations
 
 import json
+import resource
 import statistics
 import subprocess
 import sys
@@ -34,30 +35,37 @@ def commands(schema: Path, cache_dir: Path | None) -> dict[str, list[str]]:
     }
 
 
-def _wall(argv: list[str]) -> float:
+def _time(argv: list[str]) -> tuple[float, float]:
+    """Wall and CPU (user + system) seconds of one run: CPU time barely moves when other
+    work shares the machine, so it tells a slow start from a busy machine."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, check=False)
-    return time.perf_counter() - start
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
 def run(rounds: int, cache_dir: Path | None = None) -> dict[str, Any]:
-    """Min and median wall seconds per command over `rounds`, and ratios to `python -c pass`."""
+    """Min and median wall seconds per command over `rounds`, the least CPU seconds, and
+    ratios (fastest wall time) to `python -c pass`."""
     with tempfile.TemporaryDirectory(prefix="mlxcache-startup-") as work:
         schema = Path(work) / "schema.json"
         schema.write_text(json.dumps(_SCHEMA))
         runs = {"python -c pass": [sys.executable, "-c", "pass"], **commands(schema, cache_dir)}
-        times: dict[str, list[float]] = {name: [] for name in runs}
+        times: dict[str, list[tuple[float, float]]] = {name: [] for name in runs}
         for argv in runs.values():  # once untimed: the first run fills the OS file cache
-            _wall(argv)
+            _time(argv)
         for _ in range(rounds):
             for name, argv in runs.items():
-                times[name].append(_wall(argv))
-    base = min(times.pop("python -c pass"))
+                times[name].append(_time(argv))
+    base = min(wall for wall, _ in times.pop("python -c pass"))
     rows = {
         name: {
-            "min_s": round(min(t), 3),
-            "median_s": round(statistics.median(t), 3),
-            "ratio": round(min(t) / base, 1),
+            "min_s": round(min(wall for wall, _ in t), 3),
+            "median_s": round(statistics.median(wall for wall, _ in t), 3),
+            "cpu_s": round(min(cpu for _, cpu in t), 3),
+            "ratio": round(min(wall for wall, _ in t) / base, 1),
         }
         for name, t in times.items()
     }

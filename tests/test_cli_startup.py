@@ -183,5 +183,5 @@ def test_startup_bench_reports_ratios_and_goals(
     result = startup_bench.run(1, tmp_path)
     assert set(result) == {"bench", "rounds", "python_s", "commands", "goals", "pass"}
     assert set(result["commands"]) == {"a", "b"}
-    assert set(result["commands"]["a"]) == {"min_s", "median_s", "ratio"}
+    assert set(result["commands"]["a"]) == {"min_s", "median_s", "cpu_s", "ratio"}
     assert result["goals"]["b_le_0.5s"] is False and result["pass"] is False
