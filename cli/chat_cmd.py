@@ -69,9 +69,6 @@ class Repl:
         self.rate = ui.PrefillRate()
         """The session's prefill speed, measured on its turns: what the cache saved."""
 
-    def _disk_hits(self) -> int:
-        return self.engine.call(o.disk_hits)
-
     def reply(self, events: Iterator[Event]) -> None:
         """Stream a reply to stdout; Ctrl-C stops it (the partial reply stays in the session)."""
         from rich.live import Live
@@ -80,7 +77,6 @@ class Repl:
         text = ""
         stats = None
         finish = ("", 0)
-        hits = self._disk_hits()
         live = Live(Markdown(""), console=ui.out, auto_refresh=False) if self.markdown else None
         bar = ui.PrefillBar(self.quiet)
         try:
@@ -96,7 +92,7 @@ class Repl:
                         else:
                             ui.out_text(event.text)
                     elif isinstance(event, Done):
-                        stats = o.request_stats(event.result.stats, hits, self._disk_hits())
+                        stats = event.result.stats.as_dict()
                         finish = (event.result.finish_reason, len(event.result.tokens))
         except KeyboardInterrupt:
             close = getattr(events, "close", None)

@@ -282,20 +282,6 @@ def engine(model: str | None, cache: CacheConfig, invariant: bool = False) -> En
         return open_engine(spec, cache, progress=update, on_warning=ui.warn, invariant=invariant)
 
 
-def disk_hits(engine: Engine) -> int:
-    """How many requests the engine's cache has resumed from its disk tier so far."""
-    return int(engine.cache.report().get("disk_hits", 0))
-
-
-def request_stats(stats: Stats, disk_hits_before: int, disk_hits_after: int) -> dict[str, Any]:
-    """A request's stats as JSON, with `cached_from` ("memory" or "disk") when part of its
-    prompt came from the cache, told by the cache's disk-hit count around the request."""
-    out = stats.as_dict()
-    if out["cached_tokens"] and not out.get("cached_from"):
-        out["cached_from"] = "disk" if disk_hits_after > disk_hits_before else "memory"
-    return out
-
-
 @contextmanager
 def keep_note(bar: ui.PrefillBar, prompt_tokens: int, kept: Callable[[], int]) -> Iterator[None]:
     """Ctrl-C before the first token: say how much of the prompt the cache kept for next
@@ -312,19 +298,18 @@ def keep_note(bar: ui.PrefillBar, prompt_tokens: int, kept: Callable[[], int]) -
 
 
 class Watch:
-    """One request of a one-shot command, seen through its events: the prefill bar, and
-    the tier its cached prefix came from (`stats`)."""
+    """One request of a one-shot command, seen through its events: the prefill bar."""
 
     def __init__(self, engine: Engine, quiet: bool) -> None:
         self.engine = engine
         self.bar = ui.PrefillBar(quiet)
-        self._hits = disk_hits(engine)
 
     def __call__(self, event: object) -> None:
         self.bar(event)
 
     def stats(self, stats: Stats) -> dict[str, Any]:
-        return request_stats(stats, self._hits, disk_hits(self.engine))
+        """The request's stats as JSON (`cached_from` says which tier its prefix came from)."""
+        return stats.as_dict()
 
 
 @contextmanager

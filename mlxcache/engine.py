@@ -530,6 +530,7 @@ class Engine:
             stats.cached_tokens = resume.length
             stats.prefilled_tokens = n - resume.length
             stats.miss_reason = "" if resume.length else self._miss_reason(n)
+            stats.cached_from = resume.tier
             stats.restore_s = time.perf_counter() - start
             block = self.cache.block_size
             # Trimmable KV is kept after the prompt's last full block; a whole-state

@@ -18,6 +18,8 @@ class Stats:
     ttft_s: float = 0.0
     decode_s: float = 0.0
     miss_reason: str = ""
+    cached_from: str = ""
+    """Where the cached prefix came from: "memory" or "disk" ("" when nothing was)."""
     """Why nothing was resumed, when `cached_tokens` is 0 (e.g. shorter than one block)."""
 
     @property

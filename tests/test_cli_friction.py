@@ -70,11 +70,19 @@ def test_a_session_measures_its_prefill_speed_across_turns(
     assert lines[2].startswith("37/37 prompt tokens cached (memory), 0 prefilled · TTFT 0.02s")
 
 
-def test_request_stats_tell_memory_from_disk() -> None:
-    hit = Stats(prompt_tokens=37, cached_tokens=32)
-    assert o.request_stats(hit, 3, 4)["cached_from"] == "disk"
-    assert o.request_stats(hit, 4, 4)["cached_from"] == "memory"
-    assert "cached_from" not in o.request_stats(Stats(prompt_tokens=37), 4, 4)
+def test_stats_tell_memory_from_disk(tiny: LoadedModel, tmp_path: Path) -> None:
+    """The cache says which tier a prefix came from: none, memory, then disk (a new cache
+    on the same directory, as a new process)."""
+    from mlxcache.engine import Engine, Request
+    from mlxcache.sampling import SamplingParams
+
+    config = CacheConfig(block_size=4, directory=tmp_path)
+    ids, params = list(range(5, 15)), SamplingParams(max_tokens=2)
+    first = Engine(tiny, make_cache(tiny, config))
+    assert first.complete(Request(ids, params)).stats.cached_from == ""
+    assert first.complete(Request(ids, params)).stats.cached_from == "memory"
+    reopened = Engine(tiny, make_cache(tiny, config))
+    assert reopened.complete(Request(ids, params)).stats.cached_from == "disk"
 
 
 def test_generate_says_disk_and_saved_in_a_new_process(

@@ -22,6 +22,8 @@ class Resume:
     length: int
     lease: Any = None
     logits: Any = None
+    tier: str = ""
+    """Where the resumed prefix came from: "memory", "disk", or "" (nothing resumed)."""
 
 
 class PrefixCache(Protocol):

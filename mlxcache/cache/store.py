@@ -164,9 +164,9 @@ class PromptCache:
                 if entry is None:
                     continue  # the file was bad: dropped and counted; look again
                 stats.disk_hits += 1
-                length = disk.length
+                length, tier = disk.length, "disk"
             elif mem is not None:
-                entry, length = mem.entry, mem.length
+                entry, length, tier = mem.entry, mem.length, "memory"
             else:
                 stats.misses += 1
                 self.reserve(self._token_bytes * len(tokens), None, tokens)
@@ -193,7 +193,7 @@ class PromptCache:
                 length, logits = len(tokens), mx.array(tail.logits)
             stats.cached_tokens += length
             self.mem.pin(entry)
-            return Resume(layers, length, entry, logits)
+            return Resume(layers, length, entry, logits, tier)
 
     def keep(self, tokens: np.ndarray, layers: list[Any]) -> None:
         """Store the first len(tokens) positions of `layers`, in memory and on disk."""
