@@ -171,6 +171,9 @@ def test_bench_report_is_json_and_exits_1_on_a_failed_goal(
     assert stop.value.exit_code == 1
     assert out == '{"bench": "x", "goals": {"fast": false}, "pass": false}\n'
     assert err == "error: bench x: goal not met: goals.fast, pass\n"
+    with pytest.raises(typer.Exit):  # a bench that says what failed is quoted
+        bench._report({"bench": "x", "failures": ["a: 0.3 < 0.5", "b differs"], "pass": False})
+    assert capsys.readouterr().err == "error: bench x: goal not met: a: 0.3 < 0.5; b differs\n"
 
 
 def test_startup_bench_reports_ratios_and_goals(
