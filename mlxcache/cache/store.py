@@ -163,20 +163,17 @@ class PromptCache:
                 entry = self._promote(disk.entry, disk.length)
                 if entry is None:
                     continue  # the file was bad: dropped and counted; look again
-                stats.disk_hits += 1
                 length, tier = disk.length, "disk"
             elif mem is not None:
                 entry, length, tier = mem.entry, mem.length, "memory"
             else:
-                stats.misses += 1
-                self.reserve(self._token_bytes * len(tokens), None, tokens)
-                return Resume(make_prompt_cache(self._model), 0)
+                return self._miss(tokens, stats)
             shared, length = length, self._resumable(entry, length)
-            if length == 0:  # no recurrent state kept on the way: a miss
-                stats.misses += 1
-                self.reserve(self._token_bytes * len(tokens), None, tokens)
-                return Resume(make_prompt_cache(self._model), 0)
+            if length == 0:  # no recurrent state kept on the way
+                return self._miss(tokens, stats)
             stats.hits += 1
+            if tier == "disk":
+                stats.disk_hits += 1
             if length != len(tokens) // self.block_size * self.block_size:
                 tail = None  # its full blocks are not all here: an ordinary resume
             if tail is None:
@@ -194,6 +191,12 @@ class PromptCache:
             stats.cached_tokens += length
             self.mem.pin(entry)
             return Resume(layers, length, entry, logits, tier)
+
+    def _miss(self, tokens: np.ndarray, stats: CacheStats) -> Resume:
+        """Fresh caches holding nothing, room made for the prompt's KV."""
+        stats.misses += 1
+        self.reserve(self._token_bytes * len(tokens), None, tokens)
+        return Resume(make_prompt_cache(self._model), 0)
 
     def keep(self, tokens: np.ndarray, layers: list[Any]) -> None:
         """Store the first len(tokens) positions of `layers`, in memory and on disk."""
