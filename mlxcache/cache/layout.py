@@ -50,11 +50,6 @@ def _ring_start(stop: int, block: int, max_size: int, keep: int) -> tuple[int, i
     return (keep if start > keep else 0), (start if start > keep else 0)
 
 
-def _fresh_arrays(values: list[mx.array]) -> list[mx.array]:
-    # New array objects: a live cache's in-place updates never reach a stored block.
-    return [mx.array(v) for v in values]
-
-
 class Layout:
     """The block layout of one model (see the module docstring)."""
 
@@ -146,10 +141,14 @@ class Layout:
 
     def _state(self, i: int, state: Block) -> ArraysCache:
         c = ArraysCache(self._slots[i])
+        self._set_state(i, c, state)
+        return c
+
+    def _set_state(self, i: int, c: ArraysCache, state: Block) -> None:
+        """Layer i's slots from `state`, as new arrays (empty where it has none)."""
         for j in range(self._slots[i]):
             name = f"s.{i}.{j}"
             c[j] = mx.array(state[name]) if name in state else None
-        return c
 
     def _attention(self, i: int, blocks: list[Block], block_size: int) -> Any:
         stop = len(blocks) * block_size
@@ -176,7 +175,8 @@ class Layout:
                 head = positions(0, kept)
                 keys = mx.concatenate([head[0], keys], axis=2)
                 values = mx.concatenate([head[1], values], axis=2)
-        c.keys, c.values = _fresh_arrays([keys, values])
+        # New array objects: a live cache's in-place updates never reach a stored block.
+        c.keys, c.values = mx.array(keys), mx.array(values)
         c.offset = stop
         if self.kinds[i] == "ring":
             c._idx = int(c.keys.shape[2])
@@ -190,9 +190,7 @@ class Layout:
             return
         for i, (kind, c) in enumerate(zip(self.kinds, layers, strict=True)):
             if kind == "state":
-                for j in range(self._slots[i]):
-                    name = f"s.{i}.{j}"
-                    c[j] = mx.array(tail[name]) if name in tail else None
+                self._set_state(i, c, tail)
             elif tail[f"k.{i}"].shape[1]:
                 c.update_and_fetch(tail[f"k.{i}"][None], tail[f"v.{i}"][None])
         mx.eval([c.state for c in layers])
