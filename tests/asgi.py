@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,9 +30,10 @@ async def acall(
     path: str,
     chunks: list[bytes] | None = None,
     headers: Mapping[str, str | bytes] | None = None,
+    on_send: Callable[[dict[str, Any]], None] | None = None,
 ) -> Reply:
     """One request: its body sent as `chunks`; the client stays until the reply is complete
-    (then disconnects), as a real one does."""
+    (then disconnects), as a real one does. `on_send` sees each message as it is sent."""
     parts = chunks or [b""]
     incoming = [
         {"type": "http.request", "body": c, "more_body": i < len(parts) - 1}
@@ -49,6 +50,8 @@ async def acall(
 
     async def send(message: dict[str, Any]) -> None:
         sent.append(message)
+        if on_send is not None:
+            on_send(message)
         if message["type"] == "http.response.body" and not message.get("more_body"):
             answered.set()
 

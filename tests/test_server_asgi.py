@@ -160,37 +160,13 @@ def test_a_waiting_stream_gets_keepalive_comments(
             "messages": [{"role": "user", "content": "hi"}],
         }
     ).encode()
-    sent: list[bytes] = []
 
-    async def drive() -> None:
-        scope = {
-            "type": "http",
-            "method": "POST",
-            "path": "/v1/chat/completions",
-            "headers": [],
-            "query_string": b"",
-        }
-        done = asyncio.Event()
-        requests = [{"type": "http.request", "body": body, "more_body": False}]
+    def let_go(message: dict[str, Any]) -> None:
+        if server_app.KEEPALIVE.encode() in message.get("body", b""):
+            worker.go.set()
 
-        async def receive() -> dict[str, Any]:
-            if requests:
-                return requests.pop(0)
-            await done.wait()
-            return {"type": "http.disconnect"}
-
-        async def send(message: dict[str, Any]) -> None:
-            chunk = message.get("body", b"")
-            sent.append(chunk)
-            if server_app.KEEPALIVE.encode() in chunk:
-                worker.go.set()
-            if message["type"] == "http.response.body" and not message.get("more_body"):
-                done.set()
-
-        await app(scope, receive, send)
-
-    asyncio.run(drive())
-    stream = b"".join(sent).decode()
+    reply = asyncio.run(acall(app, "POST", "/v1/chat/completions", [body], on_send=let_go))
+    stream = reply.body.decode()
     first_keepalive = stream.index(server_app.KEEPALIVE)
     assert first_keepalive < stream.index('"content": "a"')  # before the reply's text
     assert stream.endswith("data: [DONE]\n\n")
