@@ -7,14 +7,15 @@ from then on (a supervisor repeating itself) changes nothing.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import socket
 import sys
 import threading
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
 
 import uvicorn
+from uvicorn.server import HANDLED_SIGNALS
 
 from mlxcache.engine import Engine
 from mlxcache.errors import UserInputError
@@ -36,11 +37,21 @@ class _Server(uvicorn.Server):
             host, port = self.servers[0].sockets[0].getsockname()[:2]
             self._on_listen(f"http://{host}:{port}")
 
-    def handle_exit(self, sig: int, frame: Any) -> None:
-        super().handle_exit(sig, frame)
-        # uvicorn re-raises the signal after its graceful shutdown, which would kill the
-        # process before the worker is closed: the drain is the exit we want.
-        self._captured_signals.clear()
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        """uvicorn's own, except on the way out: it puts back SIGTERM's default (which
+        kills) and re-raises the signal, where the drain (the worker's close) is the exit
+        we want. SIGTERM goes straight from our handler to ignored, with no window in
+        which a supervisor repeating itself would kill the drain."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in HANDLED_SIGNALS}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, signal.SIG_IGN if sig == signal.SIGTERM else handler)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -94,7 +105,3 @@ def serve(
             timeout_graceful_shutdown=None,
         )
         _Server(config, on_listen or announce).run(sockets=[sock])
-        if threading.current_thread() is threading.main_thread():
-            # uvicorn has put back SIGTERM's default, which kills; the drain goes on (the
-            # worker's close) and the process is on its way out: ignore it from now on.
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
