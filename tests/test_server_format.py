@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 from pydantic import ValidationError
 
 from mlxcache.errors import ContextLengthError, GrammarError, OutputError
-from mlxcache.modes.reasoning import Thinking
+from mlxcache.modes import reasoning as reasoning_module
+from mlxcache.modes.reasoning import Thinking, split_reply
 from mlxcache.modes.tools import ToolCall
 from mlxcache.server import errors
+from mlxcache.server import text as text_module
 from mlxcache.server.log import line
 from mlxcache.server.openai_format import SSE_DONE, Envelope, Usage, sse
 from mlxcache.server.schemas import ChatRequest
 from mlxcache.server.text import ReplyText
+from mlxcache.stops import held
 
 
 def feed(reply: ReplyText, pieces: list[str]) -> list[str]:
@@ -206,3 +210,67 @@ def test_a_chat_reply_carries_its_reasoning_only_when_there_is_some() -> None:
     for none in (None, ""):
         message = env.chat("4", (), "stop", usage, none)["choices"][0]["message"]
         assert message == {"role": "assistant", "content": "4"}
+
+
+def settled(text: str, call_tag: str | None, strip: bool, thinking: Thinking | None) -> tuple:
+    """What no later text can change, computed from the whole text at once (the definition
+    the incremental `ReplyText` must match)."""
+    reasoning, content = split_reply(thinking, text, final=False)
+    if call_tag is not None:
+        cut = content.find(call_tag)
+        content = content[:cut] if cut >= 0 else content[: len(content) - held(content, call_tag)]
+    return reasoning or "", content.strip() if strip else content
+
+
+SHAPES = [
+    (None, False, None),
+    ("<tool_call>", True, None),
+    ("\n<tool_call>", False, QWEN),  # a tag starting with whitespace, after a section
+    (None, False, QWEN),
+    (None, True, R1),
+    (None, False, Thinking("<think>", "</think>", enabled=False)),
+]
+
+
+@pytest.mark.parametrize(("call_tag", "strip", "thinking"), SHAPES)
+def test_streamed_reply_text_equals_the_whole_text_split_after_every_piece(
+    call_tag: str | None, strip: bool, thinking: Thinking | None
+) -> None:
+    rng = random.Random(7)
+    alphabet = ["<think>", "</think>", "<tool_call>", "<", "</", "think", ">", " ", "\n", "a", "é"]
+    for _ in range(150):
+        pieces = [rng.choice(alphabet)[: rng.randint(1, 8)] for _ in range(rng.randint(0, 25))]
+        reply = ReplyText(call_tag, strip, thinking)
+        sent = ["", ""]
+        for i, piece in enumerate(pieces):
+            deltas = reply.add(piece)
+            sent = [s + d for s, d in zip(sent, deltas, strict=True)]
+            assert tuple(sent) == settled("".join(pieces[: i + 1]), call_tag, strip, thinking)
+        assert reply.text == "".join(pieces)
+
+
+@pytest.mark.parametrize(("call_tag", "strip", "thinking"), SHAPES)
+def test_reply_text_work_per_piece_does_not_grow_with_the_reply(
+    monkeypatch: pytest.MonkeyPatch,
+    call_tag: str | None,
+    strip: bool,
+    thinking: Thinking | None,
+) -> None:
+    """Every character is scanned a bounded number of times: the text given to the tag
+    and whitespace scans over a 3,000-piece reply stays linear in its length."""
+    scanned = [0]
+
+    def counting(text: str, marker: str) -> int:
+        scanned[0] += len(text)
+        return held(text, marker)
+
+    monkeypatch.setattr(text_module, "held", counting)
+    monkeypatch.setattr(reasoning_module, "held", counting)
+    pieces = ["<think>", *(["word ", "<", "\n  "] * 1000)]
+    reply = ReplyText(call_tag, strip, thinking)
+    streamed = ["", ""]
+    for piece in pieces:
+        streamed = [s + d for s, d in zip(streamed, reply.add(piece), strict=True)]
+    total = sum(map(len, pieces))
+    assert tuple(streamed) == settled("".join(pieces), call_tag, strip, thinking)
+    assert scanned[0] <= 4 * total  # the whole-text split scanned ~n²/2 (~2·10⁷ here)

@@ -83,7 +83,6 @@ class Lane:
 
         Leaving early (the consumer is cancelled or closes) cancels the lane.
         """
-        sent = {"reasoning": "", "content": ""}
         try:
             while True:
                 event = await self._queue.get()
@@ -96,12 +95,11 @@ class Lane:
                     self._ttft = time.perf_counter() - self._start
                 if event.logprob is not None:  # None: a flush of held-back text, no token
                     self.scored.append(Scored(event.token, event.logprob, event.top_logprobs))
-                self.reply.add(event.text)
-                now = {"reasoning": self.reply.safe_reasoning(), "content": self.reply.safe()}
-                for field, text in now.items():
-                    if len(text) > len(sent[field]):
-                        yield field, text[len(sent[field]) :]
-                        sent[field] = text
+                reasoning, content = self.reply.add(event.text)
+                if reasoning:
+                    yield "reasoning", reasoning
+                if content:
+                    yield "content", content
         finally:
             if self._done is None:
                 self.handle.cancel()
