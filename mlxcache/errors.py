@@ -23,10 +23,6 @@ class ContextLengthError(UserInputError):
     """A prompt (plus the tokens asked for) longer than the model's context."""
 
 
-class CacheFullError(MlxcacheError):
-    """The prompt cache cannot make room: every entry is pinned by a running request."""
-
-
 class CacheStoreError(MlxcacheError):
     """The disk tier could not be used (read-only, full, corrupt index)."""
 

@@ -1,9 +1,10 @@
 """Randomized differential runs: `PromptIndex` and a reference index, driven in lockstep.
 
 After every operation the whole visible state is compared: the entries and their fields,
-`extended()` of every entry, `usable()`, a `victim()` with a random skip and prompt, and a
-`lookup()` of a random prompt (applied to both, since a hit counts as a use). Any difference
-fails an assert that names the operation.
+whether each is extended, a `victim()` with a random skip and prompt, and a `lookup()` of a
+random prompt (applied to both, since a hit counts as a use). Any difference fails an assert
+that names the operation. Adds evict as the store does: to free a slot before the add
+(`evict_first`), or to fit a budget after it, never the entry just added.
 """
 
 from __future__ import annotations
@@ -17,9 +18,8 @@ from index_tree import check_tree
 from naive_index import NaiveIndex
 
 from mlxcache.cache.index import PromptIndex
-from mlxcache.errors import CacheFullError
 
-OPS = ("add", "add", "add", "add", "lookup", "lookup", "expire", "pin", "unpin", "touch", "remove")
+OPS = ("add", "add", "add", "add", "lookup", "lookup", "pin", "unpin", "touch", "remove")
 
 
 class Run:
@@ -30,16 +30,16 @@ class Run:
         seed: int,
         store: int,
         block_size: int,
-        internal_evict: bool,
+        evict_first: bool,
         vocab: int = 3,
         max_blocks: int = 12,
         ops: Sequence[str] = OPS,
     ) -> None:
         self.rng = random.Random(seed)
-        limit = store if internal_evict else None
-        self.real = PromptIndex(block_size, max_entries=limit)
-        self.ref = ref_cls(block_size, max_entries=limit)
+        self.real = PromptIndex(block_size)
+        self.ref = ref_cls(block_size)
         self.store = store
+        self.evict_first = evict_first
         self.b = block_size
         self.vocab = vocab
         self.max_len = max_blocks * block_size
@@ -84,29 +84,27 @@ class Run:
         tokens = self.prompt() or self._suffix(1)
         trimmable = self.rng.random() < 0.85
         nbytes = self.rng.randrange(100)
-        full = self.real.max_entries is not None and len(self.ref.entries) >= self.store
-        known = any(e.tokens == tokens for e in self.ref.entries)
-        outcomes = []
-        for index in (self.real, self.ref):
-            try:
-                outcomes.append(index.add(tokens, trimmable=trimmable, nbytes=nbytes).born)
-            except CacheFullError:
-                outcomes.append("full")
-        assert outcomes[0] == outcomes[1], f"{self.step}: add -> {outcomes}"
+        while self.evict_first and len(self.ref.entries) >= self.store:
+            if not self.evict(tokens, None, None):
+                break
+        e = self.real.add(tokens, trimmable=trimmable, nbytes=nbytes)
+        r = self.ref.add(tokens, trimmable=trimmable, nbytes=nbytes)
+        assert e.born == r.born, f"{self.step}: add -> {e.born}, reference {r.born}"
         self.stats["adds"] += 1
-        if full and not known and outcomes[0] != "full":
-            self.stats["evictions"] += 1
-        while self.real.max_entries is None and len(self.ref.entries) > self.store:
-            self.evict(tokens)
+        while not self.evict_first and len(self.ref.entries) > self.store:
+            if not self.evict(tokens, e, r):
+                break
 
-    def evict(self, prompt: tuple[int, ...]) -> None:
-        v, rv = self.real.victim(prompt=prompt), self.ref.victim(prompt=prompt)
+    def evict(self, prompt: tuple[int, ...], skip: Any, rskip: Any) -> bool:
+        """Remove the victim for `prompt` (never `skip`) from both; False if there is none."""
+        v, rv = self.real.victim(skip, prompt), self.ref.victim(rskip, prompt)
         assert _born(v) == _born(rv), f"{self.step}: evict victim {v} vs {_born(rv)}"
         if v is None or rv is None:
-            raise AssertionError(f"{self.step}: no victim in an over-full index")
+            return False
         self.real.remove(v)
         self.ref.remove(rv)
         self.stats["evictions"] += 1
+        return True
 
     def lookup(self) -> None:
         prompt = self.prompt()
@@ -140,16 +138,13 @@ class Run:
         real, ref = list(self.real), self.ref.entries
         assert len(real) == len(ref), f"{self.step}: {len(real)} entries, reference {len(ref)}"
         for e, r in zip(real, ref, strict=True):
-            got = (e.born, e.last_used, e.expired, e.trimmable, e.pins, e.nbytes)
-            want = (r.born, r.last_used, r.expired, r.trimmable, r.pins, r.nbytes)
+            got = (e.born, e.last_used, e.trimmable, e.pins, e.nbytes)
+            want = (r.born, r.last_used, r.trimmable, r.pins, r.nbytes)
             assert got == want, f"{self.step}: entry {got}, reference {want}"
             assert tuple(e.tokens.tolist()) == r.tokens, f"{self.step}: tokens of {e}"
-            assert self.real.extended(e) == self.ref.extended(r), f"{self.step}: extended({e})"
+            extended = bool(e.extenders)
+            assert extended == self.ref.extended(r), f"{self.step}: extended({e}) {extended}"
         prompt = self.prompt() if self.rng.random() < 0.8 else None
-        if prompt is not None:
-            for e, r in self.rng.sample(list(zip(real, ref, strict=True)), min(len(real), 8)):
-                got, want = self.real.usable(e, prompt), self.ref.usable(r, prompt)
-                assert got == want, f"{self.step}: usable({e}, {prompt}) {got}, reference {want}"
         i = self.rng.randrange(len(real) + 1)
         skip, rskip = (real[i], ref[i]) if i < len(real) else (None, None)
         v, rv = self.real.victim(skip, prompt), self.ref.victim(rskip, prompt)

@@ -27,8 +27,6 @@ def check_tree(index: PromptIndex, where: str = "") -> None:
             group = prefix[:bb] if e.trimmable and prefix else None
             assert e.group == group, f"{where}: {e} in group {e.group!r}, want {group!r}"
             hung.append(e)
-            if e.expired:
-                continue
             if not e.trimmable:
                 nt += 1
             elif _less_rewinding(e, best):

@@ -8,15 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from mlxcache.errors import CacheFullError
-
 
 class NaiveEntry:
     def __init__(self, tokens: tuple[int, ...], born: int, trimmable: bool, nbytes: int) -> None:
         self.tokens = tokens
         self.born = born
         self.last_used = born
-        self.expired = False
         self.trimmable = trimmable
         self.pins = 0
         self.nbytes = nbytes
@@ -29,14 +26,21 @@ def lcp(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
+def usable(tokens: Sequence[int], trimmable: bool, prompt: Sequence[int], block_size: int) -> int:
+    """How many tokens of `prompt` an entry of `tokens` restores (the spec's usable length)."""
+    if trimmable:
+        return max(0, min(lcp(tokens, prompt), len(prompt) - 1)) // block_size * block_size
+    is_prefix = tuple(prompt[: len(tokens)]) == tuple(tokens)
+    return len(tokens) if is_prefix and len(tokens) < len(prompt) else 0
+
+
 class NaiveIndex:
-    def __init__(self, block_size: int, max_entries: int | None = None) -> None:
+    def __init__(self, block_size: int) -> None:
         self.block_size = block_size
-        self.max_entries = max_entries
         self.entries: list[NaiveEntry] = []  # in born order
         self.clock = 0
         # extended() is O(E * L) and asked for every entry after every step: remember the
-        # answers until the next change of entries, expiry or clock.
+        # answers until the next change of entries or clock.
         self.changes = 0
         self.memo: dict[NaiveEntry, bool] = {}
         self.memo_at = -1
@@ -47,18 +51,11 @@ class NaiveIndex:
         return self.clock
 
     def usable(self, e: NaiveEntry, prompt: Sequence[int]) -> int:
-        if e.expired:
-            return 0
-        if e.trimmable:
-            b = self.block_size
-            return max(0, min(lcp(e.tokens, prompt), len(prompt) - 1)) // b * b
-        is_prefix = tuple(prompt[: len(e.tokens)]) == e.tokens
-        return len(e.tokens) if is_prefix and len(e.tokens) < len(prompt) else 0
+        return usable(e.tokens, e.trimmable, prompt, self.block_size)
 
     def extends(self, f: NaiveEntry, e: NaiveEntry) -> bool:
         return (
-            not f.expired
-            and f.trimmable
+            f.trimmable
             and f.born > e.born
             and len(f.tokens) > len(e.tokens)
             and f.tokens[: len(e.tokens)] == e.tokens
@@ -86,7 +83,7 @@ class NaiveIndex:
         return best, length
 
     def victim_key(self, e: NaiveEntry, prompt: Sequence[int] | None) -> tuple[int, ...]:
-        cls = 0 if e.expired else 1 if self.extended(e) else 2
+        cls = 0 if self.extended(e) else 1
         useful = prompt is not None and self.usable(e, prompt) > 0
         return (cls, int(useful), e.last_used, e.born)
 
@@ -102,27 +99,17 @@ class NaiveIndex:
             if e.tokens == tokens:
                 self.readd(e, nbytes)
                 return e
-        if self.max_entries is not None and len(self.entries) >= self.max_entries:
-            v = self.victim(prompt=tokens)
-            if v is None:
-                raise CacheFullError("every entry is pinned")
-            self.remove(v)
         e = NaiveEntry(tokens, self.tick(), trimmable, nbytes)
         self.entries.append(e)
         return e
 
     def readd(self, e: NaiveEntry, nbytes: int) -> None:
-        e.expired = False
         e.nbytes = nbytes
         self.touch(e)
 
     def remove(self, e: NaiveEntry) -> None:
         self.changes += 1
         self.entries.remove(e)
-
-    def expire(self, e: NaiveEntry) -> None:
-        self.changes += 1
-        e.expired = True
 
     def pin(self, e: NaiveEntry) -> None:
         e.pins += 1

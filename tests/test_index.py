@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 
 from mlxcache.cache.index import Entry, Match, PromptIndex
-from mlxcache.errors import CacheFullError
 
 
 def ones(n: int) -> list[int]:
@@ -25,12 +24,6 @@ def idx() -> PromptIndex:
 def test_block_size_must_be_a_positive_int(bad: object) -> None:
     with pytest.raises(ValueError, match="block_size"):
         PromptIndex(block_size=bad)  # type: ignore[arg-type]
-
-
-@pytest.mark.parametrize("bad", [0, -3, 2.0, False])
-def test_max_entries_must_be_a_positive_int(bad: object) -> None:
-    with pytest.raises(ValueError, match="max_entries"):
-        PromptIndex(block_size=4, max_entries=bad)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
@@ -76,7 +69,7 @@ def test_one_clock_for_born_and_last_used(idx: PromptIndex) -> None:
     idx.touch(a)
     assert a.last_used == 3
     c = idx.add([4], trimmable=False)
-    assert (c.born, c.trimmable, c.expired, c.pins, a.nbytes) == (4, False, False, 0, 10)
+    assert (c.born, c.trimmable, c.pins, a.nbytes) == (4, False, 0, 10)
 
 
 def test_entries_are_distinct_objects_iterated_by_born(idx: PromptIndex) -> None:
@@ -92,25 +85,27 @@ def test_entries_are_distinct_objects_iterated_by_born(idx: PromptIndex) -> None
 def test_adding_known_tokens_returns_that_entry(idx: PromptIndex) -> None:
     e = idx.add([1, 2, 3], trimmable=False, nbytes=5)
     idx.add([9])
-    idx.expire(e)
     again = idx.add(np.array([1, 2, 3], dtype=np.int32), trimmable=True, nbytes=8)
     assert again is e
-    assert (e.last_used, e.expired, e.trimmable, e.nbytes, len(idx)) == (3, False, False, 8, 2)
+    assert (e.last_used, e.trimmable, e.nbytes, len(idx)) == (3, False, 8, 2)
 
 
-def test_readding_an_extender_makes_its_prefixes_extended_again(idx: PromptIndex) -> None:
+def test_readding_an_extender_keeps_its_links(idx: PromptIndex) -> None:
     a, b = idx.add(ones(4)), idx.add(ones(8))
-    idx.expire(b)
-    assert not idx.extended(a)
-    idx.add(ones(8))
-    assert idx.extended(a)
+    assert idx.add(ones(8)) is b
+    assert (a.extenders, b.extends) == ({b}, {a})
 
 
-# usable() and lookup().
+# lookup(): the usable length of the best entry.
+
+
+def _usable(idx: PromptIndex, prompt: list[int]) -> int:
+    found = idx.lookup(prompt)
+    return 0 if found is None else found.length
 
 
 def test_usable_trimmable_floors_to_blocks_and_caps_below_the_prompt(idx: PromptIndex) -> None:
-    e = idx.add(list(range(10)))
+    idx.add(list(range(10)))
     prompts = {
         12: list(range(12)),  # lcp 10 -> 8
         10: list(range(10)),  # whole entry: capped at 9 -> 8
@@ -121,18 +116,16 @@ def test_usable_trimmable_floors_to_blocks_and_caps_below_the_prompt(idx: Prompt
         1: [0],
         0: [],
     }
-    got = {n: idx.usable(e, p) for n, p in prompts.items()}
+    got = {n: _usable(idx, p) for n, p in prompts.items()}
     assert got == {12: 8, 10: 8, 9: 8, 8: 4, 5: 4, 4: 0, 1: 0, 0: 0}
-    assert idx.usable(e, [0, 1, 2, 3, 4, 9, 9, 9, 9, 9]) == 4  # lcp 5
-    idx.expire(e)
-    assert idx.usable(e, list(range(12))) == 0
+    assert _usable(idx, [0, 1, 2, 3, 4, 9, 9, 9, 9, 9]) == 4  # lcp 5
 
 
 def test_usable_non_trimmable_needs_a_proper_prefix(idx: PromptIndex) -> None:
-    e = idx.add(ones(6), trimmable=False)
-    assert idx.usable(e, ones(7)) == 6  # not floored to blocks
-    assert idx.usable(e, ones(6)) == 0  # not shorter than the prompt
-    assert idx.usable(e, [*ones(5), 2, 2]) == 0
+    idx.add(ones(6), trimmable=False)
+    assert _usable(idx, ones(7)) == 6  # not floored to blocks
+    assert _usable(idx, ones(6)) == 0  # not shorter than the prompt
+    assert _usable(idx, [*ones(5), 2, 2]) == 0
 
 
 def test_lookup_lengths(idx: PromptIndex) -> None:
@@ -181,11 +174,11 @@ def test_lookup_mixes_trimmable_and_non_trimmable(idx: PromptIndex) -> None:
     assert idx.lookup(ones(10)) == Match(nt8, 8)  # tie at 8: the shorter one
 
 
-def test_lookup_skips_expired_entries(idx: PromptIndex) -> None:
+def test_lookup_skips_removed_entries(idx: PromptIndex) -> None:
     short, long = idx.add(ones(5)), idx.add(ones(12))
-    idx.expire(long)
+    idx.remove(long)
     assert idx.lookup(ones(13)) == Match(short, 4)
-    idx.expire(short)
+    idx.remove(short)
     assert idx.lookup(ones(13)) is None
 
 
@@ -197,33 +190,46 @@ def test_block_size_one_resumes_anywhere() -> None:
     assert idx.lookup([1]) is None
 
 
-# extended().
+# Extension links (an entry is extended while it has an extender).
 
 
-def test_extended_needs_a_live_newer_longer_trimmable_extender(idx: PromptIndex) -> None:
+def test_extenders_are_newer_longer_trimmable_entries(idx: PromptIndex) -> None:
     a, b = idx.add(ones(4)), idx.add(ones(8))
-    assert (idx.extended(a), idx.extended(b)) == (True, False)
-    idx.expire(b)
-    assert not idx.extended(a)
-    idx.add(ones(8))
-    assert idx.extended(a)
-    idx.add(ones(12), trimmable=False)  # a non-trimmable entry extends nothing
-    assert not idx.extended(b)
+    assert (a.extenders, b.extenders, b.extends) == ({b}, set(), {a})
+    c = idx.add(ones(12), trimmable=False)  # a non-trimmable entry extends nothing
+    assert (a.extenders, b.extenders, c.extends) == ({b}, set(), set())
     older = idx.add([2] * 8)
     newer_prefix = idx.add([2] * 4)
-    assert not idx.extended(newer_prefix) and not idx.extended(older)
+    assert not newer_prefix.extenders and not older.extenders
     idx.remove(b)
-    assert not idx.extended(a)
+    assert not a.extenders
 
 
 def test_extension_is_by_prefix_not_by_block(idx: PromptIndex) -> None:
     a = idx.add([1, 2, 3])
     b = idx.add([1, 2, 3, 4, 5, 6])
     c = idx.add([1, 2, 4, 4, 5, 6])
-    assert (idx.extended(a), idx.extended(b), idx.extended(c)) == (True, False, False)
+    assert (a.extenders, b.extenders, c.extenders) == ({b}, set(), set())
     nt = idx.add([7], trimmable=False)
-    idx.add([7, 7])
-    assert idx.extended(nt)  # any entry can be extended; only trimmable ones extend
+    f = idx.add([7, 7])
+    assert nt.extenders == {f}  # any entry can be extended; only trimmable ones extend
+
+
+def test_losing_its_last_extender_moves_an_entry_out_of_the_extended_class(
+    idx: PromptIndex,
+) -> None:
+    a, b, c = idx.add(ones(4)), idx.add(ones(8)), idx.add(ones(4) + [2] * 4)
+    d = idx.add([3])
+    idx.touch(a)
+    idx.pin(b)
+    idx.pin(c)
+    assert idx.victim() is a  # extended, though used after d
+    idx.unpin(b)
+    idx.remove(b)
+    assert idx.victim() is a  # c still extends it
+    idx.unpin(c)
+    idx.remove(c)
+    assert idx.victim() is d  # a is back among the rest
 
 
 # victim().
@@ -243,13 +249,12 @@ def _mixed_index() -> tuple[PromptIndex, dict[str, Entry]]:
         "a": idx.add(ones(4)),  # extended by b and e
         "b": idx.add(ones(8)),
         "c": idx.add([2] * 8),
-        "d": idx.add([3] * 8),  # expired below
+        "d": idx.add([3] * 8),
         "e": idx.add(ones(4) + [5] * 4),
         "f": idx.add([4] * 3, trimmable=False),
         "g": idx.add(ones(3), trimmable=False),  # a proper prefix of the prompt
         "h": idx.add(ones(2)),  # a prefix, but shorter than a block: of no use
     }
-    idx.expire(es["d"])
     idx.touch(es["c"])
     return idx, es
 
@@ -258,15 +263,15 @@ def test_victim_order_with_a_prompt() -> None:
     idx, es = _mixed_index()
     names = {id(e): n for n, e in es.items()}
     order = _drain(idx, [*ones(8), 9])
-    # expired; extended; the rest: of no use by last_used (f 6, h 8, c 9), then useful ones.
-    assert [names[id(e)] for e in order] == ["d", "a", "f", "h", "c", "b", "e", "g"]
+    # extended; the rest: of no use by last_used (d 4, f 6, h 8, c 9), then useful ones.
+    assert [names[id(e)] for e in order] == ["a", "d", "f", "h", "c", "b", "e", "g"]
 
 
 def test_victim_order_without_a_prompt() -> None:
     idx, es = _mixed_index()
     names = {id(e): n for n, e in es.items()}
     order = _drain(idx, None)
-    assert [names[id(e)] for e in order] == ["d", "a", "b", "e", "f", "g", "h", "c"]
+    assert [names[id(e)] for e in order] == ["a", "b", "d", "e", "f", "g", "h", "c"]
 
 
 def test_victim_with_a_prompt_of_one_block_finds_nothing_useful() -> None:
@@ -274,7 +279,7 @@ def test_victim_with_a_prompt_of_one_block_finds_nothing_useful() -> None:
     names = {id(e): n for n, e in es.items()}
     # ones(4): no trimmable entry is usable (cap 3 -> 0); g (3 tokens) is a proper prefix.
     order = _drain(idx, ones(4))
-    assert [names[id(e)] for e in order] == ["d", "a", "b", "e", "f", "h", "c", "g"]
+    assert [names[id(e)] for e in order] == ["a", "b", "d", "e", "f", "h", "c", "g"]
 
 
 def test_victim_never_picks_pinned_or_skip_and_changes_nothing(idx: PromptIndex) -> None:
@@ -298,30 +303,6 @@ def test_victim_of_an_empty_index(idx: PromptIndex) -> None:
     assert idx.victim(prompt=[1, 2]) is None
 
 
-# Slot limit.
-
-
-def test_full_index_evicts_before_adding() -> None:
-    idx = PromptIndex(block_size=4, max_entries=2)
-    a = idx.add(ones(8))
-    b = idx.add([2] * 8)
-    idx.touch(a)
-    c = idx.add([2] * 8 + [3])  # b is the LRU, but useful to the new prompt: a goes
-    assert list(idx) == [b, c]
-    assert idx.add([2] * 8) is b  # known tokens: nothing evicted
-    assert list(idx) == [b, c]
-
-
-def test_full_index_of_pinned_entries_raises() -> None:
-    idx = PromptIndex(block_size=4, max_entries=1)
-    a = idx.add([1])
-    idx.pin(a)
-    with pytest.raises(CacheFullError, match="pinned"):
-        idx.add([2])
-    assert list(idx) == [a]
-    assert idx.add([1]) is a
-
-
 # Entries from elsewhere, wrong pin counts.
 
 
@@ -331,11 +312,9 @@ def test_foreign_or_removed_entries_are_rejected(idx: PromptIndex) -> None:
     gone = idx.add([2])
     idx.remove(gone)
     for e in (gone, alien):
-        for call in (idx.remove, idx.expire, idx.pin, idx.unpin, idx.touch, idx.extended):
+        for call in (idx.remove, idx.pin, idx.unpin, idx.touch):
             with pytest.raises(ValueError, match="not in this index"):
                 call(e)
-        with pytest.raises(ValueError, match="not in this index"):
-            idx.usable(e, [1, 2])
         with pytest.raises(ValueError, match="not in this index"):
             idx.victim(skip=e)
     with pytest.raises(ValueError, match="not in this index"):
@@ -352,10 +331,3 @@ def test_pin_rules(idx: PromptIndex) -> None:
     idx.unpin(e)
     idx.remove(e)
     assert len(idx) == 0
-
-
-def test_expire_twice_is_harmless(idx: PromptIndex) -> None:
-    e = idx.add([1])
-    idx.expire(e)
-    idx.expire(e)
-    assert e.expired and idx.victim() is e

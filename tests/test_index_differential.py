@@ -33,13 +33,13 @@ def _runs(
 ) -> Counter[str]:
     total: Counter[str] = Counter()
     for seed in seeds:
-        for internal in (False, True):
+        for first in (False, True):
             run = Run(
                 NaiveIndex,
                 seed=seed,
                 store=store,
                 block_size=block_size,
-                internal_evict=internal,
+                evict_first=first,
                 max_blocks=max_blocks,
                 ops=mix,
             )
@@ -50,7 +50,7 @@ def _runs(
 def test_small_store_block_4() -> None:
     stats = _runs(store=24, block_size=4, seeds=range(4), ops=700)
     assert stats["evictions"] >= 1000, stats
-    assert min(stats[k] for k in ("hits", "misses", "expire", "pin", "unpin", "remove")) > 50
+    assert min(stats[k] for k in ("hits", "misses", "pin", "unpin", "remove")) > 50
 
 
 def test_small_store_block_1() -> None:
@@ -67,21 +67,14 @@ def test_large_store() -> None:
 # Mutants of the reference. Each must make the harness fail.
 
 
-class ExpiredExtenders(NaiveIndex):
-    def extends(self, f: NaiveEntry, e: NaiveEntry) -> bool:
-        return f.born > e.born and f.trimmable and f.tokens[: len(e.tokens)] == e.tokens != f.tokens
-
-
 class NonTrimmableExtenders(NaiveIndex):
     def extends(self, f: NaiveEntry, e: NaiveEntry) -> bool:
-        return (
-            not f.expired and f.born > e.born and f.tokens[: len(e.tokens)] == e.tokens != f.tokens
-        )
+        return f.born > e.born and f.tokens[: len(e.tokens)] == e.tokens != f.tokens
 
 
 class OlderExtenders(NaiveIndex):
     def extends(self, f: NaiveEntry, e: NaiveEntry) -> bool:
-        return not f.expired and f.trimmable and f.tokens[: len(e.tokens)] == e.tokens != f.tokens
+        return f.trimmable and f.tokens[: len(e.tokens)] == e.tokens != f.tokens
 
 
 class NoUsefulnessClass(NaiveIndex):
@@ -96,12 +89,6 @@ class UsefulFirst(NaiveIndex):
         return (cls, -useful, *rest)
 
 
-class ExpiredNotFirst(NaiveIndex):
-    def victim_key(self, e: NaiveEntry, prompt: Sequence[int] | None) -> tuple[int, ...]:
-        cls, *rest = super().victim_key(e, prompt)
-        return (max(cls, 1), *rest)
-
-
 class OldestBornFirst(NaiveIndex):
     def victim_key(self, e: NaiveEntry, prompt: Sequence[int] | None) -> tuple[int, ...]:
         cls, useful, last_used, born = super().victim_key(e, prompt)
@@ -110,30 +97,21 @@ class OldestBornFirst(NaiveIndex):
 
 class NoBlockFloor(NaiveIndex):
     def usable(self, e: NaiveEntry, prompt: Sequence[int]) -> int:
-        if e.trimmable and not e.expired:
+        if e.trimmable:
             return max(0, min(_lcp(e.tokens, prompt), len(prompt) - 1))
         return super().usable(e, prompt)
 
 
 class NoPromptCap(NaiveIndex):
     def usable(self, e: NaiveEntry, prompt: Sequence[int]) -> int:
-        if e.trimmable and not e.expired:
+        if e.trimmable:
             return _lcp(e.tokens, prompt) // self.block_size * self.block_size
         return super().usable(e, prompt)
 
 
-class ExpiredUsable(NaiveIndex):
-    def usable(self, e: NaiveEntry, prompt: Sequence[int]) -> int:
-        expired, e.expired = e.expired, False
-        try:
-            return super().usable(e, prompt)
-        finally:
-            e.expired = expired
-
-
 class NonTrimmableWholePrompt(NaiveIndex):
     def usable(self, e: NaiveEntry, prompt: Sequence[int]) -> int:
-        if not e.trimmable and not e.expired and tuple(prompt[: len(e.tokens)]) == e.tokens:
+        if not e.trimmable and tuple(prompt[: len(e.tokens)]) == e.tokens:
             return len(e.tokens)
         return super().usable(e, prompt)
 
@@ -160,16 +138,9 @@ class HitIsNoUse(NaiveIndex):
             super().touch(e)
 
 
-class ReaddKeepsExpired(NaiveIndex):
-    def readd(self, e: NaiveEntry, nbytes: int) -> None:
-        expired = e.expired
-        super().readd(e, nbytes)
-        e.expired = expired
-
-
 class ReaddIsNoUse(NaiveIndex):
     def readd(self, e: NaiveEntry, nbytes: int) -> None:
-        e.expired, e.nbytes = False, nbytes
+        e.nbytes = nbytes
 
 
 class ReaddKeepsNbytes(NaiveIndex):
@@ -182,15 +153,6 @@ class ReaddTakesTrimmable(NaiveIndex):
         e = super().add(tokens, trimmable, nbytes)
         e.trimmable = trimmable
         return e
-
-
-class EvictsAddedPrompt(NaiveIndex):
-    """Slot eviction that ignores the prompt being added."""
-
-    def victim(
-        self, skip: NaiveEntry | None = None, prompt: Sequence[int] | None = None
-    ) -> NaiveEntry | None:
-        return super().victim(skip, None if _caller() == "add" else prompt)
 
 
 def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
@@ -207,26 +169,21 @@ def _caller() -> str:
 
 
 MUTANTS = [
-    ExpiredExtenders,
     NonTrimmableExtenders,
     OlderExtenders,
     NoUsefulnessClass,
     UsefulFirst,
-    ExpiredNotFirst,
     OldestBornFirst,
     NoBlockFloor,
     NoPromptCap,
-    ExpiredUsable,
     NonTrimmableWholePrompt,
     NonTrimmableFloored,
     NewestOnTie,
     LongestOnTie,
     HitIsNoUse,
-    ReaddKeepsExpired,
     ReaddIsNoUse,
     ReaddKeepsNbytes,
     ReaddTakesTrimmable,
-    EvictsAddedPrompt,
 ]
 
 
@@ -234,8 +191,8 @@ MUTANTS = [
 def test_harness_catches(mutant: type[NaiveIndex]) -> None:
     with pytest.raises(AssertionError):
         for seed in range(3):
-            for internal in (False, True):
-                Run(mutant, seed=seed, store=24, block_size=4, internal_evict=internal).run(300)
+            for first in (False, True):
+                Run(mutant, seed=seed, store=24, block_size=4, evict_first=first).run(300)
 
 
 # Mutants of the optimized index itself (bugs its structures could plausibly have). The
@@ -247,7 +204,7 @@ def _newest_best_first(a: Any, b: Any) -> bool:
 
 
 def _stale_best(e: Any) -> None:
-    """drop_best that leaves a gone or expired entry as a subtree's best."""
+    """drop_best that leaves a removed entry as a subtree's best."""
 
 
 def _pick_ignoring_usefulness(self: VictimOrder, group: Any, prefixes: Any) -> Any:
@@ -258,11 +215,11 @@ def _useful_trimmable_only(self: PromptIndex, prompt: Any) -> Any:
     return _USEFUL(self, prompt)[0], ()
 
 
-def _deactivate_keeping_extenders(self: PromptIndex, e: Any) -> None:
-    if e.trimmable:
-        self._tree.drop_best(e)
+def _link_keeping_the_class(self: PromptIndex, p: Any, f: Any, add: bool) -> None:
+    if add:
+        p.extenders.add(f)
     else:
-        self._tree.count_nt(e, -1)
+        p.extenders.discard(f)
 
 
 def _lookup_without_cap(self: PromptIndex, prompt: Any) -> Any:
@@ -305,10 +262,10 @@ _LOOKUP, _NT_PREFIXES = PromptIndex.lookup, PromptIndex._nt_prefixes
 _SPLIT, _WALK, _COMMON = BlockTree._split, BlockTree.walk, BlockTree._common
 IMPL_MUTANTS = {
     "lookup tie to the newest": (radix, "_less_rewinding", _newest_best_first),
-    "best not recomputed on expiry/removal": (BlockTree, "drop_best", staticmethod(_stale_best)),
+    "best not recomputed on removal": (BlockTree, "drop_best", staticmethod(_stale_best)),
     "victim without the usefulness class": (VictimOrder, "pick", _pick_ignoring_usefulness),
     "non-trimmable prefixes not useful": (PromptIndex, "_useful", _useful_trimmable_only),
-    "expired extenders still counted": (PromptIndex, "_deactivate", _deactivate_keeping_extenders),
+    "victim class not updated by links": (PromptIndex, "_link", _link_keeping_the_class),
     "no len(prompt) - 1 cap": (PromptIndex, "lookup", _lookup_without_cap),
     "non-trimmable walk stops early": (PromptIndex, "_nt_prefixes", _nt_prefixes_first_block_only),
     "split edge without aggregates": (BlockTree, "_split", _split_without_aggregates),
@@ -323,5 +280,5 @@ def test_harness_catches_index_bug(mutant: tuple[Any, str, Any], monkeypatch: An
     monkeypatch.setattr(*mutant)
     with pytest.raises(AssertionError):
         for seed in range(3):
-            for internal in (False, True):
-                Run(NaiveIndex, seed=seed, store=24, block_size=4, internal_evict=internal).run(300)
+            for first in (False, True):
+                Run(NaiveIndex, seed=seed, store=24, block_size=4, evict_first=first).run(300)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from mlxcache.cache.radix import Node, Tokens
 
-EXPIRED, EXTENDED, REST = 0, 1, 2
+EXTENDED, REST = 0, 1
 """Victim classes, evicted in this order (see `order.victim_key`)."""
 
 
@@ -23,7 +23,6 @@ class Entry:
         tokens: the token ids (a read-only int32 array).
         born: the index clock when it was added (unique, increasing).
         last_used: the index clock of its latest use (add, hit, touch).
-        expired: its state is gone; it restores nothing until added again.
         trimmable: its state can be rewound to a shorter prefix.
         pins: running requests using it; a pinned entry is never a victim.
         nbytes: the bytes its state takes, as told by the caller.
@@ -32,18 +31,16 @@ class Entry:
         group: the first block's bytes of a trimmable entry of at least one block (else None).
         victim_class: its class in the victim order while it stands there.
         extends: older entries that are proper prefixes of it (kept for trimmable entries).
-        extenders: newer trimmable entries it is a proper prefix of.
-        live_extenders: how many of those are live (not expired).
+        extenders: newer trimmable entries it is a proper prefix of (it is extended while
+            there is one).
     """
 
     __slots__ = (
         "born",
-        "expired",
         "extenders",
         "extends",
         "group",
         "last_used",
-        "live_extenders",
         "nbytes",
         "node",
         "pins",
@@ -57,7 +54,6 @@ class Entry:
         self.tokens = tokens
         self.born = born
         self.last_used = born
-        self.expired = False
         self.trimmable = trimmable
         self.pins = 0
         self.nbytes = nbytes
@@ -67,10 +63,7 @@ class Entry:
         self.victim_class = REST
         self.extends: set[Entry] = set()
         self.extenders: set[Entry] = set()
-        self.live_extenders = 0
 
     def __repr__(self) -> str:
-        flags = "".join(
-            f for f, on in (("x", self.expired), ("t", self.trimmable), ("p", self.pins)) if on
-        )
+        flags = "".join(f for f, on in (("t", self.trimmable), ("p", self.pins)) if on)
         return f"Entry(born={self.born}, len={len(self.tokens)}, used={self.last_used}, {flags})"

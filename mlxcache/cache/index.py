@@ -18,7 +18,6 @@ import numpy.typing as npt
 from mlxcache.cache.entry import Entry
 from mlxcache.cache.order import VictimOrder, victim_class
 from mlxcache.cache.radix import BlockTree, Node, Walk, as_tokens
-from mlxcache.errors import CacheFullError
 
 TokenSeq = Sequence[int] | npt.NDArray[np.integer]
 
@@ -35,24 +34,21 @@ _NO_ENTRIES: frozenset[Entry] = frozenset()
 
 
 class PromptIndex:
-    """Entries, their births and uses, expiry, extension links, lookup and victim choice.
+    """Entries, their births and uses, extension links, lookup and victim choice.
+
+    It holds no limit: the caller evicts (`victim`, `remove`) to keep its own budgets.
 
     Args:
         block_size: B, the resume granularity for trimmable entries.
-        max_entries: slot limit; adding to a full index first evicts
-            `victim(prompt=tokens)`. None for no limit.
 
     Raises:
-        ValueError: block_size or max_entries is not a positive int.
+        ValueError: block_size is not a positive int.
     """
 
-    def __init__(self, block_size: int, max_entries: int | None = None) -> None:
+    def __init__(self, block_size: int) -> None:
         if not _positive_int(block_size):
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-        if max_entries is not None and not _positive_int(max_entries):
-            raise ValueError(f"max_entries must be a positive int or None, got {max_entries!r}")
         self.block_size = block_size
-        self.max_entries = max_entries
         self._tree = BlockTree(block_size)
         self._order = VictimOrder()
         self._entries: dict[int, Entry] = {}  # by born, so in born order
@@ -70,12 +66,10 @@ class PromptIndex:
     def add(self, tokens: TokenSeq, trimmable: bool = True, nbytes: int = 0) -> Entry:
         """Keep `tokens` as an entry, or reuse the entry that already has exactly them.
 
-        Reusing counts as a use, clears `expired`, sets `nbytes`, and keeps the entry's
-        own `trimmable` flag.
+        Reusing counts as a use, sets `nbytes`, and keeps the entry's own `trimmable` flag.
 
         Raises:
             ValueError: empty or invalid tokens, or a negative nbytes.
-            CacheFullError: the index is full and every entry is pinned.
         """
         arr = as_tokens(tokens, "tokens")
         if not arr.size:
@@ -83,28 +77,15 @@ class PromptIndex:
         if not isinstance(nbytes, int) or nbytes < 0:
             raise ValueError(f"nbytes must be a non-negative int, got {nbytes!r}")
         data = arr.tobytes()
-        # One walk serves the search and, unless an eviction reshapes the tree, the insert.
-        blocks = len(data) // self._tree.block_bytes
-        walk = self._tree.walk(data, blocks)
+        # One walk serves the search and the insert.
+        walk = self._tree.walk(data, len(data) // self._tree.block_bytes)
         e = self._tree.find(data, walk)
         if e is not None:
             self._unplace(e)
             e.nbytes = nbytes
-            if e.expired:
-                e.expired = False
-                self._activate(e)
             e.last_used = self._tick()
             self._place(e)
             return e
-        if self.max_entries is not None and len(self) >= self.max_entries:
-            victim = self.victim(prompt=arr)
-            if victim is None:
-                raise CacheFullError(
-                    f"all {len(self)} prompt cache entries are pinned by running requests; "
-                    "wait for one to finish or raise the slot limit"
-                )
-            self.remove(victim)
-            walk = self._tree.walk(data, blocks)
         return self._insert(data, walk, bool(trimmable), nbytes)
 
     def remove(self, e: Entry) -> None:
@@ -117,25 +98,17 @@ class PromptIndex:
         if e.pins:
             raise ValueError(f"cannot remove {e!r}: it is pinned by a running request")
         self._order.detach(e)
-        if not e.expired:
-            self._deactivate(e)
+        if e.trimmable:
+            self._tree.drop_best(e)
+        else:
+            self._tree.count_nt(e, -1)
         for p in e.extends:
-            p.extenders.discard(e)
+            self._link(p, e, False)
         for f in e.extenders:
             f.extends.discard(e)
         del e.node.entries[e.tail]
         self._tree.prune(e.node)
         del self._entries[e.born]
-
-    def expire(self, e: Entry) -> None:
-        """Mark `e`'s state as gone (no-op if already expired)."""
-        self._check(e)
-        if e.expired:
-            return
-        self._unplace(e)
-        e.expired = True
-        self._deactivate(e)
-        self._place(e)
 
     def pin(self, e: Entry) -> None:
         """Mark `e` in use by one more running request: it is never a victim until unpinned."""
@@ -162,25 +135,6 @@ class PromptIndex:
         self._unplace(e)
         e.last_used = self._tick()
         self._place(e)
-
-    def extended(self, e: Entry) -> bool:
-        """Whether a newer, longer, live trimmable entry has `e`'s tokens as its prefix."""
-        self._check(e)
-        return e.live_extenders > 0
-
-    def usable(self, e: Entry, prompt: TokenSeq) -> int:
-        """How many tokens of `prompt` `e` can restore (0 if expired or unrelated)."""
-        self._check(e)
-        arr = as_tokens(prompt, "prompt")
-        if e.expired:
-            return 0
-        n = min(len(e.tokens), len(arr))
-        differ = np.flatnonzero(e.tokens[:n] != arr[:n])
-        lcp = int(differ[0]) if differ.size else n
-        if e.trimmable:
-            b = self.block_size
-            return max(0, min(lcp, len(arr) - 1)) // b * b
-        return lcp if lcp == len(e.tokens) < len(arr) else 0
 
     def lookup(self, prompt: TokenSeq) -> Match | None:
         """The entry restoring the most of `prompt` and how much; a hit counts as a use.
@@ -211,7 +165,7 @@ class PromptIndex:
     def victim(self, skip: Entry | None = None, prompt: TokenSeq | None = None) -> Entry | None:
         """The entry to evict next, never a pinned one nor `skip`; changes nothing.
 
-        Order: expired, then extended, then the rest; within each, entries of no use to
+        Order: extended, then the rest; within each, entries of no use to
         `prompt` first, then the least recently used.
 
         Raises:
@@ -236,53 +190,42 @@ class PromptIndex:
         e = Entry(tokens, self._tick(), trimmable, nbytes)
         e.node = path[-1]
         e.tail = data[e.node.depth * self._tree.block_bytes :]
+        e.node.entries[e.tail] = e
+        self._entries[e.born] = e
         if trimmable:
             if e.node.depth:
                 e.group = data[: self._tree.block_bytes]
             # Links are only needed from trimmable entries: only those extend.
             for p in self._tree.prefixes(path, data):
-                p.extenders.add(e)
                 e.extends.add(p)
-        e.node.entries[e.tail] = e
-        self._entries[e.born] = e
-        self._activate(e)
+                self._link(p, e, True)
+            self._tree.raise_best(e)
+        else:
+            self._tree.count_nt(e, +1)
         self._place(e)
         return e
 
-    # `e` became live: joined, or was added again after expiring.
-    def _activate(self, e: Entry) -> None:
-        if e.trimmable:
-            self._tree.raise_best(e)
-            self._count_extender(e, +1)
+    def _link(self, p: Entry, f: Entry, add: bool) -> None:
+        """`f` starts (`add`) or stops extending `p`. Its first extender moves `p` into the
+        extended class, its last one out of it."""
+        moves = not p.extenders if add else p.extenders == {f}
+        if moves:
+            self._unplace(p)
+        if add:
+            p.extenders.add(f)
         else:
-            self._tree.count_nt(e, +1)
+            p.extenders.discard(f)
+        if moves:
+            self._place(p)
 
-    # `e` stops being live: expires, or leaves while live.
-    def _deactivate(self, e: Entry) -> None:
-        if e.trimmable:
-            self._tree.drop_best(e)
-            self._count_extender(e, -1)
-        else:
-            self._tree.count_nt(e, -1)
-
-    def _count_extender(self, f: Entry, delta: int) -> None:
-        for p in f.extends:
-            old = p.live_extenders
-            if p.expired or (old > 0) == (old + delta > 0):
-                p.live_extenders += delta
-            else:  # p moves between the extended class and the rest
-                self._unplace(p)
-                p.live_extenders += delta
-                self._place(p)
-
-    # Live non-trimmable entries hanging on `path` that are proper prefixes of `data`.
+    # Non-trimmable entries hanging on `path` that are proper prefixes of `data`.
     def _nt_prefixes(self, path: list[Node], data: bytes) -> list[Entry]:
         n = 0
         while n < len(path) and path[n].nt:
             n += 1
-        return [e for e in self._tree.prefixes(path[:n], data) if not (e.trimmable or e.expired)]
+        return [e for e in self._tree.prefixes(path[:n], data) if not e.trimmable]
 
-    # What tells the live entries with usable(e, prompt) > 0 (see order.py): the prompt's
+    # What tells the entries that can restore some of `prompt` (see order.py): the prompt's
     # first block, for trimmable entries, and the non-trimmable proper prefixes.
     def _useful(self, prompt: TokenSeq | None) -> tuple[bytes | None, frozenset[Entry]]:
         if prompt is None:
@@ -319,7 +262,7 @@ def _rank(e: Entry, length: int) -> tuple[int, int, int]:
     return (length, -len(e.tokens), e.born)
 
 
-# Whether some live entry under `n` could restore a prompt through it.
+# Whether some entry under `n` could restore a prompt through it.
 def _resumable(n: Node) -> bool:
     return n.best is not None or n.nt > 0
 

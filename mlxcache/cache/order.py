@@ -1,12 +1,12 @@
 """The victim order: unpinned entries sorted by `victim_key`, kept as data.
 
 `victim_key` is the eviction policy (docs/architecture.md, "The prompt index"); the rest of
-this module finds its minimum fast. The class (expired, extended, rest) and last_used do
+this module finds its minimum fast. The class (extended, rest) and last_used do
 not depend on the prompt, so entries are kept sorted by them.
 Usefulness does, so it is decided at pick time, and the structure is laid out so that a pick
 only looks at the entries useful to the prompt plus one:
 
-- A live trimmable entry of at least one block is useful exactly when its first block is the
+- A trimmable entry of at least one block is useful exactly when its first block is the
   prompt's (and the prompt is longer than a block). Such entries are grouped by first block
   and only each group's least recently used member stands in the class list, so the whole
   group the prompt can use costs one step of the scan.
@@ -21,15 +21,13 @@ from __future__ import annotations
 from bisect import bisect_left, insort
 from collections.abc import Container
 
-from mlxcache.cache.entry import EXPIRED, EXTENDED, REST, Entry
+from mlxcache.cache.entry import EXTENDED, REST, Entry
 
 
 def victim_class(e: Entry) -> int:
-    """Expired entries go first (they restore nothing), then extended ones (a newer, longer
-    live entry restores all they can), then the rest."""
-    if e.expired:
-        return EXPIRED
-    return EXTENDED if e.live_extenders else REST
+    """Extended entries go first (a newer, longer entry restores all they can), then the
+    rest."""
+    return EXTENDED if e.extenders else REST
 
 
 def victim_key(e: Entry, useful: bool) -> tuple[int, bool, int]:
@@ -51,9 +49,9 @@ class VictimOrder:
 
     def __init__(self) -> None:
         # Per class: the sorted last_used of each ungrouped entry and of each group's head.
-        self._lists: tuple[list[int], ...] = ([], [], [])
+        self._lists: tuple[list[int], ...] = ([], [])
         # Per class: the sorted last_used of each group's members.
-        self._groups: tuple[dict[bytes, list[int]], ...] = ({}, {}, {})
+        self._groups: tuple[dict[bytes, list[int]], ...] = ({}, {})
         self._entry: dict[int, Entry] = {}
 
     def attach(self, e: Entry, cls: int) -> None:
@@ -93,11 +91,9 @@ class VictimOrder:
         """The first entry in victim order, for a prompt whose first-block group is `group`
         (None: no trimmable entry is of use to it) and whose useful non-trimmable entries
         are `prefixes`."""
-        for cls, keys in enumerate(self._lists):
+        for keys in self._lists:
             if not keys:
                 continue
-            if cls == EXPIRED:  # expired entries are of use to no prompt
-                return self._entry[keys[0]]
             fallback = None
             for key in keys:
                 e = self._entry[key]

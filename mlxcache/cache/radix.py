@@ -61,11 +61,11 @@ class Node:
         self.depth = depth
         self.children: dict[bytes, Node] = {}  # by the first block of their key
         self.entries: dict[bytes, Entry] = {}
-        # The live trimmable entry of the subtree needing the least rewinding (the
+        # The trimmable entry of the subtree needing the least rewinding (the
         # shortest, then the newest): what a lookup resuming at this depth returns, or
         # anywhere on the edge above it (no entry hangs or branches there).
         self.best: Entry | None = None
-        # Live non-trimmable entries in the subtree: lets walks stop where none are left.
+        # Non-trimmable entries in the subtree: lets walks stop where none are left.
         self.nt = 0
 
 
@@ -173,7 +173,7 @@ class BlockTree:
 
     @staticmethod
     def raise_best(e: Entry) -> None:
-        """Account for `e` becoming a live trimmable entry."""
+        """Account for the trimmable `e` joining."""
         node: Node | None = e.node
         while node is not None and _less_rewinding(e, node.best):
             node.best = e
@@ -181,13 +181,13 @@ class BlockTree:
 
     @staticmethod
     def drop_best(e: Entry) -> None:
-        """Account for `e` ceasing to be a live trimmable entry (expired or leaving)."""
+        """Account for the trimmable `e` leaving."""
         node: Node | None = e.node
         # Above the first node whose best is not `e`, no best can be `e` either.
         while node is not None and node.best is e:
             best = None
             for x in node.entries.values():
-                if x is not e and x.trimmable and not x.expired and _less_rewinding(x, best):
+                if x is not e and x.trimmable and _less_rewinding(x, best):
                     best = x
             for child in node.children.values():
                 if child.best is not None and _less_rewinding(child.best, best):
@@ -197,7 +197,7 @@ class BlockTree:
 
     @staticmethod
     def count_nt(e: Entry, delta: int) -> None:
-        """Account for the non-trimmable `e` becoming live (+1) or not (-1)."""
+        """Account for the non-trimmable `e` joining (+1) or leaving (-1)."""
         node: Node | None = e.node
         while node is not None:
             node.nt += delta
