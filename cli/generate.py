@@ -9,7 +9,7 @@ import typer
 from mlxcache.errors import UserInputError
 from mlxcache.events import Done, Result, Token
 from mlxcache_cli import options as o
-from mlxcache_cli import ui
+from mlxcache_cli import remote, ui
 
 
 @o.with_run_options()
@@ -21,23 +21,27 @@ def generate(
         bool, typer.Option("--raw", help="Send the prompt as is, without the chat template.")
     ] = False,
     as_json: o.Json = False,
+    server: remote.ServerUrl = None,
     *,
     run: o.RunOptions,
 ) -> None:
     """Generate a reply to PROMPT, streamed to stdout; stats go to stderr."""
-    from mlxcache.engine import Request
-
     text = o.read_prompt(prompt, prompt_file)
     system = o.text_or_file(system, "system")
     params, stops = run.sampling(), run.stop_strings()
     if raw and system is not None:
         raise UserInputError("--system needs the chat template; drop --raw")
+    if server:
+        remote.generate(server, run, text, system, raw, as_json)
+        return
+    from mlxcache.engine import Request
+
     engine = run.engine()
     if raw:
-        ids = engine.encode(text)
+        ids = engine.encoder.encode(text)
     else:
         messages = [{"role": "system", "content": system}] if system is not None else []
-        ids = engine.encode_chat([*messages, {"role": "user", "content": text}])
+        ids = engine.encoder.encode_chat([*messages, {"role": "user", "content": text}])
     events = engine.generate(Request(ids, params, stop_strings=stops))
     with o.watch(engine, ids, run.quiet, events) as seen:
         for event in events:
@@ -48,7 +52,7 @@ def generate(
                 _done(event.result, seen.stats(event.result.stats), as_json)
 
 
-def _done(result: Result, stats: dict[str, Any], as_json: bool) -> None:
+def _done(result: Result | remote.Reply, stats: dict[str, Any], as_json: bool) -> None:
     if as_json:
         ui.out_json(
             {

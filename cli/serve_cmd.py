@@ -89,6 +89,8 @@ def serve_cmd(
     run: o.RunOptions,
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (Ctrl-C drains and stops)."""
+    from mlxcache.model.loader import default_spec
+    from mlxcache.remote import identity
     from mlxcache.server.app import Settings
     from mlxcache.server.log import RequestLog
     from mlxcache.server.prepare import Penalties
@@ -116,10 +118,12 @@ def serve_cmd(
         api_key = o.utf8(api_key, "--api-key")
     defaults = run.sampling()
     engine = run.engine(invariant=True)
+    exact = True
     if batch_inexact and not engine.batch_decode:
         from mlxcache.runtime import batch_anyway
 
         if batch_anyway(engine):
+            exact = False
             ui.warn(
                 "--batch-inexact: requests decode as one batch, which is not exact on this "
                 "device: a reply may depend on the requests running beside it"
@@ -137,6 +141,7 @@ def serve_cmd(
             body_limit,
             origins,
             Penalties(presence_penalty, frequency_penalty),
+            identity(run.model or default_spec(), engine, run.cache(), exact),
         )
         lanes = max_lanes or (BATCHED_LANES if engine.batch_decode else LANES)
         serve(engine, settings, log, host, port, max_queue, lanes)

@@ -68,3 +68,11 @@ class QueueFullError(MlxcacheError):
 
 class EngineStoppedError(MlxcacheError):
     """The engine is shutting down or has stopped: it takes nothing more."""
+
+
+class ServerError(MlxcacheError):
+    """The server named by --server / $MLXCACHE_SERVER cannot be reached, or failed a request."""
+
+
+class ServerMismatchError(UserInputError):
+    """A server that runs another model, cache settings or version than the command would."""

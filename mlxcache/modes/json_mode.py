@@ -29,8 +29,7 @@ from mlxcache.modes.batch import (
     substitute,
 )
 from mlxcache.modes.reasoning import Thinking, budget_processors, split_reply, thinking_for
-from mlxcache.modes.repeats import describe_loop
-from mlxcache.modes.schema import CompiledSchema, check_schema, parse_json, validation_error
+from mlxcache.modes.schema import CompiledSchema, check_schema, read_document
 from mlxcache.sampling import SamplingParams
 
 SCHEMA_INTRO = "Reply with one JSON document that follows this JSON Schema:\n"
@@ -165,21 +164,8 @@ def read_reply(task: JsonTask, result: Result) -> JsonReply:
 
     if result.error is not None:
         return reply(None, result.error)
-    if result.finish_reason == "length":
-        return reply(
-            None,
-            f"the reply reached the token limit ({result.stats.generated_tokens}) before the "
-            'JSON document was complete (finish_reason "length"); raise max_tokens, or '
-            "bound the schema (maxLength, maxItems)" + describe_loop(result.text),
-        )
-    try:
-        doc = parse_json(text)
-    except ValueError as exc:
-        return reply(None, f"not JSON: {exc}")
-    problem = validation_error(doc, task.schema)
-    if problem is not None:
-        return reply(None, f"the reply does not satisfy the schema: {problem}")
-    return reply(doc)
+    generated = result.stats.generated_tokens
+    return reply(*read_document(text, result.text, result.finish_reason, generated, task.schema))
 
 
 def request(engine: Engine, ids: list[int], task: JsonTask, params: SamplingParams) -> Request:

@@ -31,6 +31,7 @@ from llguidance import LLMatcher
 from mlxcache.constrain import grammar_check, grammar_error, grammar_from_json_schema
 from mlxcache.errors import GrammarError, UserInputError
 from mlxcache.fileio import loads_json
+from mlxcache.modes.repeats import describe_loop
 from mlxcache.modes.schema_walk import (
     Parts,
     close_objects,
@@ -364,6 +365,28 @@ def parse_json(text: str) -> Any:
         ValueError: not JSON (json.JSONDecodeError) or a duplicate key (DuplicateKeyError).
     """
     return loads_json(text, object_pairs_hook=_no_duplicates)
+
+
+def read_document(
+    text: str, raw: str, finish_reason: str, generated: int, schema: dict[str, Any]
+) -> tuple[Any, str | None]:
+    """A JSON reply's document and None, or None and why it cannot be used: cut off at the
+    token limit, not JSON, or not valid against `schema`. `text`: the reply without its
+    thinking section; `raw`: all of it (a loop it ends in is named)."""
+    if finish_reason == "length":
+        return None, (
+            f"the reply reached the token limit ({generated}) before the "
+            'JSON document was complete (finish_reason "length"); raise max_tokens, or '
+            "bound the schema (maxLength, maxItems)" + describe_loop(raw)
+        )
+    try:
+        doc = parse_json(text)
+    except ValueError as exc:
+        return None, f"not JSON: {exc}"
+    problem = validation_error(doc, schema)
+    if problem is not None:
+        return None, f"the reply does not satisfy the schema: {problem}"
+    return doc, None
 
 
 def validation_error(instance: Any, schema: dict[str, Any]) -> str | None:

@@ -8,7 +8,7 @@ import contextlib
 import threading
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -18,15 +18,17 @@ from starlette.concurrency import run_in_threadpool
 from starlette.middleware.cors import CORSMiddleware
 
 from mlxcache.engine import Engine
+from mlxcache.engine import Request as EngineRequest
+from mlxcache.events import Done, Event
 from mlxcache.sampling import SamplingParams
 from mlxcache.server import errors, prepare
 from mlxcache.server.errors import APIError
 from mlxcache.server.guard import Guard
-from mlxcache.server.lane import Lane, Outcome, Worker
+from mlxcache.server.lane import Handle, Lane, Outcome, Worker
 from mlxcache.server.log import RequestLog, log_fields
 from mlxcache.server.logprobs import Formatter, Scored
 from mlxcache.server.metrics import CONTENT_TYPE, Metrics
-from mlxcache.server.openai_format import SSE_DONE, Envelope, error_event, sse
+from mlxcache.server.openai_format import SSE_DONE, Envelope, Usage, error_event, sse
 from mlxcache.server.prepare import Answer, Penalties, Plan
 from mlxcache.server.schemas import ChatRequest, CompletionRequest, SamplingFields
 
@@ -47,6 +49,10 @@ class Settings:
     max_body: int = DEFAULT_MAX_BODY
     cors_origins: tuple[str, ...] = ()
     penalties: Penalties = field(default_factory=Penalties)
+    identity: dict[str, Any] = field(default_factory=dict)
+    """What a client needs to tell whether this server replies as it would in-process
+    (`mlxcache.remote.identity`: model source and key, block size, version); shown on the
+    model card as "mlxcache"."""
 
 
 def _cache_report(engine: Engine) -> dict[str, Any]:
@@ -117,6 +123,9 @@ def create_app(engine: Engine, worker: Worker, settings: Settings, log: RequestL
 
     card = {"id": settings.model_id, "object": "model", "created": 0, "owned_by": "mlxcache"}
 
+    if settings.identity:
+        card["mlxcache"] = settings.identity
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [card]}
@@ -139,14 +148,18 @@ def create_app(engine: Engine, worker: Worker, settings: Settings, log: RequestL
 
     async def begin(
         request: Request, schema: type[R], make: Callable[..., Plan], prefix: str
-    ) -> tuple[R, Plan, Envelope, Lane]:
-        """Parse, check and prepare a completion request, and submit it."""
+    ) -> tuple[R, Plan, Envelope, Lane, UsageOf]:
+        """Parse, check and prepare a completion request, and submit it; how to report its
+        usage (with the request's own stats and token ids when it asks: `_Tap`)."""
         body = await _body(request, schema)
         check_model(body.model)
         plan = await prepared(make, body)
         env = Envelope(f"{prefix}-{uuid.uuid4().hex[:24]}", settings.model_id)
         note(request, env.id)
-        return body, plan, env, Lane(worker, plan.request, plan.reply_text())
+        if (body.model_extra or {}).get(MLXCACHE_USAGE) is not True:
+            return body, plan, env, Lane(worker, plan.request, plan.reply_text()), _usage
+        tap = _Tap(worker)
+        return body, plan, env, Lane(tap, plan.request, plan.reply_text()), tap.usage
 
     async def end(request: Request, lane: Lane, env: Envelope) -> Outcome:
         """The outcome of a non-streamed request (its failure raised as an HTTP error)."""
@@ -158,10 +171,11 @@ def create_app(engine: Engine, worker: Worker, settings: Settings, log: RequestL
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Any:
-        body, plan, env, lane = await begin(request, ChatRequest, prepare.chat, "chatcmpl")
+        body, plan, env, lane, usage = await begin(request, ChatRequest, prepare.chat, "chatcmpl")
         chat_logprobs = None if plan.vocab is None else Formatter(plan.vocab).chat
         if body.stream:
-            events = _chat_events(lane, plan, env, body.include_usage, warm, chat_logprobs)
+            usage_chunk = usage if body.include_usage else None
+            events = _chat_events(lane, plan, env, usage_chunk, warm, chat_logprobs)
             return _stream(events, request, env.id, note)
         outcome = await end(request, lane, env)
         answer = plan.answer(outcome.text, outcome.finish_reason)
@@ -170,7 +184,7 @@ def create_app(engine: Engine, worker: Worker, settings: Settings, log: RequestL
             answer.content,
             answer.calls,
             answer.finish_reason,
-            outcome.usage,
+            usage(outcome),
             answer.reasoning,
             None if chat_logprobs is None else chat_logprobs(lane.scored),
         )
@@ -178,15 +192,18 @@ def create_app(engine: Engine, worker: Worker, settings: Settings, log: RequestL
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
-        body, plan, env, lane = await begin(request, CompletionRequest, prepare.completion, "cmpl")
+        body, plan, env, lane, usage = await begin(
+            request, CompletionRequest, prepare.completion, "cmpl"
+        )
         text_logprobs = None if plan.vocab is None else Formatter(plan.vocab).completion
         if body.stream:
-            events = _completion_events(lane, env, body.include_usage, text_logprobs)
+            usage_chunk = usage if body.include_usage else None
+            events = _completion_events(lane, env, usage_chunk, text_logprobs)
             return _stream(events, request, env.id, note)
         outcome = await end(request, lane, env)
         logprobs = None if text_logprobs is None else text_logprobs(lane.scored)
         return JSONResponse(
-            env.completion(outcome.text, outcome.finish_reason, outcome.usage, logprobs)
+            env.completion(outcome.text, outcome.finish_reason, usage(outcome), logprobs)
         )
 
     guarded = Guard(app, log, settings.api_key, settings.max_body, metrics)
@@ -201,6 +218,55 @@ def create_app(engine: Engine, worker: Worker, settings: Settings, log: RequestL
         allow_headers=["*"],
         expose_headers=["Retry-After"],
     )
+
+
+MLXCACHE_USAGE = "mlxcache_usage"
+"""A request field (ours, not OpenAI's): true adds the request's stats, token ids and raw
+text to its usage, as "mlxcache" (what `mlxcache.remote` shows as a command would)."""
+UsageOf = Callable[[Outcome], Usage]
+
+
+def _usage(outcome: Outcome) -> Usage:
+    return outcome.usage
+
+
+class _Tap:
+    """The worker, seen through the one request submitted by it: keeps its `Done`, whose
+    result the usage then reports (`MLXCACHE_USAGE`)."""
+
+    def __init__(self, worker: Worker) -> None:
+        self._worker = worker
+        self._done: Done | None = None
+
+    def submit(self, request: EngineRequest, sink: Callable[[Event], None]) -> Handle:
+        def tap(event: Event) -> None:
+            if isinstance(event, Done):  # set before the lane can see it (same thread)
+                self._done = event
+            sink(event)
+
+        return self._worker.submit(request, tap)
+
+    def warm(self, tokens: list[int]) -> None:
+        self._worker.warm(tokens)
+
+    def call(self, fn: Callable[[Engine], Any]) -> Any:
+        return self._worker.call(fn)
+
+    @property
+    def waiting(self) -> int:
+        return self._worker.waiting
+
+    def usage(self, outcome: Outcome) -> Usage:
+        if self._done is None:
+            return outcome.usage
+        result = self._done.result
+        extra = {
+            "stats": result.stats.as_dict(),
+            "tokens": result.tokens,
+            "text": result.text,
+            "finish_reason": result.finish_reason,  # before tool calls are read from it
+        }
+        return replace(outcome.usage, mlxcache=extra)
 
 
 async def _body(request: Request, model: type[B]) -> B:
@@ -310,7 +376,7 @@ async def _chat_events(
     lane: Lane,
     plan: Plan,
     env: Envelope,
-    include_usage: bool,
+    usage: UsageOf | None,
     warm: Callable[[Plan, Answer], Awaitable[None]],
     logprobs_of: LogprobsOf | None,
 ) -> AsyncIterator[str | Outcome]:
@@ -335,14 +401,14 @@ async def _chat_events(
     for call in env.call_deltas(answer.calls):
         yield sse(call)
     yield chunk({}, answer.finish_reason)
-    if include_usage:
-        yield sse(env.usage_chunk(outcome.usage))
+    if usage is not None:
+        yield sse(env.usage_chunk(usage(outcome)))
     yield SSE_DONE
     await warm(plan, answer)
 
 
 async def _completion_events(
-    lane: Lane, env: Envelope, include_usage: bool, logprobs_of: LogprobsOf | None
+    lane: Lane, env: Envelope, usage: UsageOf | None, logprobs_of: LogprobsOf | None
 ) -> AsyncIterator[str | Outcome]:
     def chunk(text: str, finish: str | None = None) -> str:
         return sse(env.completion_chunk(text, finish, _new_logprobs(lane, logprobs_of)))
@@ -355,6 +421,6 @@ async def _completion_events(
     if outcome.error is not None:
         return
     yield chunk("", outcome.finish_reason)
-    if include_usage:
-        yield sse(env.usage_chunk(outcome.usage, "text_completion"))
+    if usage is not None:
+        yield sse(env.usage_chunk(usage(outcome), "text_completion"))
     yield SSE_DONE

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from mlxcache.modes.tools import ToolCall
@@ -15,14 +15,19 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    mlxcache: dict[str, Any] | None = field(default=None, compare=False)
+    """The request's own stats and token ids, for a client that asked (`mlxcache.remote`)."""
 
     def as_dict(self) -> dict[str, Any]:
-        return {
+        doc: dict[str, Any] = {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
+        if self.mlxcache is not None:
+            doc["mlxcache"] = self.mlxcache
+        return doc
 
 
 def sse(data: dict[str, Any] | str) -> str:

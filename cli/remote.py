@@ -1,0 +1,211 @@
+"""`--server URL` / $MLXCACHE_SERVER: generate, json and tools sent to a running
+`mlxcache serve`, printed exactly as in-process (`mlxcache.remote` checks first that the
+server runs the model and cache settings the command would)."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+from mlxcache.errors import OutputError, ServerMismatchError, UserInputError
+from mlxcache.remote import ENV_API_KEY, ENV_SERVER, USAGE_FIELD, Server, Wanted, usage_of
+from mlxcache_cli import ui
+
+if TYPE_CHECKING:
+    from mlxcache_cli.options import RunOptions
+
+ServerUrl = Annotated[
+    str | None,
+    typer.Option(
+        "--server",
+        envvar=ENV_SERVER,
+        metavar="URL",
+        help="Send the request to a running `mlxcache serve` at URL (e.g. "
+        "http://127.0.0.1:8080): no model load, its memory tier; refused if it runs another "
+        "model or block size.",
+        rich_help_panel="Model",
+    ),
+]
+
+
+def connect(url: str, run: RunOptions) -> tuple[Server, str]:
+    """A client of the server at `url` and its model id, once its identity matches what
+    `run` would load in-process.
+
+    Raises:
+        ServerMismatchError: it runs another model, block size, cache setting or version.
+        ServerError: it cannot be reached.
+    """
+    from mlxcache.model.loader import default_spec
+
+    server = Server(url, os.environ.get(ENV_API_KEY) or None)
+    try:
+        card = server.card()
+        cache = run.cache()
+        wanted = Wanted(run.model or default_spec(), cache.block_size, cache.enabled)
+        from mlxcache.remote import differences
+
+        diffs = differences(card["mlxcache"], wanted)
+        if diffs:
+            raise ServerMismatchError(
+                f"the server at {server.url} does not reply as this command would: "
+                + "; ".join(diffs)
+            )
+    except BaseException:
+        server.close()
+        raise
+    return server, str(card["id"])
+
+
+def in_process_only(**given: object) -> None:
+    """Refuse the options a server cannot honour as the command would (named as flags)."""
+    for name, value in given.items():
+        if value:
+            flag = f"--{name.replace('_', '-')}"
+            raise UserInputError(
+                f"{flag} runs in-process only: drop --server (or unset ${ENV_SERVER})"
+            )
+
+
+def sampling_body(run: RunOptions) -> dict[str, Any]:
+    """Every sampling field, so the server's own defaults (penalties included) play no part."""
+    params = run.sampling()
+    return {
+        "max_tokens": params.max_tokens,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k,
+        "min_p": params.min_p,
+        "repetition_penalty": params.repetition_penalty,
+        "seed": params.seed,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+        USAGE_FIELD: True,
+    }
+
+
+def generate(
+    url: str,
+    run: RunOptions,
+    text: str,
+    system: str | None,
+    raw: bool,
+    as_json: bool,
+) -> None:
+    """`mlxcache generate` through the server: the reply streamed to stdout as it comes."""
+    from mlxcache_cli.generate import _done
+
+    stops = run.stop_strings()
+    server, model = connect(url, run)
+    with server:
+        body: dict[str, Any] = {"model": model, **sampling_body(run), "stop": list(stops)}
+        body["stream_options"] = {"include_usage": True}
+        if raw:
+            path, body["prompt"] = "/v1/completions", text
+        else:
+            messages = [{"role": "system", "content": system}] if system is not None else []
+            path, body["messages"] = (
+                "/v1/chat/completions",
+                [
+                    *messages,
+                    {"role": "user", "content": text},
+                ],
+            )
+        usage = None
+        for event in server.stream(path, body):
+            for choice in event.get("choices") or ():
+                piece = choice.get("text") if raw else (choice.get("delta") or {}).get("content")
+                if piece and not as_json:
+                    ui.out_text(piece)
+            usage = event.get("usage") or usage
+        extra = usage_of(usage, server.url)
+    _done(Reply(extra), extra["stats"], as_json)
+
+
+class Reply:
+    """The parts of a `Result` that `generate._done` reads, from the server's usage."""
+
+    def __init__(self, extra: dict[str, Any]) -> None:
+        self.text: str = extra["text"]
+        self.tokens: list[int] = extra["tokens"]
+        self.finish_reason: str = extra["finish_reason"]
+
+
+def json_single(
+    url: str, run: RunOptions, given: Any, schema: Any, instructions: str | None, text: str
+) -> dict[str, Any]:
+    """`mlxcache json PROMPT` through the server: the reply's document (or error) in the
+    form of `JsonReply.as_dict`."""
+    from mlxcache.modes.schema import read_document
+
+    server, model = connect(url, run)
+    with server:
+        system = [{"role": "system", "content": instructions}] if instructions is not None else []
+        body = {
+            "model": model,
+            **sampling_body(run),
+            "messages": [*system, {"role": "user", "content": text}],
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "reply", "schema": given},
+            },
+        }
+        reply = server.post("/v1/chat/completions", body)
+        extra = usage_of(reply.get("usage"), server.url)
+    message = reply["choices"][0]["message"]
+    content = message.get("content") or ""
+    generated = extra["stats"]["generated_tokens"]
+    output, error = read_document(content, extra["text"], extra["finish_reason"], generated, schema)
+    doc: dict[str, Any] = {"output": output, "finish_reason": extra["finish_reason"]}
+    if message.get("reasoning") is not None:
+        doc["reasoning"] = message["reasoning"]
+    if error is not None:
+        doc.update(error=error, text=extra["text"])
+    doc["stats"] = extra["stats"]
+    return doc
+
+
+def show_json(doc: dict[str, Any], as_json: bool, text: str) -> None:
+    """Print a json reply as `json_cmd._single` does."""
+    if as_json:
+        ui.out_json(doc)
+    else:
+        ui.thought(doc.get("reasoning"))
+        if doc.get("error") is None:
+            ui.out_text(text + "\n")
+    ui.stats_line(doc["stats"])
+    if doc.get("error") is not None:
+        raise OutputError(doc["error"])
+
+
+def tools(
+    url: str,
+    run: RunOptions,
+    tool_defs: list[dict[str, Any]],
+    choice: dict[str, Any] | str,
+    parallel: bool,
+    messages: list[dict[str, Any]],
+) -> tuple[str, list[dict[str, Any]], dict[str, Any], str | None]:
+    """`mlxcache tools` through the server: (content, calls as {name, arguments}, the
+    usage's stats etc., reasoning)."""
+    server, model = connect(url, run)
+    with server:
+        body = {
+            "model": model,
+            **sampling_body(run),
+            "messages": messages,
+            "tools": tool_defs,
+            "tool_choice": choice,
+            "parallel_tool_calls": parallel,
+        }
+        reply = server.post("/v1/chat/completions", body)
+        extra = usage_of(reply.get("usage"), server.url)
+    message = reply["choices"][0]["message"]
+    calls = [
+        {"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])}
+        for c in message.get("tool_calls") or ()
+    ]
+    return message.get("content") or "", calls, extra, message.get("reasoning")

@@ -1,0 +1,270 @@
+"""A running `mlxcache serve` as the engine of a one-shot command (`--server URL`).
+
+A command sent to a server pays no model import or load and resumes from the server's
+memory tier. It must reply exactly as it would in-process, so the server publishes its
+`identity` on its model card ("mlxcache": model source, a stamp of the model files, model
+key, block size, cache on or off, batch exactness, version) and the client compares it with
+what the command would load (`differences`) before sending anything.
+
+Only the standard library is used here (http.client, json): a command that goes to a server
+must start fast, so nothing of mlx_lm, transformers or an HTTP client package is imported.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import http.client
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
+
+from mlxcache.errors import (
+    GenerationError,
+    ModelNotFoundError,
+    QueueFullError,
+    ServerError,
+    UserInputError,
+)
+
+if TYPE_CHECKING:
+    from mlxcache.config import CacheConfig
+    from mlxcache.engine import Engine
+
+ENV_SERVER = "MLXCACHE_SERVER"
+ENV_API_KEY = "MLXCACHE_API_KEY"
+CONNECT_TIMEOUT_S = 10.0
+"""Bound on connecting (a host that drops packets); a reply itself may take any time."""
+USAGE_FIELD = "mlxcache_usage"
+"""The request field that asks the server for the request's own stats, token ids and raw
+text in its usage (`server.app.MLXCACHE_USAGE`)."""
+_KEY_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+def model_source(spec: str) -> dict[str, str]:
+    """What `spec` loads, without loading or hashing it: the file or folder it names
+    ("source") and a stamp of its files' sizes and modification times ("stamp"; a model
+    file changed since a server loaded it gives another). A Hub id is its own source with
+    no stamp (resolving it needs the network).
+
+    Raises:
+        ModelNotFoundError: a path that does not exist.
+    """
+    from mlxcache.model.loader import DEFAULT_MODEL, default_model_path
+
+    path = default_model_path() if spec == DEFAULT_MODEL else Path(spec).expanduser()
+    if path.suffix.lower() == ".gguf":
+        if not path.is_file():
+            raise ModelNotFoundError(f"model file not found: {path}")
+        files = [path]
+    elif path.is_dir():
+        files = [path / n for n in _KEY_FILES if (path / n).exists()]
+        files += sorted(path.glob("*.safetensors"))
+    else:
+        return {"source": spec, "stamp": ""}  # a Hub id (or not a model: the server says)
+    stamp = hashlib.sha256()
+    for file in files:
+        st = file.stat()
+        stamp.update(f"{file.name}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return {"source": str(path.resolve()), "stamp": stamp.hexdigest()[:16]}
+
+
+def identity(spec: str, engine: Engine, cache: CacheConfig, exact: bool) -> dict[str, Any]:
+    """What a server publishes about itself (see the module's docstring); `exact`: False
+    when its replies depend on the requests beside them (`serve --batch-inexact`)."""
+    from mlxcache import __version__
+
+    return {
+        **model_source(spec),
+        "key": engine.loaded.key,
+        "block_size": cache.block_size,
+        "cache": cache.enabled,
+        "exact": exact,
+        "version": __version__,
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class Wanted:
+    """What a command would run in-process: its model spec and cache settings."""
+
+    spec: str
+    block_size: int
+    cache: bool
+
+    def identity(self) -> dict[str, Any]:
+        from mlxcache import __version__
+
+        return {
+            **model_source(self.spec),
+            "block_size": self.block_size,
+            "cache": self.cache,
+            "exact": True,
+            "version": __version__,
+        }
+
+
+_WHAT = {
+    "source": "model",
+    "stamp": "model files (changed since the server loaded them)",
+    "block_size": "block size",
+    "cache": "prompt cache on",
+    "exact": "exact replies (not serve --batch-inexact)",
+    "version": "mlxcache version",
+}
+
+
+def differences(found: dict[str, Any], wanted: Wanted) -> list[str]:
+    """What differs between a server's identity and what the command would run, as
+    `name: server's vs this command's` phrases (empty: the server replies as in-process)."""
+    mine = wanted.identity()
+    out = []
+    for name, what in _WHAT.items():
+        if name == "stamp" and found.get("source") != mine["source"]:
+            continue  # another model: its files' stamp says nothing more
+        if found.get(name) != mine[name]:
+            out.append(f"{what}: {found.get(name)} (server) vs {mine[name]} (this command)")
+    return out
+
+
+class Server:
+    """A client of one `mlxcache serve` at `url` (http://host:port); one connection.
+
+    Raises (every method):
+        ServerError: the server cannot be reached or answers what no server of ours would.
+        UserInputError: the server refused the request as given (4xx, its message).
+        QueueFullError: the server's queue is full (429).
+        GenerationError: the request failed while running (5xx, or an error event).
+    """
+
+    def __init__(self, url: str, api_key: str | None = None) -> None:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise UserInputError(f"--server must be an http://HOST:PORT address, got {url!r}")
+        self.url = url.rstrip("/")
+        self._base = parts.path.rstrip("/")
+        self._key = api_key
+        try:
+            port = parts.port
+        except ValueError as exc:
+            raise UserInputError(f"--server {url!r}: {exc}") from exc
+        kind = (
+            http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+        )
+        self._conn = kind(parts.hostname, port, timeout=CONNECT_TIMEOUT_S)
+
+    def close(self) -> None:
+        self._conn.close()
+
+    def __enter__(self) -> Server:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _send(self, method: str, path: str, body: dict[str, Any] | None) -> Any:
+        headers = {"Accept": "application/json, text/event-stream"}
+        if self._key:
+            headers["Authorization"] = f"Bearer {self._key}"
+        data = None
+        if body is not None:
+            data = json.dumps(body, ensure_ascii=False).encode()
+            headers["Content-Type"] = "application/json"
+        try:
+            if self._conn.sock is None:
+                self._conn.connect()
+                assert self._conn.sock is not None
+                self._conn.sock.settimeout(None)  # a long prefill sends nothing for a while
+            self._conn.request(method, self._base + path, data, headers)
+            response = self._conn.getresponse()
+        except (OSError, http.client.HTTPException) as exc:
+            self._conn.close()
+            reason = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
+            raise ServerError(f"cannot reach the server at {self.url}: {reason}") from exc
+        if response.status >= 400:
+            raise self._refusal(response)
+        return response
+
+    def _refusal(self, response: Any) -> Exception:
+        try:
+            message = json.loads(response.read())["error"]["message"]
+        except (OSError, http.client.HTTPException, ValueError, KeyError, TypeError):
+            message = f"HTTP {response.status} {response.reason}"
+        if response.status == 401:
+            return UserInputError(f"the server at {self.url} needs its API key: set ${ENV_API_KEY}")
+        if response.status == 429:
+            return QueueFullError(f"the server at {self.url} is busy: {message}")
+        if response.status < 500:
+            return UserInputError(message)
+        return GenerationError(message)
+
+    def get(self, path: str) -> Any:
+        """The JSON document at `path`."""
+        return self._json(self._send("GET", path, None))
+
+    def post(self, path: str, body: dict[str, Any]) -> Any:
+        """The JSON reply to `body` (not streamed)."""
+        return self._json(self._send("POST", path, body))
+
+    def _json(self, response: Any) -> Any:
+        try:
+            return json.loads(response.read())
+        except (OSError, http.client.HTTPException, ValueError) as exc:
+            self._conn.close()
+            raise ServerError(f"the server at {self.url} sent no JSON reply: {exc}") from exc
+
+    def stream(self, path: str, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        """The server-sent events of a streamed reply to `body`, as they come, until
+        `[DONE]`; leaving early closes the connection (the server cancels the request)."""
+        response = self._send("POST", path, {**body, "stream": True})
+        done = False
+        try:
+            while True:
+                try:
+                    line = response.readline()
+                except (OSError, http.client.HTTPException) as exc:
+                    raise ServerError(f"the server at {self.url} stopped replying: {exc}") from exc
+                if not line:
+                    raise ServerError(f"the server at {self.url} ended the reply early")
+                text = line.decode("utf-8").rstrip("\r\n")
+                if not text.startswith("data: "):
+                    continue  # blank separators and keepalive comments
+                if text == "data: [DONE]":
+                    done = True
+                    return
+                event = json.loads(text[len("data: ") :])
+                if "error" in event:
+                    raise GenerationError(event["error"].get("message") or "the request failed")
+                yield event
+        finally:
+            if not done:  # interrupted or failed: a half-read response cannot be reused
+                self._conn.close()
+
+    def card(self, model: str | None = None) -> dict[str, Any]:
+        """The model card of the server's model, with its identity (`identity`).
+
+        Raises:
+            ServerError: the server publishes no identity (not mlxcache, or too old).
+        """
+        cards = self.get("/v1/models").get("data") or []
+        if len(cards) != 1 or "mlxcache" not in cards[0]:
+            raise ServerError(
+                f"the server at {self.url} is not an mlxcache server this version can use"
+            )
+        card: dict[str, Any] = cards[0]
+        return card
+
+
+def usage_of(usage: dict[str, Any] | None, url: str) -> dict[str, Any]:
+    """The request's own stats, token ids, raw text and finish reason from a usage object
+    (asked for with `USAGE_FIELD`).
+
+    Raises:
+        ServerError: the server did not send them.
+    """
+    extra = (usage or {}).get("mlxcache")
+    if not isinstance(extra, dict):
+        raise ServerError(f"the server at {url} sent no stats for the request")
+    return extra
