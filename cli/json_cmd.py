@@ -11,7 +11,7 @@ import typer
 from mlxcache.errors import OutputError, OutputMismatchError, UserInputError
 from mlxcache.fileio import check_output_dir
 from mlxcache_cli import options as o
-from mlxcache_cli import ui
+from mlxcache_cli import remote, ui
 
 if TYPE_CHECKING:  # imported by the command: `--help` and `--check` load no model code
     from mlxcache.engine import Engine
@@ -92,6 +92,7 @@ def json_cmd(
     think: o.Think = False,
     think_budget: o.ThinkBudget = None,
     as_json: o.Json = False,
+    server: remote.ServerUrl = None,
     run: o.RunOptions,
 ) -> None:
     """Reply with one JSON document valid against --schema, or one JSON object without it
@@ -107,6 +108,20 @@ def json_cmd(
     compiled = check_schema(given, strict=strict, allow_extra_keys=allow_extra_keys)
     if check:
         _report_check(compiled, as_json)
+        return
+    if server:
+        remote.in_process_only(
+            input=input_path,
+            output=output,
+            strict=strict,
+            allow_extra_keys=allow_extra_keys,
+            think=think,
+            think_budget=think_budget is not None,
+        )
+        o.positive(lanes=lanes)
+        text = o.read_prompt(prompt, prompt_file)
+        instructions = o.text_or_file(instructions, "instructions")
+        remote.json_single(server, run, given, compiled.schema, instructions, text, as_json)
         return
     from mlxcache.modes import json_mode
     from mlxcache.modes.batch import claim_output, read_input

@@ -135,10 +135,16 @@ class Reply:
 
 
 def json_single(
-    url: str, run: RunOptions, given: Any, schema: Any, instructions: str | None, text: str
-) -> dict[str, Any]:
-    """`mlxcache json PROMPT` through the server: the reply's document (or error) in the
-    form of `JsonReply.as_dict`."""
+    url: str,
+    run: RunOptions,
+    given: Any,
+    schema: Any,
+    instructions: str | None,
+    text: str,
+    as_json: bool,
+) -> None:
+    """`mlxcache json PROMPT` through the server, printed as `json_cmd._single` does (the
+    document in the form of `JsonReply.as_dict` with --json)."""
     from mlxcache.modes.schema import read_document
 
     server, model = connect(url, run)
@@ -165,17 +171,12 @@ def json_single(
     if error is not None:
         doc.update(error=error, text=extra["text"])
     doc["stats"] = extra["stats"]
-    return doc
-
-
-def show_json(doc: dict[str, Any], as_json: bool, text: str) -> None:
-    """Print a json reply as `json_cmd._single` does."""
     if as_json:
         ui.out_json(doc)
     else:
         ui.thought(doc.get("reasoning"))
-        if doc.get("error") is None:
-            ui.out_text(text + "\n")
+        if error is None:
+            ui.out_text(content + "\n")
     ui.stats_line(doc["stats"])
     if doc.get("error") is not None:
         raise OutputError(doc["error"])
