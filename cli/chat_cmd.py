@@ -23,6 +23,7 @@ from mlxcache_cli import ui
 if TYPE_CHECKING:  # the worker and model import mlx_lm (seconds): `--list` needs neither
     import numpy as np
 
+    from mlxcache.encoder import Encoder
     from mlxcache.engine import Request
     from mlxcache.model import LoadedModel
     from mlxcache.worker import EngineWorker
@@ -281,8 +282,9 @@ class _Recorder:
         self.worker = worker
         self.prompt: Sequence[int] | np.ndarray = ()
 
-    def encode_chat(self, messages: list[dict[str, Any]], **template_kwargs: Any) -> list[int]:
-        return self.worker.encode_chat(messages, **template_kwargs)
+    @property
+    def encoder(self) -> Encoder:
+        return self.worker.encoder
 
     def generate(self, request: Request) -> Iterator[Event]:
         self.prompt = request.tokens

@@ -5,7 +5,7 @@ The library API in one import::
     from mlxcache import CacheConfig, Request, SamplingParams, open_engine
 
     engine = open_engine()  # the embedded SmolLM2, memory + disk prompt cache
-    ids = engine.encode_chat([{"role": "user", "content": "Hi!"}])
+    ids = engine.encoder.encode_chat([{"role": "user", "content": "Hi!"}])
     print(engine.complete(Request(ids, SamplingParams(max_tokens=20))).text)
 """
 

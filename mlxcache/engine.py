@@ -1,4 +1,5 @@
-"""The engine: encode -> lookup -> prefill -> decode -> keep -> events.
+"""The engine: token ids -> lookup -> prefill -> decode -> keep -> events (`encoder`
+turns messages into token ids, on the front end's thread).
 
 Requests run as lanes over one model and one cache. Each lane makes exactly the forward
 calls it would make alone (batch 1, canonical prefill), and lanes are interleaved call
@@ -33,15 +34,12 @@ from mlxcache.cache.base import NoCache, PrefixCache, with_probe
 from mlxcache.config import default_block_size
 from mlxcache.decode import Forward, Leave, decode
 from mlxcache.decode_batch import DecodeBatch
-from mlxcache.errors import ContextLengthError, GenerationError, UserInputError
+from mlxcache.encoder import Encoder, common_prefix
+from mlxcache.errors import GenerationError, UserInputError
 from mlxcache.events import Done, Event, Prefill, Result, Stats, Token
 from mlxcache.model import LoadedModel
 from mlxcache.prefill import prefill
 from mlxcache.sampling import LogitsProcessor, SamplingParams
-
-# Placeholder contents of the next message: what two renders with different contents share
-# is the part of the next prompt that does not depend on what that message says.
-_PROBES = ("\x01", "Z z")
 
 
 @dataclass(slots=True)
@@ -89,31 +87,6 @@ class _Lane:
     follower: int | None = None  # a followed request's follow lane
 
 
-def common_prefix(a: Sequence[int] | np.ndarray, b: Sequence[int] | np.ndarray) -> int:
-    """Length of the longest common prefix of two token sequences."""
-    n = min(len(a), len(b))
-    diff = np.nonzero(np.asarray(a[:n]) != np.asarray(b[:n]))[0]
-    return int(diff[0]) if diff.size else n
-
-
-def next_turn_prefix(
-    encode: Callable[[list[dict[str, Any]]], list[int]],
-    messages: list[dict[str, Any]],
-    role: str = "user",
-    **fields: Any,
-) -> list[int]:
-    """The token prefix every next prompt of a conversation starts with.
-
-    `messages` ends with the last reply; the next prompt renders it followed by a message
-    of `role` (with `fields`, e.g. a tool result's name). Templates may render earlier
-    turns differently once a turn follows (e.g. dropping an assistant's reasoning), so
-    this renders exactly that with `encode`, with two different placeholder messages, and
-    keeps what both renders share: what does not depend on the next message's text.
-    """
-    a, b = (encode([*messages, {"role": role, "content": p, **fields}]) for p in _PROBES)
-    return a[: common_prefix(a, b)]
-
-
 def final_result(events: Iterable[Event], on_event: Callable[[Event], None] | None) -> Result:
     """The `Result` of a request's event stream, each event shown to `on_event` first."""
     for event in events:
@@ -155,6 +128,8 @@ class Engine:
         if cache is not None and block_size not in (None, cache.block_size):
             raise ValueError(f"block_size {block_size} differs from the cache's {cache.block_size}")
         self.loaded = loaded
+        self.encoder = Encoder.of(loaded)
+        """Messages and text to token ids (front ends use it, from any thread)."""
         self.cache: PrefixCache = cache or NoCache(loaded.model, block_size or default_block_size())
         self.warm_ahead = warm_ahead
         # Keep a reply's own KV as its decode steps computed it: only where the device was
@@ -175,54 +150,6 @@ class Engine:
         """The mlx-lm model module (forward calls go through this attribute)."""
         return self.loaded.model
 
-    # -- encoding ---------------------------------------------------------------------------
-
-    def encode_chat(self, messages: list[dict[str, Any]], **template_kwargs: Any) -> list[int]:
-        """Token ids of `messages` rendered with the model's chat template, ready to reply.
-
-        Raises:
-            UserInputError: the model has no chat template (a base model's GGUF or folder).
-        """
-        if not getattr(self.loaded.tokenizer, "has_chat_template", True):
-            raise UserInputError(
-                f"model {self.loaded.name} has no chat template: send the prompt as raw "
-                f"text (generate --raw, or the server's /v1/completions)"
-            )
-        ids = self.loaded.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, **template_kwargs
-        )
-        return [int(t) for t in ids]
-
-    def encode_next_turn(self, messages: list[dict[str, Any]], **template_kwargs: Any) -> list[int]:
-        """The token prefix every next prompt of this conversation starts with (see
-        `next_turn_prefix`); `messages` ends with the last reply."""
-        return next_turn_prefix(lambda m: self.encode_chat(m, **template_kwargs), messages)
-
-    def encode(self, text: str) -> list[int]:
-        """Token ids of raw text (no template), as mlx-lm's generate and server encode it:
-        with the special tokens the tokenizer adds itself (the BOS of Gemma or Llama 3, which
-        their replies degrade without), unless the text already starts with the BOS."""
-        tokenizer = self.loaded.tokenizer
-        bos = tokenizer.bos_token
-        add = bos is None or not text.startswith(bos)
-        return [int(t) for t in tokenizer.encode(text, add_special_tokens=add)]
-
-    def reply_room(self, ids: Sequence[int] | np.ndarray, max_tokens: int) -> int:
-        """How many tokens a reply to `ids` may have: max_tokens, or less near the context's end."""
-        return min(max_tokens, self.loaded.context_length - len(ids))
-
-    def check_fits(self, ids: Sequence[int] | np.ndarray, where: str = "the prompt") -> None:
-        """Refuse a prompt that leaves no room for a reply in the model's context.
-
-        Raises:
-            ContextLengthError: naming `where` and both lengths.
-        """
-        limit = self.loaded.context_length
-        if len(ids) >= limit:
-            raise ContextLengthError(
-                f"{where} has {len(ids)} tokens; the model's context is {limit}"
-            )
-
     def check(self, request: Request) -> np.ndarray:
         """The request's prompt as int32 ids, validated (safe to call from any thread).
 
@@ -233,7 +160,7 @@ class Engine:
         tokens = np.asarray(request.tokens, dtype=np.int32).reshape(-1)
         if tokens.size == 0:
             raise UserInputError("the prompt is empty")
-        self.check_fits(tokens, "the prompt")
+        self.encoder.check_fits(tokens, "the prompt")
         return tokens
 
     # -- lanes ------------------------------------------------------------------------------
@@ -312,7 +239,7 @@ class Engine:
         """
         if not self.warm_ahead:
             return None
-        return self.warm(self.encode_next_turn(messages, **template_kwargs))
+        return self.warm(self.encoder.encode_next_turn(messages, **template_kwargs))
 
     @property
     def busy(self) -> bool:
@@ -558,7 +485,7 @@ class Engine:
                 processors=req.processors,
                 stop_tokens=stop,
                 stop_strings=req.stop_strings,
-                budget=self.reply_room(tokens, req.sampling.max_tokens),
+                budget=self.encoder.reply_room(tokens, req.sampling.max_tokens),
                 stats=stats,
                 start=start,
                 out=None if follow is None else follow.reply,

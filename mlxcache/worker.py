@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 import mlx.core as mx
 
+from mlxcache.encoder import Encoder
 from mlxcache.engine import Engine, Request, final_result
 from mlxcache.errors import (
     EngineStoppedError,
@@ -69,7 +70,8 @@ class EngineWorker:
     """Runs `engine` on its own thread.
 
     Args:
-        engine: the engine; once started, only the worker thread may use it.
+        engine: the engine; once started, only the worker thread may use it (but its
+            `encoder`, which any thread may use: docs/architecture.md, "Threads").
         max_lanes: requests run together (interleaved); more wait in a queue.
         max_queue: requests that may wait; one more raises QueueFullError (0: no limit).
     """
@@ -168,17 +170,20 @@ class EngineWorker:
         """Run a request to the end and return its result (as `Engine.complete` does)."""
         return final_result(self.generate(request), on_event)
 
-    def encode_chat(self, messages: list[dict[str, Any]], **template_kwargs: Any) -> list[int]:
-        """`Engine.encode_chat` (tokenizing needs no MLX: it runs on the caller's thread)."""
-        return self.engine.encode_chat(messages, **template_kwargs)
+    @property
+    def encoder(self) -> Encoder:
+        """The engine's encoder: any thread may use it (tokenizing needs no MLX)."""
+        return self.engine.encoder
 
     def warm(self, tokens: Any) -> None:
         """Queue warm-ahead of a token prefix (see `Engine.warm`)."""
         self._send(("call", lambda e: e.warm(tokens), None))
 
     def warm_chat(self, messages: list[dict[str, Any]], **template_kwargs: Any) -> None:
-        """Queue warm-ahead of a conversation ending with the reply just given."""
-        self._send(("call", lambda e: e.warm_chat(messages, **template_kwargs), None))
+        """Queue warm-ahead of a conversation ending with the reply just given (see
+        `Engine.warm_chat`); its prefix is encoded here, on the caller's thread."""
+        if self.engine.warm_ahead:  # set once, at construction: safe to read from here
+            self.warm(self.encoder.encode_next_turn(messages, **template_kwargs))
 
     def call(self, fn: Callable[[Engine], T]) -> T:
         """Run `fn(engine)` on the worker thread, between two model calls; return its result."""

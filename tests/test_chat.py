@@ -162,7 +162,7 @@ def test_a_failed_retry_or_edit_keeps_the_conversation(
     def full(ids: object, where: str = "the prompt") -> None:
         raise ContextLengthError(f"{where} has 999 tokens; the model's context is 256")
 
-    monkeypatch.setattr(engine, "check_fits", full)
+    monkeypatch.setattr(engine.encoder, "check_fits", full)
     with pytest.raises(ContextLengthError):
         drain(s.retry(engine))
     with pytest.raises(ContextLengthError):

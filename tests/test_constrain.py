@@ -109,7 +109,7 @@ def test_grammar_allowing_nothing_fails_instead_of_nan(tiny: LoadedModel) -> Non
 def test_random_model_still_writes_valid_json_and_stops(tiny: LoadedModel) -> None:
     engine = Engine(tiny)
     proc = processor_for(tiny, grammar_from_json_schema(YES_NO))
-    ids = engine.encode("x")
+    ids = engine.encoder.encode("x")
     result = engine.complete(Request(ids, SamplingParams(max_tokens=40), [proc]))
     assert result.finish_reason == "stop"
     assert json.loads(result.text) in ({"ok": "yes"}, {"ok": "no"})
@@ -122,7 +122,7 @@ def test_sampled_runs_are_seeded_and_valid(tiny: LoadedModel) -> None:
     for seed in (1, 1, 2):
         proc = processor_for(tiny, grammar_from_json_schema(YES_NO))
         params = SamplingParams(temperature=1.0, seed=seed, max_tokens=40)
-        result = engine.complete(Request(engine.encode("x"), params, [proc]))
+        result = engine.complete(Request(engine.encoder.encode("x"), params, [proc]))
         assert result.finish_reason == "stop"
         texts.append(json.loads(result.text))
     assert texts[0] == texts[1]

@@ -30,7 +30,8 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from mlxcache.cache.store import PromptCache
 from mlxcache.config import CacheConfig
-from mlxcache.engine import Engine, Request, common_prefix
+from mlxcache.encoder import common_prefix
+from mlxcache.engine import Engine, Request
 from mlxcache.events import Result
 from mlxcache.model import LoadedModel, load
 from mlxcache.model.gguf_arch import hf_names
@@ -149,7 +150,14 @@ def test_conversion_reads_the_file_exactly(gemma: LoadedModel, gemma_gguf: Path)
         checked.add(t.tensor_type.name)
     assert checked == {"F32", "Q8_0", "Q5_0", "Q4_K", "Q6_K"}
     # Raw text keeps the BOS Gemma's tokenizer adds, as mlx-lm encodes it.
-    assert Engine(gemma).encode("The capital of France is") == [2, 818, 5279, 529, 7001, 563]
+    assert Engine(gemma).encoder.encode("The capital of France is") == [
+        2,
+        818,
+        5279,
+        529,
+        7001,
+        563,
+    ]
 
 
 def test_generate_cold_resumed_and_new_process(rig: Rig) -> None:
@@ -157,7 +165,7 @@ def test_generate_cold_resumed_and_new_process(rig: Rig) -> None:
         "The old lighthouse keeper wrote in his journal every evening about the ships, "
         "the weather and the birds that rested on the rocks below the tower."
     )
-    ids = rig.cached.encode(text)
+    ids = rig.cached.encoder.encode(text)
     cold = rig.ask(ids)
     assert cold.stats.cached_tokens == 0
     again = rig.cached.complete(Request(ids, PARAMS))  # resumed whole: its tail is kept
@@ -177,7 +185,7 @@ def test_three_turn_chat_resumes_each_turn(rig: Rig) -> None:
     )
     for ask in asks:
         messages.append({"role": "user", "content": ask})
-        ids = rig.cached.encode_chat(messages)
+        ids = rig.cached.encoder.encode_chat(messages)
         reply = rig.ask(ids)
         assert reply.stats.cached_tokens == resume_point(ids, prompts)
         if prompts:  # turn 2 and 3 resume the conversation so far (Gemma used to resume 0)
@@ -225,9 +233,9 @@ def test_past_the_sliding_window(rig: Rig) -> None:
     window = rig.loaded.config["sliding_window"]
     colors = ("red", "green", "blue", "white", "black")
     notes = " ".join(f"Note {i}: the {colors[i % 5]} box holds {i * 7} stones." for i in range(38))
-    first = rig.cached.encode(notes + " That is all.")
+    first = rig.cached.encoder.encode(notes + " That is all.")
     fork_text = notes + " The list ends here. Which of the boxes holds the most stones, and why?"
-    fork = rig.cached.encode(fork_text)
+    fork = rig.cached.encoder.encode(fork_text)
     shared = common_prefix(first, fork)
     assert window + B < shared and len(fork) - shared > B
     rig.cached.warm(first)  # kept block by block, as a chat's idle time keeps a turn

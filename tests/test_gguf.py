@@ -83,7 +83,9 @@ def test_missing_model(tmp_path: Path) -> None:
 def test_embedded_model_answers_paris(smol: LoadedModel) -> None:
     assert smol.config["quantization"] == {"group_size": 32, "bits": 4}
     engine = Engine(smol)
-    ids = engine.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+    ids = engine.encoder.encode_chat(
+        [{"role": "user", "content": "What is the capital of France?"}]
+    )
     assert "Paris" in engine.complete(Request(ids)).text
 
 
@@ -117,8 +119,8 @@ def test_raw_prompts_keep_the_bos_the_tokenizer_adds(tmp_path: Path) -> None:
     loaded = load(str(gguf), cache_root=tmp_path)
     engine = Engine(loaded)
     plain = loaded.tokenizer.encode("ab ab", add_special_tokens=False)
-    assert engine.encode("ab ab") == [1, *plain] == loaded.tokenizer.encode("ab ab")
-    assert engine.encode("<|im_start|>ab ab") == [1, *plain]  # never a second BOS
+    assert engine.encoder.encode("ab ab") == [1, *plain] == loaded.tokenizer.encode("ab ab")
+    assert engine.encoder.encode("<|im_start|>ab ab") == [1, *plain]  # never a second BOS
     args = ["generate", "--raw", "-m", str(gguf), "--cache-dir", str(tmp_path), "-n", "1"]
     result = CliRunner().invoke(app, [*args, "--json", "ab ab"])
     assert result.exit_code == 0, result.stderr
@@ -127,6 +129,6 @@ def test_raw_prompts_keep_the_bos_the_tokenizer_adds(tmp_path: Path) -> None:
     tiny = tmp_path / "tiny.gguf"
     write_tiny_gguf(tiny)
     no_bos = load(str(tiny), cache_root=tmp_path)
-    assert Engine(no_bos).encode("ab ab") == no_bos.tokenizer.encode(
+    assert Engine(no_bos).encoder.encode("ab ab") == no_bos.tokenizer.encode(
         "ab ab", add_special_tokens=False
     )

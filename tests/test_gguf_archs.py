@@ -202,14 +202,14 @@ def test_gemma_sentencepiece_vocabulary_bos_and_turn_format(tmp_path: Path) -> N
     loaded = load(str(tmp_path / "g.gguf"), cache_root=tmp_path / "cache")
     engine = Engine(loaded)
     ab, space_ab = SPM_TOKENS.index("ab"), SPM_TOKENS.index("\u2581ab")
-    assert engine.encode("ab ab") == [2, ab, space_ab]
+    assert engine.encoder.encode("ab ab") == [2, ab, space_ab]
     assert loaded.tokenizer.decode([ab, space_ab, SPM_TOKENS.index("<0x21>")]) == "ab ab!"
     messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]
-    assert loaded.tokenizer.decode(engine.encode_chat(messages)) == (
+    assert loaded.tokenizer.decode(engine.encoder.encode_chat(messages)) == (
         "<bos><start_of_turn>user\nS\n\nU<end_of_turn>\n<start_of_turn>model\n"
     )
     assert loaded.config["eos_token_id"] == [1, SPM_TOKENS.index("<end_of_turn>")]
-    prompt = engine.encode("ab ab ab ab ab ab")
+    prompt = engine.encoder.encode("ab ab ab ab ab ab")
     assert mx.array_equal(loaded.model(mx.array([prompt])), model(mx.array([prompt])))
 
 
@@ -246,6 +246,6 @@ def test_byte_level_vocabularies_with_other_splits(tmp_path: Path, pre: str, err
     ours = tmp_path / "default.gguf"  # the same vocabulary through mlxcache's own builder
     write_gguf(ours, "qwen2", model, config, gpt2_vocab)
     text = "ab abab 12! Ġa"
-    ids = Engine(loaded).encode(text)
-    assert ids == Engine(load(str(ours), cache_root=tmp_path / "cache")).encode(text)
+    ids = Engine(loaded).encoder.encode(text)
+    assert ids == Engine(load(str(ours), cache_root=tmp_path / "cache")).encoder.encode(text)
     assert ids[:3] == [259, 35, 260] and loaded.tokenizer.decode(ids) == text

@@ -30,7 +30,7 @@ def test_json_object_is_json_mode_without_a_schema(tiny: LoadedModel) -> None:
     engine = Engine(tiny)
     plan = plan_for(engine, {"type": "json_object"})
     task = JsonTask.create(instructions="Be brief.").for_model(tiny.tokenizer, False)
-    assert plan.ids == engine.encode_chat(task.messages("A cat?"), **task.template_kwargs)
+    assert plan.ids == engine.encoder.encode_chat(task.messages("A cat?"), **task.template_kwargs)
     prompt = tiny.tokenizer.decode(plan.ids)
     assert "Be brief.\n\nReply with one JSON object." in prompt
     assert '"type"' not in prompt

@@ -85,7 +85,7 @@ def test_no_think_turns_it_off_through_the_template(wearing: LoadedModel) -> Non
     assert task.thinking == Thinking("<think>", "</think>", enabled=False)
     assert task.grammar == task.compiled.grammar  # the answer comes first
     engine = Engine(wearing)
-    ids = engine.encode_chat(task.messages("hi"), **task.template_kwargs)
+    ids = engine.encoder.encode_chat(task.messages("hi"), **task.template_kwargs)
     assert wearing.tokenizer.decode(ids).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     plain = read_reply(task, result('{"a": 1}'))
     assert plain.output == {"a": 1} and plain.reasoning is None
@@ -109,7 +109,7 @@ def test_think_allows_a_bounded_section_before_the_answer(wearing: LoadedModel) 
     assert bad.reasoning == "hm"
     # A random model under the grammar: a valid answer, whatever it thinks first.
     engine = Engine(wearing)
-    ids = engine.encode_chat(task.messages("hi"), **task.template_kwargs)
+    ids = engine.encoder.encode_chat(task.messages("hi"), **task.template_kwargs)
     params = SamplingParams(temperature=1.0, seed=2, max_tokens=120)
     done = read_reply(task, engine.complete(request(engine, ids, task, params)))
     assert done.error is None and isinstance(done.output, dict), done
@@ -198,7 +198,7 @@ def test_a_reply_thinks_for_its_budget_then_answers(wearing: LoadedModel) -> Non
     engine = Engine(wearing)
     for think_budget, max_tokens, spent in ((6, 120, 6), (None, 40, 20)):  # default: half
         task = JsonTask.create(SCHEMA).for_model(tok, True, think_budget)
-        ids = engine.encode_chat(task.messages("hi"), **task.template_kwargs)
+        ids = engine.encoder.encode_chat(task.messages("hi"), **task.template_kwargs)
         params = SamplingParams(temperature=1.0, seed=2, max_tokens=max_tokens)
         req = request(engine, ids, task, params)
         done = engine.complete(req)
@@ -272,7 +272,9 @@ def test_the_server_sends_the_thinking_apart(wearing: LoadedModel) -> None:
             for line in post(app, {**body, "stream": True}).decode().splitlines()
             if line.startswith("data: {")
         ]
-    cold = engine.complete(Request(engine.encode_chat(messages), SamplingParams(max_tokens=12)))
+    cold = engine.complete(
+        Request(engine.encoder.encode_chat(messages), SamplingParams(max_tokens=12))
+    )
     # The prompt opens the section and this random model never closes it: all reasoning.
     assert plain == {"role": "assistant", "content": "", "reasoning": cold.text.strip()}
     assert "".join(c.get("reasoning", "") for c in chunks) == cold.text.strip()
@@ -318,7 +320,7 @@ def test_the_default_budget_is_half_of_what_the_context_leaves(tiny: LoadedModel
     engine = Engine(tiny)  # context 256
     thinking = Thinking("<think>", "</think>", True, opened=True)
     task = replace(JsonTask.create(SCHEMA), thinking=thinking)
-    assert engine.reply_room(list(range(250)), 50) == 6
+    assert engine.encoder.reply_room(list(range(250)), 50) == 6
     far = request(engine, list(range(3, 20)), task, SamplingParams(max_tokens=50))
     near = request(engine, list(range(250)), task, SamplingParams(max_tokens=50))
     assert [r.processors[-1].budget for r in (far, near)] == [25, 3]  # type: ignore[attr-defined]
@@ -372,7 +374,7 @@ def test_server_json_thinks_as_json_mode_does_by_default(wearing: LoadedModel) -
     body = ChatRequest.model_validate({"model": "m", "messages": messages, "response_format": fmt})
     plan = prepare.chat(engine, body, SamplingParams(max_tokens=40))
     task = JsonTask.create(SCHEMA).for_model(wearing.tokenizer, False)  # `mlxcache json`
-    ids = engine.encode_chat([task.messages("")[0], *messages], **task.template_kwargs)
+    ids = engine.encoder.encode_chat([task.messages("")[0], *messages], **task.template_kwargs)
     assert plan.ids == ids
     if wearing.tokenizer._tokenizer.chat_template == QWEN3:  # asked not to think: it does not
         assert wearing.tokenizer.decode(ids).endswith("<think>\n\n</think>\n\n")

@@ -28,7 +28,7 @@ def test_warm_equals_cold_and_lanes_equal_solo(smol: LoadedModel, tmp_path: Path
     config = CacheConfig(block_size=B, directory=tmp_path)
     loaded, spy = spied(smol)
     engine = Engine(loaded, PromptCache(loaded.model, loaded.key, config, root=tmp_path / "kv"))
-    ids = engine.encode_chat(QUESTION)  # 37 tokens
+    ids = engine.encoder.encode_chat(QUESTION)  # 37 tokens
     params = SamplingParams(max_tokens=8)
     cold = engine.complete(Request(ids, params))
     cold_calls, cold_logits = list(spy.calls), spy.last_logits[2]
@@ -44,7 +44,7 @@ def test_warm_equals_cold_and_lanes_equal_solo(smol: LoadedModel, tmp_path: Path
     assert resume.length == 37 and mx.array_equal(resume.logits, cold_logits)
 
     # A longer prompt resumes at the last full block and makes the cold run's calls.
-    longer = engine.encode_chat([*QUESTION, {"role": "assistant", "content": "Paris."}])
+    longer = engine.encoder.encode_chat([*QUESTION, {"role": "assistant", "content": "Paris."}])
     cold_longer = Engine(smol, block_size=B).complete(Request(longer, params))
     spy.reset()
     resumed = engine.complete(Request(longer, params))
@@ -52,7 +52,9 @@ def test_warm_equals_cold_and_lanes_equal_solo(smol: LoadedModel, tmp_path: Path
     assert spy.calls[0] == (32, min(B, len(longer) - 32))
 
     # Two requests at once (sharing the cached prefix) each get their solo reply.
-    other = engine.encode_chat([{"role": "user", "content": "What is the capital of Italy?"}])
+    other = engine.encoder.encode_chat(
+        [{"role": "user", "content": "What is the capital of Italy?"}]
+    )
     solo_other = Engine(smol, block_size=B).complete(Request(other, params))
     ids_a, ids_b = engine.submit(Request(ids, params)), engine.submit(Request(other, params))
     done = {e.request_id: e.result for e in engine.run() if isinstance(e, Done)}

@@ -142,7 +142,7 @@ def params(**kw: Any) -> SamplingParams:
 
 
 def chat_ref(ref: Engine, messages: list[dict[str, Any]], p: SamplingParams) -> str:
-    return ref.complete(Request(ref.encode_chat(messages), p)).text
+    return ref.complete(Request(ref.encoder.encode_chat(messages), p)).text
 
 
 def chat_both(srv: ServerProcess, **kw: Any) -> tuple[Any, str, list[Any]]:
@@ -171,7 +171,7 @@ def test_chat_streamed_and_plain_equal_the_library(server: ServerProcess, ref: E
         usage = chunks[-1].usage
         assert usage is not None and usage.prompt_tokens == plain.usage.prompt_tokens
         assert usage.completion_tokens == plain.usage.completion_tokens
-        assert plain.usage.prompt_tokens == len(ref.encode_chat(messages))
+        assert plain.usage.prompt_tokens == len(ref.encoder.encode_chat(messages))
 
 
 def test_content_parts_developer_role_and_max_completion_tokens(
@@ -195,7 +195,7 @@ def test_stop_strings_cut_streamed_and_plain_alike(server: ServerProcess, ref: E
     full = chat_ref(ref, messages, params())
     stop = full[3:5]  # something the reply does contain
     plain, streamed, _ = chat_both(server, messages=messages, stop=[stop, "\x00never"])
-    ids = ref.encode_chat(messages)
+    ids = ref.encoder.encode_chat(messages)
     expected = ref.complete(Request(ids, params(), stop_strings=(stop, "\x00never")))
     assert plain.choices[0].message.content == streamed == expected.text
     assert expected.text == full[: full.index(stop)]
@@ -213,7 +213,7 @@ def test_completions_equal_the_library(server: ServerProcess, ref: Engine) -> No
         )
         if ch.choices
     )
-    ids = ref.encode("Once upon a time")
+    ids = ref.encoder.encode("Once upon a time")
     expected = ref.complete(Request(ids, params(max_tokens=12))).text
     assert plain.choices[0].text == streamed == expected
     assert plain.usage.prompt_tokens == len(ids)
@@ -368,7 +368,9 @@ def test_openai_client_gets_logprobs_and_a_model_card(server: ServerProcess, ref
     streamed = list(c.chat.completions.create(model=server.model, stream=True, **kw))
     expected = [
         e
-        for e in ref.generate(Request(ref.encode_chat(messages), params(max_tokens=6), logprobs=2))
+        for e in ref.generate(
+            Request(ref.encoder.encode_chat(messages), params(max_tokens=6), logprobs=2)
+        )
         if isinstance(e, Token) and e.logprob is not None
     ]
     assert plain.choices[0].logprobs is not None and plain.choices[0].logprobs.content
@@ -385,7 +387,7 @@ def test_openai_client_gets_logprobs_and_a_model_card(server: ServerProcess, ref
     ] == content
     text = c.completions.create(model=server.model, prompt="Once upon", max_tokens=4, logprobs=1)
     assert text.choices[0].logprobs is not None
-    ids = ref.encode("Once upon")
+    ids = ref.encoder.encode("Once upon")
     expected = [
         e
         for e in ref.generate(Request(ids, params(max_tokens=4), logprobs=1))
@@ -464,7 +466,7 @@ def test_client_gone_mid_stream_frees_its_lane(server: ServerProcess, ref: Engin
     assert "finish=disconnected" in line
     assert idle_report(server.url)["pinned_entries"] == 0
     reply = client(server).completions.create(model=server.model, prompt="abab", max_tokens=4)
-    expected = ref.complete(Request(ref.encode("abab"), params(max_tokens=4))).text
+    expected = ref.complete(Request(ref.encoder.encode("abab"), params(max_tokens=4))).text
     assert reply.choices[0].text == expected
 
 
@@ -636,6 +638,6 @@ def test_sigterm_drains_a_running_stream(model: Path, ref: Engine) -> None:
         text = "".join(
             json.loads(x)["choices"][0]["text"] for x in got[:-1] if json.loads(x)["choices"]
         )
-        assert text == ref.complete(Request(ref.encode("abab"), params(max_tokens=64))).text
+        assert text == ref.complete(Request(ref.encoder.encode("abab"), params(max_tokens=64))).text
     finally:
         assert srv.stop() == 0

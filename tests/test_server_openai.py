@@ -112,7 +112,7 @@ def test_chat_logprobs_streamed_and_plain_are_the_library_s(worker: EngineWorker
     plain = chat(app, **fields)
     assert plain.status == 200, plain.body
     choice = plain.json()["choices"][0]
-    ids = worker.engine.encode_chat(MESSAGES)
+    ids = worker.engine.encoder.encode_chat(MESSAGES)
     params = SamplingParams(max_tokens=8, temperature=0.9, seed=4)
     expected = library(worker, Request(ids, params, logprobs=3))
     assert choice["logprobs"]["refusal"] is None
@@ -140,7 +140,8 @@ def test_completion_logprobs_streamed_and_plain_are_the_library_s(worker: Engine
     fields = {"model": "tiny.gguf", "prompt": PROMPT, "max_tokens": 6, "logprobs": 2}
     plain = post(app, "/v1/completions", **fields).json()["choices"][0]
     expected = library(
-        worker, Request(worker.engine.encode(PROMPT), SamplingParams(max_tokens=6), logprobs=2)
+        worker,
+        Request(worker.engine.encoder.encode(PROMPT), SamplingParams(max_tokens=6), logprobs=2),
     )
     logprobs = plain["logprobs"]
     assert logprobs["token_logprobs"] == [t.logprob for t in expected]
@@ -183,11 +184,11 @@ def test_logprobs_are_the_same_bits_resumed_or_not(shaped_worker: EngineWorker) 
         tops = [list(top.values()) for top in lp["top_logprobs"]]
         return lp["token_logprobs"], tops, doc["usage"]["prompt_tokens_details"]["cached_tokens"]
 
-    first = shaped_worker.engine.encode(PROMPT)
+    first = shaped_worker.engine.encoder.encode(PROMPT)
     assert ask(PROMPT)[2] == 0
     resumed = ask(other)  # from the blocks the first prompt kept
     again = ask(other)  # the whole prompt, with its remembered last logits
-    ids = shaped_worker.engine.encode(other)
+    ids = shaped_worker.engine.encoder.encode(other)
     cold = library(shaped_worker, Request(ids, SamplingParams(max_tokens=5), logprobs=4))
     shared = next(i for i, (a, b) in enumerate(zip(first, ids, strict=False)) if a != b)
     assert (resumed[2], again[2]) == (shared // BLOCK * BLOCK, len(ids))
@@ -214,7 +215,7 @@ def test_logit_bias_moves_the_draw(worker: EngineWorker) -> None:
     # -100 on the greedy reply's first token: another first token.
     greedy = chat(app, max_tokens=1, logprobs=True).json()["choices"][0]["logprobs"]["content"]
     first = greedy[0]
-    ids = worker.engine.encode_chat(MESSAGES)
+    ids = worker.engine.encoder.encode_chat(MESSAGES)
     (token,) = [
         t.token for t in library(worker, Request(ids, SamplingParams(max_tokens=1), logprobs=0))
     ]
@@ -241,7 +242,7 @@ def test_presence_and_frequency_penalties_are_openai_s(
     app = app_of(worker)
     fields = {"max_tokens": 12, "presence_penalty": presence, "frequency_penalty": frequency}
     got = chat(app, **fields).json()["choices"][0]["message"]["content"]
-    ids = worker.engine.encode_chat(MESSAGES)
+    ids = worker.engine.encoder.encode_chat(MESSAGES)
     params = SamplingParams(max_tokens=12)
     request = Request(ids, params, [openai_penalties(len(ids), presence, frequency)])
     expected = worker.call(

@@ -149,7 +149,7 @@ def test_none_has_no_grammar() -> None:
 def test_required_makes_even_a_random_model_call(tiny: LoadedModel) -> None:
     engine = Engine(tiny)
     task = ToolsTask(TOOLS, ToolChoice("required"))
-    req = task.request(engine, engine.encode("x"), SamplingParams(max_tokens=120))
+    req = task.request(engine, engine.encoder.encode("x"), SamplingParams(max_tokens=120))
     assert task.style is not None and task.style.grammar is not None and not task.style.native
     result = engine.complete(req)
     reply = task.read(result)

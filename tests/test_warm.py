@@ -81,10 +81,10 @@ class Templated:
 def test_turn_two_starts_where_warm_ahead_ended(tiny: LoadedModel) -> None:
     engine, spy = cached(tiny)
     convo: list[dict[str, Any]] = [{"role": "user", "content": "hello there, model"}]
-    first = engine.complete(Request(engine.encode_chat(convo), GREEDY))
+    first = engine.complete(Request(engine.encoder.encode_chat(convo), GREEDY))
     convo.append({"role": "assistant", "content": first.text})
-    kept_before = len(engine.encode_chat(convo[:1])) // B * B
-    ahead = engine.encode_next_turn(convo)
+    kept_before = len(engine.encoder.encode_chat(convo[:1])) // B * B
+    ahead = engine.encoder.encode_next_turn(convo)
     target = len(ahead) // B * B
     assert target > kept_before  # the reply adds blocks to warm
     spy.reset()
@@ -95,7 +95,7 @@ def test_turn_two_starts_where_warm_ahead_ended(tiny: LoadedModel) -> None:
     assert spy.calls == [(s, e - s) for s, e in schedule(kept_before, target, B)]
     assert not engine.warming
 
-    nxt = engine.encode_chat([*convo, {"role": "user", "content": "and then?"}])
+    nxt = engine.encoder.encode_chat([*convo, {"role": "user", "content": "and then?"}])
     assert nxt[: len(ahead)] == ahead  # what was warmed is what the next prompt starts with
     spy.reset()
     second = engine.complete(Request(nxt, GREEDY))
@@ -268,8 +268,8 @@ def test_template_rewriting_earlier_turns(tiny: LoadedModel) -> None:
         {"role": "assistant", "content": "<think>two and two make four, surely</think>4"},
     ]
     naive = loaded.tokenizer.apply_chat_template(convo)
-    ahead = engine.encode_next_turn(convo)
-    nxt = engine.encode_chat([*convo, {"role": "user", "content": "and 3+3?"}])
+    ahead = engine.encoder.encode_next_turn(convo)
+    nxt = engine.encoder.encode_chat([*convo, {"role": "user", "content": "and 3+3?"}])
     assert nxt[: len(ahead)] == ahead
     assert nxt[: len(naive)] != naive  # rendering the reply as last message would keep reasoning
     engine.warm_chat(convo)

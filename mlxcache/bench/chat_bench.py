@@ -21,7 +21,8 @@ from typing import Any
 import mlx.core as mx
 
 from mlxcache.config import CacheConfig
-from mlxcache.engine import Engine, Request, common_prefix
+from mlxcache.encoder import common_prefix
+from mlxcache.engine import Engine, Request
 from mlxcache.model import LoadedModel, load
 from mlxcache.runtime import make_cache
 from mlxcache.sampling import SamplingParams
@@ -62,13 +63,13 @@ def _chat(
     ahead = 0  # length of the previous turn's next-turn prefix
     for text in TURNS:
         messages.append({"role": "user", "content": text})
-        result = runner.complete(Request(runner.encode_chat(messages), params))
+        result = runner.complete(Request(runner.encoder.encode_chat(messages), params))
         stats = result.stats
         rows.append(_row(stats.prompt_tokens, stats.cached_tokens, stats.ttft_s))
         rows[-1]["new"] = stats.prompt_tokens - ahead
         replies.append(result.text)
         messages.append({"role": "assistant", "content": result.text})
-        ahead = len(runner.engine.encode_next_turn(messages))
+        ahead = len(runner.engine.encoder.encode_next_turn(messages))
         runner.warm_chat(messages)
         if wait:  # the user reads: warm-ahead runs to its end before the next turn
             runner.call(lambda e: list(e.run(warm=True)))
@@ -88,7 +89,7 @@ def _mlx_lm_chat(loaded: LoadedModel, params: SamplingParams) -> list[dict[str, 
     eos = set(loaded.tokenizer.eos_token_ids)
     for text in TURNS:
         messages.append({"role": "user", "content": text})
-        prompt = engine.encode_chat(messages)
+        prompt = engine.encoder.encode_chat(messages)
         reuse = min(common_prefix(held, prompt), len(prompt) - 1)
         trim_prompt_cache(cache, len(held) - reuse)
         start = time.perf_counter()
@@ -122,7 +123,7 @@ def _replay(
     out = []
     for text, reply in zip(TURNS, replies, strict=True):
         messages.append({"role": "user", "content": text})
-        out.append(engine.complete(Request(engine.encode_chat(messages), params)).text)
+        out.append(engine.complete(Request(engine.encoder.encode_chat(messages), params)).text)
         messages.append({"role": "assistant", "content": reply})
     return out
 
@@ -130,7 +131,7 @@ def _replay(
 def _resumed_share(loaded: LoadedModel, config: CacheConfig) -> dict[str, Any]:
     """A ~100-token prompt sent twice with the default settings."""
     engine = Engine(loaded, make_cache(loaded, config))
-    ids = engine.encode_chat([{"role": "user", "content": LONG_PROMPT}])
+    ids = engine.encoder.encode_chat([{"role": "user", "content": LONG_PROMPT}])
     params = SamplingParams(max_tokens=4)
     engine.complete(Request(ids, params))
     again = engine.complete(Request(ids, params)).stats

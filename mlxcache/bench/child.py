@@ -18,7 +18,7 @@ def main(argv: list[str]) -> None:
     model, directory, block_size, messages = argv
     config = CacheConfig(block_size=int(block_size), directory=Path(directory))
     engine = open_engine(model or None, config)
-    ids = engine.encode_chat(json.loads(Path(messages).read_text()))
+    ids = engine.encoder.encode_chat(json.loads(Path(messages).read_text()))
     result = engine.complete(Request(ids, SamplingParams(max_tokens=4)))
     sys.stdout.write(json.dumps(result.stats.as_dict()) + "\n")
 

@@ -34,7 +34,7 @@ def _mlx_lm(engine: Engine, ids: list[int], tokens: int) -> float:
 def run(model: str | None = None, tokens: int = 32, rounds: int = 3) -> dict[str, Any]:
     """Median decode tokens/s of both loops over `rounds` interleaved rounds, and their ratio."""
     engine = Engine(load(model))
-    ids = engine.encode(PROMPT)
+    ids = engine.encoder.encode(PROMPT)
     _ours(engine, ids, 4)  # warm up kernels and allocator for both
     ours, theirs = [], []
     for _ in range(rounds):

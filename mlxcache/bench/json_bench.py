@@ -62,7 +62,7 @@ def _tps(engine: Engine, ids: list[int], tokens: int, constrained: bool) -> floa
 
 def decode_ratio(engine: Engine, tokens: int, rounds: int) -> dict[str, Any]:
     """Median decode tokens/s of JSON mode and plain generation over interleaved rounds."""
-    ids = engine.encode_chat([{"role": "user", "content": PROMPT}])
+    ids = engine.encoder.encode_chat([{"role": "user", "content": PROMPT}])
     _tps(engine, ids, 4, constrained=True)  # warm up kernels, allocator, llguidance tokenizer
     plain, constrained = [], []
     for _ in range(rounds):
@@ -110,7 +110,7 @@ def batch_speedup(
     return {
         "lines": lines,
         "block_size": block_size,
-        "prefix_tokens": len(fresh.encode_chat(task.messages("")[:1])),
+        "prefix_tokens": len(fresh.encoder.encode_chat(task.messages("")[:1])),
         "cache_s_per_request": with_cache["s_per_request"],
         "no_cache_s_per_request": without["s_per_request"],
         "speedup": round(speedup, 3),

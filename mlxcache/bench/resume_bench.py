@@ -38,7 +38,7 @@ def _chat(
     ratios, rows = [], []
     for turn in range(turns):
         messages.append({"role": "user", "content": f"{TURN} ({turn + 1})"})
-        ids = warm.encode_chat(messages)
+        ids = warm.encoder.encode_chat(messages)
         w = warm.complete(Request(ids, PARAMS)).stats
         c = cold.complete(Request(ids, PARAMS)).stats
         rows.append(
@@ -62,7 +62,7 @@ def _fork_bytes(loaded: LoadedModel, base: list[dict[str, str]], block_size: int
     forked = Engine(loaded, cache)
     unique: set[tuple[int, ...]] = set()
     for branch in ("rivers", "deserts"):
-        ids = forked.encode_chat(
+        ids = forked.encoder.encode_chat(
             [*base, {"role": "user", "content": f"Now tell me about {branch}."}]
         )
         forked.complete(Request(ids, PARAMS))
@@ -129,7 +129,7 @@ def run(
         warm = Engine(loaded, make_cache(loaded, config))
         rows, ratios, messages = _chat(warm, cold, turns)
         # A new cache instance: memory empty, the disk tier holds the conversation's blocks.
-        ids = warm.encode_chat(messages)
+        ids = warm.encoder.encode_chat(messages)
         reopened = Engine(loaded, make_cache(loaded, config))
         disk = reopened.complete(Request(ids, PARAMS)).stats
     fresh = cold.complete(Request(ids, PARAMS)).stats

@@ -206,7 +206,7 @@ def generate(
     seconds = {"mlxcache": 0.0, "peer": 0.0}
     for i, (path, item) in enumerate(compiled.items(), 1):
         task = JsonTask(item)
-        ids = engine.encode_chat(task.messages(PROMPT))
+        ids = engine.encoder.encode_chat(task.messages(PROMPT))
         start = time.perf_counter()
         ours[path.name] = read_reply(task, engine.complete(request(engine, ids, task, params)))
         seconds["mlxcache"] += time.perf_counter() - start

@@ -20,13 +20,15 @@ from mlxcache.fileio import loads_json, write_atomic
 from mlxcache.sampling import SamplingParams
 
 if TYPE_CHECKING:  # the engine imports mlx_lm (seconds); listing sessions needs none of it
+    from mlxcache.encoder import Encoder
     from mlxcache.engine import Request
 
 
 class Runner(Protocol):
     """What a chat needs to run turns: an `Engine`, or an `EngineWorker` driving one."""
 
-    def encode_chat(self, messages: list[dict[str, Any]], **template_kwargs: Any) -> list[int]: ...
+    @property
+    def encoder(self) -> Encoder: ...
 
     def generate(self, request: Request) -> Iterator[Event]: ...
 
@@ -90,7 +92,7 @@ class ChatSession:
             raise UserInputError("the message is empty")
         from mlxcache.engine import Request
 
-        ids = engine.encode_chat([*self.messages(), {"role": "user", "content": text}])
+        ids = engine.encoder.encode_chat([*self.messages(), {"role": "user", "content": text}])
         params = replace(self.sampling, seed=(self.sampling.seed + self.generations) % 2**63)
         self.generations += 1
         pieces: list[str] = []

@@ -170,7 +170,7 @@ def read_reply(task: JsonTask, result: Result) -> JsonReply:
 
 def request(engine: Engine, ids: list[int], task: JsonTask, params: SamplingParams) -> Request:
     """A constrained request (a fresh grammar matcher each time)."""
-    room = engine.reply_room(ids, params.max_tokens)
+    room = engine.encoder.reply_room(ids, params.max_tokens)
     budget = budget_processors(task.thinking, engine.loaded.tokenizer, room)
     return Request(ids, params, [processor_for(engine.loaded, task.grammar), *budget])
 
@@ -182,8 +182,8 @@ def encode(
     **template_kwargs: Any,
 ) -> list[int]:
     """Token ids of `messages`, refused early when they leave no room for a reply."""
-    ids = engine.encode_chat(messages, **template_kwargs)
-    engine.check_fits(ids, where)
+    ids = engine.encoder.encode_chat(messages, **template_kwargs)
+    engine.encoder.check_fits(ids, where)
     return ids
 
 

@@ -110,6 +110,13 @@ class ThinkingBudget:
         self.budget = budget
         tag = tokenizer.encode(thinking.end, add_special_tokens=False)
         self._tag_token: int | None = int(tag[0]) if len(tag) == 1 else None
+        # The first token of each rest of the tag, encoded here, on the front end's thread:
+        # the engine thread only decodes (see `encoder` on tokenizers and threads).
+        end = thinking.end
+        rests = range(len(end)) if self._tag_token is None else ()
+        self._rest_token = [
+            int(tokenizer.encode(end[n:], add_special_tokens=False)[0]) for n in rests
+        ]
         self._prompt_len: int | None = None
         self._done = False
         self.forced = 0
@@ -147,7 +154,7 @@ class ThinkingBudget:
             return None  # a character half-written: let it complete first
         if self._tag_token is not None:
             return self._tag_token
-        return int(self._tokenizer.encode(end[held(text, end) :], add_special_tokens=False)[0])
+        return self._rest_token[held(text, end)]
 
 
 def budget_processors(thinking: Thinking | None, tokenizer: Any, room: int) -> list[ThinkingBudget]:

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from mlxcache.constrain import processor_for
-from mlxcache.engine import Engine, LogitsProcessor, Request, next_turn_prefix
+from mlxcache.encoder import next_turn_prefix
+from mlxcache.engine import Engine, LogitsProcessor, Request
 from mlxcache.errors import UserInputError
 from mlxcache.events import Result
 from mlxcache.modes.reasoning import Thinking, budget_processors, split_reply, thinking_for
@@ -262,11 +263,11 @@ class ToolsTask:
             head = [{"role": "system", "content": self.system}] if self.system else []
             tools = [t.as_openai() for t in self.tools]
             chat = [*head, *map(_openai, messages)]
-            ids = engine.encode_chat(chat, tools=tools, **style.template_kwargs)
+            ids = engine.encoder.encode_chat(chat, tools=tools, **style.template_kwargs)
         else:
             chat = hermes_messages(messages, self.tools, self.system)
-            ids = engine.encode_chat(chat, **style.template_kwargs)
-        engine.check_fits(ids, "the conversation")
+            ids = engine.encoder.encode_chat(chat, **style.template_kwargs)
+        engine.encoder.check_fits(ids, "the conversation")
         return ids
 
     def request(self, engine: Engine, ids: list[int], params: SamplingParams) -> Request:
@@ -275,7 +276,7 @@ class ToolsTask:
         processors: list[LogitsProcessor] = []
         if style.grammar is not None:
             processors.append(processor_for(engine.loaded, style.grammar))
-        room = engine.reply_room(ids, params.max_tokens)
+        room = engine.encoder.reply_room(ids, params.max_tokens)
         processors += budget_processors(style.thinking, engine.loaded.tokenizer, room)
         return Request(ids, params, processors)
 

@@ -51,7 +51,9 @@ def steps(engine: Engine, case: Case) -> Steps:
     """The requests of `case`, step by step (later steps may depend on earlier replies)."""
     p = case.sampling
     if case.kind == "plain":
-        ids = engine.encode_chat([*_head(case), {"role": "user", "content": case.data["prompt"]}])
+        ids = engine.encoder.encode_chat(
+            [*_head(case), {"role": "user", "content": case.data["prompt"]}]
+        )
         return [_output(r) for r in (yield [Request(ids, p)])]
     if case.kind == "chat":
         messages, outputs = _head(case), []
@@ -61,7 +63,7 @@ def steps(engine: Engine, case: Case) -> Steps:
         for i, turn in enumerate(turns):
             if i == len(case.data["turns"]):  # the repeat: ask the last turn again
                 messages = messages[:-2]
-            ids = engine.encode_chat([*messages, {"role": "user", "content": turn}])
+            ids = engine.encoder.encode_chat([*messages, {"role": "user", "content": turn}])
             (result,) = yield [Request(ids, p)]
             outputs.append(_output(result))
             messages += [

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import threading
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
@@ -35,7 +34,6 @@ from mlxcache.server.schemas import ChatRequest, CompletionRequest, SamplingFiel
 DEFAULT_MAX_BODY = 8 << 20
 B = TypeVar("B", bound=BaseModel)
 R = TypeVar("R", bound=SamplingFields)
-T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,13 +71,9 @@ def create_app(engine: Engine, worker: Worker, settings: Settings, log: RequestL
     app = FastAPI(title="mlxcache", docs_url=None, redoc_url=None, openapi_url=None)
     errors.install(app)
     metrics = Metrics()
-    # Tokenizer calls run one request at a time: a fast tokenizer used from two threads at
-    # once can fail ("Already borrowed"). Grammar work runs outside this lock (see prepare).
-    tokenizing = threading.Lock()
-
-    def locked(fn: Callable[[], T]) -> T:
-        with tokenizing:
-            return fn()
+    # Tokenizer calls run one request at a time (the encoder's lock: see `encoder`); grammar
+    # work runs outside it (see prepare).
+    tokenizing = engine.encoder.lock
 
     async def prepared(fn: Callable[..., Plan], body: Any) -> Plan:
         return await run_in_threadpool(
@@ -115,7 +109,7 @@ def create_app(engine: Engine, worker: Worker, settings: Settings, log: RequestL
         if plan.next_turn is None:
             return
         turn = plan.next_turn
-        worker.warm(await run_in_threadpool(locked, lambda: turn(answer)))
+        worker.warm(await run_in_threadpool(turn, answer))
 
     @app.get("/health")
     async def health() -> dict[str, Any]:

@@ -5,8 +5,9 @@ over HTTP is bitwise what `mlxcache generate` / `json` / `tools` give on the sam
 Everything here is plain Python (templates, tokenizer, grammar compilation): it runs on
 the handler's thread; only the returned Request goes to the engine worker. Grammar work
 (checking a schema, compiling its grammar: seconds for a large one, bounded by
-`schema.MAX_SCHEMA_OBJECTS`) runs outside `tokenizing`, the server's one lock, which is
-held only where the tokenizer is called: one client's schema never stalls another's reply.
+`schema.MAX_SCHEMA_OBJECTS`) runs outside `tokenizing` (the encoder's lock, which its own
+calls take too), held only where the tokenizer is called: one client's schema never
+stalls another's reply.
 """
 
 from __future__ import annotations
@@ -220,7 +221,7 @@ def _chat(
     if fmt is None or fmt.type == "text":
         tokenizer = engine.loaded.tokenizer
         with tokenizing:
-            ids = engine.encode_chat(messages)
+            ids = engine.encoder.encode_chat(messages)
             thinking = reply_thinking(tokenizer, tokenizer.decode(ids[-_PROMPT_END:]))
         # A client may send the next turn as soon as this reply ends: follow it.
         request = Request(ids, params, stop_strings=body.stops(), follow=engine.warm_ahead)
@@ -256,7 +257,7 @@ def _warm(
 ) -> Callable[[Answer], list[int]] | None:
     if not engine.warm_ahead:
         return None
-    return lambda answer: engine.encode_next_turn(
+    return lambda answer: engine.encoder.encode_next_turn(
         [*rendered, {"role": "assistant", "content": answer.content}], **template_kwargs
     )
 
@@ -309,8 +310,8 @@ def _completion(
             raise APIError(400, "prompt must be one string", param="prompt", code="invalid_value")
         prompt = prompt[0]
     with tokenizing:
-        ids = engine.encode(prompt)
-    engine.check_fits(ids)
+        ids = engine.encoder.encode(prompt)
+    engine.encoder.check_fits(ids)
     return Plan(ids, Request(ids, params, stop_strings=body.stops()))
 
 
