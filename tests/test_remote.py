@@ -1,0 +1,210 @@
+"""`--server URL`: generate and json sent to a running `mlxcache serve` print the bytes they
+print in-process; a server that would reply otherwise (another block size or model) or
+that cannot be reached is one error line, never a silent fallback."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from tinymodel import write_tiny_gguf
+
+from mlxcache.server.process import MlxcacheServer, free_port, running
+
+pytestmark = pytest.mark.slow  # a server in a child process
+
+BLOCK = 16
+SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 8}, "ok": {"type": "boolean"}},
+    "required": ["city", "ok"],
+}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("remote-model") / "tiny4k.gguf"
+    write_tiny_gguf(path, context=4096)
+    return path
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("remote-cache")
+
+
+@pytest.fixture(scope="module")
+def server(model: Path, cache: Path) -> Iterator[MlxcacheServer]:
+    args = ["--block-size", str(BLOCK), "--cache-dir", str(cache), "--no-warm-ahead"]
+    with running(model, *args) as srv:
+        yield srv
+
+
+def cli(
+    model: Path, cache: Path, *args: str, server: str | None = None
+) -> subprocess.CompletedProcess[bytes]:
+    """`mlxcache ARGS -m MODEL` in a new process (as a user runs it), through `server`."""
+    env = {k: v for k, v in os.environ.items() if k != "MLXCACHE_SERVER"}
+    if server is not None:
+        env["MLXCACHE_SERVER"] = server
+    argv = [sys.executable, "-m", "mlxcache_cli", *args, "-m", str(model)]
+    argv += ["--cache-dir", str(cache), "--block-size", str(BLOCK)]
+    return subprocess.run(argv, capture_output=True, env=env, check=False, timeout=600)
+
+
+def notes(stderr: bytes) -> list[str]:
+    """Every stderr line but the stats line (whose timings differ run to run)."""
+    return [line for line in stderr.decode().splitlines() if "prompt tokens cached" not in line]
+
+
+def stats_line(stderr: bytes) -> str:
+    return next(line for line in stderr.decode().splitlines() if "prompt tokens cached" in line)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["generate", "-n", "12", "hello there"],
+        ["generate", "-n", "12", "--raw", "--stop", "P", "once upon"],
+        ["generate", "-n", "12", "-t", "0.8", "--seed", "3", "--top-k", "20", "hi"],
+        ["json", "-n", "40", "--schema", json.dumps(SCHEMA), "Paris?"],
+        ["json", "-n", "4", "--schema", json.dumps(SCHEMA), "Paris?"],  # cut off: exit 1
+    ],
+)
+def test_same_bytes_as_in_process(
+    server: MlxcacheServer, model: Path, cache: Path, args: list[str]
+) -> None:
+    local = cli(model, cache, *args)
+    through = cli(model, cache, *args, server=server.url)
+    assert through.returncode == local.returncode
+    assert through.stdout == local.stdout and (local.stdout or local.returncode)
+    assert notes(through.stderr) == notes(local.stderr)  # errors and the token limit note
+    # The server's stats: its memory tier holds the prompt the first call kept.
+    assert "/" in stats_line(through.stderr)
+
+
+def test_json_output_carries_the_servers_tokens_and_stats(
+    server: MlxcacheServer, model: Path, cache: Path
+) -> None:
+    args = ["generate", "-n", "8", "--json", "a json line"]
+    local = json.loads(cli(model, cache, *args).stdout)
+    first = json.loads(cli(model, cache, *args, server=server.url).stdout)
+    again = json.loads(cli(model, cache, *args, server=server.url).stdout)
+    for doc in (first, again):
+        assert (doc["text"], doc["tokens"], doc["finish_reason"]) == (
+            local["text"],
+            local["tokens"],
+            local["finish_reason"],
+        )
+    assert again["stats"]["cached_from"] == "memory"
+    assert again["stats"]["prefilled_tokens"] == 0  # the same prompt resumes whole
+
+
+def test_another_block_size_is_refused_in_one_line(
+    server: MlxcacheServer, model: Path, cache: Path
+) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "MLXCACHE_SERVER"}
+    argv = [sys.executable, "-m", "mlxcache_cli", "generate", "-n", "4", "hi", "-m", str(model)]
+    argv += ["--cache-dir", str(cache), "--block-size", "32", "--server", server.url]
+    out = subprocess.run(argv, capture_output=True, env=env, check=False, timeout=600)
+    assert out.returncode == 2 and out.stdout == b""
+    assert out.stderr.decode() == (
+        f"error: the server at {server.url} does not reply as this command would: "
+        "block size: 16 (server) vs 32 (this command)\n"
+    )
+
+
+def test_another_model_is_refused(server: MlxcacheServer, cache: Path, tmp_path: Path) -> None:
+    other = tmp_path / "other.gguf"
+    write_tiny_gguf(other, context=4096, seed=1)
+    out = cli(other, cache, "generate", "-n", "4", "hi", server=server.url)
+    assert out.returncode == 2 and out.stdout == b""
+    lines = out.stderr.decode().splitlines()
+    assert len(lines) == 1
+    assert lines[0].startswith(f"error: the server at {server.url} does not reply as this")
+    assert (
+        f"model: {server_source(server)} (server) vs {other.resolve()} (this command)" in lines[0]
+    )
+
+
+def server_source(server: MlxcacheServer) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(server.url + "/v1/models") as reply:
+        return str(json.loads(reply.read())["data"][0]["mlxcache"]["source"])
+
+
+def test_a_changed_model_file_is_refused(model: Path, cache: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "copy.gguf"
+    copy.write_bytes(model.read_bytes())
+    with running(copy, "--block-size", str(BLOCK), "--cache-dir", str(cache)) as srv:
+        os.utime(copy, ns=(0, 0))  # the same path, other files: what it loaded is gone
+        out = cli(copy, cache, "generate", "-n", "4", "hi", server=srv.url)
+    assert out.returncode == 2
+    assert "model files (changed since the server loaded them)" in out.stderr.decode()
+
+
+def test_unreachable_server_is_one_line_exit_1(model: Path, cache: Path) -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    out = cli(model, cache, "generate", "-n", "4", "hi", server=url)
+    assert out.returncode == 1 and out.stdout == b""
+    assert out.stderr.decode() == f"error: cannot reach the server at {url}: Connection refused\n"
+
+
+@pytest.mark.parametrize(
+    ("args", "flag"),
+    [
+        (["json", "--strict", "x"], "--strict"),
+        (["json", "--think", "x"], "--think"),
+        (["json", "--input", "in.jsonl", "-o", "out.jsonl"], "--input"),
+    ],
+)
+def test_options_a_server_cannot_honour_are_refused(
+    model: Path, cache: Path, args: list[str], flag: str
+) -> None:
+    out = cli(model, cache, *args, server="http://127.0.0.1:9")  # refused before connecting
+    assert out.returncode == 2
+    assert out.stderr.decode() == (
+        f"error: {flag} runs in-process only: drop --server (or unset $MLXCACHE_SERVER)\n"
+    )
+
+
+def test_remote_path_imports_no_model_code(
+    server: MlxcacheServer, model: Path, cache: Path
+) -> None:
+    code = (
+        "import sys, runpy; sys.argv = ['mlxcache'] + sys.argv[1:]\n"
+        "try:\n    runpy.run_module('mlxcache_cli', run_name='__main__')\n"
+        "except SystemExit:\n    pass\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('mlx_lm', 'transformers', 'mlxcache')  and (m.startswith(('mlx_lm', 'transformers')) "
+        "or m in ('mlxcache.engine', 'mlxcache.runtime'))), file=sys.stderr)"
+    )
+    argv = [sys.executable, "-c", code, "generate", "-n", "4", "hi", "-m", str(model)]
+    argv += ["--cache-dir", str(cache), "--block-size", str(BLOCK), "--server", server.url]
+    out = subprocess.run(argv, capture_output=True, check=False, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.decode().splitlines()[-1] == "[]"
+
+
+def test_identity_is_on_the_model_card(server: MlxcacheServer, model: Path) -> None:
+    import urllib.request
+
+    from mlxcache import __version__
+    from mlxcache.remote import model_source
+
+    with urllib.request.urlopen(server.url + "/v1/models") as reply:
+        found = json.loads(reply.read())["data"][0]["mlxcache"]
+    assert {k: v for k, v in found.items() if k != "key"} == {
+        **model_source(str(model)),
+        "block_size": BLOCK,
+        "cache": True,
+        "exact": True,
+        "version": __version__,
+    }
+    assert len(found["key"]) == 32
