@@ -279,10 +279,19 @@ def reuse(
 def startup(
     rounds: Annotated[int, typer.Option("--rounds", help="Interleaved rounds.", metavar="N")] = 5,
     cache_dir: o.CacheDir = None,
+    server: Annotated[
+        str | None,
+        typer.Option(
+            "--server",
+            metavar="URL",
+            help="Also time a short generate through the `mlxcache serve` at URL (goal: <= 1 s).",
+        ),
+    ] = None,
 ) -> None:
     """Wall time of --help, --version, a typo, json --check, cache ls and models ls vs
-    `python -c pass`, each in a new process (goal: <= 0.5 s each, fastest round)."""
+    `python -c pass`, each in a new process (goal: <= 0.5 s each, fastest round); with
+    --server, of a repeated short generate through a running server too (goal: <= 1 s)."""
     from mlxcache_cli import startup_bench
 
     o.positive(rounds=rounds)
-    _report(startup_bench.run(rounds, cache_dir))
+    _report(startup_bench.run(rounds, cache_dir, server))

@@ -12,7 +12,7 @@ import typer
 from mlxcache.errors import UserInputError
 from mlxcache.regress import VARIANTS
 from mlxcache_cli import options as o
-from mlxcache_cli import ui
+from mlxcache_cli import remote, ui
 
 if TYPE_CHECKING:  # the runner imports mlx_lm (seconds): imported by the commands
     from mlxcache.regress import golden
@@ -109,6 +109,8 @@ def _run(
 ) -> tuple[int, golden.Report]:
     """`act` on the suite in a scratch cache directory."""
     from mlxcache.regress.runner import Runner
+
+    remote.runs_in_process("regress", "its variants set the cache's state")
 
     progress = ui.regress_progress(quiet)
     with tempfile.TemporaryDirectory(prefix="mlxcache-regress-") as work:

@@ -60,6 +60,13 @@ def connect(url: str, run: RunOptions) -> tuple[Server, str]:
     return server, str(card["id"])
 
 
+def runs_in_process(command: str, why: str) -> None:
+    """One note when $MLXCACHE_SERVER is set for a command that does not use it: a
+    server is never skipped silently."""
+    if os.environ.get(ENV_SERVER):
+        ui.info(f"note: {command} runs in-process ({why}); ${ENV_SERVER} is for generate and json")
+
+
 def in_process_only(**given: object) -> None:
     """Refuse the options a server cannot honour as the command would (named as flags)."""
     for name, value in given.items():

@@ -10,7 +10,7 @@ import typer
 from mlxcache.errors import MlxcacheError, OutputError, UserInputError
 from mlxcache.fileio import loads_json
 from mlxcache_cli import options as o
-from mlxcache_cli import ui
+from mlxcache_cli import remote, ui
 
 if TYPE_CHECKING:  # imported by the command: `--help` loads no model code
     from mlxcache.engine import Engine
@@ -118,6 +118,7 @@ def tools_cmd(
     params = run.sampling()
     check_think_options(think, think_budget, params.max_tokens)  # before the model loads
     task = ToolsTask(tools, choice, system, parallel, think, think_budget)
+    remote.runs_in_process("tools", "not sent to a server yet")
     engine = run.engine()
     ids = task.encode(engine, messages)
     with o.watch(engine, ids, run.quiet) as seen:
