@@ -3,39 +3,57 @@
 Floating point results depend on the shapes a kernel sees, so a resumed request must
 run exactly the forward calls a fresh one runs from the resume point on. Chunks
 `[0,B) [B,2B) ...` plus a last partial chunk make that true by construction.
+
+On a device measured shape-invariant (`invariance`: a token's KV does not depend on the
+chunk it was computed in), a resume may also start inside a block: its first chunk runs to
+the next boundary, and the chunks after it are the canonical ones again.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from itertools import pairwise
 
 import mlx.core as mx
 import numpy as np
 
 
-def schedule(start: int, end: int, block_size: int) -> list[tuple[int, int]]:
+def schedule(
+    start: int, end: int, block_size: int, anywhere: bool = False
+) -> list[tuple[int, int]]:
     """The (start, stop) chunks that prefill tokens [start, end), aligned to `block_size`.
 
+    Args:
+        anywhere: `start` may be inside a block (a shape-invariant device only).
+
     Raises:
-        ValueError: if `start` is not a block boundary or the range is empty.
+        ValueError: if `start` is not a block boundary (and not `anywhere`) or the range
+            is empty.
     """
-    if start % block_size:
+    if start % block_size and not anywhere:
         raise ValueError(f"prefill must start at a block boundary, got {start} (B={block_size})")
     if not 0 <= start < end:
         raise ValueError(f"empty prefill range [{start}, {end})")
-    return [(s, min(s + block_size, end)) for s in range(start, end, block_size)]
+    bounds = [start, *range(start // block_size * block_size + block_size, end, block_size), end]
+    return list(pairwise(bounds))
 
 
 def prefill(
-    model: object, layers: list[object], tokens: np.ndarray, start: int, block_size: int
+    model: object,
+    layers: list[object],
+    tokens: np.ndarray,
+    start: int,
+    block_size: int,
+    anywhere: bool = False,
 ) -> Iterator[tuple[int, mx.array | None]]:
-    """Run the canonical prefill of tokens[start:] into `layers`.
+    """Run the canonical prefill of tokens[start:] into `layers` (`anywhere`: see
+    `schedule`).
 
     Yields (stop, logits) after each chunk, evaluated, so the caller can checkpoint at
     block boundaries and interleave other requests. Logits (of the last prompt token)
     come with the final chunk only: earlier chunks leave the LM head unevaluated.
     """
-    chunks = schedule(start, len(tokens), block_size)
+    chunks = schedule(start, len(tokens), block_size, anywhere)
     for s, e in chunks:
         out = model(mx.array(tokens[None, s:e]), cache=layers)  # type: ignore[operator]
         states = [c.state for c in layers]  # type: ignore[attr-defined]
