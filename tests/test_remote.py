@@ -27,10 +27,9 @@ SCHEMA = {
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("remote-model") / "tiny4k.gguf"
-    write_tiny_gguf(path, context=4096)
-    return path
+def model(wide_gguf: Path) -> Path:
+    """The tiny model with room for a schema in its prompt."""
+    return wide_gguf
 
 
 @pytest.fixture(scope="module")
