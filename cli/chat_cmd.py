@@ -270,7 +270,7 @@ class Repl:
             self.reply(self.session.ask(self.runner, line))
         except MlxcacheError as exc:
             self.failed = True
-            ui.error(str(exc))
+            ui.error(exc)
         return True
 
 

@@ -123,7 +123,7 @@ def command(
         except MlxcacheError as exc:
             if _state["debug"]:
                 raise
-            ui.error(str(exc))
+            ui.error(exc)
             raise typer.Exit(exit_code(exc)) from None
         except KeyboardInterrupt:
             ui.error("interrupted")

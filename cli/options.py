@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 import typer
 
 from mlxcache.config import CPU_BLOCK_SIZE, METAL_BLOCK_SIZE, CacheConfig, format_size, parse_size
-from mlxcache.errors import UserInputError
+from mlxcache.errors import SettingError, UserInputError
 from mlxcache.events import Event, Stats
 from mlxcache.sampling import SamplingParams
 from mlxcache_cli import ui
@@ -237,14 +237,9 @@ def positive(**values: int) -> None:
 
 
 def sampling(**options: Any) -> SamplingParams:
-    """Sampling settings from options (named as SamplingParams' fields); bad values become user
-    errors naming the option."""
-    try:
-        return SamplingParams(**options)
-    except ValueError as exc:
-        field = str(exc).split(" ", 1)[0]
-        flag = "--temp" if field == "temperature" else f"--{field.replace('_', '-')}"
-        raise UserInputError(str(exc).replace(field, flag, 1)) from exc
+    """Sampling settings from options (named as SamplingParams' fields); a bad value raises
+    a `SettingError` naming its field, which `ui` prints as the option's flag."""
+    return SamplingParams(**options)
 
 
 def cache_config(
@@ -266,8 +261,10 @@ def cache_config(
             warm_ahead=warm_ahead,
             **size,
         )
-    except ValueError as exc:
-        raise UserInputError(str(exc).replace("block size", "--block-size", 1)) from exc
+    except SettingError:
+        raise  # names its setting: `ui` prints it as the flag
+    except ValueError as exc:  # not a size
+        raise UserInputError(str(exc)) from exc
 
 
 def engine(model: str | None, cache: CacheConfig, invariant: bool = False) -> Engine:

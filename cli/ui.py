@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -24,6 +23,7 @@ from rich.progress import (
 from rich.text import Text
 from rich.theme import Theme
 
+from mlxcache.errors import worded
 from mlxcache.events import Done, Prefill, Token
 
 THEME = Theme(
@@ -87,25 +87,36 @@ def preview(text: str, width: int = 60) -> str:
     return flat if len(flat) <= width else flat[: width - 1] + "…"
 
 
-# The library names settings as its API does (max_tokens); a CLI user knows them as flags.
-_FLAGS = {
+FLAGS = {
     "max_tokens": "--max-tokens",
+    "temperature": "--temp",
+    "top_p": "--top-p",
+    "top_k": "--top-k",
+    "min_p": "--min-p",
+    "seed": "--seed",
+    "repetition_penalty": "--repetition-penalty",
+    "presence_penalty": "--presence-penalty",
+    "frequency_penalty": "--frequency-penalty",
+    "block_size": "--block-size",
+    "think": "--think",
+    "think_budget": "--think-budget",
     "tool_choice": "--tool-choice",
     "tool_result": "--tool-result",
-    "leave strict mode": "drop --strict",
-    "the earlier messages": "--messages FILE",
-    "previous JSON output": "previous --json output",
+    "strict": "drop --strict",
+    "messages": "--messages FILE",
+    "json_output": "previous --json output",
 }
-_SETTING = re.compile("|".join(rf"(?<![\w-]){re.escape(k)}(?!\w)" for k in _FLAGS))
+"""The words of the CLI for the settings library messages name (`errors.Worded`): their
+flags, where the library names them as its API does (max_tokens -> --max-tokens)."""
 
 
-def as_flags(message: str) -> str:
-    """A library message in the CLI's words: settings named by their flags."""
-    return _SETTING.sub(lambda m: _FLAGS[m.group(0)], message)
+def as_flags(message: object) -> str:
+    """A library error or message in the CLI's words: settings named by their flags."""
+    return worded(message, FLAGS)
 
 
-def error(message: str) -> None:
-    """The one red line a failed command prints."""
+def error(message: object) -> None:
+    """The one red line a failed command prints (`message`: text, or a library error)."""
     err.print(f"error: {as_flags(message)}", style="error", markup=False, soft_wrap=True)
 
 
@@ -126,7 +137,7 @@ def thought(reasoning: str | None) -> None:
         )
 
 
-def warn(message: str) -> None:
+def warn(message: object) -> None:
     err.print(f"warning: {as_flags(message)}", style="warn", markup=False, soft_wrap=True)
 
 

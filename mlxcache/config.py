@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mlxcache.errors import UserInputError
+from mlxcache.errors import Setting, SettingError, UserInputError, Worded
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
@@ -89,7 +89,8 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
-            raise ValueError(f"block size must be >= 1, got {self.block_size}")
+            why = f" must be >= 1, got {self.block_size}"
+            raise SettingError(Worded(Setting("block_size", "block size"), why))
         if self.mem_bytes < 0 or self.disk_bytes < 0:
             raise ValueError("cache budgets must be >= 0")
         if self.state_stride is not None and self.state_stride < 1:

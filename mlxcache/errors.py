@@ -1,6 +1,67 @@
-"""Domain errors: the library raises these; only `cli/` turns them into exit codes."""
+"""Domain errors: the library raises these; only `cli/` turns them into exit codes.
+
+A message that names a setting carries it as data (`Worded`), so each front end names it
+its own way (the CLI by its flag, the server by its request field) without reading prose.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Setting:
+    """A setting a message names: `key` (the library's API name), and the words the
+    library's own message uses for it (default: the key)."""
+
+    key: str
+    said: str = ""
+
+    def words(self, names: Mapping[str, str]) -> str:
+        return names.get(self.key, self.said or self.key)
+
+
+class Worded(str):
+    """A message naming settings. As a str it reads as the library says it
+    ("raise max_tokens"); `worded(names)` puts a front end's names for the settings
+    (`Setting.key` -> words, e.g. "max_tokens" -> "--max-tokens") in their place."""
+
+    parts: tuple[str | Setting, ...]
+
+    def __new__(cls, *parts: str | Setting) -> Worded:
+        flat = tuple(q for p in parts for q in (p.parts if isinstance(p, Worded) else (p,)))
+        self = super().__new__(
+            cls, "".join(p.words({}) if isinstance(p, Setting) else p for p in flat)
+        )
+        self.parts = flat
+        return self
+
+    @property
+    def settings(self) -> tuple[str, ...]:
+        """The keys of the settings named, in order."""
+        return tuple(p.key for p in self.parts if isinstance(p, Setting))
+
+    def worded(self, names: Mapping[str, str]) -> str:
+        return "".join(p.words(names) if isinstance(p, Setting) else p for p in self.parts)
+
+    def __add__(self, other: str) -> Worded:  # text added on either side keeps the settings
+        return Worded(self, other)
+
+    def __radd__(self, other: str) -> Worded:
+        return Worded(other, self)
+
+
+def worded(message: object, names: Mapping[str, str]) -> str:
+    """`message` (an error or a message) with the settings it names in a front end's words."""
+    text = message.args[0] if isinstance(message, BaseException) and message.args else message
+    return text.worded(names) if isinstance(text, Worded) else str(message)
+
+
+def settings_named(message: object) -> tuple[str, ...]:
+    """The keys of the settings `message` (an error or a message) names, if any."""
+    text = message.args[0] if isinstance(message, BaseException) and message.args else message
+    return text.settings if isinstance(text, Worded) else ()
 
 
 class MlxcacheError(Exception):
@@ -9,6 +70,10 @@ class MlxcacheError(Exception):
 
 class UserInputError(MlxcacheError):
     """The request itself is wrong (empty prompt, bad option value, bad schema, ...)."""
+
+
+class SettingError(UserInputError, ValueError):
+    """A setting's value out of its range (a ValueError too); the message names it (`Worded`)."""
 
 
 class ModelNotFoundError(UserInputError):

@@ -13,6 +13,8 @@ from numbers import Integral, Real
 
 import mlx.core as mx
 
+from mlxcache.errors import Setting, SettingError, Worded
+
 # mlx_lm is imported where a sampler is built, not here: importing it imports transformers
 # (seconds), and the CLI reads SamplingParams' defaults at start-up.
 
@@ -21,6 +23,10 @@ Sampler = Callable[[mx.array], mx.array]
 
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 """mlx-lm's contract: (prompt + generated token ids, logits (1, vocab)) -> logits."""
+
+
+def _invalid(name: str, why: str) -> SettingError:
+    return SettingError(Worded(Setting(name), why))
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,23 +55,23 @@ class SamplingParams:
             whole = isinstance(f.default, int)
             if isinstance(value, bool) or not isinstance(value, Integral if whole else Real):
                 kind = "an integer" if whole else "a number"
-                raise ValueError(f"{f.name} must be {kind}, got {value!r}")
+                raise _invalid(f.name, f" must be {kind}, got {value!r}")
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+            raise _invalid("temperature", f" must be a finite number >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise _invalid("top_p", f" must be in (0, 1], got {self.top_p}")
         if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+            raise _invalid("max_tokens", f" must be >= 1, got {self.max_tokens}")
         if not 0 <= self.seed < 2**63:
-            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+            raise _invalid("seed", f" must be in [0, 2**63), got {self.seed}")
         if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+            raise _invalid("top_k", f" must be >= 0, got {self.top_k}")
         if not 0.0 <= self.min_p < 1.0:
-            raise ValueError(f"min_p must be in [0, 1), got {self.min_p}")
+            raise _invalid("min_p", f" must be in [0, 1), got {self.min_p}")
         if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+            raise _invalid("repetition_penalty", f" must be > 0, got {self.repetition_penalty}")
         if self.repetition_context < 1:
-            raise ValueError(f"repetition_context must be >= 1, got {self.repetition_context}")
+            raise _invalid("repetition_context", f" must be >= 1, got {self.repetition_context}")
 
 
 def make_processors(params: SamplingParams) -> list[LogitsProcessor]:

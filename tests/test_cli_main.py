@@ -10,6 +10,8 @@ import typer
 from typer.testing import CliRunner
 
 from mlxcache import __version__
+from mlxcache.errors import GrammarError, Setting, SettingError, Worded
+from mlxcache.sampling import SamplingParams
 from mlxcache_cli import ui
 from mlxcache_cli.main import app
 
@@ -87,10 +89,13 @@ def test_text_options_read_at_file(tmp_path: Path) -> None:
 
 
 def test_library_settings_become_flags() -> None:
-    assert ui.as_flags("raise max_tokens, or bound the schema") == (
-        "raise --max-tokens, or bound the schema"
-    )
-    assert ui.as_flags("unknown tool 'x' in tool_choice") == "unknown tool 'x' in --tool-choice"
-    assert (
-        ui.as_flags("--max-tokens and my_max_tokens stay") == "--max-tokens and my_max_tokens stay"
-    )
+    cut = Worded("raise ", Setting("max_tokens"), ", or bound the schema") + " (a loop)"
+    assert cut == "raise max_tokens, or bound the schema (a loop)"  # the library's words
+    assert ui.as_flags(cut) == "raise --max-tokens, or bound the schema (a loop)"
+    strict = Worded("(", Setting("strict", "leave strict mode"), ")")
+    assert (strict, ui.as_flags(GrammarError(strict))) == ("(leave strict mode)", "(drop --strict)")
+    with pytest.raises(SettingError) as bad:
+        SamplingParams(temperature=-1.0)
+    assert ui.as_flags(bad.value) == "--temp must be a finite number >= 0, got -1.0"
+    # Prose is never rewritten: only settings carried as data are.
+    assert ui.as_flags("raise max_tokens in tool_choice") == "raise max_tokens in tool_choice"

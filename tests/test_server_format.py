@@ -8,10 +8,19 @@ import random
 import pytest
 from pydantic import ValidationError
 
-from mlxcache.errors import ContextLengthError, GrammarError, OutputError
+from mlxcache.errors import (
+    ContextLengthError,
+    GrammarError,
+    OutputError,
+    Setting,
+    SettingError,
+    UserInputError,
+    Worded,
+)
 from mlxcache.modes import reasoning as reasoning_module
 from mlxcache.modes.reasoning import Thinking, split_reply
 from mlxcache.modes.tools import ToolCall
+from mlxcache.sampling import SamplingParams
 from mlxcache.server import errors
 from mlxcache.server import text as text_module
 from mlxcache.server.log import line
@@ -101,6 +110,22 @@ def test_domain_errors_map_to_openai_errors() -> None:
     full = errors.queue_full("")
     assert full.status == 429 and full.headers == {"Retry-After": "1"}
     assert set(full.body()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_a_library_error_naming_a_setting_points_at_its_request_field() -> None:
+    with pytest.raises(SettingError) as bad:
+        SamplingParams(top_p=0.0)
+    top_p = errors.from_domain(bad.value)
+    assert (top_p.status, top_p.param, top_p.message) == (
+        400,
+        "top_p",
+        "top_p must be in (0, 1], got 0.0",
+    )
+    strict = Worded("a schema (", Setting("strict", "leave strict mode"), ")")
+    grammar = errors.from_domain(GrammarError(strict))
+    assert (grammar.param, grammar.message) == ("response_format", "a schema (leave strict mode)")
+    unnamed = errors.from_domain(UserInputError("raise max_tokens"))  # prose: no field
+    assert unnamed.param is None
 
 
 def _validation(body: object) -> errors.APIError:

@@ -20,10 +20,11 @@ import mlx.core as mx
 import numpy as np
 
 from mlxcache.constrain import apply_mask, regex_literal
-from mlxcache.errors import UserInputError
+from mlxcache.errors import Setting, UserInputError, Worded
 from mlxcache.stops import held
 
 THINK_TAGS = ("<think>", "</think>")
+_THINK, _BUDGET = Setting("think"), Setting("think_budget")  # as `thinking_for` names them
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,7 +43,7 @@ class Thinking:
 
     def __post_init__(self) -> None:
         if self.budget is not None and self.budget < 0:
-            raise UserInputError(f"--think-budget must be >= 0, got {self.budget}")
+            raise UserInputError(Worded(_BUDGET, f" must be >= 0, got {self.budget}"))
 
     @property
     def in_reply(self) -> bool:
@@ -173,11 +174,10 @@ def check_think_options(think: bool | None, budget: int | None, max_tokens: int 
         UserInputError: naming the option.
     """
     if budget is not None and not think:
-        raise UserInputError("--think-budget goes with --think")
+        raise UserInputError(Worded(_BUDGET, " goes with ", _THINK))
     if budget is not None and max_tokens is not None and budget >= max_tokens:
-        raise UserInputError(
-            f"--think-budget {budget} leaves no room for the answer in --max-tokens {max_tokens}"
-        )
+        room = f" {budget} leaves no room for the answer in "
+        raise UserInputError(Worded(_BUDGET, room, Setting("max_tokens"), f" {max_tokens}"))
 
 
 def _tags(tokenizer: Any) -> tuple[str, str] | None:
@@ -219,7 +219,9 @@ def thinking_for(tokenizer: Any, think: bool | None, budget: int | None = None) 
     tags = _tags(tokenizer)
     if tags is None:
         if think:
-            raise UserInputError("--think: this model's chat template has no thinking section")
+            raise UserInputError(
+                Worded(_THINK, ": this model's chat template has no thinking section")
+            )
         return None
     if think is None:
         return None

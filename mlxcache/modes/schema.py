@@ -29,7 +29,7 @@ from jsonschema.exceptions import SchemaError, ValidationError
 from llguidance import LLMatcher
 
 from mlxcache.constrain import grammar_check, grammar_error, grammar_from_json_schema
-from mlxcache.errors import GrammarError, UserInputError
+from mlxcache.errors import GrammarError, Setting, UserInputError, Worded
 from mlxcache.fileio import loads_json
 from mlxcache.modes.repeats import describe_loop
 from mlxcache.modes.schema_walk import (
@@ -337,8 +337,9 @@ def check_schema(
     if problem is not None:
         where = problem_location(schema, problem)
         at = f" at {where}" if where and len(where) <= MAX_POINTER else ""
-        hint = "remove or rewrite that part" + (", or leave strict mode" if strict else "")
-        head, tail = f"{what} uses what constrained decoding cannot enforce: ", f"{at} ({hint})"
+        leave = (", or ", Setting("strict", "leave strict mode")) if strict else ()
+        head = f"{what} uses what constrained decoding cannot enforce: "
+        tail = Worded(f"{at} (remove or rewrite that part", *leave, ")")
         cause = one_line(_ONE_OF_HINT.sub("", problem), MAX_ERROR - len(head) - len(tail))
         raise GrammarError(head + cause + tail)
     unenforced += [_located(schema, w) for w in warnings]
@@ -375,9 +376,13 @@ def read_document(
     thinking section; `raw`: all of it (a loop it ends in is named)."""
     if finish_reason == "length":
         return None, (
-            f"the reply reached the token limit ({generated}) before the "
-            'JSON document was complete (finish_reason "length"); raise max_tokens, or '
-            "bound the schema (maxLength, maxItems)" + describe_loop(raw)
+            Worded(
+                f"the reply reached the token limit ({generated}) before the JSON document "
+                'was complete (finish_reason "length"); raise ',
+                Setting("max_tokens"),
+                ", or bound the schema (maxLength, maxItems)",
+                describe_loop(raw),
+            )
         )
     try:
         doc = parse_json(text)

@@ -20,7 +20,7 @@ from typing import Any
 from mlxcache.constrain import processor_for
 from mlxcache.encoder import next_turn_prefix
 from mlxcache.engine import Engine, LogitsProcessor, Request
-from mlxcache.errors import UserInputError
+from mlxcache.errors import Setting, UserInputError, Worded
 from mlxcache.events import Result
 from mlxcache.modes.reasoning import Thinking, budget_processors, split_reply, thinking_for
 from mlxcache.modes.repeats import describe_loop
@@ -36,6 +36,8 @@ from mlxcache.modes.tools import (
     tool_grammar,
 )
 from mlxcache.sampling import SamplingParams
+
+_RESULT = Setting("tool_result")
 
 HERMES_TOOLS = """# Tools
 
@@ -105,14 +107,24 @@ def add_tool_results(
     called = [c["name"] for c in last.get("tool_calls", [])] if last else []
     if last is None or last["role"] != "assistant" or not called:
         raise UserInputError(
-            "a tool_result answers a tool call, but the conversation does not end with one "
-            '(pass the earlier messages: the "messages" of the previous JSON output)'
+            Worded(
+                "a ",
+                _RESULT,
+                " answers a tool call, but the conversation does not end with one (pass ",
+                Setting("messages", "the earlier messages"),
+                ': the "messages" of the ',
+                Setting("json_output", "previous JSON output"),
+                ")",
+            )
         )
     for name, _ in results:
         if name not in called:
             raise UserInputError(
-                f"tool_result {name}: the last assistant message made no call to {name} "
-                f"(it called: {', '.join(called)})"
+                Worded(
+                    _RESULT,
+                    f" {name}: the last assistant message made no call to {name} "
+                    f"(it called: {', '.join(called)})",
+                )
             )
     return [*messages, *({"role": "tool", "name": n, "content": r} for n, r in results)]
 
@@ -294,9 +306,11 @@ class ToolsTask:
         forced = self.choice.mode != "auto"  # `required` / a name: the reply must be a call
         unfinished = reply.error is not None or (forced and not reply.calls)
         if result.finish_reason == "length" and unfinished:
-            error = (
+            error = Worded(
                 "the reply reached the token limit before the tool call was complete "
-                '(finish_reason "length"); raise max_tokens' + describe_loop(result.text)
+                '(finish_reason "length"); raise ',
+                Setting("max_tokens"),
+                describe_loop(result.text),
             )
             return ToolReply(reply.content, (), error, reasoning)
         return reply

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mlxcache.constrain import grammar_error, grammar_from_lark
-from mlxcache.errors import GrammarError, UserInputError
+from mlxcache.errors import GrammarError, Setting, UserInputError, Worded
 from mlxcache.fileio import loads_json
 from mlxcache.modes.schema import check_schema, check_size, one_line, validation_error
 from mlxcache.modes.tool_formats import HERMES, ToolFormat, blocks, grammar_lines
@@ -124,8 +124,11 @@ class ToolChoice:
         names = [t.name for t in tools]
         if text not in names:
             raise UserInputError(
-                f"unknown tool {text!r} in tool_choice (auto, required, none, or one of: "
-                f"{', '.join(names)})"
+                Worded(
+                    f"unknown tool {text!r} in ",
+                    Setting("tool_choice"),
+                    f" (auto, required, none, or one of: {', '.join(names)})",
+                )
             )
         return cls("function", text)
 

@@ -21,6 +21,7 @@ from mlxcache.errors import (
     MlxcacheError,
     QueueFullError,
     UserInputError,
+    settings_named,
 )
 from mlxcache.fileio import loads_json
 from mlxcache.server.log import log_fields
@@ -67,12 +68,25 @@ def one_line(text: str) -> str:
     return " ".join(text.split())
 
 
+FIELDS = {
+    **{k: k for k in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed")},
+    "repetition_penalty": "repetition_penalty",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "tool_choice": "tool_choice",
+    "strict": "response_format",
+}
+"""The request field of each setting a library message names (`errors.Worded`): the
+error's `param`. Messages keep the library's words, which are the API's."""
+
+
 def from_domain(exc: MlxcacheError) -> APIError:
     """The HTTP error of a library error raised while preparing or running a request."""
     if isinstance(exc, ContextLengthError):
         return APIError(400, one_line(str(exc)), param="messages", code="context_length_exceeded")
     if isinstance(exc, UserInputError):
-        return APIError(400, one_line(str(exc)), code="invalid_value")
+        field = next((FIELDS[k] for k in settings_named(exc) if k in FIELDS), None)
+        return APIError(400, one_line(str(exc)), param=field, code="invalid_value")
     if isinstance(exc, QueueFullError):
         return queue_full(one_line(str(exc)))
     if isinstance(exc, EngineStoppedError):

@@ -21,7 +21,6 @@ from mlx_lm.sample_utils import make_logits_processors
 
 from mlxcache.constrain import compile_for
 from mlxcache.engine import Engine, Request
-from mlxcache.errors import UserInputError
 from mlxcache.events import Result, Stats
 from mlxcache.modes import json_mode
 from mlxcache.modes.json_mode import JsonTask
@@ -105,10 +104,8 @@ def sampling(
     given = body.model_dump(include=SAMPLING_FIELDS, exclude_none=True)
     if given.get("top_p") == 0:  # a nucleus of no mass: the most likely token (OpenAI's 0)
         given.update(top_p=1.0, temperature=0.0)
-    try:
-        return replace(defaults, **given, max_tokens=max_tokens or defaults.max_tokens)
-    except ValueError as exc:
-        raise UserInputError(str(exc)) from exc
+    # Out of range: a SettingError naming the field (`errors.from_domain` sets its param).
+    return replace(defaults, **given, max_tokens=max_tokens or defaults.max_tokens)
 
 
 def _tool_names(messages: list[Message]) -> dict[str, str]:
