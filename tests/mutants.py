@@ -23,6 +23,7 @@ import mlxcache.sampling as sampling_mod
 from mlxcache.cache import blocks
 from mlxcache.cache.disk import DiskTier, digest_tokens
 from mlxcache.cache.layout import Layout
+from mlxcache.cache.memory import MemoryTier
 from mlxcache.cache.store import PromptCache
 from mlxcache.engine import Engine
 from mlxcache.events import Event, Prefill, Result, Token
@@ -159,7 +160,7 @@ def partial_last_block(patch: Patch) -> None:
     patch(PromptCache, "restore", restore_noting)
     patch(PromptCache, "release", release_keeping)
     # The store cuts what it keeps to whole blocks; this one files the prompt as given.
-    patch(PromptCache, "_whole_blocks", lambda self, tokens, names: tokens)
+    patch(MemoryTier, "_whole_blocks", lambda self, tokens, names: tokens)
 
 
 def checkpoint_at_prompt_end(patch: Patch) -> None:
@@ -282,7 +283,7 @@ def tail_of_a_prefix(patch: Patch) -> None:
 
     def restore_prefix(self: PromptCache, tokens: np.ndarray, count: bool = True) -> Any:
         for k in range(len(tokens) - 1, self.block_size - 1, -1):
-            if digest_tokens(tokens[:k]) in self._tails:
+            if self.mem.tail(tokens[:k]) is not None:
                 return restore(self, tokens[:k], count)
         return restore(self, tokens, count)
 
@@ -351,9 +352,9 @@ def no_capture(patch: Patch) -> None:
 def state_of_the_block_start(patch: Patch) -> None:
     """Restored at block k, a recurrent layer gets the state kept after block k-1 (from
     before block k's tokens), not the state after block k."""
-    layers_of = PromptCache._layers
+    layers_of = MemoryTier._layers
 
-    def stale(self: PromptCache, entry: Any, length: int) -> list[Any]:
+    def stale(self: MemoryTier, entry: Any, length: int) -> list[Any]:
         layers = layers_of(self, entry, length)
         if self.layout is not None and self.layout.has_state and length > self.block_size:
             older = layers_of(self, entry, length - self.block_size)
@@ -362,7 +363,7 @@ def state_of_the_block_start(patch: Patch) -> None:
                     layers[i] = older[i]
         return layers
 
-    patch(PromptCache, "_layers", stale)
+    patch(MemoryTier, "_layers", stale)
 
 
 def probe_trusted(patch: Patch) -> None:

@@ -10,6 +10,7 @@ import pytest
 from shapemodel import checkpointed
 from spy import Spy, spied
 
+from mlxcache.cache.index import Entry
 from mlxcache.cache.store import PromptCache
 from mlxcache.config import CacheConfig
 from mlxcache.engine import Engine, Request
@@ -293,7 +294,9 @@ def test_a_failing_lane_fails_alone(tiny: LoadedModel) -> None:
     assert engine._lanes == {}
 
 
-def test_store_eviction_order_follows_the_policy(tiny: LoadedModel) -> None:
+def test_store_eviction_order_follows_the_policy(
+    tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Exact eviction order of the memory tier: 512 bytes of KV per token, entries of two
     4-token blocks, and a budget that holds two entries plus one 9-token prompt's prefill
     (reserved before it runs)."""
@@ -302,13 +305,13 @@ def test_store_eviction_order_follows_the_policy(tiny: LoadedModel) -> None:
     )
     engine = Engine(tiny, cache)
     evicted: list[tuple[int, ...]] = []
-    remove = cache.mem.remove
+    remove = cache.mem.index.remove
 
-    def spy(e: object) -> None:
-        evicted.append(tuple(int(t) for t in e.tokens))  # type: ignore[attr-defined]
-        remove(e)  # type: ignore[arg-type]
+    def spy(e: Entry) -> None:
+        evicted.append(tuple(int(t) for t in e.tokens))
+        remove(e)
 
-    cache.mem.remove = spy  # type: ignore[method-assign]
+    monkeypatch.setattr(cache.mem.index, "remove", spy)
     one = SamplingParams(max_tokens=1)
     a, b, c, f = prompt(9, 1), prompt(9, 2), prompt(9, 3), prompt(9, 5)
     for p in (a, b):

@@ -185,7 +185,7 @@ def test_a_followed_reply_keeps_its_blocks_as_it_goes(tiny: LoadedModel) -> None
     second = engine.complete(Request(nxt, GREEDY))
     assert second.stats.cached_tokens == 20 and spy.calls[0] == (20, 4)
     same_as_cold(tiny, second, spy, nxt)
-    assert sum(e.pins for e in engine.cache.mem) == 0  # type: ignore[attr-defined]
+    assert engine.cache.report()["pinned_entries"] == 0
     # The same conversation again: its blocks are kept already, the follow lane skips them.
     spy.reset()
     engine.submit(Request(p, twelve, stop_tokens=frozenset(), follow=True))
@@ -220,7 +220,7 @@ def test_follow_lanes_wait_while_a_request_prefills(tiny: LoadedModel) -> None:
     engine.cancel(a)
     assert follower not in engine._lanes and not engine.warming  # gone with its request
     list(engine.run())
-    assert sum(e.pins for e in engine.cache.mem) == 0  # type: ignore[attr-defined]
+    assert engine.cache.report()["pinned_entries"] == 0
 
 
 def test_a_follow_lane_goes_on_while_its_reply_runs(tiny: LoadedModel) -> None:
@@ -236,7 +236,7 @@ def test_a_follow_lane_goes_on_while_its_reply_runs(tiny: LoadedModel) -> None:
     engine.submit(Request([*p, *replies, 7, 7], GREEDY))  # shares 12 > the follow's 8
     assert follower in engine._lanes
     list(engine.run(warm=True))
-    assert not engine._lanes and sum(e.pins for e in engine.cache.mem) == 0  # type: ignore[attr-defined]
+    assert not engine._lanes and engine.cache.report()["pinned_entries"] == 0
 
 
 def test_a_followed_request_that_fails_to_start_ends_its_follow_lane(
@@ -351,8 +351,8 @@ def test_worker_serves_bitwise_and_cancels(tiny: LoadedModel) -> None:
         stream = worker.generate(Request(prompt(40, seed=6), SamplingParams(max_tokens=50)))
         next(stream)
         stream.close()  # cancels: the lane's pin goes
-        pins = worker.call(lambda e: sum(x.pins for x in e.cache.mem))  # type: ignore[attr-defined]
-        assert pins == 0
+        pinned = worker.call(lambda e: e.cache.report()["pinned_entries"])
+        assert pinned == 0
         got: list[Any] = []
         handle = worker.submit(Request(prompt(40, seed=8), GREEDY), got.append)
         handle.cancel()
@@ -468,7 +468,7 @@ def test_lanes_closed_early_leave_nothing_behind(tiny: LoadedModel) -> None:
     next(results)
     results.close()
     assert not engine.busy
-    assert sum(e.pins for e in engine.cache.mem) == 0  # type: ignore[attr-defined]
+    assert engine.cache.report()["pinned_entries"] == 0
 
 
 def test_a_failing_keep_while_cancelling_spares_the_worker(
@@ -513,7 +513,7 @@ def test_a_failing_warm_lane_warns_once_and_ends_alone(
     engine.warm(prompt(12))
     assert list(engine.run(warm=True)) == []
     assert warnings == ["warm-ahead stopped early: MemoryError: no room for the KV"]
-    assert not engine._lanes and sum(e.pins for e in engine.cache.mem) == 0  # type: ignore[attr-defined]
+    assert not engine._lanes and engine.cache.report()["pinned_entries"] == 0
     result = engine.complete(Request(prompt(12), GREEDY))  # the engine goes on
     assert result.finish_reason == "length" and result.stats.cached_tokens == 0
 
@@ -523,12 +523,16 @@ def test_warm_work_is_not_counted_as_hits_or_misses(tiny: LoadedModel) -> None:
     convo = prompt(12)
     engine.warm(convo)  # a miss and a keep, as warm work
     list(engine.run(warm=True))
-    stats = engine.cache.stats  # type: ignore[attr-defined]
-    assert (stats.hits, stats.misses, stats.cached_tokens) == (0, 0, 0)
+
+    def counts() -> tuple[int, int, int]:
+        report = engine.cache.report()
+        return report["hits"], report["misses"], report["cached_tokens"]
+
+    assert counts() == (0, 0, 0)
     engine.complete(Request([*convo, 9], GREEDY))  # a request resuming what warm kept
-    assert (stats.hits, stats.misses, stats.cached_tokens) == (1, 0, 12)
+    assert counts() == (1, 0, 12)
     engine.complete(Request(prompt(6, seed=4), GREEDY))
-    assert (stats.hits, stats.misses) == (1, 1)
+    assert counts()[:2] == (1, 1)
 
 
 def test_background_lanes_wait_while_requests_wait(tiny: LoadedModel) -> None:

@@ -1,4 +1,5 @@
-"""The contract between the engine and a prefix cache, and the cache that keeps nothing."""
+"""The contract between the engine and a prefix cache, its counters, and the cache that keeps
+nothing."""
 
 from __future__ import annotations
 
@@ -7,6 +8,20 @@ from typing import Any, Protocol
 
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
+
+
+@dataclass(slots=True)
+class CacheStats:
+    """Counters since the cache was opened (see `store.PromptCache.report`)."""
+
+    hits: int = 0
+    misses: int = 0
+    cached_tokens: int = 0
+    disk_hits: int = 0
+    evictions_mem: int = 0
+    evictions_disk: int = 0
+    dropped_corrupt: int = 0
+    disk_errors: int = 0
 
 
 @dataclass(slots=True)

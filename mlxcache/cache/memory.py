@@ -1,0 +1,373 @@
+"""The memory tier: kept prompts as MLX arrays, the index over them, and their eviction.
+
+Models whose layers are plain KV, sliding-window or recurrent ("trimmable": they resume
+at any block boundary) store blocks of B tokens keyed by chained hashes (`layout.Layout`
+says what a block holds), shared between entries with a reference count, so entries sharing
+a prefix share its blocks and memory follows unique tokens. A block that only exists right
+after its prefill chunk (a sliding window's keys, a recurrent state) is captured then
+(`capture`) and stored when the lane keeps its prompt. Models with other cache kinds store
+one whole-state checkpoint per entry, taken at a block boundary, and their entries are
+non-trimmable.
+
+The tier also remembers the tails of the last few whole prompts of a trimmable model: the
+KV past the last full block and the last token's logits, as the prompt's own last prefill
+chunk computed them. The same prompt again (a retry, a regression run, a repeated API call)
+then resumes whole, with nothing to prefill; that state is exactly what a fresh prefill
+computes, since the chunk's input (the canonical KV of the full blocks and the same tokens)
+is the same. Tails go first when memory is short, and with the entry whose blocks they
+continue.
+
+Eviction (`reserve`, `make_room`) follows the index's victim order within the tier's two
+limits, a slot count and a byte budget. `store.PromptCache` coordinates this tier with the
+disk tier.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from mlxcache.cache import blocks as kv
+from mlxcache.cache.base import CacheStats, Resume, with_probe
+from mlxcache.cache.disk import digest_tokens
+from mlxcache.cache.index import Entry, Match, PromptIndex
+from mlxcache.cache.layout import Block, Layout
+from mlxcache.cache.layout import nbytes as block_nbytes
+from mlxcache.config import CacheConfig
+
+MAX_TAILS = 32
+"""Whole prompts whose tails the memory tier remembers (the most recently used)."""
+
+
+@dataclass(slots=True)
+class _Block:
+    data: Block
+    refs: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return block_nbytes(self.data)
+
+
+@dataclass(slots=True)
+class Tail:
+    """A whole prompt's state past its last full block, and its last logits."""
+
+    key: str  # digest of the prompt's tokens
+    base: Entry  # holds the prompt's full blocks; the tail goes with it
+    kv: Block  # positions [last full block end, prompt end) (maybe none), states at the end
+    logits: mx.array
+
+    @property
+    def nbytes(self) -> int:
+        return block_nbytes(self.kv) + int(self.logits.nbytes)
+
+
+@dataclass(slots=True)
+class Kept:
+    """What `MemoryTier.keep` stored: the entry, its tokens, and its state (the blocks by
+    name, in the entry's order, or its whole-state checkpoint), for the disk tier."""
+
+    entry: Entry
+    tokens: np.ndarray
+    blocks: dict[str, Block] = field(default_factory=dict)
+    checkpoint: list[Any] | None = None
+
+
+class MemoryTier:
+    """The memory tier of one model's prompt cache.
+
+    Args:
+        layout: what a block holds (`Layout.of` the model's caches); None: checkpoints.
+        ns: the namespace the block names are chained under (`blocks.namespace`).
+        config: block size, byte budget (`mem_bytes`), slot limit (`max_entries`), state stride.
+        stats: the cache's counters; evictions are counted in `evictions_mem`.
+    """
+
+    def __init__(
+        self, layout: Layout | None, ns: str, config: CacheConfig, stats: CacheStats
+    ) -> None:
+        self.layout = layout
+        self.ns = ns
+        self.block_size = config.block_size
+        self.budget = config.mem_bytes
+        self.max_entries = config.max_entries
+        self.index = PromptIndex(config.block_size)
+        self.nbytes = 0
+        self.token_bytes = 0  # KV bytes per token, learned from the first block kept
+        self._stats = stats
+        self._blocks: dict[str, _Block] = {}
+        self._entry_blocks: dict[Entry, list[str]] = {}
+        self._checkpoints: dict[Entry, list[Any]] = {}
+        self._tails: OrderedDict[str, Tail] = OrderedDict()  # by prompt digest, oldest first
+        # Blocks captured by running lanes (by id of their layers, then block number) until
+        # they keep them; outside the budget, like the lanes' own layers.
+        self._staged: dict[int, dict[int, Block]] = {}
+        self._stride = config.state_stride
+        self._branches: dict[int, int] = {}  # id of a lane's layers -> its branch block
+
+    # -- views ----------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __iter__(self) -> Iterator[Entry]:
+        """The entries, oldest first (a snapshot)."""
+        return iter(self.index)
+
+    @property
+    def tails(self) -> int:
+        """How many whole prompts' tails are remembered."""
+        return len(self._tails)
+
+    def pinned(self) -> int:
+        """Entries in use by running requests."""
+        return sum(1 for e in self.index if e.pins)
+
+    def has_block(self, name: str) -> bool:
+        """Whether the block (or recurrent state) `name` is held."""
+        return name in self._blocks
+
+    # -- lookup and resume ------------------------------------------------------------------
+
+    def lookup(self, tokens: np.ndarray) -> Match | None:
+        """The entry restoring the most of `tokens` (counted as a use)."""
+        return self.index.lookup(tokens)
+
+    def tail(self, tokens: np.ndarray) -> Tail | None:
+        """The remembered tail of exactly `tokens`, if any."""
+        return self._tails.get(digest_tokens(tokens)) if self._tails else None
+
+    def resumable(self, entry: Entry, length: int) -> int:
+        """The longest resume point up to `length` in `entry` whose recurrent state is kept
+        (`length` itself for models without recurrent layers)."""
+        if self.layout is None or not self.layout.has_state:
+            return length
+        names = self._entry_blocks.get(entry, [])
+        for j in range(length // self.block_size - 1, -1, -1):
+            if state_name(names[j]) in self._blocks:
+                return (j + 1) * self.block_size
+        return 0
+
+    def resume(
+        self, entry: Entry, length: int, shared: int, tokens: np.ndarray, tail: Tail | None
+    ) -> Resume:
+        """Fresh layers holding `entry`'s first `length` tokens, the entry pinned, room made
+        for the rest of `tokens`; with `tail` (of `tokens`, whose full blocks these are) the
+        whole prompt and its logits. `shared`: how far `tokens` follow the entry."""
+        if tail is None:
+            self.reserve_prefill(tokens, length, entry)
+        layers = self._layers(entry, length)  # before the pin: if this fails, none is left
+        if shared > length:  # where this prompt leaves the entry: keep its state there
+            self._branches[id(layers)] = shared // self.block_size - 1
+        logits = None
+        if tail is not None:
+            assert self.layout is not None  # tails are kept for block layouts only
+            self.layout.append(layers, tail.kv)
+            self._tails.move_to_end(tail.key)
+            # A copy: logits processors (the repetition penalty) write into their input.
+            length, logits = len(tokens), mx.array(tail.logits)
+        self.index.pin(entry)
+        return Resume(layers, length, entry, logits)
+
+    def release(self, resume: Resume) -> None:
+        """Unpin `resume`'s entry; forget what its lane captured and did not keep."""
+        self._staged.pop(id(resume.layers), None)
+        self._branches.pop(id(resume.layers), None)
+        if resume.lease is not None and resume.lease in self.index:
+            self.index.unpin(resume.lease)
+
+    def _layers(self, entry: Entry, length: int) -> list[Any]:
+        if entry in self._checkpoints:
+            return kv.from_snapshot(self._checkpoints[entry])
+        assert self.layout is not None  # an entry of blocks: the model has a layout
+        names = self._entry_blocks[entry][: length // self.block_size]
+        state = self._blocks.get(state_name(names[-1]))
+        blocks = [self._blocks[h].data for h in names]
+        return self.layout.join(blocks, self.block_size, state.data if state else None)
+
+    # -- keeping ------------------------------------------------------------------------------
+
+    def capture(self, tokens: np.ndarray, layers: list[Any]) -> None:
+        """Note the last block of `layers` (holding exactly `tokens`, right after its chunk)
+        when the layout cannot cut it later; `keep` with these layers stores it."""
+        if self.layout is None or not self.layout.needs_capture:
+            return
+        j = len(tokens) // self.block_size - 1
+        start = j * self.block_size
+        self._staged.setdefault(id(layers), {})[j] = self.layout.cut(layers, start, len(tokens))
+
+    def keep(self, tokens: np.ndarray, layers: list[Any]) -> Kept | None:
+        """Store the first len(tokens) positions of `layers` (int32 `tokens`) as an entry,
+        after freeing a slot; None when not even its first block can be stored."""
+        self.make_room(tokens)
+        if self.layout is None:
+            checkpoint = kv.snapshot(layers)
+            return Kept(self.add_checkpoint(tokens, checkpoint), tokens, checkpoint=checkpoint)
+        names, fresh = self._fresh_blocks(tokens, layers)
+        if not names:
+            return None
+        tokens = self._whole_blocks(tokens, names)
+        entry = self.add_blocks(tokens, names, fresh)
+        return Kept(entry, tokens, {h: self._blocks[h].data for h in names})
+
+    def _fresh_blocks(
+        self, tokens: np.ndarray, layers: list[Any]
+    ) -> tuple[list[str], dict[str, Block]]:
+        """The names an entry of `tokens` holds (its blocks, then the recurrent states it
+        keeps) and the blocks among them not stored yet: captured ones, or cut out of
+        `layers` (plain KV). It stops before the first block that is neither stored nor
+        captured. States are kept after every `stride`-th block, after the last, and
+        after the block where this prompt left the entry it resumed from (had it a state
+        there, it would have resumed there: the next prompt that shares as much will)."""
+        assert self.layout is not None
+        b, layout = self.block_size, self.layout
+        names = kv.chain_hashes(tokens, b, self.ns)
+        staged = self._staged.get(id(layers), {})
+        branch = self._branches.get(id(layers))
+        n = next(
+            (j for j, h in enumerate(names) if h not in self._blocks and j not in staged),
+            len(names),
+        )
+        if layout.plain:  # plain KV: cut out of any state
+            n = len(names)
+        fresh: dict[str, Block] = {}
+        states: list[str] = []
+        for j, h in enumerate(names[:n]):
+            piece = staged.pop(j, None)
+            if piece is None and h not in self._blocks:
+                piece = layout.cut(layers, j * b, (j + 1) * b)
+            blocks, state = layout.split(piece) if piece is not None else ({}, {})
+            if h not in self._blocks:
+                fresh[h] = blocks
+            if not layout.has_state:
+                continue
+            name = state_name(h)
+            ends = j in (n - 1, branch)
+            if name not in self._blocks and state and (ends or self._keeps_state(j, state, blocks)):
+                fresh[name] = state
+            if name in self._blocks or name in fresh:
+                states.append(name)
+        return names[:n] + states, fresh
+
+    def _whole_blocks(self, tokens: np.ndarray, names: list[str]) -> np.ndarray:
+        """The tokens of the blocks among `names`: what an entry of them holds."""
+        return tokens[: sum(not is_state(h) for h in names) * self.block_size]
+
+    def _keeps_state(self, j: int, state: Block, blocks: Block) -> bool:
+        """Whether block j keeps its recurrent state: every `stride`-th one. The stride is
+        set, or measured the first time: states may cost about half of what the blocks'
+        attention arrays cost (a state per block can outweigh a hybrid's KV many times)."""
+        if self._stride is None:
+            kv_bytes = block_nbytes(blocks) or 1
+            self._stride = max(1, -(-2 * block_nbytes(state) // kv_bytes))
+        return (j + 1) % self._stride == 0
+
+    def add_checkpoint(self, tokens: np.ndarray, checkpoint: list[Any]) -> Entry:
+        """Add an entry backed by a whole-state checkpoint."""
+        entry = self.index.add(tokens, trimmable=False, nbytes=kv.state_nbytes(checkpoint))
+        if entry not in self._checkpoints:
+            self._checkpoints[entry] = checkpoint
+            self.nbytes += entry.nbytes
+        return entry
+
+    def add_blocks(self, tokens: np.ndarray, names: list[str], fresh: dict[str, Block]) -> Entry:
+        """Add an entry backed by blocks `names`; `fresh` holds those not stored yet."""
+        added = 0
+        for h, block in fresh.items():
+            self._blocks[h] = _Block(block)
+            added += self._blocks[h].nbytes
+            if not is_state(h):
+                self.token_bytes = self._blocks[h].nbytes // self.block_size
+        entry = self.index.add(tokens, trimmable=True, nbytes=added)
+        if entry not in self._entry_blocks:
+            self._entry_blocks[entry] = names
+            for h in names:
+                self._blocks[h].refs += 1
+        self.nbytes += added
+        return entry
+
+    def keep_tail(self, tokens: np.ndarray, layers: list[Any], logits: mx.array) -> bool:
+        """Remember `tokens`' tail in `layers` (past its last full block) and its logits;
+        False when there is none to keep (no block layout, or its blocks are gone)."""
+        at = len(tokens) // self.block_size * self.block_size
+        if self.layout is None or at == 0:
+            return False  # a checkpoint holds the whole state; no block to continue
+        found = self.index.lookup(with_probe(tokens[:at]))
+        if found is None or found.length < at:
+            return False  # its blocks are gone already (memory too small)
+        tail = self.layout.cut(layers, at, len(tokens))
+        logits = mx.array(logits)
+        mx.eval(logits)
+        key = digest_tokens(tokens)
+        self._drop_tail(key)
+        self._tails[key] = Tail(key, found.entry, tail, logits)
+        self.nbytes += self._tails[key].nbytes
+        while len(self._tails) > MAX_TAILS:
+            self._drop_tail(next(iter(self._tails)))
+        return True
+
+    def _drop_tail(self, key: str) -> None:
+        tail = self._tails.pop(key, None)
+        if tail is not None:
+            self.nbytes -= tail.nbytes
+
+    # -- eviction ---------------------------------------------------------------------------
+
+    def make_room(self, tokens: np.ndarray) -> None:
+        """Free a slot before adding (before cutting blocks: eviction may free shared ones)."""
+        while len(self.index) >= self.max_entries:
+            if not self._evict(self.index.victim(prompt=tokens)):
+                break
+
+    def reserve_prefill(self, tokens: np.ndarray, start: int, skip: Entry | None) -> None:
+        """Make room for prefilling `tokens[start:]` (their KV, at the bytes per token learned)."""
+        self.reserve(self.token_bytes * (len(tokens) - start), skip, tokens)
+
+    def reserve(
+        self, n_bytes: int, skip: Entry | None = None, prompt: np.ndarray | None = None
+    ) -> None:
+        """Evict until `n_bytes` more fit the budget; stops when all that is left is pinned
+        (or `skip`).
+
+        Remembered tails go first (the oldest first), then entries in the victim order.
+        """
+        while self.nbytes + n_bytes > self.budget:
+            if self._tails:
+                self._drop_tail(next(iter(self._tails)))
+            elif not self._evict(self.index.victim(skip=skip, prompt=prompt)):
+                break
+
+    def _evict(self, entry: Entry | None) -> bool:
+        """Remove one entry and the blocks only it used. False when there is none."""
+        if entry is None:
+            return False
+        self.index.remove(entry)
+        self._stats.evictions_mem += 1
+        for key in [k for k, tail in self._tails.items() if tail.base is entry]:
+            self._drop_tail(key)
+        if entry in self._checkpoints:
+            del self._checkpoints[entry]
+            self.nbytes -= entry.nbytes
+            return True
+        for h in self._entry_blocks.pop(entry):
+            block = self._blocks[h]
+            block.refs -= 1
+            if block.refs == 0:
+                del self._blocks[h]
+                self.nbytes -= block.nbytes
+        return True
+
+
+def state_name(block: str) -> str:
+    """The name of the recurrent state kept after block `block`."""
+    return f"{block}.s"
+
+
+def is_state(name: str) -> bool:
+    return name.endswith(".s")
