@@ -91,7 +91,8 @@ RepetitionPenalty = Annotated[
     typer.Option(
         "--repetition-penalty",
         metavar="X",
-        help="Penalise the last 20 tokens' repeats (e.g. 1.1); 1 is off.",
+        help=f"Penalise the last {SamplingParams().repetition_context} tokens' repeats "
+        "(e.g. 1.1); 1 is off.",
         rich_help_panel=SAMPLING_PANEL,
     ),
 ]
@@ -248,7 +249,7 @@ def cache_config(
     mem: str,
     disk: str,
     block_size: int | None,
-    warm_ahead: bool = True,
+    warm_ahead: bool,
 ) -> CacheConfig:
     """Cache settings from options; None keeps `CacheConfig`'s default (one home for it)."""
     try:
@@ -439,29 +440,31 @@ def _config_default(name: str) -> Any:
     return next(f.default for f in dataclasses.fields(CacheConfig) if f.name == name)
 
 
+_SAMPLING = SamplingParams()
 _RUN_OPTIONS: list[tuple[str, Any, Any]] = [
     ("model", Model, None),
-    ("max_tokens", MaxTokens, SamplingParams().max_tokens),
-    ("temp", Temp, 0.0),
-    ("top_p", TopP, 1.0),
-    ("top_k", TopK, 0),
-    ("min_p", MinP, 0.0),
-    ("repetition_penalty", RepetitionPenalty, 1.0),
+    # Sampling defaults come from SamplingParams, their one home.
+    ("max_tokens", MaxTokens, _SAMPLING.max_tokens),
+    ("temp", Temp, _SAMPLING.temperature),
+    ("top_p", TopP, _SAMPLING.top_p),
+    ("top_k", TopK, _SAMPLING.top_k),
+    ("min_p", MinP, _SAMPLING.min_p),
+    ("repetition_penalty", RepetitionPenalty, _SAMPLING.repetition_penalty),
     ("stop", Stop, None),
-    ("seed", Seed, 0),
+    ("seed", Seed, _SAMPLING.seed),
     ("cache_dir", CacheDir, None),
     ("no_cache", NoCache, False),
     # Defaults come from CacheConfig, their one home, in the form the options take.
     ("cache_mem", CacheMem, format_size(_config_default("mem_bytes"))),
     ("cache_disk", CacheDisk, format_size(_config_default("disk_bytes"))),
     ("block_size", BlockSize, None),
-    ("warm_ahead", WarmAhead, True),
+    ("warm_ahead", WarmAhead, _config_default("warm_ahead")),
     ("quiet", Quiet, False),
 ]
 F = TypeVar("F", bound=Callable[..., None])
 
 
-def with_run_options(max_tokens: int = SamplingParams().max_tokens) -> Callable[[F], F]:
+def with_run_options(max_tokens: int = _SAMPLING.max_tokens) -> Callable[[F], F]:
     """Give a command the shared options; it receives them as `run: RunOptions`.
 
     Typer reads a command's options from its signature, so the wrapper's signature is the

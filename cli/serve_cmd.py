@@ -8,20 +8,23 @@ from urllib.parse import urlsplit
 
 import typer
 
-from mlxcache.config import parse_size
+from mlxcache.config import ServerConfig, format_size, parse_size
 from mlxcache.errors import UserInputError
 from mlxcache_cli import options as o
 from mlxcache_cli import ui
 
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
+SERVER = ServerConfig  # its class attributes are the defaults
 
 
 @o.with_run_options()
 def serve_cmd(
-    host: Annotated[str, typer.Option("--host", help="Address to bind (loopback by default).")] = (
-        "127.0.0.1"
+    host: Annotated[
+        str, typer.Option("--host", help="Address to bind (loopback by default).")
+    ] = SERVER.host,
+    port: Annotated[int, typer.Option("--port", "-p", help="Port; 0 picks a free one.")] = (
+        SERVER.port
     ),
-    port: Annotated[int, typer.Option("--port", "-p", help="Port; 0 picks a free one.")] = 8080,
     api_key: Annotated[
         str | None,
         typer.Option(
@@ -33,7 +36,7 @@ def serve_cmd(
     max_queue: Annotated[
         int,
         typer.Option("--max-queue", help="Waiting requests beyond this get 429; 0 = no limit."),
-    ] = 64,
+    ] = SERVER.max_queue,
     batch_inexact: Annotated[
         bool,
         typer.Option(
@@ -47,14 +50,15 @@ def serve_cmd(
         int | None,
         typer.Option(
             "--max-lanes",
-            help="Requests run at once (more wait in the queue); default 16 where requests "
-            "decode as one batch exactly (measured on the device), else 4.",
+            help=f"Requests run at once (more wait in the queue); default {SERVER.batched_lanes} "
+            "where requests decode as one batch exactly (measured on the device), else "
+            f"{SERVER.lanes}.",
             metavar="N",
         ),
     ] = None,
     max_body: Annotated[
         str, typer.Option("--max-body", help="Largest request body, e.g. 8M (else 413).")
-    ] = "8M",
+    ] = format_size(SERVER.max_body),
     log_file: Annotated[
         Path | None, typer.Option("--log-file", help="Append one JSON line per request.")
     ] = None,
@@ -143,16 +147,14 @@ def serve_cmd(
             Penalties(presence_penalty, frequency_penalty),
             identity(run.model or default_spec(), engine, run.cache(), exact),
         )
-        lanes = max_lanes or (BATCHED_LANES if engine.batch_decode else LANES)
-        serve(engine, settings, log, host, port, max_queue, lanes)
+        lanes = max_lanes or (SERVER.batched_lanes if engine.batch_decode else SERVER.lanes)
+
+        def announce(url: str) -> None:
+            ui.info(f"mlxcache: serving {settings.model_id} on {url}")
+
+        serve(engine, settings, log, announce, host, port, max_queue, lanes)
     finally:
         log.close()
-
-
-LANES = 4
-"""Requests run at once where each decodes alone (one forward per request and token)."""
-BATCHED_LANES = 16
-"""... and where requests decode as one batch: a larger batch costs little more per step."""
 
 
 def _origin(value: str) -> str:

@@ -58,6 +58,29 @@ def default_block_size() -> int:
     return METAL_BLOCK_SIZE if mx.default_device() == mx.gpu else CPU_BLOCK_SIZE
 
 
+@dataclass(frozen=True)  # no slots: `ServerConfig.port` reads a default without building one
+class ServerConfig:
+    """The server's own settings; each default lives here (`mlxcache serve` reads them).
+
+    Attributes:
+        host: the address to bind (loopback).
+        port: the port; 0 picks a free one.
+        max_queue: requests that may wait beyond the running ones before a 429 (0: no limit).
+        max_body: the largest request body, in bytes (else 413).
+        lanes: requests run at once where each decodes alone (one forward per request and
+            token).
+        batched_lanes: ... and where requests decode as one batch (measured exact, or
+            `--batch-inexact`): a larger batch costs little more per step.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8080
+    max_queue: int = 64
+    max_body: int = 8 << 20
+    lanes: int = 4
+    batched_lanes: int = 16
+
+
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
     """The prompt cache's settings.

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 import mlx.core as mx
 
+from mlxcache.config import ServerConfig
 from mlxcache.encoder import Encoder
 from mlxcache.engine import Engine, Request, final_result
 from mlxcache.errors import (
@@ -73,10 +74,13 @@ class EngineWorker:
         engine: the engine; once started, only the worker thread may use it (but its
             `encoder`, which any thread may use: docs/architecture.md, "Threads").
         max_lanes: requests run together (interleaved); more wait in a queue.
-        max_queue: requests that may wait; one more raises QueueFullError (0: no limit).
+        max_queue: requests that may wait; one more raises QueueFullError (0: no limit, as
+            chat's one user needs; the server passes its own, `ServerConfig.max_queue`).
     """
 
-    def __init__(self, engine: Engine, *, max_lanes: int = 4, max_queue: int = 0) -> None:
+    def __init__(
+        self, engine: Engine, *, max_lanes: int = ServerConfig.lanes, max_queue: int = 0
+    ) -> None:
         if max_lanes < 1 or max_queue < 0:
             raise ValueError("max_lanes must be >= 1 and max_queue >= 0")
         self.engine = engine

@@ -99,3 +99,28 @@ def test_library_settings_become_flags() -> None:
     assert ui.as_flags(bad.value) == "--temp must be a finite number >= 0, got -1.0"
     # Prose is never rewritten: only settings carried as data are.
     assert ui.as_flags("raise max_tokens in tool_choice") == "raise max_tokens in tool_choice"
+
+
+def test_defaults_have_one_home() -> None:
+    """The CLI's defaults are read from SamplingParams, CacheConfig and ServerConfig, and the
+    library's server entry point has the same ones (max_queue was 64 here, 0 there)."""
+    import inspect
+
+    from mlxcache.config import CacheConfig, ServerConfig
+    from mlxcache.server.run import serve
+
+    group = typer.main.get_command(app)
+    generate = {p.name: p.default for p in group.commands["generate"].params}  # type: ignore[attr-defined]
+    served = {p.name: p.default for p in group.commands["serve"].params}  # type: ignore[attr-defined]
+    sampling = SamplingParams()
+    assert (generate["temp"], generate["top_p"], generate["seed"]) == (
+        sampling.temperature,
+        sampling.top_p,
+        sampling.seed,
+    )
+    assert generate["warm_ahead"] is CacheConfig().warm_ahead
+    library = inspect.signature(serve).parameters
+    for name in ("host", "port", "max_queue"):
+        assert served[name] == library[name].default == getattr(ServerConfig, name), name
+    assert served["max_body"] == "8M" and ServerConfig.max_body == 8 << 20
+    assert library["on_listen"].default is inspect.Parameter.empty  # the caller announces

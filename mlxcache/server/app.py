@@ -16,6 +16,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.middleware.cors import CORSMiddleware
 
+from mlxcache.config import ServerConfig
 from mlxcache.engine import Engine
 from mlxcache.engine import Request as EngineRequest
 from mlxcache.events import Done, Event
@@ -31,7 +32,7 @@ from mlxcache.server.openai_format import SSE_DONE, Envelope, Usage, error_event
 from mlxcache.server.prepare import Answer, Penalties, Plan
 from mlxcache.server.schemas import ChatRequest, CompletionRequest, SamplingFields
 
-DEFAULT_MAX_BODY = 8 << 20
+DEFAULT_MAX_BODY = ServerConfig.max_body
 B = TypeVar("B", bound=BaseModel)
 R = TypeVar("R", bound=SamplingFields)
 

@@ -10,13 +10,13 @@ from __future__ import annotations
 import contextlib
 import signal
 import socket
-import sys
 import threading
 from collections.abc import Callable, Iterator
 
 import uvicorn
 from uvicorn.server import HANDLED_SIGNALS
 
+from mlxcache.config import ServerConfig
 from mlxcache.engine import Engine
 from mlxcache.errors import UserInputError
 from mlxcache.server.app import Settings, create_app
@@ -80,18 +80,15 @@ def serve(
     engine: Engine,
     settings: Settings,
     log: RequestLog,
-    host: str = "127.0.0.1",
-    port: int = 8080,
-    max_queue: int = 0,
-    max_lanes: int = 4,
-    on_listen: Callable[[str], None] | None = None,
+    on_listen: Callable[[str], None],
+    host: str = ServerConfig.host,
+    port: int = ServerConfig.port,
+    max_queue: int = ServerConfig.max_queue,
+    max_lanes: int = ServerConfig.lanes,
 ) -> None:
     """Serve until Ctrl-C / SIGTERM, then drain; SIGTERM is ignored once the drain has
-    begun (the process is ending). `port` 0 picks a free port."""
-
-    def announce(url: str) -> None:
-        print(f"mlxcache: serving {settings.model_id} on {url}", file=sys.stderr, flush=True)
-
+    begun (the process is ending). `port` 0 picks a free port; `on_listen` is told the
+    URL once the socket listens (the CLI announces it: the library never prints)."""
     sock = bind(host, port)  # before the worker starts: a refusal leaves nothing running
     with sock, EngineWorker(engine, max_lanes=max_lanes, max_queue=max_queue) as worker:
         app = create_app(engine, worker, settings, log)
@@ -104,4 +101,4 @@ def serve(
             lifespan="off",
             timeout_graceful_shutdown=None,
         )
-        _Server(config, on_listen or announce).run(sockets=[sock])
+        _Server(config, on_listen).run(sockets=[sock])
