@@ -160,7 +160,7 @@ class ThinkingBudget:
 
 def budget_processors(thinking: Thinking | None, tokenizer: Any, room: int) -> list[ThinkingBudget]:
     """The processor holding a request's thinking to its budget (none: no section);
-    `room`: the tokens the reply may have (`Engine.reply_room`), halved by default."""
+    `room`: the tokens the reply may have (`Encoder.reply_room`), halved by default."""
     if thinking is None or not thinking.in_reply:
         return []
     budget = thinking.budget if thinking.budget is not None else room // 2
