@@ -16,6 +16,8 @@ A request may also be followed (`Request.follow`: clients that send the next tur
 as a reply ends): a follow lane prefills each block of prompt + reply as the reply
 completes it, interleaved with the requests' steps while none of them is prefilling, so
 the next turn finds all but the reply's last partial block kept.
+
+Whose turn it is, for each kind of lane (`LaneKind`), is decided by `scheduler.Scheduler`.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from mlxcache.events import Done, Event, Prefill, Result, Stats, Token
 from mlxcache.model import LoadedModel
 from mlxcache.prefill import prefill
 from mlxcache.sampling import LogitsProcessor, SamplingParams
+from mlxcache.scheduler import BACKGROUND, BATCH, LaneKind, Scheduler
 
 
 @dataclass(slots=True)
@@ -66,25 +69,33 @@ class _Follow:
     prompt: np.ndarray
     reply: list[int]
     done: int  # where the follow lane's canonical KV ends (a block boundary)
+    block: int
+    limit: int  # the last position a block may end at (the context's, less one)
     closed: bool = False  # the request has ended: the reply will not grow
 
     def tokens(self) -> np.ndarray:
         return np.concatenate([self.prompt, np.asarray(self.reply, dtype=np.int32)])
 
-    def ready(self, block: int, limit: int) -> int:
+    def ready(self) -> int:
         """The end of the last full block of prompt + reply so far (within `limit`)."""
-        return min(len(self.prompt) + len(self.reply), limit) // block * block
+        return min(len(self.prompt) + len(self.reply), self.limit) // self.block * self.block
 
 
 @dataclass(slots=True)
 class _Lane:
+    """A lane's generator and what the scheduler reads of it (`scheduler.Schedulable`)."""
+
     gen: Generator[Any, Any, None]  # Events, and a batched decode's Forward / Leave
     tokens: np.ndarray
-    warm: bool
+    kind: LaneKind
     prefilling: bool = False  # a request that has not yet given its first token
     batched: bool = False  # decoding in the batch: it steps with the batch
     follow: _Follow | None = None  # a follow lane's state
-    follower: int | None = None  # a followed request's follow lane
+
+    def has_work(self) -> bool:
+        """False only for a follow lane waiting for its reply to complete a block."""
+        f = self.follow
+        return f is None or f.closed or f.ready() > f.done
 
 
 def final_result(events: Iterable[Event], on_event: Callable[[Event], None] | None) -> Result:
@@ -140,10 +151,9 @@ class Engine:
         # measured to give each row the bits it gets alone (`invariance`, `decode_batch`).
         self.batch_decode = batch_decode
         self._batch = DecodeBatch()
-        self._batch_next = False  # the batch's turn comes next (it alternates with lanes)
         self._warn = on_warning or (lambda _msg: None)
         self._ids = itertools.count()
-        self._lanes: dict[int, _Lane] = {}  # insertion order = round-robin order
+        self._sched: Scheduler[_Lane] = Scheduler()
 
     @property
     def model(self) -> Any:
@@ -177,9 +187,7 @@ class Engine:
         """
         tokens = self.check(request)
         block = self.cache.block_size
-        for rid, lane in list(self._lanes.items()):
-            if not lane.warm:
-                continue
+        for rid, lane in self._sched.lanes(*BACKGROUND):
             if lane.follow is not None:
                 # A finished reply's follow lane stops if this request (its next turn) needs
                 # what it has not done yet; one whose reply still runs goes on.
@@ -198,13 +206,16 @@ class Engine:
             and not self.keep_replies
             and not isinstance(self.cache, NoCache)
         ):
-            follow = _Follow(tokens, [], len(tokens) // block * block)
-        lane = _Lane(self._lane(rid, tokens, request, follow), tokens, warm=False, prefilling=True)
-        self._lanes[rid] = lane
+            limit = self.loaded.context_length - 1
+            follow = _Follow(tokens, [], len(tokens) // block * block, block, limit)
+        gen = self._lane(rid, tokens, request, follow)
+        self._sched.add(rid, _Lane(gen, tokens, LaneKind.REQUEST, prefilling=True))
         if follow is not None:
-            lane.follower = next(self._ids)
-            gen = self._follow_lane(lane.follower, follow)
-            self._lanes[lane.follower] = _Lane(gen, tokens, warm=True, follow=follow)
+            follower = next(self._ids)
+            lane = _Lane(
+                self._follow_lane(follower, follow), tokens, LaneKind.FOLLOW, follow=follow
+            )
+            self._sched.add(follower, lane, follows=rid)
         return rid
 
     def warm(self, tokens: Sequence[int] | np.ndarray) -> int | None:
@@ -220,15 +231,11 @@ class Engine:
         if isinstance(self.cache, NoCache) or target == 0:
             return None
         ids = ids[:target]
-        for rid, lane in list(self._lanes.items()):  # superseded: the same or a shorter prefix
-            if (
-                lane.warm
-                and lane.follow is None
-                and common_prefix(lane.tokens, ids) == len(lane.tokens)
-            ):
+        for rid, lane in self._sched.lanes(LaneKind.WARM):
+            if common_prefix(lane.tokens, ids) == len(lane.tokens):  # the same or a shorter prefix
                 self.cancel(rid)
         rid = next(self._ids)
-        self._lanes[rid] = _Lane(self._warm_lane(rid, ids), ids, warm=True)
+        self._sched.add(rid, _Lane(self._warm_lane(rid, ids), ids, LaneKind.WARM))
         return rid
 
     def warm_chat(self, messages: list[dict[str, Any]], **template_kwargs: Any) -> int | None:
@@ -243,13 +250,19 @@ class Engine:
 
     @property
     def busy(self) -> bool:
-        """Whether a request (not only warm-ahead work) is queued or running."""
-        return any(not lane.warm for lane in self._lanes.values())
+        """Whether a request (`LaneKind.REQUEST`) is queued or running."""
+        return self._sched.count(LaneKind.REQUEST) > 0
 
     @property
     def warming(self) -> bool:
-        """Whether warm-ahead work is queued."""
-        return any(lane.warm for lane in self._lanes.values())
+        """Whether background work is queued: warm-ahead lanes and follow lanes (a follow
+        lane may outlive its request, to keep the reply's last block)."""
+        return self._sched.count(*BACKGROUND) > 0
+
+    def lanes(self) -> list[tuple[int, LaneKind]]:
+        """Every live lane's id and kind: warm-ahead lanes oldest first, then requests and
+        follow lanes in the order of their next turns (`scheduler.Scheduler.lanes`)."""
+        return [(rid, lane.kind) for rid, lane in self._sched.lanes()]
 
     def step(self, background: bool = True) -> list[Event]:
         """One lane's turn, one model call: the next request lane (or follow lane with work,
@@ -258,64 +271,55 @@ class Engine:
         step queued behind it). With batched decode, requests past their first token take
         their steps together (`_batch_step`), every other turn while lanes are prefilling.
         `background` False (requests are waiting to start): warm and follow lanes get no
-        turn.
+        turn. See `scheduler.Scheduler.next_turn`.
 
-        Returns the events of requests it produced (warm lanes produce none).
+        Returns the events of requests it produced (warm and follow lanes produce none).
         """
-        block, limit = self.cache.block_size, self.loaded.context_length - 1
-
-        def has_work(lane: _Lane) -> bool:
-            f = lane.follow
-            return f is None or f.closed or f.ready(block, limit) > f.done
-
-        prefilling = any(lane.prefilling for lane in self._lanes.values())
-        rid = next(
-            (
-                r
-                for r, lane in self._lanes.items()
-                if (not lane.warm and not lane.batched)
-                or (background and lane.follow and not prefilling and has_work(lane))
-            ),
-            None,
-        )
-        if self._batch and (self._batch_next or rid is None):
-            self._batch_next = False
+        turn = self._sched.next_turn(background, batch=len(self._batch) > 0)
+        if turn is BATCH:
             return self._batch_step()
-        self._batch_next = True  # the batch (if any) goes next: lanes and batch alternate
-        if rid is None and background:
-            rid = next((r for r, lane in self._lanes.items() if has_work(lane)), None)
-        if rid is None:
-            return []
-        lane = self._lanes.pop(rid)
-        event = self._advance(rid, lane)
+        return [] if turn is None else list(self._turn(turn))
+
+    def _turn(self, rid: int, alone: bool = False) -> Iterator[Event]:
+        """Advance lane `rid` by one turn and yield the request events it produced, telling
+        the scheduler what became of the lane. `alone` (`generate`): every forward is the
+        lane's own, none joins the decode batch.
+
+        Events are yielded as they come, so a consumer that stops (`generate` closed) stops
+        the turn between two of them; the lane is still queued then, for `cancel`.
+        """
+        lane = self._sched[rid]
+        event = self._advance(rid, lane, alone=alone)
         if event is None and lane.batched:  # it joined the batch: it steps with it
-            self._lanes[rid] = lane
-            return []
+            self._sched.requeue(rid)
+            return
         if event is None or isinstance(event, Done):
-            return [event] if event is not None and not lane.warm else []
-        if lane.warm:
-            if lane.follow is not None:  # takes turns with the requests
-                self._lanes[rid] = lane
-            else:  # back to the front: one warm lane (one restored KV copy) at a time
-                self._lanes = {rid: lane, **self._lanes}
-            return []
-        events: list[Event] = [event]
+            self._sched.finish(rid)
+            if event is not None and lane.kind is LaneKind.REQUEST:
+                yield event
+            return
+        if lane.kind is not LaneKind.REQUEST:  # background work produces no events
+            self._sched.requeue(rid)
+            return
+        yield event
         if isinstance(event, Prefill) and event.done == event.total:
             # The first token comes with the prompt's last chunk: sampling it is no model
             # call, and waiting for the next round would delay it by every other lane's turn.
-            first = self._advance(rid, lane)
-            if first is None or isinstance(first, Done):
-                return [*events, first] if first is not None else events
-            events.append(first)
-        lane.prefilling = not isinstance(events[-1], Token)
-        self._lanes[rid] = lane  # requests take turns: to the back of the round
-        if self.batch_decode and not lane.prefilling:  # on to its next forward: the batch
+            event = self._advance(rid, lane, alone=alone)
+            if event is None or isinstance(event, Done):
+                self._sched.finish(rid)
+                if event is not None:
+                    yield event
+                return
+            yield event
+        lane.prefilling = not isinstance(event, Token)
+        self._sched.requeue(rid)  # requests take turns: to the back of the round
+        if self.batch_decode and not alone and not lane.prefilling:  # on to the batch
             more = self._advance(rid, lane)
             if more is not None:
-                events.append(more)
                 if isinstance(more, Done):
-                    del self._lanes[rid]
-        return events
+                    self._sched.finish(rid)
+                yield more
 
     def _batch_step(self) -> list[Event]:
         """One forward for every request in the batch, then each on to its next one."""
@@ -331,13 +335,13 @@ class Engine:
             return events
         events = []
         for i, rid in enumerate(rows):
-            lane = self._lanes[rid]
+            lane = self._sched[rid]
             lane.batched = False
             event = self._advance(rid, lane, logits[i : i + 1])
             while event is not None:  # its Token, then on to its next forward or its end
                 events.append(event)
                 if isinstance(event, Done):
-                    del self._lanes[rid]
+                    self._sched.finish(rid)
                     break
                 event = self._advance(rid, lane)
         return events
@@ -350,7 +354,7 @@ class Engine:
 
         A request's first forward, and every forward of a request run `alone`, is its own.
         A broken lane ends alone (its finally released its pin): a request with an error
-        `Done`, a warm lane with a warning (it only cost the blocks it did not keep).
+        `Done`, a warm or follow lane with a warning (it only cost the blocks it did not keep).
         """
         try:
             step = lane.gen.send(value)
@@ -376,34 +380,34 @@ class Engine:
         except Exception as exc:
             if rid in self._batch:
                 self._batch.drop(rid)
-            if not lane.warm:
+            if lane.kind is LaneKind.REQUEST:
                 return Done(rid, Result("", [], "error", Stats(), error=str(exc)))
             self._warn(f"warm-ahead stopped early: {type(exc).__name__}: {exc}")
             return None
 
     def run(self, warm: bool = False) -> Iterator[Event]:
-        """Advance the lanes until every request is done (and, with `warm`, warm-ahead too)."""
-        while self.busy or (warm and self._lanes):
+        """Advance the lanes until every request is done (and, with `warm`, the background
+        lanes too: warm-ahead and follow)."""
+        while self.busy or (warm and self.warming):
             yield from self.step()
 
     def generate(self, request: Request) -> Iterator[Event]:
         """Run one request alone and yield its events; other lanes wait (see `submit`).
 
+        The request's lane is queued like any other and advanced by the same turns as in
+        `step`, but every turn is its own (none for other lanes, each forward its own) until
+        it ends; its follow lane, if any, runs later with `step`.
         Closing the iterator early (Ctrl-C, a consumer that stops) cancels the request.
         A failed request raises GenerationError here; `run()` instead ends it with a
         `Done` whose result carries the error, so the other lanes go on.
         """
         rid = self.submit(request)
         try:
-            while rid in self._lanes:
-                event = self._advance(rid, self._lanes[rid], alone=True)
-                if event is None:
-                    break
-                if isinstance(event, Done):
-                    del self._lanes[rid]
-                    if event.result.error is not None:
+            while rid in self._sched:
+                for event in self._turn(rid, alone=True):
+                    if isinstance(event, Done) and event.result.error is not None:
                         raise GenerationError(event.result.error)
-                yield event
+                    yield event
         finally:
             self.cancel(rid)
 
@@ -411,19 +415,17 @@ class Engine:
         """Stop a lane now: its pin is released and it yields nothing more.
 
         A lane stopped during prefill keeps the full blocks it has computed. A request
-        stopped before its end takes its follow lane with it.
+        stopped before its end takes its follow lane with it. Unknown or ended ids: nothing.
         """
-        lane = self._lanes.pop(rid, None)
-        if rid in self._batch:
-            self._batch.drop(rid)
-        if lane is not None:
+        for r, lane in self._sched.cancel(rid):
+            if r in self._batch:
+                self._batch.drop(r)
             lane.gen.close()
-            if lane.follower is not None:
-                self.cancel(lane.follower)
 
     def cancel_warm(self) -> None:
-        """Stop every warm-ahead lane (each keeps the full blocks it has computed)."""
-        for rid in [r for r, lane in self._lanes.items() if lane.warm]:
+        """Stop every background lane: warm-ahead and follow lanes (each keeps the full
+        blocks it has computed). Requests, and so a running reply, go on unfollowed."""
+        for rid, _lane in self._sched.lanes(*BACKGROUND):
             self.cancel(rid)
 
     def complete(self, request: Request, on_event: Callable[[Event], None] | None = None) -> Result:
@@ -523,10 +525,10 @@ class Engine:
 
     def _follow_lane(self, rid: int, f: _Follow) -> Generator[Event, None, None]:
         # Stepped only when a block is complete or the request has ended (`step`).
-        block, limit = self.cache.block_size, self.loaded.context_length - 1
+        block = self.cache.block_size
         resume = None
         try:
-            while (target := f.ready(block, limit)) > f.done or not f.closed:
+            while (target := f.ready()) > f.done or not f.closed:
                 if target <= f.done:
                     yield Prefill(rid, f.done, f.done)  # nothing yet: wait for the reply
                     continue

@@ -185,9 +185,7 @@ def checkpoint_at_prompt_end(patch: Patch) -> None:
 def unaligned_chunks(patch: Patch) -> None:
     """Prefill chunks of B counted back from the end, not from absolute multiples of B."""
 
-    def schedule(
-        start: int, end: int, block_size: int, anywhere: bool = False
-    ) -> list[tuple[int, int]]:
+    def schedule(start: int, end: int, block_size: int) -> list[tuple[int, int]]:
         stops = list(range(end, start, -block_size))[::-1]
         return list(zip([start, *stops[:-1]], stops, strict=True))
 
@@ -255,10 +253,9 @@ def follow_in_one_chunk(patch: Patch) -> None:
     one forward call (fewer, larger calls), not one canonical chunk per block."""
 
     def _follow_lane(self: Engine, rid: int, f: Any) -> Generator[Event, None, None]:
-        block, limit = self.cache.block_size, self.loaded.context_length - 1
         resume = None
         try:
-            while (target := f.ready(block, limit)) > f.done or not f.closed:
+            while (target := f.ready()) > f.done or not f.closed:
                 if target <= f.done:
                     yield Prefill(rid, f.done, f.done)
                     continue

@@ -72,7 +72,7 @@ def test_interrupted_reply_is_kept_and_pin_released(engine: Engine) -> None:
     events.close()  # type: ignore[attr-defined]
     assert s.turns[-1].interrupted and s.turns[-1].user == "and again"
     assert engine.cache.report()["pinned_entries"] == 0
-    assert engine._lanes == {}
+    assert engine.lanes() == []
 
 
 def test_save_load_round_trip_and_bad_files(tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ from mlxcache.events import CANCELLED, Done, Prefill, Result, Token
 from mlxcache.model import LoadedModel
 from mlxcache.prefill import schedule
 from mlxcache.sampling import SamplingParams
+from mlxcache.scheduler import LaneKind
 from mlxcache.worker import EngineWorker
 
 B = 4
@@ -200,16 +201,16 @@ def test_follow_lanes_wait_while_a_request_prefills(tiny: LoadedModel) -> None:
     shared = prompt(8, seed=1)
     long_reply = SamplingParams(max_tokens=40)
     a = engine.submit(Request([*shared, 5], long_reply, stop_tokens=frozenset(), follow=True))
-    follower = engine._lanes[a].follower
-    assert follower is not None
+    follower = next(r for r, kind in engine.lanes() if kind is LaneKind.FOLLOW)
+    assert engine.lanes() == [(a, LaneKind.REQUEST), (follower, LaneKind.FOLLOW)]
     replies = 0
     while replies < 3:  # 9 + 3 tokens: the block [8, 12) is complete
         replies += sum(isinstance(e, Token) for e in engine.step())
     b = engine.submit(Request([*shared, *prompt(9, seed=2)], GREEDY))  # shares [0, 8) only
-    assert follower in engine._lanes  # b needs nothing the follow lane would compute
+    assert (follower, LaneKind.FOLLOW) in engine.lanes()  # b needs nothing it would compute
     spy.reset()
-    while engine._lanes[b].prefilling:
-        engine.step()
+    while not any(isinstance(e, Token) and e.request_id == b for e in engine.step()):
+        assert (b, LaneKind.REQUEST) in engine.lanes()  # b is prefilling
     assert len(set(spy.lanes)) == 2  # a's decode steps and b's chunks: the follow waited
     # b's full chunks (it resumed [0, 8) from a's kept prompt); its last one is (16, 1).
     assert [c for c in spy.calls if c[1] > 1] == [(8, B), (12, B)] and (16, 1) in spy.calls
@@ -218,7 +219,7 @@ def test_follow_lanes_wait_while_a_request_prefills(tiny: LoadedModel) -> None:
         engine.step()
     assert (8, B) in spy.calls and len(set(spy.lanes)) == 3
     engine.cancel(a)
-    assert follower not in engine._lanes and not engine.warming  # gone with its request
+    assert engine.lanes() == [(b, LaneKind.REQUEST)] and not engine.warming  # all of a's gone
     list(engine.run())
     assert engine.cache.report()["pinned_entries"] == 0
 
@@ -228,15 +229,15 @@ def test_a_follow_lane_goes_on_while_its_reply_runs(tiny: LoadedModel) -> None:
     starts with the reply so far) leaves it alone while the reply runs; both end."""
     engine, _spy = cached(tiny)
     p = prompt(9, seed=5)
-    a = engine.submit(Request(p, SamplingParams(max_tokens=20), frozenset(), follow=True))
-    follower = engine._lanes[a].follower
+    engine.submit(Request(p, SamplingParams(max_tokens=20), frozenset(), follow=True))
+    follower = next(r for r, kind in engine.lanes() if kind is LaneKind.FOLLOW)
     replies: list[int] = []
     while len(replies) < 3:
         replies += [e.token for e in engine.step() if isinstance(e, Token)]
     engine.submit(Request([*p, *replies, 7, 7], GREEDY))  # shares 12 > the follow's 8
-    assert follower in engine._lanes
+    assert (follower, LaneKind.FOLLOW) in engine.lanes()
     list(engine.run(warm=True))
-    assert not engine._lanes and engine.cache.report()["pinned_entries"] == 0
+    assert not engine.lanes() and engine.cache.report()["pinned_entries"] == 0
 
 
 def test_a_followed_request_that_fails_to_start_ends_its_follow_lane(
@@ -257,7 +258,7 @@ def test_a_followed_request_that_fails_to_start_ends_its_follow_lane(
     for _ in range(20):  # a follow lane left waiting would keep `warming` on for good
         done += [e for e in engine.step() if isinstance(e, Done)]
     assert [(d.request_id, d.result.finish_reason) for d in done] == [(rid, "error")]
-    assert not engine._lanes and not engine.warming
+    assert not engine.lanes() and not engine.warming
 
 
 def test_template_rewriting_earlier_turns(tiny: LoadedModel) -> None:
@@ -313,7 +314,7 @@ def test_cancel_during_run_ends_only_that_lane(tiny: LoadedModel) -> None:
         if isinstance(event, Done):
             finished.append(event.request_id)
     assert finished == [b]
-    assert engine.cache.report()["mem_entries"] >= 1
+    assert engine.cache.report()["mem_entries"] >= 1  # type: ignore[attr-defined]
 
 
 def test_stop_strings_cut_the_reply(tiny: LoadedModel) -> None:
@@ -513,7 +514,7 @@ def test_a_failing_warm_lane_warns_once_and_ends_alone(
     engine.warm(prompt(12))
     assert list(engine.run(warm=True)) == []
     assert warnings == ["warm-ahead stopped early: MemoryError: no room for the KV"]
-    assert not engine._lanes and engine.cache.report()["pinned_entries"] == 0
+    assert not engine.lanes() and engine.cache.report()["pinned_entries"] == 0
     result = engine.complete(Request(prompt(12), GREEDY))  # the engine goes on
     assert result.finish_reason == "length" and result.stats.cached_tokens == 0
 

@@ -1,0 +1,179 @@
+"""Which lane makes the engine's next model call: the lanes' queues and their kinds.
+
+The engine runs three kinds of lanes over one model (`LaneKind`). The scheduler holds
+them in two queues and picks whose turn it is; the engine advances that lane's
+generator and tells the scheduler what became of it (`requeue`, `finish`, `cancel`):
+
+- **the round**: requests and follow lanes, in turn order. A lane that had its turn goes
+  to the back. Requests always take their turn; a follow lane only while no request is
+  prefilling (so it never delays a first token) and only when it has work (a block of
+  prompt + reply completed, or its request has ended).
+- **the warm queue**: warm-ahead lanes, oldest first. The oldest runs until it ends (one
+  restored KV copy at a time), and only when the round has nothing to run.
+
+Warm and follow lanes are the background kinds (`BACKGROUND`): `next_turn(background=False)`
+(requests are waiting to start) gives them no turn at all.
+
+With batched decode, requests past their first token wait in the engine's decode batch
+(`batched`) and take their steps together: the batch's turn alternates with the lanes'.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from typing import Generic, Protocol, TypeVar
+
+
+class LaneKind(enum.Enum):
+    """What a lane does, and so when it may run."""
+
+    REQUEST = "request"
+    """A request: prefill, then decode its reply; its events go to the caller."""
+    WARM = "warm"
+    """Warm-ahead: prefill a prefix the next request is expected to start with, and keep it."""
+    FOLLOW = "follow"
+    """Prefill and keep each block of a followed request's prompt + reply as it completes."""
+
+
+BACKGROUND = (LaneKind.WARM, LaneKind.FOLLOW)
+"""The kinds that only keep KV for later requests: no events, and no turn while requests wait."""
+
+
+class Batch(enum.Enum):
+    """The decode batch's turn (`Scheduler.next_turn`)."""
+
+    TURN = "batch"
+
+
+BATCH = Batch.TURN
+
+
+class Schedulable(Protocol):
+    """What the scheduler reads of a lane."""
+
+    @property
+    def kind(self) -> LaneKind: ...
+
+    @property
+    def prefilling(self) -> bool:
+        """A request that has not given its first token yet."""
+        ...
+
+    @property
+    def batched(self) -> bool:
+        """A request waiting in the decode batch: it steps with the batch, not alone."""
+        ...
+
+    def has_work(self) -> bool:
+        """Whether a turn would do something (a follow lane may wait for its reply)."""
+        ...
+
+
+L = TypeVar("L", bound=Schedulable)
+
+
+class Scheduler(Generic[L]):
+    """The engine's lanes by id, in their queues (see the module's doc)."""
+
+    def __init__(self) -> None:
+        self._lanes: dict[int, L] = {}
+        self._round: deque[int] = deque()  # requests and follow lanes, next turn first
+        self._warm: deque[int] = deque()  # warm-ahead lanes, oldest first
+        self._follower: dict[int, int] = {}  # a followed request -> its follow lane
+        self._batch_next = False  # the batch's turn comes next (it alternates with lanes)
+
+    def __contains__(self, rid: object) -> bool:
+        return rid in self._lanes
+
+    def __len__(self) -> int:
+        return len(self._lanes)
+
+    def __getitem__(self, rid: int) -> L:
+        return self._lanes[rid]
+
+    def add(self, rid: int, lane: L, follows: int | None = None) -> None:
+        """Queue a new lane at the back of its queue; a follow lane names its request."""
+        if rid in self._lanes:
+            raise ValueError(f"lane {rid} is queued already")
+        if (lane.kind is LaneKind.FOLLOW) != (follows is not None):
+            raise ValueError("a follow lane, and only a follow lane, follows a request")
+        self._lanes[rid] = lane
+        (self._warm if lane.kind is LaneKind.WARM else self._round).append(rid)
+        if follows is not None:
+            self._follower[follows] = rid
+
+    def next_turn(self, background: bool = True, batch: bool = False) -> int | Batch | None:
+        """Whose turn it is: a lane's id, `BATCH`, or None (nothing to run).
+
+        The first lane of the round that may run (see the module's doc); while the decode
+        batch has rows (`batch`), every other turn is the batch's, and every turn when no
+        lane of the round may run; else the oldest warm lane. `background` False: warm and
+        follow lanes get no turn.
+        """
+        prefilling = any(self._lanes[r].prefilling for r in self._round)
+        rid = next(
+            (
+                r
+                for r in self._round
+                if self._may_run(self._lanes[r], background and not prefilling)
+            ),
+            None,
+        )
+        if batch and (self._batch_next or rid is None):
+            self._batch_next = False
+            return BATCH
+        self._batch_next = True
+        if rid is None and background and self._warm:
+            rid = self._warm[0]
+        return rid
+
+    @staticmethod
+    def _may_run(lane: Schedulable, follow: bool) -> bool:
+        # follow: follow lanes may have a turn now (background, and no request prefilling)
+        if lane.kind is LaneKind.REQUEST:
+            return not lane.batched
+        return follow and lane.has_work()
+
+    def requeue(self, rid: int) -> None:
+        """The lane had its turn and goes on: a lane of the round to its back; a warm lane
+        stays at the head of the warm queue."""
+        if self._lanes[rid].kind is not LaneKind.WARM:
+            self._round.remove(rid)
+            self._round.append(rid)
+
+    def finish(self, rid: int) -> L:
+        """Forget a lane that has ended. A finished request's follow lane goes on (it
+        completes the reply's last block)."""
+        self._follower.pop(rid, None)
+        return self._remove(rid)
+
+    def cancel(self, rid: int) -> list[tuple[int, L]]:
+        """Take a lane out before its end, a request's follow lane with it; returns what
+        was taken out (the lane first), for the engine to stop. Unknown ids: nothing."""
+        if rid not in self._lanes:
+            return []
+        taken = [(rid, self._remove(rid))]
+        follower = self._follower.pop(rid, None)
+        if follower is not None and follower in self._lanes:
+            taken.append((follower, self._remove(follower)))
+        return taken
+
+    def _remove(self, rid: int) -> L:
+        lane = self._lanes.pop(rid)
+        (self._warm if lane.kind is LaneKind.WARM else self._round).remove(rid)
+        return lane
+
+    def lanes(self, *kinds: LaneKind) -> list[tuple[int, L]]:
+        """The lanes of `kinds` (default: all): the warm queue, oldest first, then the round,
+        next turn first."""
+        wanted = kinds or tuple(LaneKind)
+        return [
+            (r, self._lanes[r])
+            for r in (*self._warm, *self._round)
+            if self._lanes[r].kind in wanted
+        ]
+
+    def count(self, *kinds: LaneKind) -> int:
+        """How many lanes of `kinds` are queued or running."""
+        return sum(lane.kind in kinds for lane in self._lanes.values())
