@@ -185,7 +185,9 @@ def checkpoint_at_prompt_end(patch: Patch) -> None:
 def unaligned_chunks(patch: Patch) -> None:
     """Prefill chunks of B counted back from the end, not from absolute multiples of B."""
 
-    def schedule(start: int, end: int, block_size: int) -> list[tuple[int, int]]:
+    def schedule(
+        start: int, end: int, block_size: int, anywhere: bool = False
+    ) -> list[tuple[int, int]]:
         stops = list(range(end, start, -block_size))[::-1]
         return list(zip([start, *stops[:-1]], stops, strict=True))
 

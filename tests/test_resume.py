@@ -128,7 +128,7 @@ def test_disk_tier_in_a_new_cache(tiny: LoadedModel, tmp_path: Path) -> None:
     warm = run(reopened, spy2, p)
     cold = run(fresh, fspy, p)
     assert warm.stats.cached_tokens == 24
-    assert reopened.cache.report()["disk_hits"] == 1  # type: ignore[attr-defined]
+    assert reopened.cache.report()["disk_hits"] == 1
     check_same(warm, spy2, cold, fspy, 26)
 
 
@@ -156,7 +156,7 @@ def test_corrupt_block_is_dropped_and_counted(tiny: LoadedModel, tmp_path: Path)
     files[1].write_bytes(files[1].read_bytes()[:-7])  # truncated
     reopened, spy2, _, _ = engine_pair(tiny, tmp_path)
     warm = run(reopened, spy2, p)
-    report = reopened.cache.report()  # type: ignore[attr-defined]
+    report = reopened.cache.report()
     assert report["dropped_corrupt"] == 1 and warm.stats.cached_tokens == 0
     assert warm.tokens == run(fresh, fspy, p).tokens
     # The entry is gone for good; the re-prefilled prompt was kept again, intact.
