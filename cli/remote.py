@@ -11,10 +11,19 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from mlxcache.errors import OutputError, ServerMismatchError, UserInputError
-from mlxcache.remote import ENV_API_KEY, ENV_SERVER, USAGE_FIELD, Server, Wanted, usage_of
+from mlxcache.remote import (
+    ENV_API_KEY,
+    ENV_SERVER,
+    Server,
+    Wanted,
+    sampling_fields,
+    usage_of,
+    worded_from,
+)
 from mlxcache_cli import ui
 
 if TYPE_CHECKING:
+    from mlxcache.modes.tools import Tool, ToolChoice, ToolReply
     from mlxcache_cli.options import RunOptions
 
 ServerUrl = Annotated[
@@ -79,19 +88,7 @@ def in_process_only(**given: object) -> None:
 
 def sampling_body(run: RunOptions) -> dict[str, Any]:
     """Every sampling field, so the server's own defaults (penalties included) play no part."""
-    params = run.sampling()
-    return {
-        "max_tokens": params.max_tokens,
-        "temperature": params.temperature,
-        "top_p": params.top_p,
-        "top_k": params.top_k,
-        "min_p": params.min_p,
-        "repetition_penalty": params.repetition_penalty,
-        "seed": params.seed,
-        "presence_penalty": 0.0,
-        "frequency_penalty": 0.0,
-        USAGE_FIELD: True,
-    }
+    return sampling_fields(run.sampling())
 
 
 def generate(
@@ -192,28 +189,47 @@ def json_single(
 def tools(
     url: str,
     run: RunOptions,
-    tool_defs: list[dict[str, Any]],
-    choice: dict[str, Any] | str,
+    tool_defs: tuple[Tool, ...],
+    choice: ToolChoice,
     parallel: bool,
+    system: str | None,
     messages: list[dict[str, Any]],
-) -> tuple[str, list[dict[str, Any]], dict[str, Any], str | None]:
-    """`mlxcache tools` through the server: (content, calls as {name, arguments}, the
-    usage's stats etc., reasoning)."""
+) -> tuple[ToolReply, Reply, dict[str, Any]]:
+    """`mlxcache tools` through the server: the reply read as `ToolsTask.read` reads it (a
+    call cut off or unreadable is its `error`, from the usage), the raw result, its stats."""
+    from mlxcache.modes.tools import ToolCall, ToolReply
+
+    head = [{"role": "system", "content": system}] if system is not None else []
     server, model = connect(url, run)
     with server:
         body = {
             "model": model,
             **sampling_body(run),
-            "messages": messages,
-            "tools": tool_defs,
-            "tool_choice": choice,
+            "messages": [*head, *(_openai_message(m) for m in messages)],
+            "tools": [t.as_openai() for t in tool_defs],
+            "tool_choice": choice.mode
+            if choice.name is None
+            else {"type": "function", "function": {"name": choice.name}},
             "parallel_tool_calls": parallel,
         }
         reply = server.post("/v1/chat/completions", body)
         extra = usage_of(reply.get("usage"), server.url)
     message = reply["choices"][0]["message"]
-    calls = [
-        {"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])}
+    calls = tuple(
+        ToolCall(c["function"]["name"], json.loads(c["function"]["arguments"]))
         for c in message.get("tool_calls") or ()
-    ]
-    return message.get("content") or "", calls, extra, message.get("reasoning")
+    )
+    error = extra.get("tool_error")
+    read = ToolReply(
+        message.get("content") or "", calls, None if error is None else worded_from(error)
+    )
+    return read, Reply(extra), extra["stats"]
+
+
+def _openai_message(message: dict[str, Any]) -> dict[str, Any]:
+    """A message of the library's form with its calls in OpenAI's (a tool message keeps
+    its function's name, which the server reads)."""
+    if not message.get("tool_calls"):
+        return message
+    calls = [{"type": "function", "function": c} for c in message["tool_calls"]]
+    return {**message, "tool_calls": calls}

@@ -96,6 +96,7 @@ def tools_cmd(
     think: o.Think = False,
     think_budget: o.ThinkBudget = None,
     as_json: o.Json = False,
+    server: remote.ServerUrl = None,
     run: o.RunOptions,
 ) -> None:
     """Reply to PROMPT with text and/or calls to the functions in --tools."""
@@ -117,13 +118,17 @@ def tools_cmd(
         )
     params = run.sampling()
     check_think_options(think, think_budget, params.max_tokens)  # before the model loads
-    task = ToolsTask(tools, choice, system, parallel, think, think_budget)
-    remote.runs_in_process("tools", "not sent to a server yet")
-    engine = run.engine()
-    ids = task.encode(engine, messages)
-    with o.watch(engine, ids, run.quiet) as seen:
-        result = engine.complete(task.request(engine, ids, params), seen)
-    reply, stats = task.read(result), seen.stats(result.stats)
+    engine = None
+    if server:
+        remote.in_process_only(think=think, think_budget=think_budget)
+        reply, result, stats = remote.tools(server, run, tools, choice, parallel, system, messages)
+    else:
+        task = ToolsTask(tools, choice, system, parallel, think, think_budget)
+        engine = run.engine()
+        ids = task.encode(engine, messages)
+        with o.watch(engine, ids, run.quiet) as seen:
+            done = engine.complete(task.request(engine, ids, params), seen)
+        reply, result, stats = task.read(done), done, seen.stats(done.stats)
     if as_json:
         doc: dict[str, Any] = {
             "content": reply.content,
@@ -147,7 +152,7 @@ def tools_cmd(
         raise OutputError(reply.error)
     if not as_json:
         ui.finish_note(result.finish_reason, len(result.tokens))
-    if engine.warm_ahead and run.cache().disk_bytes:
+    if engine is not None and engine.warm_ahead and run.cache().disk_bytes:
         _warm_ahead(engine, task, messages, reply)
 
 

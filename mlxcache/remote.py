@@ -26,12 +26,15 @@ from mlxcache.errors import (
     ModelNotFoundError,
     QueueFullError,
     ServerError,
+    Setting,
     UserInputError,
+    Worded,
 )
 
 if TYPE_CHECKING:
     from mlxcache.config import CacheConfig
     from mlxcache.engine import Engine
+    from mlxcache.sampling import SamplingParams
 
 ENV_SERVER = "MLXCACHE_SERVER"
 ENV_API_KEY = "MLXCACHE_API_KEY"
@@ -268,3 +271,48 @@ def usage_of(usage: dict[str, Any] | None, url: str) -> dict[str, Any]:
     if not isinstance(extra, dict):
         raise ServerError(f"the server at {url} sent no stats for the request")
     return extra
+
+
+def sampling_fields(params: SamplingParams) -> dict[str, Any]:
+    """Every sampling field of `params` as request fields (the server's own defaults,
+    penalties included, play no part), and the flag that asks for the request's usage.
+
+    Raises:
+        UserInputError: a setting no request can carry (`repetition_context`).
+    """
+    from mlxcache.sampling import SamplingParams
+
+    if params.repetition_context != SamplingParams().repetition_context:
+        raise UserInputError(
+            Worded(Setting("repetition_context"), " runs in-process only (no request sets it)")
+        )
+    return {
+        "max_tokens": params.max_tokens,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k,
+        "min_p": params.min_p,
+        "repetition_penalty": params.repetition_penalty,
+        "seed": params.seed,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+        USAGE_FIELD: True,
+    }
+
+
+def worded_doc(message: str) -> list[str | dict[str, str]]:
+    """A message as JSON, the settings it names kept as such (`Worded`), so the client
+    words them as its front end does ("raise --max-tokens")."""
+    parts = message.parts if isinstance(message, Worded) else (message,)
+    return [p if isinstance(p, str) else {"setting": p.key, "said": p.said} for p in parts]
+
+
+def worded_from(doc: Any) -> Worded:
+    """The message `worded_doc` made."""
+    items = doc if isinstance(doc, list) else [str(doc)]
+    return Worded(
+        *(
+            Setting(str(p["setting"]), str(p.get("said", ""))) if isinstance(p, dict) else str(p)
+            for p in items
+        )
+    )

@@ -87,6 +87,65 @@ def test_same_bytes_as_in_process(
     assert "/" in stats_line(through.stderr)
 
 
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 6}},
+            "required": ["city"],
+        },
+    },
+}
+CONV = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}],
+    },
+]
+
+
+@pytest.fixture(scope="module")
+def tool_files(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    where = tmp_path_factory.mktemp("tools")
+    (where / "tools.json").write_text(json.dumps([WEATHER]))
+    (where / "conv.json").write_text(json.dumps(CONV))
+    return where
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--tool-choice", "required", "-n", "100", "x"],  # a call (81 tokens)
+        ["--tool-choice", "required", "-n", "100", "--json", "x"],
+        ["--tool-choice", "required", "-n", "12", "x"],  # cut off: exit 1, the flag named
+        ["--tool-choice", "required", "-n", "12", "--json", "x"],  # the library's words
+        ["--tool-choice", "none", "-n", "6", "x"],  # text and the token limit note
+        ["--tool-choice", "get_weather", "-n", "100", "--system", "Be brief.", "x"],
+        ["--messages", "conv.json", "--tool-result", "get_weather=sunny", "-n", "6", "--json"],
+    ],
+)
+def test_tools_same_bytes_as_in_process(
+    server: MlxcacheServer, model: Path, cache: Path, tool_files: Path, args: list[str]
+) -> None:
+    args = ["tools", "--tools", str(tool_files / "tools.json"), *args]
+    args = [str(tool_files / a) if a == "conv.json" else a for a in args]
+    local = cli(model, cache, *args)
+    through = cli(model, cache, *args, server=server.url)
+    assert through.returncode == local.returncode
+    assert notes(through.stderr) == notes(local.stderr)
+    if "--json" not in args:
+        assert through.stdout == local.stdout and (local.stdout or local.returncode)
+        return
+    # The same document but the stats (timings; the server's cache hits).
+    mine, theirs = json.loads(local.stdout), json.loads(through.stdout)
+    assert theirs.pop("stats")["prompt_tokens"] == mine.pop("stats")["prompt_tokens"]
+    assert theirs == mine
+
+
 def test_json_output_carries_the_servers_tokens_and_stats(
     server: MlxcacheServer, model: Path, cache: Path
 ) -> None:
@@ -161,6 +220,7 @@ def test_unreachable_server_is_one_line_exit_1(model: Path, cache: Path) -> None
         (["json", "--strict", "x"], "--strict"),
         (["json", "--think", "x"], "--think"),
         (["json", "--input", "in.jsonl", "-o", "out.jsonl"], "--input"),
+        (["tools", "--tools", json.dumps([WEATHER]), "--think", "x"], "--think"),
     ],
 )
 def test_options_a_server_cannot_honour_are_refused(
@@ -173,8 +233,15 @@ def test_options_a_server_cannot_honour_are_refused(
     )
 
 
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["generate", "-n", "4", "hi"],
+        ["tools", "--tools", json.dumps([WEATHER]), "-n", "4", "x"],
+    ],
+)
 def test_remote_path_imports_no_model_code(
-    server: MlxcacheServer, model: Path, cache: Path
+    server: MlxcacheServer, model: Path, cache: Path, args: list[str]
 ) -> None:
     code = (
         "import sys, runpy; sys.argv = ['mlxcache'] + sys.argv[1:]\n"
@@ -184,7 +251,7 @@ def test_remote_path_imports_no_model_code(
         "('mlx_lm', 'transformers', 'mlxcache')  and (m.startswith(('mlx_lm', 'transformers')) "
         "or m in ('mlxcache.engine', 'mlxcache.runtime'))), file=sys.stderr)"
     )
-    argv = [sys.executable, "-c", code, "generate", "-n", "4", "hi", "-m", str(model)]
+    argv = [sys.executable, "-c", code, *args, "-m", str(model)]
     argv += ["--cache-dir", str(cache), "--block-size", str(BLOCK), "--server", server.url]
     out = subprocess.run(argv, capture_output=True, check=False, timeout=600)
     assert out.returncode == 0, out.stderr

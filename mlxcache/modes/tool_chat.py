@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mlxcache.constrain import processor_for
 from mlxcache.encoder import next_turn_prefix
-from mlxcache.engine import Engine, LogitsProcessor, Request
 from mlxcache.errors import Setting, UserInputError, Worded
 from mlxcache.events import Result
 from mlxcache.modes.reasoning import Thinking, budget_processors, split_reply, thinking_for
@@ -36,6 +35,9 @@ from mlxcache.modes.tools import (
     tool_grammar,
 )
 from mlxcache.sampling import SamplingParams
+
+if TYPE_CHECKING:  # the engine imports mlx_lm: `tools --server` reads messages without it
+    from mlxcache.engine import Engine, LogitsProcessor, Request
 
 _RESULT = Setting("tool_result")
 
@@ -284,6 +286,8 @@ class ToolsTask:
 
     def request(self, engine: Engine, ids: list[int], params: SamplingParams) -> Request:
         """A request for the reply (a fresh grammar matcher each time)."""
+        from mlxcache.engine import Request
+
         style = self.style_for(engine)
         processors: list[LogitsProcessor] = []
         if style.grammar is not None:

@@ -20,6 +20,7 @@ from mlxcache.config import ServerConfig
 from mlxcache.engine import Engine
 from mlxcache.engine import Request as EngineRequest
 from mlxcache.events import Done, Event
+from mlxcache.remote import worded_doc
 from mlxcache.sampling import SamplingParams
 from mlxcache.server import errors, prepare
 from mlxcache.server.errors import APIError
@@ -153,7 +154,7 @@ def create_app(engine: Engine, worker: Worker, settings: Settings, log: RequestL
         note(request, env.id)
         if (body.model_extra or {}).get(MLXCACHE_USAGE) is not True:
             return body, plan, env, Lane(worker, plan.request, plan.reply_text()), _usage
-        tap = _Tap(worker)
+        tap = _Tap(worker, plan)
         return body, plan, env, Lane(tap, plan.request, plan.reply_text()), tap.usage
 
     async def end(request: Request, lane: Lane, env: Envelope) -> Outcome:
@@ -229,8 +230,9 @@ class _Tap:
     """The worker, seen through the one request submitted by it: keeps its `Done`, whose
     result the usage then reports (`MLXCACHE_USAGE`)."""
 
-    def __init__(self, worker: Worker) -> None:
+    def __init__(self, worker: Worker, plan: Plan) -> None:
         self._worker = worker
+        self._plan = plan
         self._done: Done | None = None
 
     def submit(self, request: EngineRequest, sink: Callable[[Event], None]) -> Handle:
@@ -261,6 +263,12 @@ class _Tap:
             "text": result.text,
             "finish_reason": result.finish_reason,  # before tool calls are read from it
         }
+        if self._plan.tools is not None:
+            # A call the reply left unreadable or cut off: the answer has no calls, but a
+            # command fails on it as in-process (`remote.worded_doc`).
+            error = self._plan.tools.read(result).error
+            if error is not None:
+                extra["tool_error"] = worded_doc(error)
         return replace(outcome.usage, mlxcache=extra)
 
 
