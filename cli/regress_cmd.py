@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -17,17 +18,17 @@ from mlxcache_cli import remote, ui
 if TYPE_CHECKING:  # the runner imports mlx_lm (seconds): imported by the commands
     from mlxcache.regress import golden
     from mlxcache.regress import suite as suite_mod
-    from mlxcache.regress.runner import Runner
 
 Variants = Annotated[
-    str,
+    str | None,
     typer.Option(
         "--variants",
         metavar="LIST",
-        help="Comma-separated execution variants: cold,warm,disk,lanes.",
+        help="Comma-separated execution variants: cold,warm,disk,lanes (default: all; "
+        "through --server: warm, on the server's cache).",
+        show_default=False,
     ),
 ]
-ALL_VARIANTS = ",".join(VARIANTS)
 RegressBlock = Annotated[
     int | None,
     typer.Option(
@@ -39,7 +40,11 @@ RegressBlock = Annotated[
 ]
 
 
-def _variants(text: str) -> tuple[str, ...]:
+def _variants(text: str | None, server: str | None) -> tuple[str, ...]:
+    from mlxcache.regress.remote import SERVER_VARIANTS
+
+    if text is None:
+        return SERVER_VARIANTS if server else VARIANTS
     chosen = tuple(v.strip() for v in text.split(",") if v.strip())
     unknown = [v for v in chosen if v not in VARIANTS]
     if unknown or not chosen:
@@ -49,6 +54,13 @@ def _variants(text: str) -> tuple[str, ...]:
     if "disk" in chosen and ("warm" not in chosen or chosen.index("warm") > chosen.index("disk")):
         raise UserInputError(
             "the disk variant reads the cache the warm variant fills: list warm before disk"
+        )
+    local = [v for v in chosen if v not in SERVER_VARIANTS]
+    if server and local:
+        # They set the cache's state themselves (none, a new process, lanes side by side).
+        raise UserInputError(
+            f"--variants {','.join(local)} run in-process only: drop --server (or unset "
+            f"${remote.ENV_SERVER}), or run --variants {','.join(SERVER_VARIANTS)}"
         )
     return chosen
 
@@ -90,14 +102,14 @@ def _describe(label: str, diff: dict[str, Any]) -> str:
 
 
 def _load(
-    suite: Path, variants: str, block_size: int | None
+    suite: Path, variants: str | None, block_size: int | None, server: str | None
 ) -> tuple[suite_mod.Suite, tuple[str, ...]]:
     """Check the options and load the suite (before any model loads)."""
     from mlxcache.regress import suite as suite_mod
 
     if block_size is not None:
         o.positive(block_size=block_size)
-    return suite_mod.load(suite), _variants(variants)
+    return suite_mod.load(suite), _variants(variants, server)
 
 
 def _run(
@@ -105,17 +117,42 @@ def _run(
     chosen: tuple[str, ...],
     block_size: int | None,
     quiet: bool,
-    act: Callable[[Runner, tuple[str, ...]], golden.Report],
+    act: Callable[[golden.Runner, tuple[str, ...]], golden.Report],
+    server: str | None,
 ) -> tuple[int, golden.Report]:
-    """`act` on the suite in a scratch cache directory."""
+    """`act` on the suite in a scratch cache directory, or on the server at `server`."""
+    progress = ui.regress_progress(quiet)
+    if server:
+        with _on_server(server, cases, block_size, progress) as runner:
+            return len(cases.cases), act(runner, chosen)
+
     from mlxcache.regress.runner import Runner
 
-    remote.runs_in_process("regress", "its variants set the cache's state")
-
-    progress = ui.regress_progress(quiet)
     with tempfile.TemporaryDirectory(prefix="mlxcache-regress-") as work:
-        runner = Runner(cases, Path(work), block_size, progress)
-        return len(cases.cases), act(runner, chosen)
+        return len(cases.cases), act(Runner(cases, Path(work), block_size, progress), chosen)
+
+
+@contextmanager
+def _on_server(
+    url: str,
+    cases: suite_mod.Suite,
+    block_size: int | None,
+    progress: Callable[[str, str, str], None] | None,
+) -> Iterator[golden.Runner]:
+    """A runner of `cases` on the server at `url`, once it runs every case's model (and
+    the block size, when given: the golden does not depend on it)."""
+    from mlxcache.model.loader import DEFAULT_MODEL
+    from mlxcache.regress.remote import ServerRunner
+    from mlxcache.remote import Wanted
+
+    def wanted(found: dict[str, Any]) -> list[remote.Wanted]:
+        block = found.get("block_size") if block_size is None else block_size
+        specs = dict.fromkeys(c.model or DEFAULT_MODEL for c in cases.cases)
+        return [Wanted(spec, int(block or 0), True) for spec in specs]
+
+    server, card = remote.checked(url, wanted)
+    with server:
+        yield ServerRunner(cases, server, str(card["id"]), card["mlxcache"], progress)
 
 
 def record(
@@ -125,16 +162,19 @@ def record(
     output: Annotated[
         Path, typer.Option("--output", "-o", metavar="FILE", help="Golden file to write.")
     ],
-    variants: Variants = ALL_VARIANTS,
+    variants: Variants = None,
     block_size: RegressBlock = None,
     as_json: o.Json = False,
     quiet: o.Quiet = False,
+    server: remote.ServerUrl = None,
 ) -> None:
     """Run SUITE under every variant and write the golden file (only if all variants agree)."""
     from mlxcache.regress import golden
 
-    cases, chosen = _load(suite, variants, block_size)
-    n, report = _run(cases, chosen, block_size, quiet, lambda r, v: golden.record(r, output, v))
+    cases, chosen = _load(suite, variants, block_size, server)
+    n, report = _run(
+        cases, chosen, block_size, quiet, lambda r, v: golden.record(r, output, v), server
+    )
     if report.ok and not as_json:
         ui.info(f"recorded {n} cases to {output}")
     _show(report, as_json)
@@ -147,15 +187,16 @@ def check(
     golden_file: Annotated[
         Path, typer.Argument(metavar="GOLDEN", help="Golden file from `regress record`.")
     ],
-    variants: Variants = ALL_VARIANTS,
+    variants: Variants = None,
     block_size: RegressBlock = None,
     as_json: o.Json = False,
     quiet: o.Quiet = False,
+    server: remote.ServerUrl = None,
 ) -> None:
     """Run SUITE again and compare every variant with GOLDEN byte for byte (exit 1 on a difference)."""
     from mlxcache.regress import golden
 
-    cases, chosen = _load(suite, variants, block_size)
+    cases, chosen = _load(suite, variants, block_size, server)
     doc = golden.load_golden(golden_file)  # a damaged golden is refused before any work
-    _, report = _run(cases, chosen, block_size, quiet, lambda r, v: golden.check(r, doc, v))
+    _, report = _run(cases, chosen, block_size, quiet, lambda r, v: golden.check(r, doc, v), server)
     _show(report, as_json)

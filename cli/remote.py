@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
@@ -16,7 +17,9 @@ from mlxcache.remote import (
     ENV_SERVER,
     Server,
     Wanted,
+    differences,
     sampling_fields,
+    tool_choice_field,
     usage_of,
     worded_from,
 )
@@ -50,30 +53,38 @@ def connect(url: str, run: RunOptions) -> tuple[Server, str]:
     """
     from mlxcache.model.loader import default_spec
 
-    server = Server(url, os.environ.get(ENV_API_KEY) or None)
-    try:
-        card = server.card()
+    def wanted(_found: dict[str, Any]) -> list[Wanted]:
         cache = run.cache()
-        wanted = Wanted(run.model or default_spec(), cache.block_size, cache.enabled)
-        from mlxcache.remote import differences
+        return [Wanted(run.model or default_spec(), cache.block_size, cache.enabled)]
 
-        diffs = differences(card["mlxcache"], wanted)
-        if diffs:
-            raise ServerMismatchError(
-                f"the server at {server.url} does not reply as this command would: "
-                + "; ".join(diffs)
-            )
-    except BaseException:
-        server.close()
-        raise
+    server, card = checked(url, wanted)
     return server, str(card["id"])
 
 
-def runs_in_process(command: str, why: str) -> None:
-    """One note when $MLXCACHE_SERVER is set for a command that does not use it: a
-    server is never skipped silently."""
-    if os.environ.get(ENV_SERVER):
-        ui.info(f"note: {command} runs in-process ({why}); ${ENV_SERVER} is for generate and json")
+def checked(
+    url: str, wants: Callable[[dict[str, Any]], list[Wanted]]
+) -> tuple[Server, dict[str, Any]]:
+    """A client of the server at `url` and its model card, once its identity (given to
+    `wants`) matches each of what the command would run in-process (`wants`' answer).
+
+    Raises:
+        ServerMismatchError: it runs another model, block size, cache setting or version.
+        ServerError: it cannot be reached.
+    """
+    server = Server(url, os.environ.get(ENV_API_KEY) or None)
+    try:
+        card = server.card()
+        for wanted in wants(card["mlxcache"]):
+            diffs = differences(card["mlxcache"], wanted)
+            if diffs:
+                raise ServerMismatchError(
+                    f"the server at {server.url} does not reply as this command would: "
+                    + "; ".join(diffs)
+                )
+    except BaseException:
+        server.close()
+        raise
+    return server, card
 
 
 def in_process_only(**given: object) -> None:
@@ -207,9 +218,7 @@ def tools(
             **sampling_body(run),
             "messages": [*head, *(_openai_message(m) for m in messages)],
             "tools": [t.as_openai() for t in tool_defs],
-            "tool_choice": choice.mode
-            if choice.name is None
-            else {"type": "function", "function": {"name": choice.name}},
+            "tool_choice": tool_choice_field(choice),
             "parallel_tool_calls": parallel,
         }
         reply = server.post("/v1/chat/completions", body)

@@ -34,6 +34,7 @@ from mlxcache.errors import (
 if TYPE_CHECKING:
     from mlxcache.config import CacheConfig
     from mlxcache.engine import Engine
+    from mlxcache.modes.tools import ToolChoice
     from mlxcache.sampling import SamplingParams
 
 ENV_SERVER = "MLXCACHE_SERVER"
@@ -77,6 +78,9 @@ def model_source(spec: str) -> dict[str, str]:
 def identity(spec: str, engine: Engine, cache: CacheConfig, exact: bool) -> dict[str, Any]:
     """What a server publishes about itself (see the module's docstring); `exact`: False
     when its replies depend on the requests beside them (`serve --batch-inexact`)."""
+    import mlx.core as mx
+    import mlx_lm
+
     from mlxcache import __version__
 
     return {
@@ -86,6 +90,9 @@ def identity(spec: str, engine: Engine, cache: CacheConfig, exact: bool) -> dict
         "cache": cache.enabled,
         "exact": exact,
         "version": __version__,
+        # What a regress golden records beside the version (`regress.remote`).
+        "mlx": getattr(mx, "__version__", "?"),
+        "mlx_lm": mlx_lm.__version__,
     }
 
 
@@ -316,3 +323,10 @@ def worded_from(doc: Any) -> Worded:
             for p in items
         )
     )
+
+
+def tool_choice_field(choice: ToolChoice) -> str | dict[str, Any]:
+    """A tool choice as the request's `tool_choice`."""
+    if choice.name is None:
+        return choice.mode
+    return {"type": "function", "function": {"name": choice.name}}

@@ -146,6 +146,88 @@ def test_tools_same_bytes_as_in_process(
     assert theirs == mine
 
 
+def regress_suite(model: Path, where: Path) -> Path:
+    """A suite of every case kind (a repeated chat turn, a sampled reply, two JSON prompts
+    at once, a tool call), on the server's model."""
+    doc = {
+        "model": str(model),
+        "defaults": {"temperature": 0, "max_tokens": 6},
+        "cases": [
+            {"name": "plain", "kind": "plain", "prompt": "abc abc abc", "system": "Be brief."},
+            {"name": "talk", "kind": "chat", "turns": ["hello", "again"], "repeat_last": True},
+            {"name": "sampled", "kind": "plain", "prompt": "abc xyz", "temperature": 1.0},
+            {
+                "name": "two-json",
+                "kind": "json",
+                "schema": {"type": "string", "maxLength": 3},
+                "prompts": ["abc q", "abc r"],
+                "instructions": "A code.",
+            },
+            {
+                "name": "call",
+                "kind": "tools",
+                "tools": [WEATHER],
+                "tool_choice": "get_weather",
+                "prompt": "Paris?",
+                "max_tokens": 100,
+            },
+        ],
+    }
+    path = where / "suite.json"
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def regress_cli(*args: str, server: str | None = None) -> subprocess.CompletedProcess[bytes]:
+    env = {k: v for k, v in os.environ.items() if k != "MLXCACHE_SERVER"}
+    if server is not None:
+        env["MLXCACHE_SERVER"] = server
+    argv = [sys.executable, "-m", "mlxcache_cli", "regress", *args, "--quiet"]
+    return subprocess.run(argv, capture_output=True, env=env, check=False, timeout=600)
+
+
+def test_regress_through_a_server_gives_the_in_process_golden(
+    server: MlxcacheServer, model: Path, tmp_path: Path
+) -> None:
+    suite = str(regress_suite(model, tmp_path))
+    local, through = tmp_path / "local.json", tmp_path / "through.json"
+    recorded = regress_cli("record", suite, "-o", str(local), "--block-size", str(BLOCK))
+    assert recorded.returncode == 0, recorded.stderr
+    # Recorded through the server (its block size: the golden does not depend on it).
+    again = regress_cli("record", suite, "-o", str(through), server=server.url)
+    assert (again.returncode, again.stdout) == (0, recorded.stdout)
+    assert again.stderr.decode() == f"recorded 5 cases to {through}\n"
+    assert through.read_bytes() == local.read_bytes()  # versions and model keys included
+    checked = regress_cli("check", suite, str(local), "--json", server=server.url)
+    assert checked.returncode == 0, checked.stderr
+    report = json.loads(checked.stdout)
+    assert report["ok"] and report["notes"] == [] and list(report["variants"]) == ["warm"]
+    assert report["variants"]["warm"]["hits"] > 0  # the server's memory tier
+    mine = regress_cli("check", suite, str(local), "--variants", "warm", "--block-size", "16")
+    theirs = regress_cli("check", suite, str(local), server=server.url)
+    assert (theirs.returncode, theirs.stdout) == (0, mine.stdout)
+    assert mine.stdout.decode().splitlines()[0] == "ok                     plain"
+    args = ["regress", "check", suite, str(local), "--quiet", "--server", server.url]
+    assert model_code_imported(*args) == "[]"
+
+
+def test_regress_variants_a_server_cannot_run_are_refused(
+    server: MlxcacheServer, model: Path, tmp_path: Path
+) -> None:
+    suite = str(regress_suite(model, tmp_path))
+    args = ["record", suite, "-o", str(tmp_path / "g.json"), "--variants", "cold,warm,lanes"]
+    out = regress_cli(*args, server=server.url)
+    assert (out.returncode, out.stdout) == (2, b"")
+    assert out.stderr.decode() == (
+        "error: --variants cold,lanes run in-process only: drop --server (or unset "
+        "$MLXCACHE_SERVER), or run --variants warm\n"
+    )
+    assert not (tmp_path / "g.json").exists()
+    other = regress_cli("record", suite, "-o", "g.json", "--block-size", "32", server=server.url)
+    assert other.returncode == 2
+    assert "block size: 16 (server) vs 32 (this command)" in other.stderr.decode()
+
+
 def test_json_output_carries_the_servers_tokens_and_stats(
     server: MlxcacheServer, model: Path, cache: Path
 ) -> None:
@@ -243,6 +325,12 @@ def test_options_a_server_cannot_honour_are_refused(
 def test_remote_path_imports_no_model_code(
     server: MlxcacheServer, model: Path, cache: Path, args: list[str]
 ) -> None:
+    args = [*args, "-m", str(model), "--cache-dir", str(cache), "--block-size", str(BLOCK)]
+    assert model_code_imported(*args, "--server", server.url) == "[]"
+
+
+def model_code_imported(*args: str) -> str:
+    """`mlxcache ARGS` run in a new process: the model-code modules it imported."""
     code = (
         "import sys, runpy; sys.argv = ['mlxcache'] + sys.argv[1:]\n"
         "try:\n    runpy.run_module('mlxcache_cli', run_name='__main__')\n"
@@ -251,11 +339,11 @@ def test_remote_path_imports_no_model_code(
         "('mlx_lm', 'transformers', 'mlxcache')  and (m.startswith(('mlx_lm', 'transformers')) "
         "or m in ('mlxcache.engine', 'mlxcache.runtime'))), file=sys.stderr)"
     )
-    argv = [sys.executable, "-c", code, *args, "-m", str(model)]
-    argv += ["--cache-dir", str(cache), "--block-size", str(BLOCK), "--server", server.url]
-    out = subprocess.run(argv, capture_output=True, check=False, timeout=600)
+    out = subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, check=False, timeout=600
+    )
     assert out.returncode == 0, out.stderr
-    assert out.stderr.decode().splitlines()[-1] == "[]"
+    return out.stderr.decode().splitlines()[-1]
 
 
 def test_identity_is_on_the_model_card(server: MlxcacheServer, model: Path) -> None:

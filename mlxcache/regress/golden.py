@@ -5,27 +5,34 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-import mlx.core as mx
-
-from mlxcache import __version__
 from mlxcache.errors import UserInputError
 from mlxcache.fileio import loads_json, write_atomic
-from mlxcache.regress.runner import VARIANTS, Output, Runner
+from mlxcache.regress import VARIANTS
+from mlxcache.regress.suite import Output, Suite
 
 FORMAT = "mlxcache-golden-v1"
 _CONTEXT = 30  # characters of text shown on each side of a difference
 
 
-def versions() -> dict[str, str]:
-    import mlx_lm
+class Runner(Protocol):
+    """What runs a suite's variants: `runner.Runner` in this process, or
+    `regress.remote.ServerRunner` through a running server (this module imports neither:
+    a check through a server loads no model code)."""
 
-    return {
-        "mlxcache": __version__,
-        "mlx": getattr(mx, "__version__", "?"),
-        "mlx_lm": mlx_lm.__version__,
-    }
+    suite: Suite
+    cache_stats: dict[str, dict[str, int]]
+
+    def run(self, variant: str) -> dict[str, list[Output]]: ...
+
+    def models(self) -> dict[str, str]:
+        """Model key of every case's model."""
+        ...
+
+    def versions(self) -> dict[str, str]:
+        """The versions the outputs depend on (mlxcache, mlx, mlx_lm)."""
+        ...
 
 
 def first_difference(expected: list[Output], actual: list[Output]) -> dict[str, Any] | None:
@@ -113,7 +120,7 @@ def record(runner: Runner, out: Path, variants: tuple[str, ...] = VARIANTS) -> R
     keys = runner.models()
     doc = {
         "format": FORMAT,
-        "versions": versions(),
+        "versions": runner.versions(),
         "cases": {
             c.name: {
                 "model": c.model,
@@ -180,7 +187,7 @@ def check(
     if isinstance(golden, Path):
         golden = load_golden(golden)
     results, report = run_variants(runner, variants)
-    now = versions()
+    now = runner.versions()
     for name, then in golden.get("versions", {}).items():
         if now.get(name) != then:
             report.notes.append(f"version changed: {name} {then} -> {now.get(name)}")

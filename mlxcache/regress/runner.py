@@ -20,7 +20,9 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from mlxcache import lanes
+import mlx.core as mx
+
+from mlxcache import __version__, lanes
 from mlxcache.cache.store import PromptCache
 from mlxcache.config import CacheConfig, default_block_size
 from mlxcache.engine import Engine, Request
@@ -31,10 +33,9 @@ from mlxcache.modes import json_mode
 from mlxcache.modes.tool_chat import ToolsTask
 from mlxcache.modes.tools import ToolChoice, parse_tools
 from mlxcache.regress import VARIANTS
-from mlxcache.regress.suite import SAMPLING_KEYS, Case, Suite
+from mlxcache.regress.suite import SAMPLING_KEYS, Case, Messages, Output, Suite, turns
 from mlxcache.runtime import make_cache
 
-Output = dict[str, Any]
 Steps = lanes.Steps[list[Output]]
 
 
@@ -42,48 +43,34 @@ def _output(result: Result) -> Output:
     return {"text": result.text, "tokens": result.tokens, "finish_reason": result.finish_reason}
 
 
-def _head(case: Case) -> list[dict[str, str]]:
-    system = case.data.get("system")
-    return [{"role": "system", "content": str(system)}] if system is not None else []
-
-
 def steps(engine: Engine, case: Case) -> Steps:
     """The requests of `case`, step by step (later steps may depend on earlier replies)."""
-    p = case.sampling
-    if case.kind == "plain":
-        ids = engine.encoder.encode_chat(
-            [*_head(case), {"role": "user", "content": case.data["prompt"]}]
-        )
-        return [_output(r) for r in (yield [Request(ids, p)])]
-    if case.kind == "chat":
-        messages, outputs = _head(case), []
-        turns = list(case.data["turns"])
-        if case.data.get("repeat_last"):
-            turns.append(turns[-1])
-        for i, turn in enumerate(turns):
-            if i == len(case.data["turns"]):  # the repeat: ask the last turn again
-                messages = messages[:-2]
-            ids = engine.encoder.encode_chat([*messages, {"role": "user", "content": turn}])
-            (result,) = yield [Request(ids, p)]
-            outputs.append(_output(result))
-            messages += [
-                {"role": "user", "content": turn},
-                {"role": "assistant", "content": result.text},
-            ]
+    make = _requests(engine, case)
+    conversation = turns(case)
+    try:
+        asked = next(conversation)
+        while True:
+            results = yield [make(m) for m in asked]
+            asked = conversation.send([_output(r) for r in results])
+    except StopIteration as stop:
+        outputs: list[Output] = stop.value
         return outputs
+
+
+def _requests(engine: Engine, case: Case) -> Callable[[Messages], Request]:
+    """How `case` turns the messages of a request (`suite.turns`) into one."""
+    p = case.sampling
+    if case.kind in ("plain", "chat"):
+        return lambda messages: Request(engine.encoder.encode_chat(messages), p)
     if case.kind == "json":
         task = json_mode.JsonTask.create(case.data["schema"], case.data.get("instructions"))
-        prompts = case.data.get("prompts") or [case.data["prompt"]]
-        reqs = [
-            json_mode.request(engine, json_mode.encode(engine, task.messages(str(q))), task, p)
-            for q in prompts
-        ]
-        return [_output(r) for r in (yield reqs)]
+        return lambda messages: json_mode.request(
+            engine, json_mode.encode(engine, task.messages(messages[-1]["content"])), task, p
+        )
     tools = parse_tools(case.data["tools"], f"case {case.name!r} tools")
     choice = ToolChoice.parse(str(case.data.get("tool_choice", "auto")), tools)
     tools_task = ToolsTask(tools, choice, case.data.get("system"))
-    ids = tools_task.encode(engine, [{"role": "user", "content": case.data["prompt"]}])
-    return [_output(r) for r in (yield [tools_task.request(engine, ids, p)])]
+    return lambda messages: tools_task.request(engine, tools_task.encode(engine, messages), p)
 
 
 Progress = Callable[[str, str], None]
@@ -229,6 +216,16 @@ class Runner:
     def models(self) -> dict[str, str]:
         """Model key of every case's model."""
         return {c.name: self.model(c).key for c in self.suite.cases}
+
+    def versions(self) -> dict[str, str]:
+        """The versions the outputs depend on: this process's."""
+        import mlx_lm
+
+        return {
+            "mlxcache": __version__,
+            "mlx": getattr(mx, "__version__", "?"),
+            "mlx_lm": mlx_lm.__version__,
+        }
 
 
 PROGRESS = "mlxcache-regress-progress\t"

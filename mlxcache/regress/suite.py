@@ -15,6 +15,7 @@ A JSONL suite has one case per line (suite-level keys then come from the default
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -150,3 +151,40 @@ def load(path: Path) -> Suite:
             f"suite {path} is not valid {path.suffix[1:] or 'YAML'}: {exc}".replace("\n", " ")
         ) from exc
     return parse(doc, str(path))
+
+
+Output = dict[str, Any]
+"""One reply: its text, token ids and finish reason."""
+Messages = list[dict[str, Any]]
+Turns = Generator[list[Messages], list[Output], list[Output]]
+
+
+def turns(case: Case) -> Turns:
+    """The messages of each step's requests (sent together), step by step: a step's outputs
+    come back in, as later chat turns depend on the replies. A json case's messages are its
+    prompt alone (its task adds schema and instructions), a tools case's too (its system
+    goes with the tools); the run's outputs are the return value.
+
+    The one description of a case's conversation, for the in-process runner and a server's.
+    """
+    system = case.data.get("system") if case.kind in ("plain", "chat") else None
+    head = [{"role": "system", "content": str(system)}] if system is not None else []
+    if case.kind == "chat":
+        messages: Messages = head
+        outputs: list[Output] = []
+        asked = list(case.data["turns"])
+        if case.data.get("repeat_last"):
+            asked.append(asked[-1])
+        for i, turn in enumerate(asked):
+            if i == len(case.data["turns"]):  # the repeat: ask the last turn again
+                messages = messages[:-2]
+            (output,) = yield [[*messages, {"role": "user", "content": turn}]]
+            outputs.append(output)
+            messages = [
+                *messages,
+                {"role": "user", "content": turn},
+                {"role": "assistant", "content": output["text"]},
+            ]
+        return outputs
+    prompts = (case.data.get("prompts") if case.kind == "json" else None) or [case.data["prompt"]]
+    return (yield [[*head, {"role": "user", "content": str(q)}] for q in prompts])

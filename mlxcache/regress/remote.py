@@ -1,0 +1,102 @@
+"""A regress suite run on a running `mlxcache serve` (`regress record|check --server`).
+
+The server runs the warm variant: one prompt cache (its own) for the whole suite, the cases
+one request at a time. The other variants set the cache's state themselves (none, a new
+process on the disk tier, lanes side by side), which a shared server cannot do: the CLI
+refuses them by name. Standard library only, as `mlxcache.remote`: no model code loads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from mlxcache.modes.tools import ToolChoice, parse_tools
+from mlxcache.regress.suite import Case, Messages, Output, Suite, turns
+from mlxcache.remote import Server, sampling_fields, tool_choice_field, usage_of
+
+SERVER_VARIANTS = ("warm",)
+"""The variants a server runs (see the module's docstring)."""
+
+
+class ServerRunner:
+    """Runs a suite's cases on `server` (whose identity the caller checked: every case's
+    model is the one it serves, `model` is its id, `identity` its card's "mlxcache")."""
+
+    def __init__(
+        self,
+        suite: Suite,
+        server: Server,
+        model: str,
+        identity: dict[str, Any],
+        progress: Callable[[str, str, str], None] | None = None,
+    ) -> None:
+        self.suite = suite
+        self.server = server
+        self.model = model
+        self.identity = identity
+        self.progress = progress or (lambda _v, _c, _w: None)
+        self.cache_stats: dict[str, dict[str, int]] = {}
+
+    def run(self, variant: str) -> dict[str, list[Output]]:
+        if variant not in SERVER_VARIANTS:
+            raise ValueError(f"variant {variant!r} does not run on a server")
+        self.progress(variant, "", "start")
+        seen = {"hits": 0, "cached_tokens": 0, "disk_hits": 0}
+        out: dict[str, list[Output]] = {}
+        for case in self.suite.cases:
+            self.progress(variant, case.name, "start")
+            conversation = turns(case)
+            try:
+                asked = next(conversation)
+                while True:
+                    replies = [self._reply(case, m, seen) for m in asked]
+                    asked = conversation.send(replies)
+            except StopIteration as stop:
+                out[case.name] = stop.value
+            self.progress(variant, case.name, "end")
+        self.cache_stats[variant] = seen
+        self.progress(variant, "", "end")
+        return out
+
+    def _reply(self, case: Case, messages: Messages, seen: dict[str, int]) -> Output:
+        """One request of `case` on the server; its cache use counted in `seen`."""
+        body: dict[str, Any] = {"model": self.model, **sampling_fields(case.sampling)}
+        head = []
+        if case.kind == "json":
+            instructions = case.data.get("instructions")
+            head = [{"role": "system", "content": instructions}] if instructions else []
+            body["response_format"] = {
+                "type": "json_schema",
+                "json_schema": {"name": "reply", "schema": case.data["schema"]},
+            }
+        elif case.kind == "tools":
+            system = case.data.get("system")
+            head = [{"role": "system", "content": system}] if system is not None else []
+            tools = parse_tools(case.data["tools"], f"case {case.name!r} tools")
+            body["tools"] = [t.as_openai() for t in tools]
+            body["tool_choice"] = tool_choice_field(
+                ToolChoice.parse(str(case.data.get("tool_choice", "auto")), tools)
+            )
+            body["parallel_tool_calls"] = False
+        body["messages"] = [*head, *messages]
+        extra = usage_of(
+            self.server.post("/v1/chat/completions", body).get("usage"), self.server.url
+        )
+        stats = extra["stats"]
+        seen["hits"] += stats["cached_tokens"] > 0
+        seen["cached_tokens"] += stats["cached_tokens"]
+        seen["disk_hits"] += stats.get("cached_from") == "disk"
+        return {
+            "text": extra["text"],
+            "tokens": extra["tokens"],
+            "finish_reason": extra["finish_reason"],
+        }
+
+    def models(self) -> dict[str, str]:
+        return {c.name: str(self.identity["key"]) for c in self.suite.cases}
+
+    def versions(self) -> dict[str, str]:
+        """The server's (published on its model card: `mlxcache.remote.identity`)."""
+        found = self.identity
+        return {"mlxcache": str(found["version"]), **{k: str(found[k]) for k in ("mlx", "mlx_lm")}}
