@@ -18,7 +18,7 @@ from mlxcache.modes import chat
 from mlxcache.paths import cache_dir as resolve_cache_dir
 from mlxcache.paths import session_dirs
 from mlxcache_cli import options as o
-from mlxcache_cli import ui
+from mlxcache_cli import remote, ui
 
 if TYPE_CHECKING:  # the worker and model import mlx_lm (seconds): `--list` needs neither
     import numpy as np
@@ -464,6 +464,7 @@ def chat_cmd(
         session = chat.ChatSession(system=system, sampling=params, stop=stops)
     from mlxcache.worker import EngineWorker
 
+    remote.runs_in_process("chat", "its sessions are not sent to a server yet")
     with EngineWorker(run.engine(invariant=True)) as worker:
         note = on_model(session, resume or "", worker.engine.loaded, force)
         if resume is not None:

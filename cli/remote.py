@@ -1,4 +1,4 @@
-"""`--server URL` / $MLXCACHE_SERVER: generate, json and tools sent to a running
+"""`--server URL` / $MLXCACHE_SERVER: generate, json, tools and regress sent to a running
 `mlxcache serve`, printed exactly as in-process (`mlxcache.remote` checks first that the
 server runs the model and cache settings the command would)."""
 
@@ -85,6 +85,13 @@ def checked(
         server.close()
         raise
     return server, card
+
+
+def runs_in_process(command: str, why: str) -> None:
+    """One note when $MLXCACHE_SERVER is set for a command that does not use it: a
+    server is never skipped silently."""
+    if os.environ.get(ENV_SERVER):
+        ui.info(f"note: {command} runs in-process ({why}); ${ENV_SERVER} is not used")
 
 
 def in_process_only(**given: object) -> None:

@@ -349,6 +349,9 @@ def model_code_imported(*args: str) -> str:
 def test_identity_is_on_the_model_card(server: MlxcacheServer, model: Path) -> None:
     import urllib.request
 
+    import mlx.core as mx
+    import mlx_lm
+
     from mlxcache import __version__
     from mlxcache.remote import model_source
 
@@ -360,5 +363,19 @@ def test_identity_is_on_the_model_card(server: MlxcacheServer, model: Path) -> N
         "cache": True,
         "exact": True,
         "version": __version__,
+        "mlx": getattr(mx, "__version__", "?"),
+        "mlx_lm": mlx_lm.__version__,
     }
     assert len(found["key"]) == 32
+
+
+def test_chat_says_it_runs_in_process(model: Path, cache: Path) -> None:
+    argv = [sys.executable, "-m", "mlxcache_cli", "chat", "-m", str(model), "-n", "2"]
+    argv += ["--cache-dir", str(cache), "--block-size", str(BLOCK), "--quiet"]
+    env = {**os.environ, "MLXCACHE_SERVER": "http://127.0.0.1:9"}
+    out = subprocess.run(argv, input=b"", capture_output=True, env=env, check=False, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.decode().splitlines()[0] == (
+        "note: chat runs in-process (its sessions are not sent to a server yet); "
+        "$MLXCACHE_SERVER is not used"
+    )
