@@ -96,6 +96,24 @@ RepetitionPenalty = Annotated[
         rich_help_panel=SAMPLING_PANEL,
     ),
 ]
+PresencePenalty = Annotated[
+    float,
+    typer.Option(
+        "--presence-penalty",
+        metavar="X",
+        help="Subtract X (-2..2) once from the logit of each token the reply has; 0 is off.",
+        rich_help_panel=SAMPLING_PANEL,
+    ),
+]
+FrequencyPenalty = Annotated[
+    float,
+    typer.Option(
+        "--frequency-penalty",
+        metavar="X",
+        help="Subtract X (-2..2) from a token's logit per occurrence in the reply; 0 is off.",
+        rich_help_panel=SAMPLING_PANEL,
+    ),
+]
 Stop = Annotated[
     list[str] | None,
     typer.Option(
@@ -390,6 +408,8 @@ class RunOptions:
     top_k: int
     min_p: float
     repetition_penalty: float
+    presence_penalty: float
+    frequency_penalty: float
     stop: list[str] | None
     seed: int
     cache_dir: Path | None
@@ -408,6 +428,8 @@ class RunOptions:
             top_k=self.top_k,
             min_p=self.min_p,
             repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
             seed=self.seed,
         )
 
@@ -450,6 +472,8 @@ _RUN_OPTIONS: list[tuple[str, Any, Any]] = [
     ("top_k", TopK, _SAMPLING.top_k),
     ("min_p", MinP, _SAMPLING.min_p),
     ("repetition_penalty", RepetitionPenalty, _SAMPLING.repetition_penalty),
+    ("presence_penalty", PresencePenalty, _SAMPLING.presence_penalty),
+    ("frequency_penalty", FrequencyPenalty, _SAMPLING.frequency_penalty),
     ("stop", Stop, None),
     ("seed", Seed, _SAMPLING.seed),
     ("cache_dir", CacheDir, None),

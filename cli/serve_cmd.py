@@ -71,24 +71,6 @@ def serve_cmd(
             "the API (repeatable; off by default).",
         ),
     ] = None,
-    presence_penalty: Annotated[
-        float,
-        typer.Option(
-            "--presence-penalty",
-            metavar="X",
-            help="Default presence penalty (-2..2): subtracted once from the logit of each "
-            "token the reply has; a request's own wins.",
-        ),
-    ] = 0.0,
-    frequency_penalty: Annotated[
-        float,
-        typer.Option(
-            "--frequency-penalty",
-            metavar="X",
-            help="Default frequency penalty (-2..2): subtracted per occurrence in the reply; "
-            "a request's own wins.",
-        ),
-    ] = 0.0,
     *,
     run: o.RunOptions,
 ) -> None:
@@ -97,7 +79,6 @@ def serve_cmd(
     from mlxcache.remote import identity
     from mlxcache.server.app import Settings
     from mlxcache.server.log import RequestLog
-    from mlxcache.server.prepare import Penalties
     from mlxcache.server.run import serve
 
     if not 0 <= port <= 65535:
@@ -111,12 +92,6 @@ def serve_cmd(
     except ValueError as exc:
         raise UserInputError(f"--max-body: {exc}") from exc
     o.positive(max_body=body_limit)
-    for flag, value in (
-        ("--presence-penalty", presence_penalty),
-        ("--frequency-penalty", frequency_penalty),
-    ):
-        if not -2 <= value <= 2:  # OpenAI's range (NaN is outside it too)
-            raise UserInputError(f"{flag} must be in [-2, 2], got {value}")
     origins = tuple(_origin(origin) for origin in cors_origin or ())
     if api_key:  # compared as UTF-8 bytes: undecodable argv bytes could never match
         api_key = o.utf8(api_key, "--api-key")
@@ -144,7 +119,6 @@ def serve_cmd(
             api_key or None,
             body_limit,
             origins,
-            Penalties(presence_penalty, frequency_penalty),
             identity(run.model or default_spec(), engine, run.cache(), exact),
         )
         lanes = max_lanes or (SERVER.batched_lanes if engine.batch_decode else SERVER.lanes)

@@ -64,8 +64,8 @@ def decode(
     asked of the engine (`Forward`), and `Leave` comes after the last.
     """
     sampler = make_sampler(sampling)
-    # Sampling's own processors (repetition penalty) first, then the request's (grammar).
-    procs = [*make_processors(sampling), *processors]
+    # Sampling's own processors (penalties) first, then the request's (bias, grammar).
+    procs = [*make_processors(sampling, prompt.size), *processors]
     # Token history for processors, kept on the host: an mx.array made from host data is
     # readable at once, while a lazy concatenate would queue behind the forward in flight
     # and stall the grammar's mask computation that should overlap it.

@@ -281,8 +281,8 @@ def usage_of(usage: dict[str, Any] | None, url: str) -> dict[str, Any]:
 
 
 def sampling_fields(params: SamplingParams) -> dict[str, Any]:
-    """Every sampling field of `params` as request fields (the server's own defaults,
-    penalties included, play no part), and the flag that asks for the request's usage.
+    """Every sampling field of `params` as request fields (the server's own defaults play
+    no part), and the flag that asks for the request's usage.
 
     Raises:
         UserInputError: a setting no request can carry (`repetition_context`).
@@ -301,8 +301,8 @@ def sampling_fields(params: SamplingParams) -> dict[str, Any]:
         "min_p": params.min_p,
         "repetition_penalty": params.repetition_penalty,
         "seed": params.seed,
-        "presence_penalty": 0.0,
-        "frequency_penalty": 0.0,
+        "presence_penalty": params.presence_penalty,
+        "frequency_penalty": params.frequency_penalty,
         USAGE_FIELD: True,
     }
 

@@ -33,9 +33,12 @@ def _invalid(name: str, why: str) -> SettingError:
 class SamplingParams:
     """How to pick tokens. temperature 0 is greedy; a seed makes sampling reproducible.
 
-    top_k 0, min_p 0 and repetition_penalty 1 switch their step off. The penalty looks at
-    the last `repetition_context` tokens of prompt + reply, so it is the same whether the
-    prompt was resumed from the cache or prefilled.
+    top_k 0, min_p 0, repetition_penalty 1 and the presence and frequency penalties 0
+    switch their step off. The repetition penalty looks at the last `repetition_context`
+    tokens of prompt + reply, so it is the same whether the prompt was resumed from the
+    cache or prefilled. The presence and frequency penalties are OpenAI's: subtracted from
+    the logit of each token the reply has so far, once (presence) or per occurrence
+    (frequency); the prompt plays no part.
     """
 
     temperature: float = 0.0
@@ -46,6 +49,8 @@ class SamplingParams:
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     repetition_context: int = 20
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         # Types first (settings also come from JSON files): a float seed or a string
@@ -72,18 +77,40 @@ class SamplingParams:
             raise _invalid("repetition_penalty", f" must be > 0, got {self.repetition_penalty}")
         if self.repetition_context < 1:
             raise _invalid("repetition_context", f" must be >= 1, got {self.repetition_context}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:  # OpenAI's range (NaN is outside it too)
+                raise _invalid(name, f" must be in [-2, 2], got {value}")
 
 
-def make_processors(params: SamplingParams) -> list[LogitsProcessor]:
-    """The logits processors `params` asks for (none by default)."""
-    if params.repetition_penalty == 1.0:
+def make_processors(params: SamplingParams, prompt: int) -> list[LogitsProcessor]:
+    """The logits processors `params` asks for (none by default), for a reply after a
+    prompt of `prompt` tokens (processors are called with prompt + reply)."""
+    if params.repetition_penalty == 1.0 and not (
+        params.presence_penalty or params.frequency_penalty
+    ):
         return []
     from mlx_lm.sample_utils import make_logits_processors
 
-    return make_logits_processors(
-        repetition_penalty=params.repetition_penalty,
-        repetition_context_size=params.repetition_context,
+    procs: list[LogitsProcessor] = []
+    if params.repetition_penalty != 1.0:
+        procs += make_logits_processors(
+            repetition_penalty=params.repetition_penalty,
+            repetition_context_size=params.repetition_context,
+        )
+    # The reply never exceeds max_tokens, so that window counts all of it.
+    reply = make_logits_processors(
+        presence_penalty=params.presence_penalty,
+        presence_context_size=params.max_tokens,
+        frequency_penalty=params.frequency_penalty,
+        frequency_context_size=params.max_tokens,
     )
+    return procs + [on_reply(proc, prompt) for proc in reply]
+
+
+def on_reply(proc: LogitsProcessor, prompt: int) -> LogitsProcessor:
+    """`proc` seeing only the reply's tokens (decode passes prompt + reply)."""
+    return lambda tokens, logits: proc(tokens[prompt:], logits)
 
 
 def make_sampler(params: SamplingParams) -> Sampler:

@@ -61,3 +61,24 @@ def test_run_description_digests_inputs() -> None:
     assert len(one["schema"]) == 16
     other = run_description("ab" * 32, params, schema={"type": "number"}, instructions=None)
     assert other["schema"] != one["schema"]
+
+
+def test_records_from_before_the_penalties_count_as_their_default(
+    cache_root: Path, tmp_path: Path, tiny_gguf: Path
+) -> None:
+    (tmp_path / "in.jsonl").write_text('{"prompt": "a"}\n{"prompt": "b"}\n')
+    out = tmp_path / "out.jsonl"
+    assert batch(tmp_path, tiny_gguf)[0] == 0
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    for record in records:  # as written before the fields existed
+        del record["run"]["sampling"]["presence_penalty"]
+        del record["run"]["sampling"]["frequency_penalty"]
+    old = "".join(json.dumps(r) + "\n" for r in records).encode()
+    out.write_bytes(old)
+    assert batch(tmp_path, tiny_gguf) == (0, f"0 lines run, 2 already in {out}\n")
+    assert batch(tmp_path, tiny_gguf, "--frequency-penalty", "1") == (
+        2,
+        f"error: output file {out} holds records of another run (line 1 differs in: "
+        "frequency_penalty): pass --force to redo its lines, or choose another --output\n",
+    )
+    assert out.read_bytes() == old

@@ -15,11 +15,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import mlx.core as mx
-import numpy as np
 import pytest
 from asgi import Reply, call
 from shapemodel import shaped
+from test_sampling import openai_penalties
 from typer.testing import CliRunner
 
 from mlxcache.cache.store import PromptCache
@@ -30,7 +29,6 @@ from mlxcache.model import LoadedModel
 from mlxcache.sampling import SamplingParams
 from mlxcache.server.app import Settings, create_app
 from mlxcache.server.log import RequestLog
-from mlxcache.server.prepare import Penalties
 from mlxcache.worker import EngineWorker
 from mlxcache_cli.main import app as cli
 
@@ -223,18 +221,6 @@ def test_logit_bias_moves_the_draw(worker: EngineWorker) -> None:
     assert banned["choices"][0]["logprobs"]["content"][0]["bytes"] != first["bytes"]
 
 
-def openai_penalties(prompt: int, presence: float, frequency: float) -> Any:
-    """OpenAI's definition, written apart: logit[j] -= c[j] * frequency + (c[j] > 0) *
-    presence, c[j] counting token j in the reply so far (not the prompt)."""
-
-    def apply(tokens: mx.array, logits: mx.array) -> mx.array:
-        counts = np.bincount(np.array(tokens[prompt:]), minlength=logits.shape[-1])
-        adjust = frequency * counts + presence * (counts > 0)
-        return logits - mx.array(adjust[None, :], dtype=logits.dtype)
-
-    return apply
-
-
 @pytest.mark.parametrize(("presence", "frequency"), [(2.0, 0.0), (0.0, 1.5), (-1.0, 2.0)])
 def test_presence_and_frequency_penalties_are_openai_s(
     worker: EngineWorker, presence: float, frequency: float
@@ -250,12 +236,18 @@ def test_presence_and_frequency_penalties_are_openai_s(
     )
     plain = chat(app, max_tokens=12).json()["choices"][0]["message"]["content"]
     assert got == expected.text != plain
+    # The library's own: the same penalties as SamplingParams fields give the same tokens.
+    params = SamplingParams(max_tokens=12, presence_penalty=presence, frequency_penalty=frequency)
+    own = worker.call(
+        lambda _: Engine(worker.engine.loaded, block_size=BLOCK).complete(Request(ids, params))
+    )
+    assert own.tokens == expected.tokens
 
 
 def test_server_default_penalties_apply_unless_the_request_sets_its_own(
     worker: EngineWorker,
 ) -> None:
-    served = app_of(worker, penalties=Penalties(frequency=1.5))
+    served = app_of(worker, defaults=SamplingParams(frequency_penalty=1.5))
     plain = app_of(worker)
 
     def text(app: Any, **fields: Any) -> str:

@@ -145,7 +145,9 @@ def _differences(recorded: Any, run: dict[str, Any]) -> list[str]:
     theirs = recorded.get("sampling")
     if not isinstance(theirs, dict):
         return [*out, "sampling"]
-    return out + [k for k, v in run["sampling"].items() if theirs.get(k) != v]
+    # A field added since the records were written had its default then.
+    default = asdict(SamplingParams())
+    return out + [k for k, v in run["sampling"].items() if theirs.get(k, default.get(k)) != v]
 
 
 def read_output(path: Path, run: dict[str, Any] | None = None, redo: bool = False) -> OutputState:

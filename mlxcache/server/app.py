@@ -30,7 +30,7 @@ from mlxcache.server.log import RequestLog, log_fields
 from mlxcache.server.logprobs import Formatter, Scored
 from mlxcache.server.metrics import CONTENT_TYPE, Metrics
 from mlxcache.server.openai_format import SSE_DONE, Envelope, Usage, error_event, sse
-from mlxcache.server.prepare import Answer, Penalties, Plan
+from mlxcache.server.prepare import Answer, Plan
 from mlxcache.server.schemas import ChatRequest, CompletionRequest, SamplingFields
 
 DEFAULT_MAX_BODY = ServerConfig.max_body
@@ -48,7 +48,6 @@ class Settings:
     api_key: str | None = None
     max_body: int = DEFAULT_MAX_BODY
     cors_origins: tuple[str, ...] = ()
-    penalties: Penalties = field(default_factory=Penalties)
     identity: dict[str, Any] = field(default_factory=dict)
     """What a client needs to tell whether this server replies as it would in-process
     (`mlxcache.remote.identity`: model source and key, block size, version); shown on the
@@ -78,9 +77,7 @@ def create_app(engine: Engine, worker: Worker, settings: Settings, log: RequestL
     tokenizing = engine.encoder.lock
 
     async def prepared(fn: Callable[..., Plan], body: Any) -> Plan:
-        return await run_in_threadpool(
-            fn, engine, body, settings.defaults, tokenizing, settings.penalties
-        )
+        return await run_in_threadpool(fn, engine, body, settings.defaults, tokenizing)
 
     def check_model(model: str) -> None:
         if model != settings.model_id:

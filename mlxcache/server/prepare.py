@@ -27,7 +27,7 @@ from mlxcache.modes.json_mode import JsonTask
 from mlxcache.modes.reasoning import Thinking, reply_thinking, split_reply
 from mlxcache.modes.tool_chat import ToolsTask, next_turn, read_messages
 from mlxcache.modes.tools import ToolCall, ToolChoice, ToolReply, parse_tools
-from mlxcache.sampling import LogitsProcessor, SamplingParams
+from mlxcache.sampling import SamplingParams
 from mlxcache.server.errors import APIError
 from mlxcache.server.logprobs import token_bytes
 from mlxcache.server.schemas import (
@@ -43,18 +43,19 @@ from mlxcache.server.text import ReplyText
 
 _PROMPT_END = 64
 """Prompt tokens read back for an opened thinking section (the template's last words)."""
-SAMPLING_FIELDS = {"temperature", "top_p", "seed", "top_k", "min_p", "repetition_penalty"}
+SAMPLING_FIELDS = {
+    "temperature",
+    "top_p",
+    "seed",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+}
 """Request fields that override the server's sampling settings."""
 _MEDIA = {"image_url": "images are", "input_audio": "audio is", "file": "files are"}
 """A content part's type -> what the message says this model does not take."""
-
-
-@dataclass(frozen=True, slots=True)
-class Penalties:
-    """The server's default presence and frequency penalties (a request's own win)."""
-
-    presence: float = 0.0
-    frequency: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,7 +188,6 @@ def chat(
     body: ChatRequest,
     defaults: SamplingParams,
     tokenizing: Tokenizing = ALONE,
-    penalties: Penalties = Penalties(),
 ) -> Plan:
     """The plan of a chat completion.
 
@@ -199,7 +199,7 @@ def chat(
             400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value"
         )
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    return _adjusted(engine, body, penalties, logprobs, tokenizing, _chat, defaults)
+    return _adjusted(engine, body, logprobs, tokenizing, _chat, defaults)
 
 
 def _chat(
@@ -291,10 +291,9 @@ def completion(
     body: CompletionRequest,
     defaults: SamplingParams,
     tokenizing: Tokenizing = ALONE,
-    penalties: Penalties = Penalties(),
 ) -> Plan:
     """The plan of a raw text completion (no chat template)."""
-    return _adjusted(engine, body, penalties, body.logprobs, tokenizing, _completion, defaults)
+    return _adjusted(engine, body, body.logprobs, tokenizing, _completion, defaults)
 
 
 def _completion(
@@ -329,43 +328,26 @@ B = TypeVar("B", bound=SamplingFields)
 def _adjusted(
     engine: Engine,
     body: B,
-    penalties: Penalties,
     logprobs: int | None,
     tokenizing: Tokenizing,
     plan_of: Callable[[Engine, B, SamplingParams, Tokenizing], Plan],
     defaults: SamplingParams,
 ) -> Plan:
-    """`plan_of`'s plan with the request's logit bias and penalties (before the grammar's
-    mask, which has the last word) and, when asked, its log-probabilities. Fields checked
-    first, before any template or grammar work."""
+    """`plan_of`'s plan with the request's logit bias (after the sampling's penalties,
+    before the grammar's mask, which has the last word) and, when asked, its
+    log-probabilities. Fields checked first, before any template or grammar work."""
     refuse_unsupported(body)
     tokenizer = engine.loaded.tokenizer
     with tokenizing:
         size = len(tokenizer)
-    bias = _logit_bias(body.logit_bias or {}, size)
-    presence = penalties.presence if body.presence_penalty is None else body.presence_penalty
-    frequency = penalties.frequency if body.frequency_penalty is None else body.frequency_penalty
+    bias = make_logits_processors(logit_bias=_logit_bias(body.logit_bias or {}, size))
     plan = plan_of(engine, body, defaults, tokenizing)
     request = plan.request
-    adjust = make_logits_processors(
-        logit_bias=bias,
-        presence_penalty=presence,
-        presence_context_size=request.sampling.max_tokens,
-        frequency_penalty=frequency,
-        frequency_context_size=request.sampling.max_tokens,
-    )
-    # OpenAI's penalties count the reply's tokens (mlx-lm's also the prompt's last ones).
-    reply = [_on_reply(proc, len(request.tokens)) for proc in adjust]
-    plan.request = replace(request, processors=[*reply, *request.processors], logprobs=logprobs)
+    plan.request = replace(request, processors=[*bias, *request.processors], logprobs=logprobs)
     if logprobs is not None:
         with tokenizing:  # built once per model (a plain tokenizer decodes every id)
             plan.vocab = token_bytes(tokenizer)
     return plan
-
-
-def _on_reply(proc: LogitsProcessor, prompt: int) -> LogitsProcessor:
-    """`proc` seeing only the reply's tokens (decode passes prompt + reply)."""
-    return lambda tokens, logits: proc(tokens[prompt:], logits)
 
 
 def _logit_bias(given: dict[str, float], size: int) -> dict[int, float]:
