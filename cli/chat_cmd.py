@@ -6,9 +6,9 @@ import contextlib
 import dataclasses
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, Protocol
 
 import typer
 
@@ -20,12 +20,7 @@ from mlxcache.paths import session_dirs
 from mlxcache_cli import options as o
 from mlxcache_cli import remote, ui
 
-if TYPE_CHECKING:  # the worker and model import mlx_lm (seconds): `--list` needs neither
-    import numpy as np
-
-    from mlxcache.encoder import Encoder
-    from mlxcache.engine import Request
-    from mlxcache.model import LoadedModel
+if TYPE_CHECKING:  # the worker imports mlx_lm (seconds): `--list` needs none of it
     from mlxcache.worker import EngineWorker
 
 HELP = """commands:
@@ -44,19 +39,71 @@ HELP = """commands:
 A line ending in \\ continues on the next line. Ctrl-C stops a reply and keeps the session."""
 
 
+class Model(Protocol):
+    """A model's name and key (`LoadedModel`'s, or a server's from its identity)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def key(self) -> str: ...
+
+
+class Backend(Protocol):
+    """Where the chat's model runs: in this process (`Local`) or on a running server
+    (`remote.ChatServer`)."""
+
+    @property
+    def runner(self) -> chat.Runner: ...
+
+    @property
+    def model(self) -> Model: ...
+
+    def cache_report(self) -> dict[str, Any]:
+        """The cache's counters (`PromptCache.report`)."""
+        ...
+
+    def prompt_kept(self) -> str:
+        """After a reply stopped before its first token: what the cache kept of its
+        prompt, as the end of a sentence ("" when nothing is to say)."""
+        ...
+
+
+class Local:
+    """The model in this process, on a worker thread: warm-ahead fills idle time."""
+
+    def __init__(self, worker: EngineWorker) -> None:
+        self.worker = worker
+        self.runner = chat.InProcess(worker)
+        self.model: Model = worker.engine.loaded
+
+    def cache_report(self) -> dict[str, Any]:
+        return self.worker.call(lambda e: e.cache.report())
+
+    def prompt_kept(self) -> str:
+        """The full blocks computed: the same message sent again resumes there."""
+        import numpy as np
+
+        ids = np.asarray(self.runner.prompt, dtype=np.int32)
+        if not ids.size:
+            return ""
+        kept = self.worker.call(lambda e: e.cache.cached_length(ids))
+        return f"; {kept} of its {ids.size} prompt tokens are kept in the cache for next time"
+
+
 class Repl:
     """Holds the session and what the commands act on."""
 
     def __init__(
         self,
-        engine: EngineWorker,
+        backend: Backend,
         session: chat.ChatSession,
         sessions: list[Path],
         markdown: bool,
         quiet: bool = False,
         force: bool = False,
     ) -> None:
-        self.engine = engine  # a worker thread runs the model: warm-ahead fills idle time
+        self.backend = backend
         self.quiet = quiet
         self.force = force
         self.session = session
@@ -65,8 +112,6 @@ class Repl:
         self.markdown = markdown
         self.name: str | None = None
         self.failed = False
-        self.runner = _Recorder(engine)
-        """What the session runs its turns on: the worker, remembering the last prompt."""
         self.rate = ui.PrefillRate()
         """The session's prefill speed, measured on its turns: what the cache saved."""
 
@@ -111,23 +156,12 @@ class Repl:
                 "reply stopped; it stays in the session (/retry to regenerate)"
                 if kept
                 else "reply stopped before its first token; the message was not kept"
-                + self._prompt_kept()
+                + self.backend.prompt_kept()
             )
         else:
             ui.stats_line(stats, self.rate)
             ui.finish_note(*finish)
         self.autosave()
-
-    def _prompt_kept(self) -> str:
-        """What the cache kept of the stopped prompt (the full blocks computed): the same
-        message sent again resumes there."""
-        import numpy as np
-
-        ids = np.asarray(self.runner.prompt, dtype=np.int32)
-        if not ids.size:
-            return ""
-        kept = self.engine.call(lambda e: e.cache.cached_length(ids))
-        return f"; {kept} of its {ids.size} prompt tokens are kept in the cache for next time"
 
     def autosave(self) -> None:
         if self.name:
@@ -157,7 +191,7 @@ class Repl:
         return handler(arg.strip()) is not False
 
     def _retry(self, arg: str) -> None:
-        events = self.session.retry(self.runner)  # checked first: is there a reply to redo?
+        events = self.session.retry(self.backend.runner)  # checked first: is there a reply to redo?
         if arg:
             flag, _, value = arg.partition(" ")
             try:
@@ -191,7 +225,7 @@ class Repl:
         number, _, text = arg.partition(" ")
         if not number.isdigit() or not text.strip():
             raise UserInputError("usage: /edit N TEXT")
-        self.reply(self.session.edit(self.runner, int(number), text))
+        self.reply(self.session.edit(self.backend.runner, int(number), text))
 
     def _system(self, arg: str) -> None:
         self.session.system = arg or None
@@ -222,20 +256,20 @@ class Repl:
 
     def _load(self, arg: str) -> None:
         session = chat.load(self.sessions, arg)
-        note = on_model(session, arg, self.engine.engine.loaded, self.force)
+        note = on_model(session, arg, self.backend.model, self.force)
         self.session, self.name = session, arg
         ui.info(describe_session(arg, self.session))
         if note:
             ui.warn(note)
 
     def _stats(self, arg: str) -> None:
-        cache = self.engine.call(lambda e: e.cache.report())
+        cache = self.backend.cache_report()
         if arg == "--json":
             ui.out_json(
                 {
                     "session": self.name,
                     "turns": len(self.session.turns),
-                    "model": self.engine.engine.loaded.name,
+                    "model": self.backend.model.name,
                     "sampling": dataclasses.asdict(self.session.sampling),
                     "stop": list(self.session.stop),
                     "cache": cache,
@@ -247,7 +281,7 @@ class Repl:
         p = self.session.sampling
         ui.info(
             f"session {self.name or '(not saved)'} · {len(self.session.turns)} turns · "
-            f"model {self.engine.engine.loaded.name}\n"
+            f"model {self.backend.model.name}\n"
             f"sampling: temp {p.temperature} · top-p {p.top_p} · top-k {p.top_k} · "
             f"min-p {p.min_p} · repetition penalty {p.repetition_penalty} · "
             f"max {p.max_tokens} tokens · seed {p.seed}\n"
@@ -267,34 +301,14 @@ class Repl:
         try:
             if line.startswith("/"):
                 return self.command(line.strip())
-            self.reply(self.session.ask(self.runner, line))
+            self.reply(self.session.ask(self.backend.runner, line))
         except MlxcacheError as exc:
             self.failed = True
             ui.error(exc)
         return True
 
 
-class _Recorder:
-    """An `EngineWorker` as the session's runner, keeping the last request's prompt ids:
-    after Ctrl-C, they tell what the cache kept."""
-
-    def __init__(self, worker: EngineWorker) -> None:
-        self.worker = worker
-        self.prompt: Sequence[int] | np.ndarray = ()
-
-    @property
-    def encoder(self) -> Encoder:
-        return self.worker.encoder
-
-    def generate(self, request: Request) -> Iterator[Event]:
-        self.prompt = request.tokens
-        return self.worker.generate(request)
-
-    def warm_chat(self, messages: list[dict[str, Any]], **template_kwargs: Any) -> None:
-        self.worker.warm_chat(messages, **template_kwargs)
-
-
-def on_model(session: chat.ChatSession, name: str, loaded: LoadedModel, force: bool) -> str | None:
+def on_model(session: chat.ChatSession, name: str, loaded: Model, force: bool) -> str | None:
     """Record `loaded` as the session's model; a session made with another model goes on
     with this one only with `force` (its replies would come from two models).
 
@@ -446,6 +460,7 @@ def chat_cmd(
             "--force", help="Resume (or /load) a session made with another model, with this one."
         ),
     ] = False,
+    server: remote.ServerUrl = None,
     *,
     run: o.RunOptions,
 ) -> None:
@@ -462,18 +477,28 @@ def chat_cmd(
         changed = apply_options(ctx, session, run, system)
     else:
         session = chat.ChatSession(system=system, sampling=params, stop=stops)
-    from mlxcache.worker import EngineWorker
-
-    remote.runs_in_process("chat", "its sessions are not sent to a server yet")
-    with EngineWorker(run.engine(invariant=True)) as worker:
-        note = on_model(session, resume or "", worker.engine.loaded, force)
+    with _backend(server, run, session) as backend:
+        note = on_model(session, resume or "", backend.model, force)
         if resume is not None:
             ui.info(describe_session(resume, session))
             if changed:
                 ui.info("changed: " + ", ".join(changed))
         if note:
             ui.warn(note)
-        _repl(Repl(worker, session, sessions, markdown, run.quiet, force), resume, run)
+        _repl(Repl(backend, session, sessions, markdown, run.quiet, force), resume, run)
+
+
+@contextlib.contextmanager
+def _backend(server: str | None, run: o.RunOptions, session: chat.ChatSession) -> Iterator[Backend]:
+    """The running server at `server` (its identity checked), else the model loaded here."""
+    if server:
+        with contextlib.closing(remote.chat_server(server, run, session.sampling)) as backend:
+            yield backend
+        return
+    from mlxcache.worker import EngineWorker
+
+    with EngineWorker(run.engine(invariant=True)) as worker:
+        yield Local(worker)
 
 
 def _repl(repl: Repl, resume: str | None, run: o.RunOptions) -> None:
@@ -481,8 +506,7 @@ def _repl(repl: Repl, resume: str | None, run: o.RunOptions) -> None:
     interactive = sys.stdin.isatty()
     if interactive:
         ui.err.print(
-            f"mlxcache chat · {repl.engine.engine.loaded.name} · /help for commands · "
-            "Ctrl-D to leave",
+            f"mlxcache chat · {repl.backend.model.name} · /help for commands · Ctrl-D to leave",
             style="stats",
         )
     lines = (

@@ -1,5 +1,5 @@
-"""`--server URL` / $MLXCACHE_SERVER: generate, json, tools and regress sent to a running
-`mlxcache serve`, printed exactly as in-process (`mlxcache.remote` checks first that the
+"""`--server URL` / $MLXCACHE_SERVER: generate, json, tools, chat and regress sent to a
+running `mlxcache serve`, printed exactly as in-process (`mlxcache.remote` checks first that the
 server runs the model and cache settings the command would)."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
@@ -15,6 +16,7 @@ from mlxcache.errors import OutputError, ServerMismatchError, UserInputError
 from mlxcache.remote import (
     ENV_API_KEY,
     ENV_SERVER,
+    ChatRunner,
     Server,
     Wanted,
     differences,
@@ -27,6 +29,7 @@ from mlxcache_cli import ui
 
 if TYPE_CHECKING:
     from mlxcache.modes.tools import Tool, ToolChoice, ToolReply
+    from mlxcache.sampling import SamplingParams
     from mlxcache_cli.options import RunOptions
 
 ServerUrl = Annotated[
@@ -51,14 +54,19 @@ def connect(url: str, run: RunOptions) -> tuple[Server, str]:
         ServerMismatchError: it runs another model, block size, cache setting or version.
         ServerError: it cannot be reached.
     """
+    server, card = connect_card(url, run)
+    return server, str(card["id"])
+
+
+def connect_card(url: str, run: RunOptions) -> tuple[Server, dict[str, Any]]:
+    """`connect`, with the server's whole model card."""
     from mlxcache.model.loader import default_spec
 
     def wanted(_found: dict[str, Any]) -> list[Wanted]:
         cache = run.cache()
         return [Wanted(run.model or default_spec(), cache.block_size, cache.enabled)]
 
-    server, card = checked(url, wanted)
-    return server, str(card["id"])
+    return checked(url, wanted)
 
 
 def checked(
@@ -85,13 +93,6 @@ def checked(
         server.close()
         raise
     return server, card
-
-
-def runs_in_process(command: str, why: str) -> None:
-    """One note when $MLXCACHE_SERVER is set for a command that does not use it: a
-    server is never skipped silently."""
-    if os.environ.get(ENV_SERVER):
-        ui.info(f"note: {command} runs in-process ({why}); ${ENV_SERVER} is not used")
 
 
 def in_process_only(**given: object) -> None:
@@ -249,3 +250,46 @@ def _openai_message(message: dict[str, Any]) -> dict[str, Any]:
         return message
     calls = [{"type": "function", "function": c} for c in message["tool_calls"]]
     return {**message, "tool_calls": calls}
+
+
+@dataclass(frozen=True, slots=True)
+class ServedModel:
+    """The server's model as a chat names it: its id and key (`chat_cmd.Model`)."""
+
+    name: str
+    key: str
+
+
+class ChatServer:
+    """`mlxcache chat` on a running server (`chat_cmd.Backend`): its turns streamed as
+    chat completions, its model and cache the server's (warm-ahead too). Sessions stay
+    local: every turn sends the whole conversation."""
+
+    def __init__(self, server: Server, card: dict[str, Any]) -> None:
+        self.server = server
+        self.runner = ChatRunner(server, str(card["id"]))
+        self.model = ServedModel(str(card["id"]), str(card["mlxcache"]["key"]))
+
+    def cache_report(self) -> dict[str, Any]:
+        report: dict[str, Any] = self.server.get("/v1/cache")
+        return report
+
+    def prompt_kept(self) -> str:
+        # The server keeps the full blocks a stopped prefill computed, but does not say
+        # how many of this prompt's: no count rather than a guess.
+        return "; the server keeps the blocks of its prompt it computed, for next time"
+
+    def close(self) -> None:
+        self.server.close()
+
+
+def chat_server(url: str, run: RunOptions, sampling: SamplingParams) -> ChatServer:
+    """The chat's backend on the server at `url`, once its identity matches `run` and
+    `sampling` (the session's) is what a request can carry.
+
+    Raises:
+        UserInputError: a setting no request carries (the session's repetition_context).
+        ServerMismatchError, ServerError: as `connect`.
+    """
+    sampling_fields(sampling)  # refused before connecting, as every other option
+    return ChatServer(*connect_card(url, run))

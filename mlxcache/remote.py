@@ -16,7 +16,7 @@ import hashlib
 import http.client
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
@@ -30,6 +30,7 @@ from mlxcache.errors import (
     UserInputError,
     Worded,
 )
+from mlxcache.events import Done, Event, Result, Stats, Token
 
 if TYPE_CHECKING:
     from mlxcache.config import CacheConfig
@@ -278,6 +279,47 @@ def usage_of(usage: dict[str, Any] | None, url: str) -> dict[str, Any]:
     if not isinstance(extra, dict):
         raise ServerError(f"the server at {url} sent no stats for the request")
     return extra
+
+
+class ChatRunner:
+    """A chat's turns (`modes.chat.Runner`) as streamed chat completions on `server`, whose
+    model is `model`: the content as it comes (a thinking section apart from the answer, as
+    the server sends it), then `Done` with the request's own result from the usage. Leaving
+    early closes the connection, and the server cancels the request."""
+
+    def __init__(self, server: Server, model: str) -> None:
+        self.server = server
+        self.model = model
+
+    def reply(
+        self, messages: list[dict[str, str]], params: SamplingParams, stop: tuple[str, ...]
+    ) -> Iterator[Event]:
+        body = {
+            "model": self.model,
+            **sampling_fields(params),  # now: a setting no request carries raises here
+            "stop": list(stop),
+            "messages": messages,
+            "stream_options": {"include_usage": True},
+        }
+        return self._events(body)
+
+    def _events(self, body: dict[str, Any]) -> Iterator[Event]:
+        usage = None
+        for event in self.server.stream("/v1/chat/completions", body):
+            for choice in event.get("choices") or ():
+                delta = choice.get("delta") or {}
+                for key in ("reasoning", "content"):
+                    if delta.get(key):
+                        yield Token(0, -1, delta[key])  # text only: the ids come in the usage
+            usage = event.get("usage") or usage
+        yield Done(0, result_of(usage_of(usage, self.server.url)))
+
+
+def result_of(extra: dict[str, Any]) -> Result:
+    """The `Result` a request's usage tells (`usage_of`)."""
+    known = {f.name for f in fields(Stats)}
+    stats = Stats(**{k: v for k, v in extra["stats"].items() if k in known})
+    return Result(extra["text"], list(extra["tokens"]), extra["finish_reason"], stats)
 
 
 def sampling_fields(params: SamplingParams) -> dict[str, Any]:

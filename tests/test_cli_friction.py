@@ -221,14 +221,14 @@ def test_markdown_replies_render_without_echo(
         seen.append(termios.tcgetattr(follower)[3] & termios.ECHOCTL == 0)
         yield Token(0, 1, "# hi")
 
-    class Worker:  # what Repl.reply asks of the worker
-        def call(self, fn: Any) -> int:
-            return 0
+    class Backend:  # what Repl.reply asks of the backend
+        def prompt_kept(self) -> str:
+            return ""
 
     stdin = os.fdopen(os.dup(follower))
     try:
         monkeypatch.setattr("sys.stdin", stdin)
-        repl = chat_cmd.Repl(Worker(), chat.ChatSession(), [tmp_path], markdown=True)
+        repl = chat_cmd.Repl(Backend(), chat.ChatSession(), [tmp_path], markdown=True)
         repl.reply(events())
     finally:
         stdin.close()

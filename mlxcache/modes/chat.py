@@ -12,7 +12,7 @@ import re
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from mlxcache.errors import MlxcacheError, UserInputError
 from mlxcache.events import CANCELLED, Done, Event, Token
@@ -25,7 +25,19 @@ if TYPE_CHECKING:  # the engine imports mlx_lm (seconds); listing sessions needs
 
 
 class Runner(Protocol):
-    """What a chat needs to run turns: an `Engine`, or an `EngineWorker` driving one."""
+    """What a chat runs its turns on: the conversation and its settings in, the reply's
+    events out (`InProcess`, or `mlxcache.remote.ChatRunner` on a running server)."""
+
+    def reply(
+        self, messages: list[dict[str, str]], params: SamplingParams, stop: tuple[str, ...]
+    ) -> Iterator[Event]:
+        """The events of the reply to `messages` (its last one the user's), ending in `Done`."""
+        ...
+
+
+@runtime_checkable
+class EngineLike(Protocol):
+    """What runs requests of token ids: an `Engine`, or an `EngineWorker` driving one."""
 
     @property
     def encoder(self) -> Encoder: ...
@@ -33,6 +45,36 @@ class Runner(Protocol):
     def generate(self, request: Request) -> Iterator[Event]: ...
 
     def warm_chat(self, messages: list[dict[str, Any]], **template_kwargs: Any) -> object: ...
+
+
+class InProcess:
+    """A chat's turns on an engine of this process: the conversation encoded here, and
+    after each reply warm-ahead of the next turn queued (run in idle time, if on)."""
+
+    def __init__(self, engine: EngineLike) -> None:
+        self.engine = engine
+        self.prompt: list[int] = []
+        """The last request's prompt ids: after Ctrl-C they tell what the cache kept."""
+
+    def reply(
+        self, messages: list[dict[str, str]], params: SamplingParams, stop: tuple[str, ...]
+    ) -> Iterator[Event]:
+        from mlxcache.engine import Request
+
+        self.prompt = self.engine.encoder.encode_chat(messages)  # now: a bad one raises here
+        return self._events(messages, Request(self.prompt, params, stop_strings=stop))
+
+    def _events(self, messages: list[dict[str, str]], request: Request) -> Iterator[Event]:
+        for event in self.engine.generate(request):
+            if isinstance(event, Done) and event.result.finish_reason != CANCELLED:
+                reply = {"role": "assistant", "content": event.result.text}
+                self.engine.warm_chat([*messages, reply])
+            yield event
+
+
+def as_runner(runner: Runner | EngineLike) -> Runner:
+    """`runner` as a chat's `Runner` (an engine runs in this process: `InProcess`)."""
+    return InProcess(runner) if isinstance(runner, EngineLike) else runner
 
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
@@ -78,11 +120,11 @@ class ChatSession:
             ]
         return out
 
-    def ask(self, engine: Runner, text: str) -> Iterator[Event]:
-        """Generate the reply to `text` as a new turn; yields the engine's events.
+    def ask(self, engine: Runner | EngineLike, text: str) -> Iterator[Event]:
+        """Generate the reply to `text` as a new turn; yields the runner's events.
 
-        When the reply is done, warm-ahead of the next turn is queued (the engine runs it
-        in idle time, if warm-ahead is on).
+        In-process, when the reply is done, warm-ahead of the next turn is queued (the
+        engine runs it in idle time, if warm-ahead is on; a server warms its own).
 
         If the consumer stops early (Ctrl-C), the partial reply is kept, marked interrupted
         (a turn stopped before its first token is dropped: there is nothing to continue);
@@ -90,21 +132,19 @@ class ChatSession:
         """
         if not text.strip():
             raise UserInputError("the message is empty")
-        from mlxcache.engine import Request
-
-        ids = engine.encoder.encode_chat([*self.messages(), {"role": "user", "content": text}])
+        messages = [*self.messages(), {"role": "user", "content": text}]
         params = replace(self.sampling, seed=(self.sampling.seed + self.generations) % 2**63)
+        events = as_runner(engine).reply(messages, params, self.stop)
         self.generations += 1
         pieces: list[str] = []
         done = failed = False
         try:
-            for event in engine.generate(Request(ids, params, stop_strings=self.stop)):
+            for event in events:
                 if isinstance(event, Token):
                     pieces.append(event.text)
                 elif isinstance(event, Done) and event.result.finish_reason != CANCELLED:
                     done = True
                     self.turns.append(Turn(text, event.result.text))
-                    engine.warm_chat(self.messages())
                 yield event
         except MlxcacheError:
             failed = True
@@ -113,18 +153,18 @@ class ChatSession:
             if not done and not failed and "".join(pieces):
                 self.turns.append(Turn(text, "".join(pieces), interrupted=True))
 
-    def retry(self, engine: Runner) -> Iterator[Event]:
+    def retry(self, engine: Runner | EngineLike) -> Iterator[Event]:
         """Regenerate the last reply (a fork from the last user message)."""
         if not self.turns:
             raise UserInputError("nothing to retry: the conversation is empty")
         return self._fork(engine, len(self.turns), self.turns[-1].user)
 
-    def edit(self, engine: Runner, number: int, text: str) -> Iterator[Event]:
+    def edit(self, engine: Runner | EngineLike, number: int, text: str) -> Iterator[Event]:
         """Rewrite turn `number` (1-based), drop the turns after it, and answer it."""
         self._check_turn(number)
         return self._fork(engine, number, text)
 
-    def _fork(self, engine: Runner, number: int, text: str) -> Iterator[Event]:
+    def _fork(self, engine: Runner | EngineLike, number: int, text: str) -> Iterator[Event]:
         """Answer `text` as turn `number`, replacing it and the turns after it.
 
         A failed request puts the replaced turns back: a retry never loses a good reply.
