@@ -235,6 +235,12 @@ class Server:
             while True:
                 try:
                     line = response.readline()
+                    if line.rstrip(b"\r\n") == b"data: [DONE]":
+                        # Read the body to its end: the connection then serves the next
+                        # request (a chat's next turn).
+                        response.read()
+                        done = True
+                        return
                 except (OSError, http.client.HTTPException) as exc:
                     raise ServerError(f"the server at {self.url} stopped replying: {exc}") from exc
                 if not line:
@@ -242,9 +248,6 @@ class Server:
                 text = line.decode("utf-8").rstrip("\r\n")
                 if not text.startswith("data: "):
                     continue  # blank separators and keepalive comments
-                if text == "data: [DONE]":
-                    done = True
-                    return
                 event = json.loads(text[len("data: ") :])
                 if "error" in event:
                     raise GenerationError(event["error"].get("message") or "the request failed")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -320,6 +321,7 @@ def test_options_a_server_cannot_honour_are_refused(
     [
         ["generate", "-n", "4", "hi"],
         ["tools", "--tools", json.dumps([WEATHER]), "-n", "4", "x"],
+        ["chat", "-n", "4"],  # one turn: the line on stdin
     ],
 )
 def test_remote_path_imports_no_model_code(
@@ -330,7 +332,8 @@ def test_remote_path_imports_no_model_code(
 
 
 def model_code_imported(*args: str) -> str:
-    """`mlxcache ARGS` run in a new process: the model-code modules it imported."""
+    """`mlxcache ARGS` run in a new process (a line on its stdin, for chat): the
+    model-code modules it imported."""
     code = (
         "import sys, runpy; sys.argv = ['mlxcache'] + sys.argv[1:]\n"
         "try:\n    runpy.run_module('mlxcache_cli', run_name='__main__')\n"
@@ -340,7 +343,11 @@ def model_code_imported(*args: str) -> str:
         "or m in ('mlxcache.engine', 'mlxcache.runtime'))), file=sys.stderr)"
     )
     out = subprocess.run(
-        [sys.executable, "-c", code, *args], capture_output=True, check=False, timeout=600
+        [sys.executable, "-c", code, *args],
+        input=b"hi\n",
+        capture_output=True,
+        check=False,
+        timeout=600,
     )
     assert out.returncode == 0, out.stderr
     return out.stderr.decode().splitlines()[-1]
@@ -369,13 +376,90 @@ def test_identity_is_on_the_model_card(server: MlxcacheServer, model: Path) -> N
     assert len(found["key"]) == 32
 
 
-def test_chat_says_it_runs_in_process(model: Path, cache: Path) -> None:
-    argv = [sys.executable, "-m", "mlxcache_cli", "chat", "-m", str(model), "-n", "2"]
-    argv += ["--cache-dir", str(cache), "--block-size", str(BLOCK), "--quiet"]
-    env = {**os.environ, "MLXCACHE_SERVER": "http://127.0.0.1:9"}
-    out = subprocess.run(argv, input=b"", capture_output=True, env=env, check=False, timeout=600)
-    assert out.returncode == 0, out.stderr
-    assert out.stderr.decode().splitlines()[0] == (
-        "note: chat runs in-process (its sessions are not sent to a server yet); "
-        "$MLXCACHE_SERVER is not used"
+def chat_cli(
+    model: Path, where: Path, stdin: str, *args: str, server: str | None = None
+) -> subprocess.CompletedProcess[bytes]:
+    """`mlxcache chat ARGS` with piped stdin, its sessions saved under `where`."""
+    env = {k: v for k, v in os.environ.items() if k != "MLXCACHE_SERVER"}
+    env["MLXCACHE_DATA_DIR"] = str(where)
+    if server is not None:
+        env["MLXCACHE_SERVER"] = server
+    argv = [sys.executable, "-m", "mlxcache_cli", "chat", *args, "-m", str(model)]
+    argv += ["--cache-dir", str(where / "cache")]
+    return subprocess.run(
+        argv, input=stdin.encode(), capture_output=True, env=env, check=False, timeout=600
     )
+
+
+CHAT = "hello there\n/retry -t 0.7\nand a second turn\n/history\n/save talk\n"
+
+
+def test_chat_through_a_server_prints_the_in_process_bytes(
+    server: MlxcacheServer, model: Path, tmp_path: Path
+) -> None:
+    """Three replies (one a sampled /retry), the history and a saved session: the same
+    bytes as in-process on stdout, on stderr (but the stats lines and the save's path) and
+    in the saved file (the model's name and key come from the server's identity)."""
+    args = ["-n", "8", "--block-size", str(BLOCK)]
+    local = chat_cli(model, tmp_path / "local", CHAT, *args)
+    through = chat_cli(model, tmp_path / "through", CHAT, *args, server=server.url)
+    assert (local.returncode, through.returncode) == (0, 0), through.stderr
+    assert through.stdout == local.stdout
+    first, retried, _second = local.stdout.splitlines()
+    assert first != retried  # sampled at the session's seed + 1, on both sides
+    mine, theirs = notes(local.stderr), notes(through.stderr)
+    assert mine[1] == "temperature 0.0 -> 0.7 for this session"
+    assert mine[-1] == f"saved {tmp_path / 'local' / 'sessions' / 'talk.json'}"
+    assert theirs[:-1] == mine[:-1]
+    assert theirs[-1] == f"saved {tmp_path / 'through' / 'sessions' / 'talk.json'}"
+    saved = (tmp_path / "local" / "sessions" / "talk.json").read_bytes()
+    assert (tmp_path / "through" / "sessions" / "talk.json").read_bytes() == saved
+    # Resumed through the server, the session goes on from its file; /stats reads the
+    # server's cache.
+    resumed = chat_cli(model, tmp_path / "through", "/stats\n", "-r", "talk", server=server.url)
+    assert resumed.returncode == 0, resumed.stderr
+    lines = resumed.stderr.decode().splitlines()
+    assert lines[-3] == f"session talk · 2 turns · model {server.model}"
+    assert lines[-1].endswith(f"blocks of {BLOCK} tokens")
+
+
+def test_chat_refuses_in_one_line_what_a_server_cannot_honour(
+    server: MlxcacheServer, model: Path, tmp_path: Path
+) -> None:
+    from mlxcache.modes import chat
+    from mlxcache.sampling import SamplingParams
+
+    session = chat.ChatSession(sampling=SamplingParams(repetition_context=5))
+    chat.save(session, tmp_path / "sessions", "old")
+    out = chat_cli(model, tmp_path, "hi\n", "-r", "old", server="http://127.0.0.1:9")
+    assert (out.returncode, out.stdout) == (2, b"")  # refused before connecting
+    assert out.stderr.decode() == (
+        "error: repetition_context runs in-process only (no request sets it)\n"
+    )
+    other = chat_cli(model, tmp_path, "hi\n", "--block-size", "32", server=server.url)
+    assert (other.returncode, other.stdout) == (2, b"")
+    assert other.stderr.decode() == (
+        f"error: the server at {server.url} does not reply as this command would: "
+        "block size: 16 (server) vs 32 (this command)\n"
+    )
+
+
+def test_a_chat_reply_left_early_is_cancelled_on_the_server(server: MlxcacheServer) -> None:
+    """Ctrl-C in a chat closes the reply's stream: the server cancels the request."""
+    from mlxcache.bench.serve_bench import idle_report
+    from mlxcache.events import Token
+    from mlxcache.remote import ChatRunner, Server
+    from mlxcache.sampling import SamplingParams
+
+    with Server(server.url) as client:
+        events = ChatRunner(client, server.model).reply(
+            [{"role": "user", "content": "a long one, left early"}],
+            SamplingParams(max_tokens=2000),
+            (),
+        )
+        assert isinstance(next(e for e in events if isinstance(e, Token)), Token)
+        events.close()  # type: ignore[attr-defined]
+        # Logged once the handler is done, the lane cancelled (no other test leaves early).
+        server.wait_for(re.compile(r"POST /v1/chat/completions 200 .* finish=disconnected$"))
+    report = idle_report(server.url)
+    assert (report["pinned_entries"], report["busy"]) == (0, False)
