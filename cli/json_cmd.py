@@ -58,8 +58,14 @@ def json_cmd(
             help="JSONL results of --input; a rerun skips lines done.",
         ),
     ] = None,
-    lanes: Annotated[
-        int, typer.Option("--lanes", metavar="N", help="Batch requests run together.")
+    concurrency: Annotated[
+        int,
+        typer.Option(
+            "--concurrency",
+            "--lanes",  # its first name, kept
+            metavar="N",
+            help="Batch requests run together.",
+        ),
     ] = 1,
     strict: Annotated[
         bool,
@@ -118,7 +124,7 @@ def json_cmd(
             think=think,
             think_budget=think_budget is not None,
         )
-        o.positive(lanes=lanes)
+        o.positive(concurrency=concurrency)
         text = o.read_prompt(prompt, prompt_file)
         instructions = o.text_or_file(instructions, "instructions")
         remote.json_single(server, run, given, compiled.schema, instructions, text, as_json)
@@ -130,7 +136,7 @@ def json_cmd(
     task = json_mode.JsonTask(compiled, o.text_or_file(instructions, "instructions"))
     params = run.sampling()
     check_think_options(think, think_budget, params.max_tokens)  # before the model loads
-    o.positive(lanes=lanes)
+    o.positive(concurrency=concurrency)
     if input_path is None:
         if output is not None:
             raise UserInputError("--output goes with --input (a JSONL batch)")
@@ -160,7 +166,7 @@ def json_cmd(
             raise OutputMismatchError(
                 f"{exc}: pass --force to redo its lines, or choose another --output"
             ) from exc
-        _batch(engine, task, plan, lanes)
+        _batch(engine, task, plan, concurrency)
 
 
 def _report_check(compiled: CompiledSchema, as_json: bool) -> None:
@@ -202,7 +208,7 @@ def _batch(
     engine: Engine,
     task: json_mode.JsonTask,
     plan: json_mode.BatchPlan,
-    lanes: int,
+    concurrency: int,
 ) -> None:
     from mlxcache.modes import json_mode
 
@@ -218,7 +224,7 @@ def _batch(
             engine,
             task,
             plan,
-            lanes,
+            concurrency,
             progress=lambda done, total: update("json", done, total),
             on_record=on_record,
         )

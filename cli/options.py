@@ -144,7 +144,7 @@ CacheDir = Annotated[
         rich_help_panel=CACHE_PANEL,
     ),
 ]
-NoCache = Annotated[
+NoCacheFlag = Annotated[
     bool,
     typer.Option(
         "--no-cache", help="Prefill from token 0 and keep nothing.", rich_help_panel=CACHE_PANEL
@@ -286,7 +286,7 @@ def cache_config(
         raise UserInputError(str(exc)) from exc
 
 
-def engine(model: str | None, cache: CacheConfig, invariant: bool = False) -> Engine:
+def engine(model: str | None, config: CacheConfig, invariant: bool = False) -> Engine:
     """Open the engine (no `model`: the one `mlxcache models default` chose), with a
     progress bar on stderr if a GGUF needs converting; `invariant`: see `open_engine`
     (chat and serve)."""
@@ -295,7 +295,7 @@ def engine(model: str | None, cache: CacheConfig, invariant: bool = False) -> En
 
     spec = model or default_spec()
     with ui.progress_bar() as update:
-        return open_engine(spec, cache, progress=update, on_warning=ui.warn, invariant=invariant)
+        return open_engine(spec, config, progress=update, on_warning=ui.warn, invariant=invariant)
 
 
 @contextmanager
@@ -477,7 +477,7 @@ _RUN_OPTIONS: list[tuple[str, Any, Any]] = [
     ("stop", Stop, None),
     ("seed", Seed, _SAMPLING.seed),
     ("cache_dir", CacheDir, None),
-    ("no_cache", NoCache, False),
+    ("no_cache", NoCacheFlag, False),
     # Defaults come from CacheConfig, their one home, in the form the options take.
     ("cache_mem", CacheMem, format_size(_config_default("mem_bytes"))),
     ("cache_disk", CacheDisk, format_size(_config_default("disk_bytes"))),

@@ -117,7 +117,7 @@ def _run(
     chosen: tuple[str, ...],
     block_size: int | None,
     quiet: bool,
-    act: Callable[[golden.Runner, tuple[str, ...]], golden.Report],
+    act: Callable[[golden.SuiteRunner, tuple[str, ...]], golden.Report],
     server: str | None,
 ) -> tuple[int, golden.Report]:
     """`act` on the suite in a scratch cache directory, or on the server at `server`."""
@@ -126,10 +126,10 @@ def _run(
         with _on_server(server, cases, block_size, progress) as runner:
             return len(cases.cases), act(runner, chosen)
 
-    from mlxcache.regress.runner import Runner
+    from mlxcache.regress.runner import LocalRunner
 
     with tempfile.TemporaryDirectory(prefix="mlxcache-regress-") as work:
-        return len(cases.cases), act(Runner(cases, Path(work), block_size, progress), chosen)
+        return len(cases.cases), act(LocalRunner(cases, Path(work), block_size, progress), chosen)
 
 
 @contextmanager
@@ -138,7 +138,7 @@ def _on_server(
     cases: suite_mod.Suite,
     block_size: int | None,
     progress: Callable[[str, str, str], None] | None,
-) -> Iterator[golden.Runner]:
+) -> Iterator[golden.SuiteRunner]:
     """A runner of `cases` on the server at `url`, once it runs every case's model (and
     the block size, when given: the golden does not depend on it)."""
     from mlxcache.model.loader import DEFAULT_MODEL

@@ -10,7 +10,7 @@ from mlxcache import CacheConfig, SamplingParams, open_engine
 from mlxcache.events import Done
 from mlxcache.modes import chat
 
-engine = open_engine(cache=CacheConfig(block_size=16, disk_bytes=0))
+engine = open_engine(cache_config=CacheConfig(block_size=16, disk_bytes=0))
 session = chat.ChatSession(
     system="Answer in one short sentence.", sampling=SamplingParams(max_tokens=16)
 )

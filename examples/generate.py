@@ -8,7 +8,7 @@ from mlxcache.events import Done, Token
 
 # Block size 16 (the CPU default; 256 on Metal) lets a short prompt resume. Asked again, the
 # same prompt resumes whole: its tail past the last full block is remembered in memory.
-engine = open_engine(cache=CacheConfig(block_size=16, disk_bytes=0))
+engine = open_engine(cache_config=CacheConfig(block_size=16, disk_bytes=0))
 ids = engine.encoder.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
 
 for attempt in ("cold", "warm"):

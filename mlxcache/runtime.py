@@ -18,28 +18,30 @@ from mlxcache.paths import cache_dir, kv_dir
 
 
 def make_cache(
-    loaded: LoadedModel, cache: CacheConfig, on_warning: Callable[[str], None] | None = None
+    loaded: LoadedModel, config: CacheConfig, on_warning: Callable[[str], None] | None = None
 ) -> PrefixCache:
-    """The prompt cache `cache` describes for `loaded` (one that keeps nothing when off)."""
-    if not cache.enabled:
-        return NoCache(loaded.model, cache.block_size)
-    root = kv_dir(cache.directory) if cache.disk_bytes > 0 else None
+    """The prompt cache `config` describes for `loaded` (one that keeps nothing when off)."""
+    if not config.enabled:
+        return NoCache(loaded.model, config.block_size)
+    root = kv_dir(config.directory) if config.disk_bytes > 0 else None
     label = (loaded.name, str(loaded.path))
-    return PromptCache(loaded.model, loaded.key, cache, root, on_warning, label)
+    return PromptCache(loaded.model, loaded.key, config, root, on_warning, label)
 
 
 def open_engine(
     model: str | None = None,
-    cache: CacheConfig | None = None,
+    cache_config: CacheConfig | None = None,
     progress: Progress | None = None,
     on_warning: Callable[[str], None] | None = None,
     invariant: bool = False,
 ) -> Engine:
-    """Load `model` (default: the embedded SmolLM2) and attach the prompt cache `cache`.
+    """Load `model` (default: the embedded SmolLM2) and attach the prompt cache
+    `cache_config` describes.
 
     Args:
         model: a model spec (see `mlxcache.model.load`).
-        cache: cache settings; default: memory and disk tiers under the platform cache dir.
+        cache_config: the prompt cache's settings; default: memory and disk tiers under
+            the platform cache dir.
         progress: called as a GGUF conversion advances.
         on_warning: called with one-line warnings (e.g. the disk tier had to be disabled,
             a warm-ahead lane failed).
@@ -48,14 +50,14 @@ def open_engine(
             KV for the next turn, and decode concurrent requests as one batch. Chat and
             serve ask for it.
     """
-    cache = cache or CacheConfig()
-    loaded = load(model, cache_root=cache.directory, progress=progress, on_warning=on_warning)
-    prompts = make_cache(loaded, cache, on_warning)
-    allowed = measured(loaded, cache) if invariant else NOTHING_MEASURED
+    config = cache_config or CacheConfig()
+    loaded = load(model, cache_root=config.directory, progress=progress, on_warning=on_warning)
+    prompts = make_cache(loaded, config, on_warning)
+    allowed = measured(loaded, config) if invariant else NOTHING_MEASURED
     return Engine(
         loaded,
         prompts,
-        warm_ahead=cache.warm_ahead,
+        warm_ahead=config.warm_ahead,
         keep_replies=allowed["decode"],
         batch_decode=allowed["batch"],
         on_warning=on_warning,
@@ -65,14 +67,14 @@ def open_engine(
 NOTHING_MEASURED = {"decode": False, "batch": False}
 
 
-def measured(loaded: LoadedModel, cache: CacheConfig) -> dict[str, bool]:
+def measured(loaded: LoadedModel, config: CacheConfig) -> dict[str, bool]:
     """What the device allows for `loaded` (`invariance.probe`): "decode", a reply's decode
     KV may be kept as canonical; "batch", requests may decode as one batch. Both False
     but for a plain KV model with the prompt cache on (whose directory keeps the record)."""
-    layout = Layout.of(make_prompt_cache(loaded.model), cache.block_size)
-    if not cache.enabled or layout is None or not layout.plain:
+    layout = Layout.of(make_prompt_cache(loaded.model), config.block_size)
+    if not config.enabled or layout is None or not layout.plain:
         return NOTHING_MEASURED
-    return probe(loaded, cache.block_size, cache_dir(cache.directory))
+    return probe(loaded, config.block_size, cache_dir(config.directory))
 
 
 def batch_anyway(engine: Engine) -> bool:

@@ -74,7 +74,7 @@ def test_batch_lanes_give_the_same_bytes_and_rerun_skips(cache_root: Path, batch
         {"line": 3, "id": None, "output": {"city": "Rome,"}, "finish_reason": "stop"},
     ]
     assert "2 lines run, 0 already in" in two.stderr
-    one = run_batch(batch, "one.jsonl", "--lanes", "1", "--no-cache")
+    one = run_batch(batch, "one.jsonl", "--concurrency", "1", "--no-cache")
     assert one.exit_code == 0, one.stderr
     assert without_stats(records(batch / "one.jsonl")) == without_stats(
         records(batch / "two.jsonl")
@@ -165,7 +165,8 @@ BAD = [
         ["hi", "--schema", "/no/schema.json"],
         "error: cannot read schema file /no/schema.json: No such file or directory",
     ),
-    (["hi", "--schema", SHORT, "--lanes", "0"], "error: --lanes must be >= 1, got 0"),
+    (["hi", "--schema", SHORT, "--concurrency", "0"], "error: --concurrency must be >= 1, got 0"),
+    (["hi", "--schema", SHORT, "--lanes", "0"], "error: --concurrency must be >= 1, got 0"),
     (["hi", "--schema", SHORT, "-n", "0"], "error: --max-tokens must be >= 1, got 0"),
     (
         ["hi", "--schema", SHORT, "--output", "{out}"],

@@ -169,7 +169,11 @@ def cases(f: dict[str, Path], tiny: str) -> dict[str, Case]:
             ["--input", str(f["in.jsonl"]), "-o", str(f["missing"] / "o.jsonl")],
             "does not exist",
         ),
-        ("lanes-zero", ["--input", str(f["in.jsonl"]), "-o", "o.jsonl", "--lanes", "0"], "lanes"),
+        (
+            "concurrency-zero",
+            ["--input", str(f["in.jsonl"]), "-o", "o.jsonl", "--concurrency", "0"],
+            "--concurrency",
+        ),
         ("instructions-missing", ["hi", "--instructions", "@" + str(f["missing"])], "missing"),
     ]:
         schema = [] if fault.startswith("schema") else ["--schema", '{"type": "string"}']

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from mlxcache.errors import UserInputError
 from mlxcache.regress import golden, suite
-from mlxcache.regress.runner import Runner
+from mlxcache.regress.runner import LocalRunner
 from mlxcache_cli.main import app
 
 pytestmark = pytest.mark.slow  # suites under every variant, one in a new process
@@ -103,7 +103,7 @@ def test_tampered_golden_fails_with_the_first_difference(
 def test_variant_disagreement_is_reported_as_a_bug(
     cache_root: Path, tiny_gguf: Path, tmp_path: Path
 ) -> None:
-    class Skewed(Runner):
+    class Skewed(LocalRunner):
         """A lanes variant that drifts by one token, as a broken schedule would."""
 
         def run(self, variant: str) -> dict:

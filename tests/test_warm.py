@@ -458,14 +458,14 @@ def test_warm_lanes_run_one_at_a_time(tiny: LoadedModel) -> None:
     assert len(set(lanes)) == 2 and lanes == sorted(lanes, key=lanes.index)
 
 
-def test_lanes_closed_early_leave_nothing_behind(tiny: LoadedModel) -> None:
-    from mlxcache.lanes import one_request, run_lanes
+def test_units_closed_early_leave_nothing_behind(tiny: LoadedModel) -> None:
+    from mlxcache.units import one_request, run_units
 
     engine, _spy = cached(tiny)
     units = [
         (i, lambda i=i: one_request(lambda: Request(prompt(9, seed=i), GREEDY))) for i in range(3)
     ]
-    results = run_lanes(engine, units, 2)
+    results = run_units(engine, units, 2)
     next(results)
     results.close()
     assert not engine.busy

@@ -25,7 +25,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from mlxcache import lanes as lanes_mod
+from mlxcache import units
 from mlxcache.engine import Engine, Request
 from mlxcache.errors import OutputFileError, OutputMismatchError, UserInputError
 from mlxcache.events import Result
@@ -278,14 +278,14 @@ class RecordWriter:
 
 @dataclass(frozen=True, slots=True)
 class Job:
-    """A request to run; `make` builds it when a lane frees up (processors are stateful)."""
+    """A request to run; `make` builds it when its turn comes (processors are stateful)."""
 
     key: int
     make: Callable[[], Request]
 
 
-def run_lanes(engine: Engine, jobs: Sequence[Job], lanes: int) -> Iterator[tuple[int, Result]]:
-    """Run `jobs` with up to `lanes` in flight; yield (key, result) in job order."""
-    return lanes_mod.run_lanes(
-        engine, ((job.key, partial(lanes_mod.one_request, job.make)) for job in jobs), lanes
+def run_jobs(engine: Engine, jobs: Sequence[Job], concurrency: int) -> Iterator[tuple[int, Result]]:
+    """Run `jobs` with up to `concurrency` in flight; yield (key, result) in job order."""
+    return units.run_units(
+        engine, ((job.key, partial(units.one_request, job.make)) for job in jobs), concurrency
     )

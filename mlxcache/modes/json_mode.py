@@ -25,7 +25,7 @@ from mlxcache.modes.batch import (
     RecordWriter,
     read_output,
     run_description,
-    run_lanes,
+    run_jobs,
     substitute,
 )
 from mlxcache.modes.reasoning import Thinking, budget_processors, split_reply, thinking_for
@@ -272,11 +272,12 @@ def run_batch(
     engine: Engine,
     task: JsonTask,
     plan: BatchPlan,
-    lanes: int = 1,
+    concurrency: int = 1,
     progress: Callable[[int, int], None] | None = None,
     on_record: Callable[[dict[str, Any]], None] | None = None,
 ) -> BatchSummary:
-    """Run the lines `plan` still has to do, appending their records in input order."""
+    """Run the lines `plan` still has to do, up to `concurrency` at once, appending their
+    records in input order."""
     todo = [item for item in plan.lines if item.line in plan.ids]
     by_line = {item.line: item for item in todo}
     summary = BatchSummary(skipped=plan.skipped)
@@ -287,7 +288,7 @@ def run_batch(
     if progress and todo:
         progress(0, len(todo))
     with RecordWriter(plan.output, plan.keep_bytes) as writer:
-        for line, result in run_lanes(engine, jobs, lanes):
+        for line, result in run_jobs(engine, jobs, concurrency):
             reply = read_reply(task, result)
             rec = record(by_line[line], reply, plan.run)
             writer.write(rec)

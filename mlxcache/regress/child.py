@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from mlxcache.regress import suite as suite_mod
-from mlxcache.regress.runner import PROGRESS, Runner
+from mlxcache.regress.runner import PROGRESS, LocalRunner
 
 
 def _progress(_variant: str, case: str, what: str) -> None:
@@ -25,7 +25,7 @@ def _progress(_variant: str, case: str, what: str) -> None:
 def main(argv: list[str]) -> None:
     suite_file, work_dir, block_size = Path(argv[0]), Path(argv[1]), int(argv[2])
     suite = suite_mod.parse(json.loads(suite_file.read_text()), str(suite_file))
-    runner = Runner(suite, work_dir, block_size, _progress)
+    runner = LocalRunner(suite, work_dir, block_size, _progress)
     outputs = runner.run("warm")
     sys.stdout.write(json.dumps({"outputs": outputs, "cache": runner.cache_stats["warm"]}))
 

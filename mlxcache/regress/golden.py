@@ -16,8 +16,8 @@ FORMAT = "mlxcache-golden-v1"
 _CONTEXT = 30  # characters of text shown on each side of a difference
 
 
-class Runner(Protocol):
-    """What runs a suite's variants: `runner.Runner` in this process, or
+class SuiteRunner(Protocol):
+    """What runs a suite's variants: `runner.LocalRunner` in this process, or
     `regress.remote.ServerRunner` through a running server (this module imports neither:
     a check through a server loads no model code)."""
 
@@ -91,7 +91,7 @@ class Report:
 
 
 def run_variants(
-    runner: Runner, variants: tuple[str, ...]
+    runner: SuiteRunner, variants: tuple[str, ...]
 ) -> tuple[dict[str, dict[str, list[Output]]], Report]:
     """Run every variant; a case whose variants disagree is an mlxcache bug, reported so."""
     results = {v: runner.run(v) for v in variants}
@@ -112,7 +112,7 @@ def run_variants(
     return results, report
 
 
-def record(runner: Runner, out: Path, variants: tuple[str, ...] = VARIANTS) -> Report:
+def record(runner: SuiteRunner, out: Path, variants: tuple[str, ...] = VARIANTS) -> Report:
     """Run the suite and write the golden file (only when every variant agrees)."""
     results, report = run_variants(runner, variants)
     if not report.ok:
@@ -176,7 +176,7 @@ def _is_output(o: Any) -> bool:
 
 
 def check(
-    runner: Runner, golden: Path | dict[str, Any], variants: tuple[str, ...] = VARIANTS
+    runner: SuiteRunner, golden: Path | dict[str, Any], variants: tuple[str, ...] = VARIANTS
 ) -> Report:
     """Run the suite and compare every variant with the golden, byte for byte.
 

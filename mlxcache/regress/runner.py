@@ -22,7 +22,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlxcache import __version__, lanes
+from mlxcache import __version__, units
 from mlxcache.cache.store import PromptCache
 from mlxcache.config import CacheConfig, default_block_size
 from mlxcache.engine import Engine, Request
@@ -36,7 +36,7 @@ from mlxcache.regress import VARIANTS
 from mlxcache.regress.suite import SAMPLING_KEYS, Case, Messages, Output, Suite, turns
 from mlxcache.runtime import make_cache
 
-Steps = lanes.Steps[list[Output]]
+Steps = units.Steps[list[Output]]
 
 
 def _output(result: Result) -> Output:
@@ -100,7 +100,7 @@ def run_sequential(
     return out
 
 
-def run_lanes(
+def run_concurrent(
     engine_for: Callable[[Case], Engine],
     cases: tuple[Case, ...],
     progress: Progress = _quiet,
@@ -110,14 +110,14 @@ def run_lanes(
     out: dict[str, list[Output]] = {}
     for model in dict.fromkeys(c.model for c in cases):
         engine = engine_for(next(c for c in cases if c.model == model))
-        units = ((c.name, partial(steps, engine, c)) for c in cases if c.model == model)
-        for name, value in lanes.run_lanes(engine, units, width):
+        started = ((c.name, partial(steps, engine, c)) for c in cases if c.model == model)
+        for name, value in units.run_units(engine, started, width):
             out[name] = value
             progress(name, "end")
     return {c.name: out[c.name] for c in cases}
 
 
-class Runner:
+class LocalRunner:
     """Loads each model once and runs the suite under the chosen variants."""
 
     def __init__(
@@ -179,7 +179,7 @@ class Runner:
         if variant == "disk":
             return self._run_child(progress)
         engine_for, caches = self._engines(cached=variant != "cold", disk=variant == "warm")
-        schedule = run_lanes if variant == "lanes" else run_sequential
+        schedule = run_concurrent if variant == "lanes" else run_sequential
         outputs = schedule(engine_for, self.suite.cases, progress)
         reports = [c.report() for c in caches]
         self.cache_stats[variant] = {

@@ -25,13 +25,13 @@ from mlxcache.sampling import SamplingParams
 from mlxcache.server import errors, prepare
 from mlxcache.server.errors import APIError
 from mlxcache.server.guard import Guard
-from mlxcache.server.lane import Handle, Lane, Outcome, Worker
 from mlxcache.server.log import RequestLog, log_fields
 from mlxcache.server.logprobs import Formatter, Scored
 from mlxcache.server.metrics import CONTENT_TYPE, Metrics
 from mlxcache.server.openai_format import SSE_DONE, Envelope, Usage, error_event, sse
 from mlxcache.server.prepare import Answer, Plan
 from mlxcache.server.schemas import ChatRequest, CompletionRequest, SamplingFields
+from mlxcache.server.stream import Handle, Outcome, Stream, Worker
 
 DEFAULT_MAX_BODY = ServerConfig.max_body
 B = TypeVar("B", bound=BaseModel)
@@ -141,7 +141,7 @@ def create_app(engine: Engine, worker: Worker, settings: Settings, log: RequestL
 
     async def begin(
         request: Request, schema: type[R], make: Callable[..., Plan], prefix: str
-    ) -> tuple[R, Plan, Envelope, Lane, UsageOf]:
+    ) -> tuple[R, Plan, Envelope, Stream, UsageOf]:
         """Parse, check and prepare a completion request, and submit it; how to report its
         usage (with the request's own stats and token ids when it asks: `_Tap`)."""
         body = await _body(request, schema)
@@ -150,13 +150,13 @@ def create_app(engine: Engine, worker: Worker, settings: Settings, log: RequestL
         env = Envelope(f"{prefix}-{uuid.uuid4().hex[:24]}", settings.model_id)
         note(request, env.id)
         if (body.model_extra or {}).get(MLXCACHE_USAGE) is not True:
-            return body, plan, env, Lane(worker, plan.request, plan.reply_text()), _usage
+            return body, plan, env, Stream(worker, plan.request, plan.reply_text()), _usage
         tap = _Tap(worker, plan)
-        return body, plan, env, Lane(tap, plan.request, plan.reply_text()), tap.usage
+        return body, plan, env, Stream(tap, plan.request, plan.reply_text()), tap.usage
 
-    async def end(request: Request, lane: Lane, env: Envelope) -> Outcome:
+    async def end(request: Request, stream: Stream, env: Envelope) -> Outcome:
         """The outcome of a non-streamed request (its failure raised as an HTTP error)."""
-        outcome = await _finish(lane, request)
+        outcome = await _finish(stream, request)
         note(request, env.id, outcome)
         if outcome.error is not None:
             raise APIError(500, errors.one_line(outcome.error), type="server_error")
@@ -164,13 +164,13 @@ def create_app(engine: Engine, worker: Worker, settings: Settings, log: RequestL
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Any:
-        body, plan, env, lane, usage = await begin(request, ChatRequest, prepare.chat, "chatcmpl")
+        body, plan, env, stream, usage = await begin(request, ChatRequest, prepare.chat, "chatcmpl")
         chat_logprobs = None if plan.vocab is None else Formatter(plan.vocab).chat
         if body.stream:
             usage_chunk = usage if body.include_usage else None
-            events = _chat_events(lane, plan, env, usage_chunk, warm, chat_logprobs)
+            events = _chat_events(stream, plan, env, usage_chunk, warm, chat_logprobs)
             return _stream(events, request, env.id, note)
-        outcome = await end(request, lane, env)
+        outcome = await end(request, stream, env)
         answer = plan.answer(outcome.text, outcome.finish_reason)
         await warm(plan, answer)
         reply = env.chat(
@@ -179,22 +179,22 @@ def create_app(engine: Engine, worker: Worker, settings: Settings, log: RequestL
             answer.finish_reason,
             usage(outcome),
             answer.reasoning,
-            None if chat_logprobs is None else chat_logprobs(lane.scored),
+            None if chat_logprobs is None else chat_logprobs(stream.scored),
         )
         return JSONResponse(reply)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
-        body, plan, env, lane, usage = await begin(
+        body, plan, env, stream, usage = await begin(
             request, CompletionRequest, prepare.completion, "cmpl"
         )
         text_logprobs = None if plan.vocab is None else Formatter(plan.vocab).completion
         if body.stream:
             usage_chunk = usage if body.include_usage else None
-            events = _completion_events(lane, env, usage_chunk, text_logprobs)
+            events = _completion_events(stream, env, usage_chunk, text_logprobs)
             return _stream(events, request, env.id, note)
-        outcome = await end(request, lane, env)
-        logprobs = None if text_logprobs is None else text_logprobs(lane.scored)
+        outcome = await end(request, stream, env)
+        logprobs = None if text_logprobs is None else text_logprobs(stream.scored)
         return JSONResponse(
             env.completion(outcome.text, outcome.finish_reason, usage(outcome), logprobs)
         )
@@ -234,7 +234,7 @@ class _Tap:
 
     def submit(self, request: EngineRequest, sink: Callable[[Event], None]) -> Handle:
         def tap(event: Event) -> None:
-            if isinstance(event, Done):  # set before the lane can see it (same thread)
+            if isinstance(event, Done):  # set before the stream can see it (same thread)
                 self._done = event
             sink(event)
 
@@ -278,14 +278,14 @@ async def _body(request: Request, model: type[B]) -> B:
         raise errors.from_validation(exc.errors()) from None
 
 
-async def _finish(lane: Lane, request: Request) -> Outcome:
-    """Run the lane to its end; a client that leaves first cancels it (pin released)."""
+async def _finish(stream: Stream, request: Request) -> Outcome:
+    """Run the stream to its end; a client that leaves first cancels it (pin released)."""
 
     async def disconnected() -> None:
         while (await request.receive())["type"] != "http.disconnect":
             pass
 
-    finish = asyncio.ensure_future(lane.finish())
+    finish = asyncio.ensure_future(stream.finish())
     gone = asyncio.ensure_future(disconnected())
     try:
         await asyncio.wait({finish, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -294,7 +294,7 @@ async def _finish(lane: Lane, request: Request) -> Outcome:
         if not finish.done():
             finish.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await finish  # its generator's cleanup cancels the lane
+                await finish  # its generator's cleanup cancels the stream
     if finish.cancelled():
         log_fields(request.scope)["finish_reason"] = "disconnected"
         raise errors.ClientGone
@@ -306,10 +306,10 @@ LogprobsOf = Callable[[list[Scored]], dict[str, Any]]
 """A reply's `Formatter.chat` or `.completion`."""
 
 
-def _new_logprobs(lane: Lane, logprobs_of: LogprobsOf | None) -> dict[str, Any] | None:
+def _new_logprobs(stream: Stream, logprobs_of: LogprobsOf | None) -> dict[str, Any] | None:
     """The logprobs of the tokens that came since the last chunk (a chunk whose tokens'
     text is held back carries none: a later chunk carries them)."""
-    scores = lane.new_scores()
+    scores = stream.new_scores()
     return logprobs_of(scores) if logprobs_of is not None and scores else None
 
 
@@ -357,7 +357,7 @@ def _stream(
                 else:
                     yield item
         finally:
-            if not finished:  # the client left mid-stream: the lane was cancelled
+            if not finished:  # the client left mid-stream: the stream was cancelled
                 log_fields(request.scope)["finish_reason"] = "disconnected"
 
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -373,7 +373,7 @@ def _outcome_events(outcome: Outcome) -> list[str | Outcome]:
 
 
 async def _chat_events(
-    lane: Lane,
+    stream: Stream,
     plan: Plan,
     env: Envelope,
     usage: UsageOf | None,
@@ -381,14 +381,14 @@ async def _chat_events(
     logprobs_of: LogprobsOf | None,
 ) -> AsyncIterator[str | Outcome]:
     def chunk(delta: dict[str, Any], finish: str | None = None) -> str:
-        return sse(env.chat_chunk(delta, finish, _new_logprobs(lane, logprobs_of)))
+        return sse(env.chat_chunk(delta, finish, _new_logprobs(stream, logprobs_of)))
 
     yield chunk({"role": "assistant", "content": ""})
     sent = {"reasoning": "", "content": ""}
-    async for key, delta in lane.deltas():
+    async for key, delta in stream.deltas():
         sent[key] += delta
         yield chunk({key: delta})
-    outcome = lane.outcome()
+    outcome = stream.outcome()
     for item in _outcome_events(outcome):
         yield item
     if outcome.error is not None:
@@ -408,14 +408,14 @@ async def _chat_events(
 
 
 async def _completion_events(
-    lane: Lane, env: Envelope, usage: UsageOf | None, logprobs_of: LogprobsOf | None
+    stream: Stream, env: Envelope, usage: UsageOf | None, logprobs_of: LogprobsOf | None
 ) -> AsyncIterator[str | Outcome]:
     def chunk(text: str, finish: str | None = None) -> str:
-        return sse(env.completion_chunk(text, finish, _new_logprobs(lane, logprobs_of)))
+        return sse(env.completion_chunk(text, finish, _new_logprobs(stream, logprobs_of)))
 
-    async for _, delta in lane.deltas():  # no chat template: all of it is content
+    async for _, delta in stream.deltas():  # no chat template: all of it is content
         yield chunk(delta)
-    outcome = lane.outcome()
+    outcome = stream.outcome()
     for item in _outcome_events(outcome):
         yield item
     if outcome.error is not None:

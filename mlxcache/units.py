@@ -1,9 +1,10 @@
-"""The one lane scheduler: units of work share an engine, up to N in flight, results in order.
+"""Units of work in flight on one engine: up to N at once, results in order.
 
 A unit is a coroutine: it yields the requests of a step (submitted together), receives
 their results in the same order, and returns its value. A JSONL batch line is a one-step
-unit; a regress chat case is a unit whose later turns depend on earlier replies. Lanes only
-interleave model calls, so every result is the one its request gets alone.
+unit; a regress chat case is a unit whose later turns depend on earlier replies. The
+requests run in the engine's lanes, which only interleave model calls, so every result is
+the one its request gets alone.
 """
 
 from __future__ import annotations
@@ -20,12 +21,12 @@ Steps = Generator[list[Request], list[Result], T]
 
 
 def one_request(make: Callable[[], Request]) -> Steps[Result]:
-    """A unit of a single request, built when its lane starts (processors are stateful)."""
+    """A unit of a single request, built when the unit starts (processors are stateful)."""
     (result,) = yield [make()]
     return result
 
 
-def run_lanes(
+def run_units(
     engine: Engine, units: Iterable[tuple[K, Callable[[], Steps[T]]]], width: int
 ) -> Iterator[tuple[K, T]]:
     """Run `units` (key, start) with up to `width` at once; yield (key, value) in unit order.
@@ -85,6 +86,6 @@ def run_lanes(
                 while emitted in finished:
                     yield keys[emitted], finished.pop(emitted)
                     emitted += 1
-    finally:  # stopped early (closed, an exception): no lane is left behind, pinned
+    finally:  # stopped early (closed, an exception): no request is left behind, pinned
         for rid in list(owner):
             engine.cancel(rid)

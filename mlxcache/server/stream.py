@@ -1,8 +1,8 @@
-"""One request on the engine worker, seen from the event loop.
+"""One request on the engine worker, seen from the event loop as a stream of its events.
 
 The worker calls the sink on its own thread; events cross to the loop through
 `call_soon_threadsafe` into an asyncio queue. A consumer that stops listening early (a
-client gone mid-stream) cancels the lane, which releases its cache pin at once.
+client gone mid-stream) cancels the request, which releases its cache pin at once.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class Worker(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class Outcome:
-    """A finished lane: its text, why it ended, and its numbers."""
+    """A finished request: its text, why it ended, and its numbers."""
 
     text: str
     finish_reason: str
@@ -49,7 +49,7 @@ class Outcome:
     error: str | None = None
 
 
-class Lane:
+class Stream:
     """Submits `request` at once (raising what `Worker.submit` raises) and relays its events."""
 
     def __init__(self, worker: Worker, request: Request, reply: ReplyText) -> None:
@@ -79,9 +79,9 @@ class Lane:
 
     async def deltas(self) -> AsyncIterator[tuple[str, str]]:
         """(field, new text) as the reply's reasoning and content become final, reasoning
-        first; ends when the lane is done.
+        first; ends when the request is done.
 
-        Leaving early (the consumer is cancelled or closes) cancels the lane.
+        Leaving early (the consumer is cancelled or closes) cancels the request.
         """
         try:
             while True:
@@ -111,9 +111,9 @@ class Lane:
         return self.outcome()
 
     def outcome(self) -> Outcome:
-        """The finished lane's outcome (after `deltas()` ended)."""
+        """The finished request's outcome (after `deltas()` ended)."""
         if self._done is None:
-            raise RuntimeError("the lane has not finished")
+            raise RuntimeError("the request has not finished")
         result = self._done.result
         stats = result.stats
         usage = Usage(self._prompt_tokens, stats.generated_tokens, stats.cached_tokens)

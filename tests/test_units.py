@@ -1,4 +1,4 @@
-"""The lane scheduler: multi-step units, results in unit order, equal to running alone."""
+"""Units in flight: multi-step units, results in unit order, equal to running alone."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import pytest
 
 from mlxcache.config import CacheConfig
 from mlxcache.engine import Engine, Request
-from mlxcache.lanes import Steps, one_request, run_lanes
 from mlxcache.model import LoadedModel
 from mlxcache.runtime import make_cache
 from mlxcache.sampling import SamplingParams
+from mlxcache.units import Steps, one_request, run_units
 
 P = SamplingParams(max_tokens=3)
 
@@ -48,7 +48,7 @@ def test_units_in_order_and_equal_to_alone(tiny: LoadedModel, width: int) -> Non
     engine = Engine(tiny, make_cache(tiny, CacheConfig(block_size=4, disk_bytes=0)))
     plan = [("a", 1, 3), ("b", 2, 1), ("c", 3, 2), ("d", 4, 0)]
     units = [(key, partial(chain, engine, seed, steps)) for key, seed, steps in plan]
-    got = list(run_lanes(engine, units, width))
+    got = list(run_units(engine, units, width))
     assert [k for k, _ in got] == ["a", "b", "c", "d"]
     reference = Engine(tiny, make_cache(tiny, CacheConfig(block_size=4, enabled=False)))
     assert [v for _, v in got] == [alone(reference, seed, steps) for _, seed, steps in plan]
@@ -58,8 +58,8 @@ def test_units_in_order_and_equal_to_alone(tiny: LoadedModel, width: int) -> Non
 def test_one_request_units_and_bad_width(tiny: LoadedModel) -> None:
     engine = Engine(tiny, make_cache(tiny, CacheConfig(block_size=4, enabled=False)))
     units = [(i, partial(one_request, partial(Request, prompt(i), P))) for i in range(3)]
-    assert [(k, r.tokens) for k, r in run_lanes(engine, units, 2)] == [
+    assert [(k, r.tokens) for k, r in run_units(engine, units, 2)] == [
         (i, engine.complete(Request(prompt(i), P)).tokens) for i in range(3)
     ]
     with pytest.raises(ValueError, match="width must be >= 1, got 0"):
-        list(run_lanes(engine, units, 0))
+        list(run_units(engine, units, 0))
