@@ -8,7 +8,7 @@ import tempfile
 from pathlib import Path
 
 from mlxcache.regress import golden, suite
-from mlxcache.regress.runner import Runner
+from mlxcache.regress.runner import LocalRunner
 
 cases = suite.parse(
     {
@@ -21,8 +21,8 @@ cases = suite.parse(
 )
 with tempfile.TemporaryDirectory() as d:
     out = Path(d) / "golden.json"
-    recorded = golden.record(Runner(cases, Path(d) / "record"), out, ("cold", "warm"))
-    checked = golden.check(Runner(cases, Path(d) / "check"), out, ("cold", "warm"))
+    recorded = golden.record(LocalRunner(cases, Path(d) / "record"), out, ("cold", "warm"))
+    checked = golden.check(LocalRunner(cases, Path(d) / "check"), out, ("cold", "warm"))
     print(
         f"recorded: {recorded.ok}, checked: {checked.ok}, resumed tokens: {checked.variants['warm']['cached_tokens']}"
     )
