@@ -12,7 +12,7 @@ import functools
 import re
 import threading
 from collections.abc import Collection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 import numpy as np
@@ -20,6 +20,10 @@ from llguidance import LLMatcher, LLParserLimits, LLTokenizer
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
 from mlxcache.errors import GenerationError, GrammarError
+from mlxcache.types import Tokenizer
+
+if TYPE_CHECKING:
+    from mlxcache.model import LoadedModel
 
 JSON_OPTIONS: dict[str, Any] = {
     # No free whitespace: a small model otherwise pads JSON with newlines until max tokens.
@@ -35,7 +39,7 @@ _tokenizers: dict[str, LLTokenizer] = {}
 _tokenizers_lock = threading.Lock()
 
 
-def ll_tokenizer(tokenizer: Any, key: str) -> LLTokenizer:
+def ll_tokenizer(tokenizer: Tokenizer, key: str) -> LLTokenizer:
     """llguidance's view of an mlx-lm tokenizer wrapper, built once per model `key` (~0.4 s).
 
     Raises:
@@ -47,7 +51,7 @@ def ll_tokenizer(tokenizer: Any, key: str) -> LLTokenizer:
             return cached
         import llguidance.hf
 
-        hf = getattr(tokenizer, "_tokenizer", tokenizer)
+        hf: Any = getattr(tokenizer, "_tokenizer", tokenizer)  # the wrapped Hugging Face one
         eos = sorted(int(t) for t in getattr(tokenizer, "eos_token_ids", ()) or ())
         try:
             built = llguidance.hf.from_tokenizer(hf, eos_token=eos or None)
@@ -216,7 +220,7 @@ class GrammarProcessor:
         return allowed
 
 
-def compile_for(loaded: Any, grammar: str) -> None:
+def compile_for(loaded: LoadedModel, grammar: str) -> None:
     """Compile `grammar` for `loaded`'s vocabulary now (`compiled_matcher`), so that the
     processors `processor_for` makes of it later are copies.
 
@@ -227,9 +231,9 @@ def compile_for(loaded: Any, grammar: str) -> None:
 
 
 def processor_for(
-    loaded: Any, grammar: str, stop_tokens: Collection[int] | None = None
+    loaded: LoadedModel, grammar: str, stop_tokens: Collection[int] | None = None
 ) -> GrammarProcessor:
-    """A fresh processor for one request on `loaded` (an `mlxcache.model.LoadedModel`)."""
+    """A fresh processor for one request on `loaded`."""
     tokenizer = ll_tokenizer(loaded.tokenizer, loaded.key)
     stop = stop_tokens if stop_tokens is not None else loaded.tokenizer.eos_token_ids
     return GrammarProcessor(tokenizer, grammar, frozenset(int(t) for t in stop))

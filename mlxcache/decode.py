@@ -13,8 +13,9 @@ import numpy as np
 
 from mlxcache.detok import TextStream
 from mlxcache.events import Result, Stats, Token
-from mlxcache.sampling import SamplingParams, make_processors, make_sampler
+from mlxcache.sampling import LogitsProcessor, SamplingParams, make_processors, make_sampler
 from mlxcache.stops import StopScanner
+from mlxcache.types import KVLayer, LayerCache, Model, Tokenizer
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,7 +24,7 @@ class Forward:
     within a batch of lanes) and sends back its logits, shaped (1, vocab)."""
 
     y: mx.array
-    layers: list[Any]
+    layers: list[KVLayer]
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,19 +32,19 @@ class Leave:
     """Batched decode: the reply needs no more forwards; the engine puts its KV back
     into `layers` (from the batch) before the lane goes on."""
 
-    layers: list[Any]
+    layers: list[KVLayer]
 
 
 def decode(
-    model: Any,
-    tokenizer: Any,
+    model: Model,
+    tokenizer: Tokenizer,
     rid: int,
     prompt: np.ndarray,
-    layers: list[Any],
+    layers: list[LayerCache],
     logits: mx.array,
     *,
     sampling: SamplingParams,
-    processors: list[Any],
+    processors: list[LogitsProcessor],
     stop_tokens: frozenset[int],
     stop_strings: tuple[str, ...],
     budget: int,
@@ -64,6 +65,8 @@ def decode(
     asked of the engine (`Forward`), and `Leave` comes after the last.
     """
     sampler = make_sampler(sampling)
+    # Only plain KV models decode as one batch (the engine checks their layout).
+    kv = cast(list[KVLayer], layers)
     # Sampling's own processors (penalties) first, then the request's (bias, grammar).
     procs = [*make_processors(sampling, prompt.size), *processors]
     # Token history for processors, kept on the host: an mx.array made from host data is
@@ -98,7 +101,7 @@ def decode(
             # compute (as mlx-lm does). Without processors the sampling is queued too; a
             # processor (grammar) must see the token first.
             if batched:
-                nxt = yield Forward(y, layers)
+                nxt = yield Forward(y, kv)
             else:
                 nxt = model(y.reshape(1, 1), cache=layers)[:, -1, :]
             nxt = pick(nxt) if not procs else nxt
@@ -130,7 +133,7 @@ def decode(
             mx.async_eval(nxt)
         y = nxt
     if batched:
-        yield Leave(layers)
+        yield Leave(kv)
     tail = stops.feed(text.flush()) + stops.flush()
     if tail:
         pieces.append(tail)

@@ -9,10 +9,12 @@ leaving on the way included): a reply still does not depend on who else is runni
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
 
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache
+
+from mlxcache.types import KVLayer, Model
 
 
 class DecodeBatch:
@@ -29,7 +31,7 @@ class DecodeBatch:
     def __len__(self) -> int:
         return len(self.rows)
 
-    def join(self, rid: int, layers: list[Any], y: mx.array) -> None:
+    def join(self, rid: int, layers: Sequence[KVLayer], y: mx.array) -> None:
         """Add a request whose caches are `layers` and whose next input token is `y`."""
         merged = [BatchKVCache.merge([c]) for c in layers]
         if not self.rows:
@@ -40,7 +42,7 @@ class DecodeBatch:
         self.rows.append(rid)
         self._inputs[rid] = y
 
-    def forward(self, model: Any) -> mx.array:
+    def forward(self, model: Model) -> mx.array:
         """One decode step for every row: logits (rows, vocab), in `rows` order."""
         y = mx.concatenate([self._inputs.pop(rid).reshape(1, 1) for rid in self.rows])
         return model(y, cache=self._cache)[:, -1, :]
@@ -49,7 +51,7 @@ class DecodeBatch:
         """A row's next input token."""
         self._inputs[rid] = y
 
-    def leave(self, rid: int, layers: list[Any]) -> None:
+    def leave(self, rid: int, layers: Sequence[KVLayer]) -> None:
         """Put the row's KV back into its own caches `layers`, and drop it."""
         i = self.rows.index(rid)
         for batch, own in zip(self._cache, layers, strict=True):

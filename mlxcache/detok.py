@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from mlxcache.types import Tokenizer
 
 
 class TextStream:
@@ -18,7 +18,7 @@ class TextStream:
 
     __slots__ = ("_ids", "_prefix", "_read", "_tok")
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Tokenizer) -> None:
         self._tok = tokenizer
         self._ids: list[int] = []
         self._prefix = 0  # window start: decoded context for the next delta

@@ -22,31 +22,30 @@ from __future__ import annotations
 import contextlib
 import json
 from pathlib import Path
-from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
+from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from mlxcache.fileio import write_atomic
 from mlxcache.model import LoadedModel
+from mlxcache.types import KVLayer, LayerCache, Model, new_layers
 
 PROBES = "probes.json"
 
 
-def decode_matches_prefill(model: Any, block_size: int) -> bool:
+def decode_matches_prefill(model: Model, block_size: int) -> bool:
     """True when decoding tokens one by one leaves bitwise the KV and logits that prefilling
     them in chunks of `block_size` (and of 3) leaves, on every layer. Only plain KV models
     are probed (their blocks are cut out of decode KV as it stands)."""
-    layers = make_prompt_cache(model)
-    if not all(type(c) is KVCache for c in layers):
+    if not _plain(model):
         return False
     n = block_size + 1
     ids = (mx.arange(n, dtype=mx.int32) * 7 + 3) % 97 + 1  # any ids: the weights decide
-    decoded = make_prompt_cache(model)
+    decoded = _kv_layers(model)
     logits = [model(ids[None, i : i + 1], cache=decoded)[0, -1] for i in range(n)]
     mx.eval(logits, [c.state for c in decoded])
     for chunk in sorted({block_size, 3}):
-        chunked = make_prompt_cache(model)
+        chunked = _kv_layers(model)
         for start in range(0, n, chunk):
             stop = min(start + chunk, n)
             out = model(ids[None, start:stop], cache=chunked)[0, -1]
@@ -59,16 +58,16 @@ def decode_matches_prefill(model: Any, block_size: int) -> bool:
     return True
 
 
-def batch_matches_solo(model: Any) -> bool:
+def batch_matches_solo(model: Model) -> bool:
     """True when rows decoded together (left-padded, one leaving and one joining midway)
     give bitwise the logits each gives decoded alone. Plain KV models only."""
-    if not all(type(c) is KVCache for c in make_prompt_cache(model)):
+    if not _plain(model):
         return False
     prompts = [[(7 * i + 3 * r) % 97 + 1 for i in range(n)] for r, n in enumerate((3, 6, 8, 4))]
     steps = 3
 
-    def prefilled(p: list[int]) -> tuple[list[Any], int]:
-        layers = make_prompt_cache(model)
+    def prefilled(p: list[int]) -> tuple[list[LayerCache], int]:
+        layers = new_layers(model)
         first = model(mx.array([p]), cache=layers)[0, -1]
         return layers, int(mx.argmax(first).item())  # type: ignore[arg-type]
 
@@ -105,6 +104,16 @@ def batch_matches_solo(model: Any) -> bool:
                 return False
             at[r] += 1
     return True
+
+
+def _plain(model: Model) -> bool:
+    """Whether every layer of `model` keeps plain KV (the only caches probed)."""
+    return all(type(c) is KVCache for c in new_layers(model))
+
+
+def _kv_layers(model: Model) -> list[KVLayer]:
+    """Fresh caches of a model that `_plain` found plain KV."""
+    return [c for c in new_layers(model) if isinstance(c, KVCache)]
 
 
 def _key(loaded: LoadedModel, block_size: int) -> str:

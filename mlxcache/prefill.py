@@ -17,6 +17,8 @@ from itertools import pairwise
 import mlx.core as mx
 import numpy as np
 
+from mlxcache.types import Layers, Model
+
 
 def schedule(
     start: int, end: int, block_size: int, anywhere: bool = False
@@ -39,8 +41,8 @@ def schedule(
 
 
 def prefill(
-    model: object,
-    layers: list[object],
+    model: Model,
+    layers: Layers,
     tokens: np.ndarray,
     start: int,
     block_size: int,
@@ -55,8 +57,8 @@ def prefill(
     """
     chunks = schedule(start, len(tokens), block_size, anywhere)
     for s, e in chunks:
-        out = model(mx.array(tokens[None, s:e]), cache=layers)  # type: ignore[operator]
-        states = [c.state for c in layers]  # type: ignore[attr-defined]
+        out = model(mx.array(tokens[None, s:e]), cache=layers)
+        states = [c.state for c in layers]
         if e < len(tokens):
             mx.eval(states)
             yield e, None

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from mlx_lm.models.cache import make_prompt_cache
-
 from mlxcache.cache.base import NoCache, PrefixCache
 from mlxcache.cache.layout import Layout
 from mlxcache.cache.store import PromptCache
@@ -15,6 +13,7 @@ from mlxcache.invariance import probe
 from mlxcache.model import LoadedModel, load
 from mlxcache.model.gguf import Progress
 from mlxcache.paths import cache_dir, kv_dir
+from mlxcache.types import new_layers
 
 
 def make_cache(
@@ -71,7 +70,7 @@ def measured(loaded: LoadedModel, config: CacheConfig) -> dict[str, bool]:
     """What the device allows for `loaded` (`invariance.probe`): "decode", a reply's decode
     KV may be kept as canonical; "batch", requests may decode as one batch. Both False
     but for a plain KV model with the prompt cache on (whose directory keeps the record)."""
-    layout = Layout.of(make_prompt_cache(loaded.model), config.block_size)
+    layout = Layout.of(new_layers(loaded.model), config.block_size)
     if not config.enabled or layout is None or not layout.plain:
         return NOTHING_MEASURED
     return probe(loaded, config.block_size, cache_dir(config.directory))
@@ -82,7 +81,7 @@ def batch_anyway(engine: Engine) -> bool:
     to give each the bits it gets alone: its replies then depend on the requests running
     beside it (as mlx_lm.server's do); the caller says so to its user. False when the
     model's caches cannot be batched (other than plain KV)."""
-    layout = Layout.of(make_prompt_cache(engine.model), engine.cache.block_size)
+    layout = Layout.of(new_layers(engine.model), engine.cache.block_size)
     if layout is None or not layout.plain:
         return False
     engine.batch_decode = True

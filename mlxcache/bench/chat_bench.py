@@ -16,7 +16,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 
@@ -26,6 +26,7 @@ from mlxcache.engine import Engine, Request
 from mlxcache.model import LoadedModel, load
 from mlxcache.runtime import make_cache
 from mlxcache.sampling import SamplingParams
+from mlxcache.types import KVLayer, as_module, new_layers
 from mlxcache.worker import EngineWorker
 
 TURNS = (
@@ -79,10 +80,10 @@ def _chat(
 def _mlx_lm_chat(loaded: LoadedModel, params: SamplingParams) -> list[dict[str, Any]]:
     """The baseline: one mlx-lm KV cache kept across turns, trimmed to the shared prefix."""
     from mlx_lm.generate import generate_step
-    from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+    from mlx_lm.models.cache import trim_prompt_cache
 
     engine = Engine(loaded)  # for its chat template only
-    cache = make_prompt_cache(loaded.model)
+    cache = new_layers(loaded.model)
     held: list[int] = []  # the tokens whose KV `cache` holds
     messages: list[dict[str, str]] = []
     rows = []
@@ -97,7 +98,7 @@ def _mlx_lm_chat(loaded: LoadedModel, params: SamplingParams) -> list[dict[str, 
         ttft = 0.0
         steps = generate_step(
             mx.array(prompt[reuse:]),
-            loaded.model,
+            as_module(loaded.model),
             max_tokens=params.max_tokens,
             sampler=lambda lp: mx.argmax(lp, axis=-1),
             prompt_cache=cache,
@@ -108,7 +109,7 @@ def _mlx_lm_chat(loaded: LoadedModel, params: SamplingParams) -> list[dict[str, 
             if int(token) in eos:
                 break
             out.append(int(token))
-        held = (prompt + out)[: cache[0].offset]
+        held = (prompt + out)[: cast(KVLayer, cache[0]).offset]  # a KV model's cache
         rows.append(_row(len(prompt), reuse, ttft))
         messages.append({"role": "assistant", "content": loaded.tokenizer.decode(out)})
     return rows

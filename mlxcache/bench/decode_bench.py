@@ -12,6 +12,7 @@ from typing import Any
 from mlxcache.engine import Engine, Request
 from mlxcache.model import load
 from mlxcache.sampling import SamplingParams
+from mlxcache.types import as_wrapper
 
 PROMPT = "Once upon a time, in a small village by the sea, there lived"
 
@@ -27,7 +28,8 @@ def _ours(engine: Engine, ids: list[int], tokens: int) -> float:
 def _mlx_lm(engine: Engine, ids: list[int], tokens: int) -> float:
     from mlx_lm import stream_generate
 
-    responses = list(stream_generate(engine.model, engine.loaded.tokenizer, ids, max_tokens=tokens))
+    tokenizer = as_wrapper(engine.loaded.tokenizer)
+    responses = list(stream_generate(engine.model, tokenizer, ids, max_tokens=tokens))
     return float(responses[-1].generation_tps)
 
 

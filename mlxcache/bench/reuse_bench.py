@@ -18,7 +18,6 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import make_prompt_cache
 
 from mlxcache.bench.families import FAMILIES, build
 from mlxcache.cache.base import NoCache
@@ -27,6 +26,7 @@ from mlxcache.config import CacheConfig
 from mlxcache.engine import Engine, Request
 from mlxcache.model import LoadedModel, load
 from mlxcache.sampling import SamplingParams
+from mlxcache.types import new_layers
 
 PARAMS = SamplingParams(max_tokens=8)
 REFERENCE = "qwen3"
@@ -87,13 +87,13 @@ def _workloads(pair: _Pair, rng: np.random.Generator, vocab: int) -> dict[str, f
 
 def _kv_bytes_per_token(loaded: LoadedModel) -> int:
     """K and V bytes one token takes in the model's own attention layers (no padding)."""
-    layers = make_prompt_cache(loaded.model)
+    layers = new_layers(loaded.model)
     loaded.model(mx.zeros((1, 4), dtype=mx.int32), cache=layers)
     return sum(
         int(a.shape[1] * a.shape[3] * a.itemsize)
-        for c in layers
-        if getattr(c, "keys", None) is not None
-        for a in (c.keys, c.values)
+        for c in layers  # the layers that keep keys and values, whatever their kind
+        for a in (getattr(c, "keys", None), getattr(c, "values", None))
+        if a is not None
     )
 
 
@@ -112,7 +112,7 @@ def _family(
     shares = _workloads(pair, np.random.default_rng(0), vocab)
     kept = _kept_bytes_per_token(loaded, root / name / "bytes", block_size)
     model_kv = _kv_bytes_per_token(loaded)
-    kinds = sorted({type(c).__name__ for c in make_prompt_cache(loaded.model)})
+    kinds = sorted({type(c).__name__ for c in new_layers(loaded.model)})
     return {
         "bench": "reuse",
         "family": name,

@@ -33,6 +33,7 @@ from mlxcache.modes.repeats import describe_loop
 from mlxcache.modes.schema import CompiledSchema, check_schema, one_line
 from mlxcache.runtime import open_engine
 from mlxcache.sampling import SamplingParams
+from mlxcache.types import as_module, as_wrapper
 
 PROMPT = "Write one realistic example document for this schema."
 PEERS = ("llguidance",)
@@ -166,8 +167,8 @@ def run_peer(
     start = time.perf_counter()
     try:
         for response in stream_generate(
-            loaded.model,
-            loaded.tokenizer,
+            as_module(loaded.model),
+            as_wrapper(loaded.tokenizer),
             ids,
             max_tokens=max_tokens,
             logits_processors=[processor],

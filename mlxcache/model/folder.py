@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mlxcache.errors import UnsupportedModelError
+
+if TYPE_CHECKING:
+    from mlxcache.types import Model
 
 _MAX_DETAIL = 300  # mlx-lm lists every missing parameter; the error line keeps the start
 
 
-def load_folder(path: Path, *, lazy: bool = False, what: str = "") -> tuple[Any, dict[str, Any]]:
+def load_folder(path: Path, *, lazy: bool = False, what: str = "") -> tuple[Model, dict[str, Any]]:
     """mlx-lm's `load_model(path)`: (model, config).
 
     Raises:

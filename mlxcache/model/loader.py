@@ -26,6 +26,7 @@ from mlxcache.paths import cache_dir, data_dir
 
 if TYPE_CHECKING:  # the converter imports gguf and MLX: only a conversion needs them
     from mlxcache.model.gguf import Progress
+    from mlxcache.types import Model, Tokenizer
 
 # transformers announces at import time that PyTorch is missing; we never need it.
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -44,8 +45,8 @@ Warn = Callable[[str], None]
 class LoadedModel:
     """A ready model: the mlx-lm module, its tokenizer wrapper and identity."""
 
-    model: Any
-    tokenizer: Any
+    model: Model
+    tokenizer: Tokenizer
     key: str
     """Fingerprint of weights, tokenizer, dtype and quantization (hex)."""
     name: str
