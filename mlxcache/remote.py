@@ -194,6 +194,9 @@ class Server:
             self._conn.close()
             reason = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
             raise ServerError(f"cannot reach the server at {self.url}: {reason}") from exc
+        except BaseException:  # Ctrl-C mid-exchange: the connection cannot be reused
+            self._conn.close()
+            raise
         if response.status >= 400:
             raise self._refusal(response)
         return response

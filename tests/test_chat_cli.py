@@ -79,7 +79,9 @@ def test_resume_shows_the_session_and_applies_given_options(
 
 def test_repl_commands_confirm(cache_root: Path, tmp_path: Path, tiny_gguf: Path) -> None:
     stdin = "/system Answer in French.\n/system\n/history\nhello\n/history\n/save mine\n/sessions\n/stats\n"
-    code, out, err = invoke(tmp_path, tiny_gguf, "-n", "2", "--block-size", "4", stdin=stdin)
+    # No warm-ahead: its entry, kept in idle time, would race /stats' count.
+    args = ["-n", "2", "--block-size", "4", "--no-warm-ahead"]
+    code, out, err = invoke(tmp_path, tiny_gguf, *args, stdin=stdin)
     assert code == 0, err
     lines = err.splitlines()
     assert lines[:3] == [
