@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from mlxcache.cache.radix import common_prefix
 from mlxcache.errors import ContextLengthError, UserInputError
 
 if TYPE_CHECKING:
@@ -28,13 +29,6 @@ if TYPE_CHECKING:
 # Placeholder contents of the next message: what two renders with different contents share
 # is the part of the next prompt that does not depend on what that message says.
 _PROBES = ("\x01", "Z z")
-
-
-def common_prefix(a: Sequence[int] | np.ndarray, b: Sequence[int] | np.ndarray) -> int:
-    """Length of the longest common prefix of two token sequences."""
-    n = min(len(a), len(b))
-    diff = np.nonzero(np.asarray(a[:n]) != np.asarray(b[:n]))[0]
-    return int(diff[0]) if diff.size else n
 
 
 def next_turn_prefix(

@@ -455,7 +455,7 @@ class Engine:
         start = time.perf_counter()
         resume = None
         try:
-            resume = self.cache.restore(tokens)
+            resume = self.cache.restore(tokens, anywhere=self.keep_replies)
             stats.cached_tokens = resume.length
             stats.prefilled_tokens = n - resume.length
             stats.miss_reason = "" if resume.length else self._miss_reason(n)
@@ -507,12 +507,15 @@ class Engine:
         yield Done(rid, result)  # after the release: a finished request holds no pin
 
     def _keep_reply(self, prompt: np.ndarray, reply: list[int], layers: list[Any]) -> None:
-        """Keep the full blocks of prompt + reply that `layers` hold past the prompt's own
-        (decode KV, canonical on this device: see `keep_replies`)."""
+        """Keep the full blocks of prompt + reply that `layers` hold past the prompt's own,
+        and the rest as a tail to resume mid-block from (decode KV, canonical on this
+        device: see `keep_replies`)."""
         block = self.cache.block_size
-        held = min(int(layers[0].offset), prompt.size + len(reply)) // block * block
-        if held > prompt.size // block * block:
-            self.cache.keep(np.concatenate([prompt, np.asarray(reply, np.int32)])[:held], layers)
+        held = min(int(layers[0].offset), prompt.size + len(reply))
+        ids = np.concatenate([prompt, np.asarray(reply, np.int32)])[:held]
+        if held // block > prompt.size // block:
+            self.cache.keep(ids[: held // block * block], layers)
+        self.cache.keep_tail(ids, layers, None)
 
     def _warm_lane(self, rid: int, tokens: np.ndarray) -> Generator[Event, None, None]:
         # No logits needed: every full block. Warm work is not a request: not counted.
@@ -568,7 +571,9 @@ class Engine:
         logits = None
         at_chunk_end = False  # the layers hold exactly `done` tokens
         try:
-            for stop, out in prefill(self.model, layers, tokens, start, block):
+            # A resume inside a block only where decode KV is canonical: see `restore`.
+            chunks = prefill(self.model, layers, tokens, start, block, self.keep_replies)
+            for stop, out in chunks:
                 done, logits, at_chunk_end = stop, out, True
                 if stop % block == 0 and stop <= keep_at:
                     self.cache.capture(tokens[:stop], layers)

@@ -379,6 +379,25 @@ def batch_probe_trusted(patch: Patch) -> None:
     patch(invariance, "batch_matches_solo", lambda model: True)
 
 
+def resume_anywhere_unprobed(patch: Patch) -> None:
+    """Prompts resume inside a block on every device, not only where the probe found a
+    token's KV independent of its chunk: on the shape-sensitive model too."""
+    restore, run = PromptCache.restore, prefill_mod.prefill
+
+    def anywhere_restore(
+        self: PromptCache, tokens: Any, count: bool = True, anywhere: bool = False
+    ) -> Any:
+        return restore(self, tokens, count, anywhere=True)
+
+    def anywhere_prefill(
+        model: Any, layers: Any, tokens: Any, start: int, block_size: int, anywhere: bool = False
+    ) -> Any:
+        return run(model, layers, tokens, start, block_size, anywhere=True)
+
+    patch(PromptCache, "restore", anywhere_restore)
+    patch(engine_mod, "prefill", anywhere_prefill)
+
+
 MUTANTS: dict[str, Callable[[Patch], None]] = {
     f.__name__: f
     for f in (
@@ -405,5 +424,6 @@ MUTANTS: dict[str, Callable[[Patch], None]] = {
         state_of_the_block_start,
         probe_trusted,
         batch_probe_trusted,
+        resume_anywhere_unprobed,
     )
 }

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import hypothesis.strategies as st
 import numpy as np
 import pytest
+from hypothesis import given, settings
 
 from mlxcache.cache.index import Entry, Match, PromptIndex
+from mlxcache.cache.radix import common_prefix
 
 
 def ones(n: int) -> list[int]:
@@ -331,3 +334,75 @@ def test_pin_rules(idx: PromptIndex) -> None:
     idx.unpin(e)
     idx.remove(e)
     assert len(idx) == 0
+
+
+# Continuation inside a block (resumes mid-block on shape-invariant devices).
+
+
+def test_continuation_finds_the_entry_going_furthest_into_the_next_block(idx: PromptIndex) -> None:
+    a = idx.add([1, 2, 3, 4, 5, 6, 7, 8])
+    b = idx.add([1, 2, 3, 4, 5, 6, 9, 9, 9, 9, 9, 9])
+    idx.add([1, 2, 3, 4, 7, 7, 7, 7])
+    assert idx.continuation([1, 2, 3, 4, 5, 6, 7, 0, 0], 4) == (a, 3)
+    assert idx.continuation([1, 2, 3, 4, 5, 6, 9, 0], 4) == (b, 3)
+    assert idx.continuation([1, 2, 3, 4, 7, 0], 4) is not None
+    assert idx.continuation([1, 2, 3, 4, 8, 0], 4) is None  # no next block starts with 8
+
+
+def test_continuation_inside_an_edge_and_from_the_root(idx: PromptIndex) -> None:
+    e = idx.add([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12])  # one edge of three blocks
+    assert idx.continuation([1, 2, 3, 4, 5, 6, 0], 4) == (e, 2)
+    assert idx.continuation([1, 2, 3, 4, 5, 6, 7, 8, 9, 0], 8) == (e, 1)
+    assert idx.continuation([1, 2, 0], 0) == (e, 2)
+
+
+def test_continuation_needs_the_whole_blocks_before_it(idx: PromptIndex) -> None:
+    idx.add([1, 2, 3, 4, 5, 6, 7, 8])
+    assert idx.continuation([1, 2, 3, 9, 5, 6], 4) is None  # first block differs
+    assert idx.continuation([1, 2, 3, 4, 5, 6, 7, 8, 9], 2) is None  # not a block boundary
+    assert idx.continuation([1, 2, 3, 4, 5, 6, 7, 8, 9], 8) is None  # nothing past the entry
+
+
+def test_continuation_is_not_a_use(idx: PromptIndex) -> None:
+    a = idx.add([1, 2, 3, 4, 5, 6, 7, 8])
+    used = a.last_used
+    idx.continuation([1, 2, 3, 4, 5, 0], 4)
+    assert a.last_used == used
+
+
+def test_continuation_skips_checkpoint_entries(idx: PromptIndex) -> None:
+    idx.add([1, 2, 3, 4, 5, 6, 7, 8], trimmable=False)
+    assert idx.continuation([1, 2, 3, 4, 5, 6, 0], 4) is None
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    entries=st.lists(
+        st.tuples(st.lists(st.integers(1, 3), min_size=1, max_size=14), st.booleans()),
+        max_size=8,
+    ),
+    prompt=st.lists(st.integers(1, 3), min_size=1, max_size=14),
+    blocks=st.integers(0, 3),
+)
+def test_continuation_matches_a_naive_scan(
+    entries: list[tuple[list[int], bool]], prompt: list[int], blocks: int
+) -> None:
+    idx, b, length = PromptIndex(block_size=4), 4, blocks * 4
+    kept = [idx.add(tokens, trimmable=trimmable) for tokens, trimmable in entries]
+    want = [
+        common_prefix(e.tokens[length : length + b], prompt[length:])
+        for e in set(kept)
+        if e.trimmable
+        and len(e.tokens) >= length + b
+        and list(e.tokens[:length]) == prompt[:length]
+    ]
+    best = max([k for k in want if k], default=0)
+    got = idx.continuation(prompt, length)
+    if best == 0:
+        assert got is None
+    else:
+        assert got is not None
+        entry, k = got
+        assert k == best
+        assert list(entry.tokens[:length]) == prompt[:length]
+        assert common_prefix(entry.tokens[length : length + b], prompt[length:]) == k

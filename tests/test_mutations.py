@@ -66,6 +66,7 @@ CAUGHT_BY: dict[str, list[tuple[str, str]]] = {
     "state_of_the_block_start": [("recurrent", "fork"), ("recurrent", "chat")],
     "probe_trusted": [("shaped", "kept_replies")],
     "batch_probe_trusted": [("shaped", "batched")],
+    "resume_anywhere_unprobed": [("shaped", "chat"), ("shaped", "fork")],
 }
 
 

@@ -48,9 +48,11 @@ class PrefixCache(Protocol):
     trimmable: bool
     """Whether the model's state can be rewound (all plain KV layers)."""
 
-    def restore(self, tokens: np.ndarray, count: bool = True) -> Resume:
+    def restore(self, tokens: np.ndarray, count: bool = True, anywhere: bool = False) -> Resume:
         """Fresh layers restored to the longest reusable prefix of `tokens` (pinned);
-        `count` False: warm-ahead work, left out of the hit and miss counters."""
+        `count` False: warm-ahead work, left out of the hit and miss counters; `anywhere`:
+        the prefix may end inside a block (only where the device was measured
+        shape-invariant: the prefill then starts there)."""
         ...
 
     def capture(self, tokens: np.ndarray, layers: list[Any]) -> None:
@@ -70,7 +72,8 @@ class PrefixCache(Protocol):
 
     def keep_tail(self, tokens: np.ndarray, layers: list[Any], logits: Any) -> None:
         """Remember a whole prompt's state past its last full block, and its last logits,
-        so that the same prompt again resumes with nothing to prefill."""
+        so that the same prompt again resumes with nothing to prefill. Without logits (a
+        reply's decode KV): only for resuming mid-block (`restore(anywhere=True)`)."""
         ...
 
     def release(self, resume: Resume) -> None:
@@ -106,7 +109,7 @@ class NoCache:
         self.block_size = block_size
         self.trimmable = is_trimmable(make_prompt_cache(model), block_size)
 
-    def restore(self, tokens: np.ndarray, count: bool = True) -> Resume:
+    def restore(self, tokens: np.ndarray, count: bool = True, anywhere: bool = False) -> Resume:
         return Resume(make_prompt_cache(self._model), 0)
 
     def capture(self, tokens: np.ndarray, layers: list[Any]) -> None:

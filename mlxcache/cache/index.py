@@ -17,7 +17,7 @@ import numpy.typing as npt
 
 from mlxcache.cache.entry import Entry
 from mlxcache.cache.order import VictimOrder, victim_class
-from mlxcache.cache.radix import BlockTree, Node, Walk, as_tokens
+from mlxcache.cache.radix import BlockTree, Node, Walk, as_tokens, common_prefix
 
 TokenSeq = Sequence[int] | npt.NDArray[np.integer]
 
@@ -161,6 +161,33 @@ class PromptIndex:
         if found is not None:
             self.touch(found.entry)
         return found
+
+    def continuation(self, prompt: TokenSeq, length: int) -> tuple[Entry, int] | None:
+        """The trimmable entry that follows `prompt` furthest into the block after its first
+        `length` tokens (a whole number of blocks all in the tree), and how many tokens of
+        that block it shares with `prompt` (0 < k < B): positions a device on which a
+        token's KV does not depend on its chunk may resume mid-block. Not a use.
+        """
+        arr = as_tokens(prompt, "prompt")
+        blocks, b = length // self.block_size, self.block_size
+        walk = self._tree.walk(arr.tobytes(), blocks, _resumable)
+        if walk.depth != blocks or length % b:
+            return None
+        bb = self._tree.block_bytes
+        if walk.inside is not None:  # the point is inside an edge: one way on
+            at = (blocks - walk.path[-1].depth) * bb
+            nexts = [(walk.inside.key[at : at + bb], walk.inside.best)]
+        else:
+            nexts = [(c.key[:bb], c.best) for c in walk.path[-1].children.values()]
+        want = arr[length : length + b]
+        best: tuple[Entry, int] | None = None
+        for block, entry in nexts:
+            if entry is None:
+                continue
+            k = common_prefix(np.frombuffer(block, np.int32), want)
+            if k and (best is None or k > best[1]):
+                best = (entry, k)
+        return best
 
     def victim(self, skip: Entry | None = None, prompt: TokenSeq | None = None) -> Entry | None:
         """The entry to evict next, never a pinned one nor `skip`; changes nothing.

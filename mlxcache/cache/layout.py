@@ -182,6 +182,11 @@ class Layout:
             c._idx = int(c.keys.shape[2])
         return c
 
+    def head(self, block: Block, k: int) -> Block:
+        """The first `k` positions of a plain layout's block or tail (as `cut` cuts them)."""
+        assert self.plain  # a recurrent state or a ring cannot be cut inside a block
+        return {name: a[..., :k, :] for name, a in block.items()}
+
     def append(self, layers: list[Any], tail: Block) -> None:
         """Continue `layers` with a tail cut past their end (`cut`), as its prefill chunk
         did: attention layers take its positions, recurrent layers its state."""

@@ -15,7 +15,9 @@ chunk computed them. The same prompt again (a retry, a regression run, a repeate
 then resumes whole, with nothing to prefill; that state is exactly what a fresh prefill
 computes, since the chunk's input (the canonical KV of the full blocks and the same tokens)
 is the same. Tails go first when memory is short, and with the entry whose blocks they
-continue.
+continue. Where the engine has measured decode KV canonical, a finished reply's own tail
+is kept too (without logits), and a prompt may resume inside a block from a kept block or
+a tail that follows it (`partial`).
 
 Eviction (`reserve`, `make_room`) follows the index's victim order within the tier's two
 limits, a slot count and a byte budget. `store.PromptCache` coordinates this tier with the
@@ -38,6 +40,7 @@ from mlxcache.cache.disk import digest_tokens
 from mlxcache.cache.index import Entry, Match, PromptIndex
 from mlxcache.cache.layout import Block, Layout
 from mlxcache.cache.layout import nbytes as block_nbytes
+from mlxcache.cache.radix import common_prefix
 from mlxcache.config import CacheConfig
 
 MAX_TAILS = 32
@@ -56,16 +59,19 @@ class _Block:
 
 @dataclass(slots=True)
 class Tail:
-    """A whole prompt's state past its last full block, and its last logits."""
+    """A whole prompt's state past its last full block, and its last logits (None for a
+    reply's tail, kept only to resume mid-block: see `partial`)."""
 
     key: str  # digest of the prompt's tokens
     base: Entry  # holds the prompt's full blocks; the tail goes with it
     kv: Block  # positions [last full block end, prompt end) (maybe none), states at the end
-    logits: mx.array
+    logits: mx.array | None
+    prefix: str  # digest of the tokens before the tail (the full blocks)
+    ids: np.ndarray  # the tail's own tokens
 
     @property
     def nbytes(self) -> int:
-        return block_nbytes(self.kv) + int(self.logits.nbytes)
+        return block_nbytes(self.kv) + (0 if self.logits is None else int(self.logits.nbytes))
 
 
 @dataclass(slots=True)
@@ -140,8 +146,35 @@ class MemoryTier:
         return self.index.lookup(tokens)
 
     def tail(self, tokens: np.ndarray) -> Tail | None:
-        """The remembered tail of exactly `tokens`, if any."""
-        return self._tails.get(digest_tokens(tokens)) if self._tails else None
+        """The remembered tail of exactly `tokens`, with its logits, if any."""
+        tail = self._tails.get(digest_tokens(tokens)) if self._tails else None
+        return tail if tail is not None and tail.logits is not None else None
+
+    def partial(self, tokens: np.ndarray, length: int, limit: int) -> tuple[Block, int] | None:
+        """The KV of `tokens[length:length+k]` (0 < k <= `limit`, k < B) where a kept block
+        or a remembered tail continues `tokens`' first `length` tokens (whole blocks):
+        what a device on which a token's KV does not depend on its chunk (plain KV layers
+        only) may resume mid-block from. The longest such run; None if there is none."""
+        if self.layout is None or not self.layout.plain or limit <= 0:
+            return None
+        best: tuple[Block, int] | None = None
+        found = self.index.continuation(tokens, length)
+        if found is not None:
+            entry, k = found
+            best = (self._blocks[self._entry_blocks[entry][length // self.block_size]].data, k)
+        prefix = None
+        for tail in self._tails.values():
+            if tail.prefix and len(tail.ids) and (best is None or len(tail.ids) > best[1]):
+                prefix = prefix or digest_tokens(tokens[:length])
+                if tail.prefix == prefix:
+                    k = common_prefix(tail.ids, tokens[length:])
+                    if k and (best is None or k > best[1]):
+                        best = (tail.kv, k)
+        if best is None:
+            return None
+        block, k = best
+        k = min(k, limit)
+        return self.layout.head(block, k), k
 
     def resumable(self, entry: Entry, length: int) -> int:
         """The longest resume point up to `length` in `entry` whose recurrent state is kept
@@ -167,7 +200,8 @@ class MemoryTier:
             self._branches[id(layers)] = shared // self.block_size - 1
         logits = None
         if tail is not None:
-            assert self.layout is not None  # tails are kept for block layouts only
+            # Tails are kept for block layouts only; `tail()` gives those with logits.
+            assert self.layout is not None and tail.logits is not None
             self.layout.append(layers, tail.kv)
             self._tails.move_to_end(tail.key)
             # A copy: logits processors (the repetition penalty) write into their input.
@@ -292,21 +326,24 @@ class MemoryTier:
         self.nbytes += added
         return entry
 
-    def keep_tail(self, tokens: np.ndarray, layers: list[Any], logits: mx.array) -> bool:
-        """Remember `tokens`' tail in `layers` (past its last full block) and its logits;
-        False when there is none to keep (no block layout, or its blocks are gone)."""
+    def keep_tail(self, tokens: np.ndarray, layers: list[Any], logits: mx.array | None) -> bool:
+        """Remember `tokens`' tail in `layers` (past its last full block) and its logits
+        (None: a reply's tail, for `partial` only); False when there is none to keep (no
+        block layout, its blocks are gone, or nothing past them without logits)."""
         at = len(tokens) // self.block_size * self.block_size
-        if self.layout is None or at == 0:
+        if self.layout is None or at == 0 or (logits is None and at == len(tokens)):
             return False  # a checkpoint holds the whole state; no block to continue
         found = self.index.lookup(with_probe(tokens[:at]))
         if found is None or found.length < at:
             return False  # its blocks are gone already (memory too small)
         tail = self.layout.cut(layers, at, len(tokens))
-        logits = mx.array(logits)
-        mx.eval(logits)
+        if logits is not None:
+            logits = mx.array(logits)
+            mx.eval(logits)
         key = digest_tokens(tokens)
         self._drop_tail(key)
-        self._tails[key] = Tail(key, found.entry, tail, logits)
+        ids = np.array(tokens[at:], dtype=np.int32)
+        self._tails[key] = Tail(key, found.entry, tail, logits, digest_tokens(tokens[:at]), ids)
         self.nbytes += self._tails[key].nbytes
         while len(self._tails) > MAX_TAILS:
             self._drop_tail(next(iter(self._tails)))

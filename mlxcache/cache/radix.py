@@ -49,6 +49,13 @@ def as_tokens(seq: Sequence[int] | npt.NDArray[np.integer], what: str) -> Tokens
     return arr.astype(np.int32)
 
 
+def common_prefix(a: Sequence[int] | np.ndarray, b: Sequence[int] | np.ndarray) -> int:
+    """Length of the longest common prefix of two token sequences."""
+    n = min(len(a), len(b))
+    diff = np.nonzero(np.asarray(a[:n]) != np.asarray(b[:n]))[0]
+    return int(diff[0]) if diff.size else n
+
+
 class Node:
     """One prefix of `depth` whole blocks, reached from `parent` by the blocks in `key`,
     with the aggregates lookups read."""

@@ -87,12 +87,35 @@ class PromptCache:
 
     # -- PrefixCache ------------------------------------------------------------------------
 
-    def restore(self, tokens: np.ndarray, count: bool = True) -> Resume:
+    def restore(self, tokens: np.ndarray, count: bool = True, anywhere: bool = False) -> Resume:
         """Fresh caches restored to the longest reusable prefix of `tokens`, entry pinned;
         the whole prompt, with its last logits, when its tail is remembered. `count`
         False (warm-ahead work): the request counters (hits, misses, cached tokens,
-        disk hits) stay as they are."""
-        stats = self.stats if count else CacheStats()
+        disk hits) stay as they are. `anywhere` (a device measured shape-invariant): the
+        prefix may end inside a block, where a kept block or tail stops following it."""
+        resume = self._restore(tokens)
+        if anywhere and resume.logits is None:
+            self._continue(resume, tokens)
+        if count:
+            self.stats.hits += resume.length > 0
+            self.stats.misses += resume.length == 0
+            self.stats.disk_hits += resume.tier == "disk"
+            self.stats.cached_tokens += resume.length
+        return resume
+
+    def _continue(self, resume: Resume, tokens: np.ndarray) -> None:
+        """Extend `resume` mid-block as far as the memory tier's KV follows `tokens`, one
+        token short of the end (the last one's logits come from the prefill)."""
+        found = self.mem.partial(tokens, resume.length, len(tokens) - 1 - resume.length)
+        if found is None:
+            return
+        piece, k = found
+        assert self.layout is not None  # `partial` finds pieces of block layouts only
+        self.layout.append(resume.layers, piece)
+        resume.length += k
+        resume.tier = resume.tier or "memory"
+
+    def _restore(self, tokens: np.ndarray) -> Resume:
         self._sync_disk()
         tail = self.mem.tail(tokens)
         # A whole prompt resumes from its last full block, even when that is its end.
@@ -107,23 +130,18 @@ class PromptCache:
             elif mem is not None:
                 entry, length, tier = mem.entry, mem.length, "memory"
             else:
-                return self._miss(tokens, stats)
+                return self._miss(tokens)
             shared, length = length, self.mem.resumable(entry, length)
             if length == 0:  # no recurrent state kept on the way
-                return self._miss(tokens, stats)
-            stats.hits += 1
-            if tier == "disk":
-                stats.disk_hits += 1
+                return self._miss(tokens)
             if length != len(tokens) // self.block_size * self.block_size:
                 tail = None  # its full blocks are not all here: an ordinary resume
             resume = self.mem.resume(entry, length, shared, tokens, tail)
             resume.tier = tier
-            stats.cached_tokens += resume.length
             return resume
 
-    def _miss(self, tokens: np.ndarray, stats: CacheStats) -> Resume:
+    def _miss(self, tokens: np.ndarray) -> Resume:
         """Fresh caches holding nothing, room made for the prompt's KV."""
-        stats.misses += 1
         self.mem.reserve_prefill(tokens, 0, None)
         return Resume(make_prompt_cache(self._model), 0)
 
@@ -150,8 +168,9 @@ class PromptCache:
         """The memory and disk tiers' matches for `tokens` (each counted as a use)."""
         return self.mem.lookup(tokens), self.disk_index.lookup(tokens) if self.disk else None
 
-    def keep_tail(self, tokens: np.ndarray, layers: list[Any], logits: mx.array) -> None:
-        """Remember `tokens`' tail in `layers` (past its last full block) and its logits."""
+    def keep_tail(self, tokens: np.ndarray, layers: list[Any], logits: mx.array | None) -> None:
+        """Remember `tokens`' tail in `layers` (past its last full block) and its logits
+        (None: for resuming mid-block only)."""
         if self.mem.keep_tail(tokens, layers, logits):
             self._fit(prompt=None)
 
