@@ -81,6 +81,10 @@ class ServerConfig:
     batched_lanes: int = 16
 
 
+WARM_AHEAD = True
+"""Warm-ahead's default, for `CacheConfig` and an `Engine` built without one."""
+
+
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
     """The prompt cache's settings.
@@ -93,7 +97,7 @@ class CacheConfig:
             (`default_block_size`), so every command shares one cache namespace.
         mem_bytes: memory tier budget.
         disk_bytes: disk tier budget; 0 disables the disk tier.
-        max_entries: slot limit of the prompt index.
+        max_entries: slot limit of the memory tier (entries kept at once).
         warm_ahead: after a reply, prefill the conversation as its next turn will start, in
             idle time (`Engine.warm_chat`), so the next turn resumes past the reply.
         state_stride: for models with recurrent layers, keep their state after every
@@ -107,7 +111,7 @@ class CacheConfig:
     mem_bytes: int = 2 << 30
     disk_bytes: int = 20 << 30
     max_entries: int = 256
-    warm_ahead: bool = True
+    warm_ahead: bool = WARM_AHEAD
     state_stride: int | None = None
 
     def __post_init__(self) -> None:

@@ -33,7 +33,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlxcache.cache.base import NoCache, PrefixCache, with_probe
-from mlxcache.config import default_block_size
+from mlxcache.config import WARM_AHEAD, default_block_size
 from mlxcache.decode import Forward, Leave, decode
 from mlxcache.decode_batch import DecodeBatch
 from mlxcache.encoder import Encoder, common_prefix
@@ -129,7 +129,7 @@ class Engine:
         cache: PrefixCache | None = None,
         *,
         block_size: int | None = None,
-        warm_ahead: bool = True,
+        warm_ahead: bool = WARM_AHEAD,
         keep_replies: bool = False,
         batch_decode: bool = False,
         on_warning: Callable[[str], None] | None = None,
