@@ -91,8 +91,10 @@ def penalty_without_cached_prompt(patch: Patch) -> None:
     restore = PromptCache.restore
     starts: dict[int, int] = {}  # id(layers) -> the resume point they were restored at
 
-    def restore_noting(self: PromptCache, tokens: np.ndarray, count: bool = True) -> Any:
-        resume = restore(self, tokens, count)
+    def restore_noting(
+        self: PromptCache, tokens: np.ndarray, count: bool = True, anywhere: bool = False
+    ) -> Any:
+        resume = restore(self, tokens, count, anywhere)
         starts[id(resume.layers)] = resume.length
         return resume
 
@@ -146,8 +148,10 @@ def partial_last_block(patch: Patch) -> None:
     restore, release, keep = PromptCache.restore, PromptCache.release, PromptCache.keep
     prompts: dict[int, np.ndarray] = {}  # id(layers) -> the prompt they were restored for
 
-    def restore_noting(self: PromptCache, tokens: np.ndarray, count: bool = True) -> Any:
-        resume = restore(self, tokens, count)
+    def restore_noting(
+        self: PromptCache, tokens: np.ndarray, count: bool = True, anywhere: bool = False
+    ) -> Any:
+        resume = restore(self, tokens, count, anywhere)
         prompts[id(resume.layers)] = np.asarray(tokens)
         return resume
 
@@ -282,11 +286,13 @@ def tail_of_a_prefix(patch: Patch) -> None:
     with it, as if that prompt ended there."""
     restore = PromptCache.restore
 
-    def restore_prefix(self: PromptCache, tokens: np.ndarray, count: bool = True) -> Any:
+    def restore_prefix(
+        self: PromptCache, tokens: np.ndarray, count: bool = True, anywhere: bool = False
+    ) -> Any:
         for k in range(len(tokens) - 1, self.block_size - 1, -1):
             if self.mem.tail(tokens[:k]) is not None:
                 return restore(self, tokens[:k], count)
-        return restore(self, tokens, count)
+        return restore(self, tokens, count, anywhere)
 
     patch(PromptCache, "restore", restore_prefix)
 
@@ -302,8 +308,10 @@ def keep_decode_on_cancel(patch: Patch) -> None:
     restore, lane = PromptCache.restore, Engine._lane
     restored: dict[bytes, Any] = {}  # prompt bytes -> the layers restored for it
 
-    def restore_noting(self: PromptCache, tokens: np.ndarray, count: bool = True) -> Any:
-        resume = restore(self, tokens, count)
+    def restore_noting(
+        self: PromptCache, tokens: np.ndarray, count: bool = True, anywhere: bool = False
+    ) -> Any:
+        resume = restore(self, tokens, count, anywhere)
         restored[np.asarray(tokens, np.int32).tobytes()] = resume.layers
         return resume
 
