@@ -15,7 +15,7 @@ from mlxcache.detok import TextStream
 from mlxcache.events import Result, Stats, Token
 from mlxcache.sampling import LogitsProcessor, SamplingParams, make_processors, make_sampler
 from mlxcache.stops import StopScanner
-from mlxcache.types import KVLayer, LayerCache, Model, Tokenizer
+from mlxcache.types import KVLayer, Layers, Model, Tokenizer
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +40,7 @@ def decode(
     tokenizer: Tokenizer,
     rid: int,
     prompt: np.ndarray,
-    layers: list[LayerCache],
+    layers: Layers,
     logits: mx.array,
     *,
     sampling: SamplingParams,

@@ -27,7 +27,7 @@ import itertools
 import time
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import numpy as np
@@ -43,6 +43,7 @@ from mlxcache.model import LoadedModel
 from mlxcache.prefill import prefill
 from mlxcache.sampling import LogitsProcessor, SamplingParams
 from mlxcache.scheduler import BACKGROUND, BATCH, LaneKind, Scheduler
+from mlxcache.types import KVLayer, Layers, Model
 
 
 @dataclass(slots=True)
@@ -156,7 +157,7 @@ class Engine:
         self._sched: Scheduler[_Lane] = Scheduler()
 
     @property
-    def model(self) -> Any:
+    def model(self) -> Model:
         """The mlx-lm model module (forward calls go through this attribute)."""
         return self.loaded.model
 
@@ -506,12 +507,12 @@ class Engine:
                 follow.closed = True
         yield Done(rid, result)  # after the release: a finished request holds no pin
 
-    def _keep_reply(self, prompt: np.ndarray, reply: list[int], layers: list[Any]) -> None:
+    def _keep_reply(self, prompt: np.ndarray, reply: list[int], layers: Layers) -> None:
         """Keep the full blocks of prompt + reply that `layers` hold past the prompt's own,
         and the rest as a tail to resume mid-block from (decode KV, canonical on this
         device: see `keep_replies`)."""
         block = self.cache.block_size
-        held = min(int(layers[0].offset), prompt.size + len(reply))
+        held = min(cast(KVLayer, layers[0]).offset, prompt.size + len(reply))
         ids = np.concatenate([prompt, np.asarray(reply, np.int32)])[:held]
         if held // block > prompt.size // block:
             self.cache.keep(ids[: held // block * block], layers)
@@ -558,7 +559,7 @@ class Engine:
         self,
         rid: int,
         tokens: np.ndarray,
-        layers: list[Any],
+        layers: Layers,
         start: int,
         keep_at: int,
     ) -> Generator[Event, None, mx.array]:

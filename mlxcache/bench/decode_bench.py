@@ -12,7 +12,7 @@ from typing import Any
 from mlxcache.engine import Engine, Request
 from mlxcache.model import load
 from mlxcache.sampling import SamplingParams
-from mlxcache.types import as_wrapper
+from mlxcache.types import as_module, as_wrapper
 
 PROMPT = "Once upon a time, in a small village by the sea, there lived"
 
@@ -29,7 +29,8 @@ def _mlx_lm(engine: Engine, ids: list[int], tokens: int) -> float:
     from mlx_lm import stream_generate
 
     tokenizer = as_wrapper(engine.loaded.tokenizer)
-    responses = list(stream_generate(engine.model, tokenizer, ids, max_tokens=tokens))
+    model = as_module(engine.model)
+    responses = list(stream_generate(model, tokenizer, ids, max_tokens=tokens))
     return float(responses[-1].generation_tps)
 
 

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
-from mlx_lm.models.cache import make_prompt_cache
+
+from mlxcache.types import Layers, Model, new_layers
 
 
 @dataclass(slots=True)
@@ -33,7 +34,7 @@ class Resume:
     `length` is the whole prompt and nothing is left to prefill.
     """
 
-    layers: list[Any]
+    layers: Layers
     length: int
     lease: Any = None
     logits: Any = None
@@ -55,14 +56,14 @@ class PrefixCache(Protocol):
         shape-invariant: the prefill then starts there)."""
         ...
 
-    def capture(self, tokens: np.ndarray, layers: list[Any]) -> None:
+    def capture(self, tokens: np.ndarray, layers: Layers) -> None:
         """`layers` hold exactly `tokens` (whole blocks), right after the canonical chunk
         that ended them: note the last block now if only this moment shows it (sliding
         windows drop it later, recurrent state moves on). `keep` with the same layers
         stores it; `release` forgets what was not kept."""
         ...
 
-    def keep(self, tokens: np.ndarray, layers: list[Any]) -> None:
+    def keep(self, tokens: np.ndarray, layers: Layers) -> None:
         """Store the first len(tokens) positions of `layers` (a whole number of blocks)."""
         ...
 
@@ -70,7 +71,7 @@ class PrefixCache(Protocol):
         """How many of `tokens` a restore would resume now (a lookup: nothing is copied)."""
         ...
 
-    def keep_tail(self, tokens: np.ndarray, layers: list[Any], logits: Any) -> None:
+    def keep_tail(self, tokens: np.ndarray, layers: Layers, logits: Any) -> None:
         """Remember a whole prompt's state past its last full block, and its last logits,
         so that the same prompt again resumes with nothing to prefill. Without logits (a
         reply's decode KV): only for resuming mid-block (`restore(anywhere=True)`)."""
@@ -92,7 +93,7 @@ def with_probe(tokens: Any) -> np.ndarray:
     return np.append(np.asarray(tokens, dtype=np.int32), np.int32(-1))
 
 
-def is_trimmable(layers: list[Any], block_size: int) -> bool:
+def is_trimmable(layers: Layers, block_size: int) -> bool:
     """True when the store keeps these layers block by block (plain KV, sliding-window and
     recurrent layers: `layout.Layout`), so a prompt resumes at any block boundary of a
     prefix it shares; False for other cache kinds, kept as whole-state checkpoints."""
@@ -104,24 +105,24 @@ def is_trimmable(layers: list[Any], block_size: int) -> bool:
 class NoCache:
     """Prefills every request from token 0 and keeps nothing (`--no-cache`)."""
 
-    def __init__(self, model: Any, block_size: int) -> None:
+    def __init__(self, model: Model, block_size: int) -> None:
         self._model = model
         self.block_size = block_size
-        self.trimmable = is_trimmable(make_prompt_cache(model), block_size)
+        self.trimmable = is_trimmable(new_layers(model), block_size)
 
     def restore(self, tokens: np.ndarray, count: bool = True, anywhere: bool = False) -> Resume:
-        return Resume(make_prompt_cache(self._model), 0)
+        return Resume(new_layers(self._model), 0)
 
-    def capture(self, tokens: np.ndarray, layers: list[Any]) -> None:
+    def capture(self, tokens: np.ndarray, layers: Layers) -> None:
         return None
 
-    def keep(self, tokens: np.ndarray, layers: list[Any]) -> None:
+    def keep(self, tokens: np.ndarray, layers: Layers) -> None:
         return None
 
     def cached_length(self, tokens: np.ndarray) -> int:
         return 0
 
-    def keep_tail(self, tokens: np.ndarray, layers: list[Any], logits: Any) -> None:
+    def keep_tail(self, tokens: np.ndarray, layers: Layers, logits: Any) -> None:
         return None
 
     def release(self, resume: Resume) -> None:

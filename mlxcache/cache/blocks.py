@@ -6,13 +6,16 @@ A block holds B tokens of every layer's keys and values as one array of shape
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, cast
 
 import mlx.core as mx
 import numpy as np
 import xxhash
 from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models import cache as mlx_cache
+
+from mlxcache.types import KVLayer, LayerCache, Layers
 
 ROOT = b"mlxcache-block-v1"
 
@@ -50,14 +53,14 @@ def chain_hashes(tokens: np.ndarray, block_size: int, ns: str) -> list[str]:
     return out
 
 
-def cut_block(layers: list[Any], start: int, stop: int) -> mx.array:
+def cut_block(layers: Sequence[KVLayer], start: int, stop: int) -> mx.array:
     """A copy of positions [start, stop) of every KV layer, stacked (never aliases `layers`)."""
     return mx.stack(
         [mx.stack([c.keys[0, :, start:stop, :], c.values[0, :, start:stop, :]]) for c in layers]
     )
 
 
-def join_blocks(blocks: list[mx.array], n_layers: int) -> list[Any]:
+def join_blocks(blocks: list[mx.array], n_layers: int) -> list[LayerCache]:
     """Fresh mlx-lm KV caches holding the concatenation of `blocks` (a new array per layer)."""
     whole = mx.concatenate(blocks, axis=3) if len(blocks) > 1 else blocks[0]
     layers = []
@@ -70,10 +73,10 @@ def join_blocks(blocks: list[mx.array], n_layers: int) -> list[Any]:
         c.offset = whole.shape[3]
         layers.append(c)
     mx.eval([(c.keys, c.values) for c in layers])
-    return layers
+    return cast("list[LayerCache]", layers)
 
 
-def append(layers: list[Any], tail: mx.array) -> None:
+def append(layers: Sequence[KVLayer], tail: mx.array) -> None:
     """Append `tail` (as `cut_block` cuts it) to fresh KV caches, as a prefill chunk would."""
     if tail.shape[3] == 0:
         return
@@ -87,9 +90,10 @@ def _copy_state(state: Any) -> Any:
     return tree_map(lambda x: mx.array(x) if isinstance(x, mx.array) else x, state)
 
 
-def snapshot(layers: list[Any]) -> list[Any]:
+def snapshot(layers: Layers) -> list[Any]:
     """A whole-state checkpoint of any mlx-lm cache list (recurrent, rotating, ...)."""
-    copies = [type(c).from_state(_copy_state(c.state)) for c in layers]
+    # Every mlx-lm cache class rebuilds itself from its state (`from_state`).
+    copies = [cast(Any, type(c)).from_state(_copy_state(c.state)) for c in layers]
     mx.eval([c.state for c in copies])
     return copies
 
@@ -99,7 +103,7 @@ def from_snapshot(checkpoint: list[Any]) -> list[Any]:
     return [type(c).from_state(_copy_state(c.state)) for c in checkpoint]
 
 
-def state_nbytes(layers: list[Any]) -> int:
+def state_nbytes(layers: Layers) -> int:
     """Bytes of the arrays in a cache list's states."""
     leaves = tree_flatten([c.state for c in layers])
     return sum(int(v.nbytes) for _, v in list(leaves) if isinstance(v, mx.array))

@@ -21,12 +21,13 @@ A model with any other cache kind has no layout: the store keeps whole-state che
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
 from mlxcache.cache import blocks as kv
+from mlxcache.types import KVLayer, LayerCache, Layers
 
 Block = dict[str, mx.array]
 
@@ -53,17 +54,17 @@ def _ring_start(stop: int, block: int, max_size: int, keep: int) -> tuple[int, i
 class Layout:
     """The block layout of one model (see the module docstring)."""
 
-    def __init__(self, fresh: list[Any], kinds: list[str]) -> None:
+    def __init__(self, fresh: Layers, kinds: list[str]) -> None:
         self.kinds = kinds
         self.n_layers = len(kinds)
         self.plain = all(k == "kv" for k in kinds)
-        self._rings = {
-            i: (int(c.max_size), int(c.keep)) for i, c in enumerate(fresh) if kinds[i] == "ring"
-        }
-        self._slots = {i: len(c.cache) for i, c in enumerate(fresh) if kinds[i] == "state"}
+        rings = {i: cast(RotatingKVCache, c) for i, c in enumerate(fresh) if kinds[i] == "ring"}
+        self._rings = {i: (int(c.max_size), int(c.keep)) for i, c in rings.items()}
+        slots = {i: cast(ArraysCache, c) for i, c in enumerate(fresh) if kinds[i] == "state"}
+        self._slots = {i: len(c.cache) for i, c in slots.items()}
 
     @classmethod
-    def of(cls, fresh: list[Any], block_size: int) -> Layout | None:
+    def of(cls, fresh: Layers, block_size: int) -> Layout | None:
         """The layout of a model whose fresh caches are `fresh`; None when some layer's
         cache kind cannot be stored block by block (a ring buffer fed chunks of one token
         takes another path, whose layout this does not rebuild)."""
@@ -88,22 +89,23 @@ class Layout:
         recurrent layers do not hold it, or its state, later); plain KV is cut at keep time."""
         return not self.plain
 
-    def cut(self, layers: list[Any], start: int, stop: int) -> Block:
+    def cut(self, layers: Layers, start: int, stop: int) -> Block:
         """Positions [start, stop) of every attention layer, and every recurrent layer's
         state, from `layers` holding exactly `stop` tokens (right after a prefill chunk
         that covered [start, stop)). A copy: never aliases `layers`."""
-        if self.plain and layers[0].keys.shape == layers[0].values.shape:
-            return {"kv": kv.cut_block(layers, start, stop)}
+        if self.plain and self._uniform(layers):
+            return {"kv": kv.cut_block(cast("list[KVLayer]", layers), start, stop)}
         out: Block = {}
         for i, (kind, c) in enumerate(zip(self.kinds, layers, strict=True)):
             if kind == "state":
-                for j, value in enumerate(c.cache):
+                for j, value in enumerate(cast(ArraysCache, c).cache):
                     if value is not None:
                         out[f"s.{i}.{j}"] = mx.array(value)
                 continue
-            keys, values = c.keys, c.values
+            keys, values = cast(KVLayer, c).keys, cast(KVLayer, c).values
             if kind == "ring":  # the ring in time order ends at position stop - 1
-                keys, values = c._temporal_order(keys), c._temporal_order(values)
+                ring = cast(RotatingKVCache, c)
+                keys, values = ring._temporal_order(keys), ring._temporal_order(values)
                 first = stop - keys.shape[2]
             else:
                 first = 0
@@ -111,6 +113,12 @@ class Layout:
             out[f"v.{i}"] = mx.array(values[0, :, start - first : stop - first, :])
         mx.eval(list(out.values()))
         return out
+
+    @staticmethod
+    def _uniform(layers: Layers) -> bool:
+        """Whether keys and values have one shape (plain KV; not MLA's latent layout)."""
+        first = cast(KVLayer, layers[0])
+        return bool(first.keys.shape == first.values.shape)
 
     def check(self, block: Block) -> bool:
         """Whether a block read back from disk has every attention array this layout needs."""
@@ -124,7 +132,9 @@ class Layout:
         """Whether a state read back from disk has a state for every recurrent layer."""
         return all(any(n.startswith(f"s.{i}.") for n in state) for i in self._slots)
 
-    def join(self, blocks: list[Block], block_size: int, state: Block | None = None) -> list[Any]:
+    def join(
+        self, blocks: list[Block], block_size: int, state: Block | None = None
+    ) -> list[LayerCache]:
         """Fresh caches holding `blocks` (consecutive from token 0) and the recurrent
         `state` after the last one: exactly what a cold canonical prefill leaves there.
         Without a state, recurrent layers are empty (a tail's state follows)."""
@@ -187,17 +197,17 @@ class Layout:
         assert self.plain  # a recurrent state or a ring cannot be cut inside a block
         return {name: a[..., :k, :] for name, a in block.items()}
 
-    def append(self, layers: list[Any], tail: Block) -> None:
+    def append(self, layers: Layers, tail: Block) -> None:
         """Continue `layers` with a tail cut past their end (`cut`), as its prefill chunk
         did: attention layers take its positions, recurrent layers its state."""
         if "kv" in tail:
-            kv.append(layers, tail["kv"])
+            kv.append(cast("list[KVLayer]", layers), tail["kv"])
             return
         for i, (kind, c) in enumerate(zip(self.kinds, layers, strict=True)):
             if kind == "state":
-                self._set_state(i, c, tail)
+                self._set_state(i, cast(ArraysCache, c), tail)
             elif tail[f"k.{i}"].shape[1]:
-                c.update_and_fetch(tail[f"k.{i}"][None], tail[f"v.{i}"][None])
+                cast(KVLayer, c).update_and_fetch(tail[f"k.{i}"][None], tail[f"v.{i}"][None])
         mx.eval([c.state for c in layers])
 
 

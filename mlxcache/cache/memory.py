@@ -42,6 +42,7 @@ from mlxcache.cache.layout import Block, Layout
 from mlxcache.cache.layout import nbytes as block_nbytes
 from mlxcache.cache.radix import common_prefix
 from mlxcache.config import CacheConfig
+from mlxcache.types import LayerCache, Layers
 
 MAX_TAILS = 32
 """Whole prompts whose tails the memory tier remembers (the most recently used)."""
@@ -216,7 +217,7 @@ class MemoryTier:
         if resume.lease is not None and resume.lease in self.index:
             self.index.unpin(resume.lease)
 
-    def _layers(self, entry: Entry, length: int) -> list[Any]:
+    def _layers(self, entry: Entry, length: int) -> list[LayerCache]:
         if entry in self._checkpoints:
             return kv.from_snapshot(self._checkpoints[entry])
         assert self.layout is not None  # an entry of blocks: the model has a layout
@@ -227,7 +228,7 @@ class MemoryTier:
 
     # -- keeping ------------------------------------------------------------------------------
 
-    def capture(self, tokens: np.ndarray, layers: list[Any]) -> None:
+    def capture(self, tokens: np.ndarray, layers: Layers) -> None:
         """Note the last block of `layers` (holding exactly `tokens`, right after its chunk)
         when the layout cannot cut it later; `keep` with these layers stores it."""
         if self.layout is None or not self.layout.needs_capture:
@@ -236,7 +237,7 @@ class MemoryTier:
         start = j * self.block_size
         self._staged.setdefault(id(layers), {})[j] = self.layout.cut(layers, start, len(tokens))
 
-    def keep(self, tokens: np.ndarray, layers: list[Any]) -> Kept | None:
+    def keep(self, tokens: np.ndarray, layers: Layers) -> Kept | None:
         """Store the first len(tokens) positions of `layers` (int32 `tokens`) as an entry,
         after freeing a slot; None when not even its first block can be stored."""
         self.make_room(tokens)
@@ -251,7 +252,7 @@ class MemoryTier:
         return Kept(entry, tokens, {h: self._blocks[h].data for h in names})
 
     def _fresh_blocks(
-        self, tokens: np.ndarray, layers: list[Any]
+        self, tokens: np.ndarray, layers: Layers
     ) -> tuple[list[str], dict[str, Block]]:
         """The names an entry of `tokens` holds (its blocks, then the recurrent states it
         keeps) and the blocks among them not stored yet: captured ones, or cut out of
@@ -326,7 +327,7 @@ class MemoryTier:
         self.nbytes += added
         return entry
 
-    def keep_tail(self, tokens: np.ndarray, layers: list[Any], logits: mx.array | None) -> bool:
+    def keep_tail(self, tokens: np.ndarray, layers: Layers, logits: mx.array | None) -> bool:
         """Remember `tokens`' tail in `layers` (past its last full block) and its logits
         (None: a reply's tail, for `partial` only); False when there is none to keep (no
         block layout, its blocks are gone, or nothing past them without logits)."""

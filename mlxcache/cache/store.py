@@ -18,7 +18,6 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import make_prompt_cache
 
 from mlxcache.cache import blocks as kv
 from mlxcache.cache.base import CacheStats, Resume, with_probe
@@ -36,6 +35,7 @@ from mlxcache.cache.layout import nbytes as block_nbytes
 from mlxcache.cache.memory import Kept, MemoryTier, state_name
 from mlxcache.config import CacheConfig
 from mlxcache.errors import CacheStoreError, CorruptCacheFileError
+from mlxcache.types import Layers, Model, new_layers
 
 # What the disk tier can raise that means "go on without it" (a corrupt file is handled apart).
 _DISK_ERRORS = (sqlite3.Error, OSError, CacheStoreError)
@@ -55,7 +55,7 @@ class PromptCache:
 
     def __init__(
         self,
-        model: Any,
+        model: Model,
         model_key: str,
         config: CacheConfig,
         root: Path | None = None,
@@ -64,7 +64,7 @@ class PromptCache:
     ) -> None:
         self._model = model
         self.block_size = config.block_size
-        self.layout = Layout.of(make_prompt_cache(model), config.block_size)
+        self.layout = Layout.of(new_layers(model), config.block_size)
         self.trimmable = self.layout is not None
         mixed = self.layout is not None and not self.layout.plain
         self.ns = kv.namespace(model_key, config.block_size, "layout-v1" if mixed else "")
@@ -143,9 +143,9 @@ class PromptCache:
     def _miss(self, tokens: np.ndarray) -> Resume:
         """Fresh caches holding nothing, room made for the prompt's KV."""
         self.mem.reserve_prefill(tokens, 0, None)
-        return Resume(make_prompt_cache(self._model), 0)
+        return Resume(new_layers(self._model), 0)
 
-    def keep(self, tokens: np.ndarray, layers: list[Any]) -> None:
+    def keep(self, tokens: np.ndarray, layers: Layers) -> None:
         """Store the first len(tokens) positions of `layers`, in memory and on disk."""
         kept = self.mem.keep(np.array(tokens, dtype=np.int32), layers)
         if kept is None:
@@ -153,7 +153,7 @@ class PromptCache:
         self._write_disk(kept)
         self._fit(skip=kept.entry, prompt=kept.tokens)
 
-    def capture(self, tokens: np.ndarray, layers: list[Any]) -> None:
+    def capture(self, tokens: np.ndarray, layers: Layers) -> None:
         """Note the last block of `layers` (holding exactly `tokens`, right after its chunk)
         when the layout cannot cut it later; `keep` with these layers stores it."""
         self.mem.capture(tokens, layers)
@@ -168,7 +168,7 @@ class PromptCache:
         """The memory and disk tiers' matches for `tokens` (each counted as a use)."""
         return self.mem.lookup(tokens), self.disk_index.lookup(tokens) if self.disk else None
 
-    def keep_tail(self, tokens: np.ndarray, layers: list[Any], logits: mx.array | None) -> None:
+    def keep_tail(self, tokens: np.ndarray, layers: Layers, logits: mx.array | None) -> None:
         """Remember `tokens`' tail in `layers` (past its last full block) and its logits
         (None: for resuming mid-block only)."""
         if self.mem.keep_tail(tokens, layers, logits):
