@@ -43,6 +43,7 @@ from mlxcache.model import LoadedModel
 from mlxcache.prefill import prefill
 from mlxcache.sampling import LogitsProcessor, SamplingParams
 from mlxcache.scheduler import BACKGROUND, BATCH, LaneKind, Scheduler
+from mlxcache.sysmem import release_unused
 from mlxcache.types import KVLayer, Layers, Model
 
 
@@ -278,8 +279,16 @@ class Engine:
         """
         turn = self._sched.next_turn(background, batch=len(self._batch) > 0)
         if turn is BATCH:
-            return self._batch_step()
-        return [] if turn is None else list(self._turn(turn))
+            events = self._batch_step()
+        else:
+            events = [] if turn is None else list(self._turn(turn))
+        self._settle()
+        return events
+
+    def _settle(self) -> None:
+        """Once no lane is left, hand freed memory back to the system (`sysmem`)."""
+        if not self._sched:
+            release_unused()
 
     def _turn(self, rid: int, alone: bool = False) -> Iterator[Event]:
         """Advance lane `rid` by one turn and yield the request events it produced, telling
@@ -411,6 +420,7 @@ class Engine:
                     yield event
         finally:
             self.cancel(rid)
+            self._settle()
 
     def cancel(self, rid: int) -> None:
         """Stop a lane now: its pin is released and it yields nothing more.
@@ -520,7 +530,9 @@ class Engine:
 
     def _warm_lane(self, rid: int, tokens: np.ndarray) -> Generator[Event, None, None]:
         # No logits needed: every full block. Warm work is not a request: not counted.
-        resume = self.cache.restore(with_probe(tokens), count=False)
+        # Where decode KV is canonical, it resumes from the reply's own tail: only the
+        # next turn's new tokens are prefilled.
+        resume = self.cache.restore(with_probe(tokens), count=False, anywhere=self.keep_replies)
         try:
             if resume.length < len(tokens):
                 yield from self._prefill(rid, tokens, resume.layers, resume.length, len(tokens))

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from guarantees import (
     GREEDY,
@@ -33,6 +35,7 @@ from mlxcache.cache.store import PromptCache
 from mlxcache.config import CacheConfig
 from mlxcache.engine import Engine, Request
 from mlxcache.model import LoadedModel, load
+from mlxcache.types import Layers
 
 CHECKS: list[Callable[[Rig], None]] = [
     check_warm,
@@ -127,3 +130,30 @@ def test_measured_state_stride(family_models: dict[str, Variant], tmp_path: Path
     assert stride > 1  # a gated-delta state outweighs a block of 4 tokens' KV
     assert len(blocks) == 7
     assert len(states) == len({j for j in range(7) if (j + 1) % stride == 0} | {6})
+
+
+def test_prefill_stages_only_the_states_it_keeps(
+    family_models: dict[str, Variant], tmp_path: Path
+) -> None:
+    """A prefill stages each block's recurrent state as its chunk ends (the layers do not
+    hold it later), but a state its keep would drop is let go once the next block is
+    staged: with a stride of 2, never more than the kept ones (blocks 2, 4, 6) and the
+    latest. One state per block of a long prompt would be gigabytes on a real hybrid."""
+    variant = family_models["qwen3_next"]
+    engine = _cached_engine(variant, tmp_path, 2)
+    mem = cast(PromptCache, engine.cache).mem
+    layout = mem.layout
+    assert layout is not None
+    capture, seen = mem.capture, []
+
+    def counting(tokens: np.ndarray, layers: Layers) -> None:
+        capture(tokens, layers)
+        staged = mem._staged[id(layers)]
+        seen.append(sorted(j for j, piece in staged.items() if layout.split(piece)[1]))
+
+    mem.capture = counting  # type: ignore[method-assign]
+    got = engine.complete(Request(prompt(30), GREEDY))
+    assert seen == [[0], [1], [1, 2], [1, 3], [1, 3, 4], [1, 3, 5], [1, 3, 5, 6]]
+    cold = Engine(variant.loaded, NoCache(variant.loaded.model, B))
+    assert got.tokens == cold.complete(Request(prompt(30), GREEDY)).tokens
+    assert len(_states(tmp_path)) == 4  # blocks 2, 4 and 6 (stride) and 7 (the last)

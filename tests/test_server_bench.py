@@ -28,7 +28,7 @@ def test_serve_bench(cache_root: Path, tmp_path: Path) -> None:
     assert ours["requests"] == ours["answered"] == 8
     assert ours["cached_tokens"] > 0
     assert load["requests"] == load["answered"] + load["refused_429"] == 8
-    assert load["left"] == {"pinned_entries": 0, "busy": False, "waiting": 0}
+    assert load["left"] == {"pinned_entries": 0, "busy": False, "warming": False, "waiting": 0}
     assert result["mlxcache_exit"] == 0
     assert result["mlx_lm"]["requests"] == 8 and result["ttft_p50_ratio"] > 0
     assert set(result["goals"]) == {

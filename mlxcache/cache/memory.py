@@ -235,7 +235,16 @@ class MemoryTier:
             return
         j = len(tokens) // self.block_size - 1
         start = j * self.block_size
-        self._staged.setdefault(id(layers), {})[j] = self.layout.cut(layers, start, len(tokens))
+        staged = self._staged.setdefault(id(layers), {})
+        staged[j] = self.layout.cut(layers, start, len(tokens))
+        # The block before is no longer the last: its state stays staged only if `keep`
+        # would keep it (`_fresh_blocks`), else a long prefill of a large-state hybrid
+        # would hold one state per block until its keep (gigabytes on a real Qwen3-Next).
+        before = staged.get(j - 1)
+        if before is not None and j - 1 != self._branches.get(id(layers)):
+            blocks, state = self.layout.split(before)
+            if state and not self._keeps_state(j - 1, state, blocks):
+                staged[j - 1] = blocks
 
     def keep(self, tokens: np.ndarray, layers: Layers) -> Kept | None:
         """Store the first len(tokens) positions of `layers` (int32 `tokens`) as an entry,

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
+import mlx.core as mx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
@@ -57,13 +58,17 @@ class Settings:
 def _cache_report(engine: Engine) -> dict[str, Any]:
     """The cache's counters (`pinned_entries`: pinned by running lanes), whether lanes run,
     and what the device was measured to allow: a reply's decode KV kept ("decode_kv":
-    "kept", else "re-prefilled"), requests decoding as one batch ("batched_decode")."""
+    "kept", else "re-prefilled"), requests decoding as one batch ("batched_decode"); MLX's
+    own memory beside the cache's: arrays in use and freed buffers it keeps for reuse
+    (given back once no lane runs)."""
     return {
         **engine.cache.report(),
         "busy": engine.busy,
         "warming": engine.warming,
         "decode_kv": "kept" if engine.keep_replies else "re-prefilled",
         "batched_decode": engine.batch_decode,
+        "mlx_active_bytes": mx.get_active_memory(),
+        "mlx_buffer_cache_bytes": mx.get_cache_memory(),
     }
 
 

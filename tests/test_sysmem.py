@@ -1,0 +1,50 @@
+"""Freed memory goes back to the system once the engine has nothing to run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlxcache import sysmem
+from mlxcache.cache.store import PromptCache
+from mlxcache.config import CacheConfig
+from mlxcache.engine import Engine, Request
+from mlxcache.model import LoadedModel
+from mlxcache.sampling import SamplingParams
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(3, 250, size=n)]
+
+
+def test_an_idle_engine_keeps_no_freed_buffers(tiny: LoadedModel, tmp_path: Path) -> None:
+    """While lanes run, MLX keeps freed buffers for reuse (else this test could not fail);
+    when the last lane ends, through `run` or `generate`, none is left."""
+    config = CacheConfig(block_size=4, directory=tmp_path)
+    engine = Engine(tiny, PromptCache(tiny.model, tiny.key, config, root=tmp_path / "kv"))
+    params = SamplingParams(max_tokens=6)
+    for seed in range(3):
+        engine.submit(Request(_prompt(40, seed), params))
+    engine.warm(_prompt(24, 7))
+    held = []
+    for _ in engine.run(warm=True):
+        held.append(mx.get_cache_memory())
+    assert max(held) > 0
+    assert mx.get_cache_memory() == 0
+    list(engine.generate(Request(_prompt(30, 8), params)))
+    assert mx.get_cache_memory() == 0
+
+
+def test_release_unused_trims_the_c_heap(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    monkeypatch.setattr(sysmem, "_malloc_trim", lambda: calls.append)
+    sysmem.release_unused()
+    assert calls == [0]
+
+
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="glibc only")
+def test_glibc_malloc_trim_is_found() -> None:
+    assert sysmem._malloc_trim() is not None
