@@ -6,7 +6,6 @@ import time
 from typing import Annotated
 
 import typer
-from rich.table import Table
 
 from mlxcache.config import parse_size
 from mlxcache.errors import UserInputError
@@ -20,6 +19,8 @@ def stats(
     as_json: o.Json = False,
 ) -> None:
     """Entries, bytes and models in the disk cache; with --check, exit 1 on any problem."""
+    from rich.table import Table
+
     from mlxcache.cache import manage
 
     info = manage.report(cache_dir, check=check)
@@ -46,6 +47,8 @@ def ls(cache_dir: o.CacheDir = None, as_json: o.Json = False) -> None:
     blocks, so the sizes add up to more than the disk holds (the total under the table).
     --json gives times as Unix seconds, and each entry's id.
     """
+    from rich.table import Table
+
     from mlxcache.cache import manage
 
     rows = manage.entries(cache_dir, preview_tokens=12)

@@ -13,14 +13,15 @@ from typing import TYPE_CHECKING, Annotated, Any, Protocol
 import typer
 
 from mlxcache.errors import MlxcacheError, UserInputError
-from mlxcache.events import Done, Event, Token
-from mlxcache.modes import chat
 from mlxcache.paths import cache_dir as resolve_cache_dir
 from mlxcache.paths import session_dirs
 from mlxcache_cli import options as o
 from mlxcache_cli import remote, ui
 
-if TYPE_CHECKING:  # the worker imports mlx_lm (seconds): `--list` needs none of it
+if TYPE_CHECKING:  # imported where used: the worker imports mlx_lm (seconds), modes.chat
+    # MLX and yaml, and `--help` needs neither
+    from mlxcache.events import Event
+    from mlxcache.modes import chat
     from mlxcache.worker import EngineWorker
 
 HELP = """commands:
@@ -73,6 +74,8 @@ class Local:
     """The model in this process, on a worker thread: warm-ahead fills idle time."""
 
     def __init__(self, worker: EngineWorker) -> None:
+        from mlxcache.modes import chat
+
         self.worker = worker
         self.runner = chat.InProcess(worker)
         self.model: Model = worker.engine.loaded
@@ -120,6 +123,8 @@ class Repl:
         from rich.live import Live
         from rich.markdown import Markdown
 
+        from mlxcache.events import Done, Token
+
         text = ""
         stats = None
         finish = ("", 0)
@@ -165,6 +170,8 @@ class Repl:
 
     def autosave(self) -> None:
         if self.name:
+            from mlxcache.modes import chat
+
             chat.save(self.session, self.sessions[0], self.name)
 
     def command(self, line: str) -> bool:
@@ -246,6 +253,8 @@ class Repl:
             )
 
     def _save(self, arg: str) -> None:
+        from mlxcache.modes import chat
+
         if arg != self.name and chat.find(self.sessions, arg) is not None:
             raise UserInputError(
                 f"a session {arg!r} exists already: pick another name, or /load it"
@@ -255,6 +264,8 @@ class Repl:
         ui.info(f"saved {path}")
 
     def _load(self, arg: str) -> None:
+        from mlxcache.modes import chat
+
         session = chat.load(self.sessions, arg)
         note = on_model(session, arg, self.backend.model, self.force)
         self.session, self.name = session, arg
@@ -344,6 +355,8 @@ def describe_session(name: str, session: chat.ChatSession) -> str:
 def saved_sessions(directories: list[Path]) -> str:
     """One line per saved session, most recently used first (a name saved in an earlier
     directory hides the same name in a later one, as /load reads it)."""
+    from mlxcache.modes import chat
+
     found: dict[str, Path] = {}
     for directory in directories:
         for path in directory.glob("*.json"):
@@ -465,6 +478,8 @@ def chat_cmd(
     run: o.RunOptions,
 ) -> None:
     """Chat in the terminal; every turn resumes the conversation from the prompt cache."""
+    from mlxcache.modes import chat
+
     sessions = session_dirs(run.cache_dir)
     if list_sessions:
         ui.out_text(saved_sessions(sessions) + "\n")

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from mlxcache.errors import UserInputError
-from mlxcache.events import Done, Result, Token
 from mlxcache_cli import options as o
 from mlxcache_cli import remote, ui
+
+if TYPE_CHECKING:
+    from mlxcache.events import Result
 
 
 @o.with_run_options()
@@ -35,6 +37,7 @@ def generate(
         remote.generate(server, run, text, system, raw, as_json)
         return
     from mlxcache.engine import Request
+    from mlxcache.events import Done, Token
 
     engine = run.engine()
     if raw:

@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from mlxcache.errors import OutputError, OutputMismatchError, UserInputError
-from mlxcache.fileio import check_output_dir
 from mlxcache_cli import options as o
 from mlxcache_cli import remote, ui
 
@@ -129,6 +128,7 @@ def json_cmd(
         instructions = o.text_or_file(instructions, "instructions")
         remote.json_single(server, run, given, compiled.schema, instructions, text, as_json)
         return
+    from mlxcache.fileio import check_output_dir
     from mlxcache.modes import json_mode
     from mlxcache.modes.batch import claim_output, read_input
     from mlxcache.modes.reasoning import check_think_options

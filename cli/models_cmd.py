@@ -7,8 +7,6 @@ import time
 from typing import Annotated, Any
 
 import typer
-from rich.table import Table
-from rich.text import Text
 
 from mlxcache.errors import UserInputError
 from mlxcache_cli import options as o
@@ -18,6 +16,9 @@ from mlxcache_cli import ui
 def ls(cache_dir: o.CacheDir = None, as_json: o.Json = False) -> None:
     """GGUF files converted into the cache directory, by name (what `models rm` takes);
     --json gives sizes in bytes, times as Unix seconds and each one's folder."""
+    from rich.table import Table
+    from rich.text import Text
+
     from mlxcache.model.loader import converted, default_spec
 
     rows = converted(cache_dir)
@@ -91,6 +92,8 @@ def info(model: o.Model = None, cache_dir: o.CacheDir = None, as_json: o.Json = 
     """Load the model given with -m (default: `models default`; a GGUF is converted once)
     and show its name, key, context length, quantization, and whether this device keeps a
     reply's decode KV and decodes requests as one batch (measured once)."""
+    from rich.table import Table
+
     from mlxcache.config import CacheConfig
     from mlxcache.model import load
     from mlxcache.model.loader import default_spec, describe

@@ -16,14 +16,20 @@ from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 
-from mlxcache.config import CPU_BLOCK_SIZE, METAL_BLOCK_SIZE, CacheConfig, format_size, parse_size
+from mlxcache.config import (
+    CPU_BLOCK_SIZE,
+    METAL_BLOCK_SIZE,
+    CacheConfig,
+    SamplingParams,
+    format_size,
+    parse_size,
+)
 from mlxcache.errors import SettingError, UserInputError
-from mlxcache.events import Event, Stats
-from mlxcache.sampling import SamplingParams
 from mlxcache_cli import ui
 
 if TYPE_CHECKING:  # the engine imports mlx_lm (seconds): only the commands that run one do
     from mlxcache.engine import Engine
+    from mlxcache.events import Event, Stats
 
 # Help panels: a command's own options stay under "Options"; the shared ones are grouped.
 MODEL_PANEL, SAMPLING_PANEL, CACHE_PANEL = "Model", "Sampling", "Cache"

@@ -12,23 +12,13 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from mlxcache.config import ENV_API_KEY, ENV_SERVER
 from mlxcache.errors import OutputError, ServerMismatchError, UserInputError
-from mlxcache.remote import (
-    ENV_API_KEY,
-    ENV_SERVER,
-    ChatRunner,
-    Server,
-    Wanted,
-    differences,
-    sampling_fields,
-    tool_choice_field,
-    usage_of,
-    worded_from,
-)
 from mlxcache_cli import ui
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the client (http.client, ssl) is imported by the commands that connect
     from mlxcache.modes.tools import Tool, ToolChoice, ToolReply
+    from mlxcache.remote import Server, Wanted
     from mlxcache.sampling import SamplingParams
     from mlxcache_cli.options import RunOptions
 
@@ -61,6 +51,7 @@ def connect(url: str, run: RunOptions) -> tuple[Server, str]:
 def connect_card(url: str, run: RunOptions) -> tuple[Server, dict[str, Any]]:
     """`connect`, with the server's whole model card."""
     from mlxcache.model.loader import default_spec
+    from mlxcache.remote import Wanted
 
     def wanted(_found: dict[str, Any]) -> list[Wanted]:
         cache = run.cache()
@@ -79,6 +70,8 @@ def checked(
         ServerMismatchError: it runs another model, block size, cache setting or version.
         ServerError: it cannot be reached.
     """
+    from mlxcache.remote import Server, differences
+
     server = Server(url, os.environ.get(ENV_API_KEY) or None)
     try:
         card = server.card()
@@ -107,6 +100,8 @@ def in_process_only(**given: object) -> None:
 
 def sampling_body(run: RunOptions) -> dict[str, Any]:
     """Every sampling field, so the server's own defaults (penalties included) play no part."""
+    from mlxcache.remote import sampling_fields
+
     return sampling_fields(run.sampling())
 
 
@@ -119,6 +114,7 @@ def generate(
     as_json: bool,
 ) -> None:
     """`mlxcache generate` through the server: the reply streamed to stdout as it comes."""
+    from mlxcache.remote import usage_of
     from mlxcache_cli.generate import _done
 
     stops = run.stop_strings()
@@ -169,6 +165,7 @@ def json_single(
     """`mlxcache json PROMPT` through the server, printed as `json_cmd._single` does (the
     document in the form of `JsonReply.as_dict` with --json)."""
     from mlxcache.modes.schema import read_document
+    from mlxcache.remote import usage_of
 
     server, model = connect(url, run)
     with server:
@@ -217,6 +214,7 @@ def tools(
     """`mlxcache tools` through the server: the reply read as `ToolsTask.read` reads it (a
     call cut off or unreadable is its `error`, from the usage), the raw result, its stats."""
     from mlxcache.modes.tools import ToolCall, ToolReply
+    from mlxcache.remote import tool_choice_field, usage_of, worded_from
 
     head = [{"role": "system", "content": system}] if system is not None else []
     server, model = connect(url, run)
@@ -266,6 +264,8 @@ class ChatServer:
     local: every turn sends the whole conversation."""
 
     def __init__(self, server: Server, card: dict[str, Any]) -> None:
+        from mlxcache.remote import ChatRunner
+
         self.server = server
         self.runner = ChatRunner(server, str(card["id"]))
         self.model = ServedModel(str(card["id"]), str(card["mlxcache"]["key"]))
@@ -291,5 +291,7 @@ def chat_server(url: str, run: RunOptions, sampling: SamplingParams) -> ChatServ
         UserInputError: a setting no request carries (the session's repetition_context).
         ServerMismatchError, ServerError: as `connect`.
     """
+    from mlxcache.remote import sampling_fields
+
     sampling_fields(sampling)  # refused before connecting, as every other option
     return ChatServer(*connect_card(url, run))

@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from mlxcache.errors import MlxcacheError, OutputError, UserInputError
-from mlxcache.fileio import loads_json
 from mlxcache_cli import options as o
 from mlxcache_cli import remote, ui
 
@@ -20,6 +19,8 @@ if TYPE_CHECKING:  # imported by the command: `--help` loads no model code
 def _results(specs: list[str]) -> list[tuple[str, str]]:
     """(name, content) of each --tool-result NAME=VALUE. A VALUE that is not JSON is sent
     as a JSON string (quoted and escaped), and a note says so."""
+    from mlxcache.fileio import loads_json
+
     out = []
     for spec in specs:
         name, sep, value = spec.partition("=")

@@ -8,23 +8,15 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    Progress,
-    ProgressColumn,
-    Task,
-    TaskID,
-    TextColumn,
-    TimeRemainingColumn,
-)
-from rich.text import Text
 from rich.theme import Theme
 
 from mlxcache.errors import worded
-from mlxcache.events import Done, Prefill, Token
+
+if TYPE_CHECKING:  # imported where a bar is drawn: most commands draw none
+    from rich.progress import Progress, TaskID
 
 THEME = Theme(
     {
@@ -246,9 +238,25 @@ def regress_progress(quiet: bool) -> Callable[[str, str, str], None] | None:
     return show
 
 
-class _Rate(ProgressColumn):
-    def render(self, task: Task) -> Text:
-        return Text(f"{task.speed:.1f} tok/s" if task.speed else "", style="stats")
+def _new_bar(label: str, count: str, transient: bool = True, rate: bool = False) -> Progress:
+    """A progress bar on stderr: label, bar, count, tok/s (`rate`), time left."""
+    from rich.progress import (
+        BarColumn,
+        Progress,
+        ProgressColumn,
+        Task,
+        TextColumn,
+        TimeRemainingColumn,
+    )
+    from rich.text import Text
+
+    class Rate(ProgressColumn):
+        def render(self, task: Task) -> Text:
+            return Text(f"{task.speed:.1f} tok/s" if task.speed else "", style="stats")
+
+    speed = [Rate()] if rate else []
+    columns = [TextColumn(label), BarColumn(), TextColumn(count), *speed, TimeRemainingColumn()]
+    return Progress(*columns, console=err, transient=transient)
 
 
 class PrefillBar:
@@ -268,6 +276,8 @@ class PrefillBar:
         self._task: TaskID | None = None
 
     def __call__(self, event: object) -> None:
+        from mlxcache.events import Done, Prefill, Token
+
         if isinstance(event, Token | Done):
             self.replying = True
         if not self._on or not isinstance(event, Prefill):
@@ -276,15 +286,7 @@ class PrefillBar:
             self.close()
             return
         if self._bar is None and time.monotonic() - self._start >= self._delay:
-            self._bar = Progress(
-                TextColumn("prefill"),
-                BarColumn(),
-                TextColumn("{task.completed}/{task.total} tokens"),
-                _Rate(),
-                TimeRemainingColumn(),
-                console=err,
-                transient=True,
-            )
+            self._bar = _new_bar("prefill", "{task.completed}/{task.total} tokens", rate=True)
             self._task = self._bar.add_task("prefill", total=event.total)
             self._bar.start()
         if self._bar is not None and self._task is not None:
@@ -314,14 +316,7 @@ def progress_bar(transient: bool = True) -> Iterator[Callable[[str, int, int], N
         if not err.is_terminal:  # a log or a pipe gets no redraw noise
             return
         if bar is None:
-            bar = Progress(
-                TextColumn("{task.description}"),
-                BarColumn(),
-                TextColumn("{task.completed}/{task.total}"),
-                TimeRemainingColumn(),
-                console=err,
-                transient=transient,
-            )
+            bar = _new_bar("{task.description}", "{task.completed}/{task.total}", transient)
             bar.start()
         if stage not in tasks:
             tasks[stage] = bar.add_task(stage, total=total)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from numbers import Integral, Real
 from pathlib import Path
 
 from mlxcache.errors import Setting, SettingError, UserInputError, Worded
@@ -33,6 +35,10 @@ def parse_size(text: str) -> int:
 
 
 ENV_BLOCK_SIZE = "MLXCACHE_BLOCK_SIZE"
+ENV_SERVER = "MLXCACHE_SERVER"
+"""A running `mlxcache serve` for one-shot commands (`mlxcache.remote`; `--server`)."""
+ENV_API_KEY = "MLXCACHE_API_KEY"
+"""Its API key (`mlxcache serve --api-key`)."""
 METAL_BLOCK_SIZE = 256
 """Metal wants large prefill chunks; not yet measured on a Mac (`mlxcache bench chunks`)."""
 CPU_BLOCK_SIZE = 16
@@ -79,6 +85,64 @@ class ServerConfig:
     max_body: int = 8 << 20
     lanes: int = 4
     batched_lanes: int = 16
+
+
+def _invalid(name: str, why: str) -> SettingError:
+    return SettingError(Worded(Setting(name), why))
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to pick tokens. temperature 0 is greedy; a seed makes sampling reproducible.
+
+    top_k 0, min_p 0, repetition_penalty 1 and the presence and frequency penalties 0
+    switch their step off. The repetition penalty looks at the last `repetition_context`
+    tokens of prompt + reply, so it is the same whether the prompt was resumed from the
+    cache or prefilled. The presence and frequency penalties are OpenAI's: subtracted from
+    the logit of each token the reply has so far, once (presence) or per occurrence
+    (frequency); the prompt plays no part.
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    max_tokens: int = 256
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    repetition_context: int = 20
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    def __post_init__(self) -> None:
+        # Types first (settings also come from JSON files): a float seed or a string
+        # temperature would otherwise fail deep inside MLX, or be silently coerced.
+        for f in fields(self):
+            value = getattr(self, f.name)
+            whole = isinstance(f.default, int)
+            if isinstance(value, bool) or not isinstance(value, Integral if whole else Real):
+                kind = "an integer" if whole else "a number"
+                raise _invalid(f.name, f" must be {kind}, got {value!r}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise _invalid("temperature", f" must be a finite number >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise _invalid("top_p", f" must be in (0, 1], got {self.top_p}")
+        if self.max_tokens < 1:
+            raise _invalid("max_tokens", f" must be >= 1, got {self.max_tokens}")
+        if not 0 <= self.seed < 2**63:
+            raise _invalid("seed", f" must be in [0, 2**63), got {self.seed}")
+        if self.top_k < 0:
+            raise _invalid("top_k", f" must be >= 0, got {self.top_k}")
+        if not 0.0 <= self.min_p < 1.0:
+            raise _invalid("min_p", f" must be in [0, 1), got {self.min_p}")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise _invalid("repetition_penalty", f" must be > 0, got {self.repetition_penalty}")
+        if self.repetition_context < 1:
+            raise _invalid("repetition_context", f" must be >= 1, got {self.repetition_context}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:  # OpenAI's range (NaN is outside it too)
+                raise _invalid(name, f" must be in [-2, 2], got {value}")
 
 
 WARM_AHEAD = True

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
+from mlxcache.config import ENV_API_KEY
 from mlxcache.errors import (
     GenerationError,
     ModelNotFoundError,
@@ -38,8 +39,6 @@ if TYPE_CHECKING:
     from mlxcache.modes.tools import ToolChoice
     from mlxcache.sampling import SamplingParams
 
-ENV_SERVER = "MLXCACHE_SERVER"
-ENV_API_KEY = "MLXCACHE_API_KEY"
 CONNECT_TIMEOUT_S = 10.0
 """Bound on connecting (a host that drops packets); a reply itself may take any time."""
 USAGE_FIELD = "mlxcache_usage"

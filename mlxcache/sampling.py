@@ -6,81 +6,20 @@ The filters (top-p, min-p, top-k) and the repetition penalty are mlx-lm's own
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
-from dataclasses import dataclass, fields
-from numbers import Integral, Real
 
 import mlx.core as mx
 
-from mlxcache.errors import Setting, SettingError, Worded
-
-# mlx_lm is imported where a sampler is built, not here: importing it imports transformers
-# (seconds), and the CLI reads SamplingParams' defaults at start-up.
+# SamplingParams (settings only, no MLX) lives in config.py and is imported here as well:
+# the CLI reads its defaults at start-up, before anything needs MLX. mlx_lm is imported
+# where a sampler is built: importing it imports transformers (seconds).
+from mlxcache.config import SamplingParams
 
 Sampler = Callable[[mx.array], mx.array]
 """logprobs (1, vocab) -> token id array (1,)."""
 
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 """mlx-lm's contract: (prompt + generated token ids, logits (1, vocab)) -> logits."""
-
-
-def _invalid(name: str, why: str) -> SettingError:
-    return SettingError(Worded(Setting(name), why))
-
-
-@dataclass(frozen=True, slots=True)
-class SamplingParams:
-    """How to pick tokens. temperature 0 is greedy; a seed makes sampling reproducible.
-
-    top_k 0, min_p 0, repetition_penalty 1 and the presence and frequency penalties 0
-    switch their step off. The repetition penalty looks at the last `repetition_context`
-    tokens of prompt + reply, so it is the same whether the prompt was resumed from the
-    cache or prefilled. The presence and frequency penalties are OpenAI's: subtracted from
-    the logit of each token the reply has so far, once (presence) or per occurrence
-    (frequency); the prompt plays no part.
-    """
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int = 0
-    max_tokens: int = 256
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    repetition_context: int = 20
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-
-    def __post_init__(self) -> None:
-        # Types first (settings also come from JSON files): a float seed or a string
-        # temperature would otherwise fail deep inside MLX, or be silently coerced.
-        for f in fields(self):
-            value = getattr(self, f.name)
-            whole = isinstance(f.default, int)
-            if isinstance(value, bool) or not isinstance(value, Integral if whole else Real):
-                kind = "an integer" if whole else "a number"
-                raise _invalid(f.name, f" must be {kind}, got {value!r}")
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise _invalid("temperature", f" must be a finite number >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise _invalid("top_p", f" must be in (0, 1], got {self.top_p}")
-        if self.max_tokens < 1:
-            raise _invalid("max_tokens", f" must be >= 1, got {self.max_tokens}")
-        if not 0 <= self.seed < 2**63:
-            raise _invalid("seed", f" must be in [0, 2**63), got {self.seed}")
-        if self.top_k < 0:
-            raise _invalid("top_k", f" must be >= 0, got {self.top_k}")
-        if not 0.0 <= self.min_p < 1.0:
-            raise _invalid("min_p", f" must be in [0, 1), got {self.min_p}")
-        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
-            raise _invalid("repetition_penalty", f" must be > 0, got {self.repetition_penalty}")
-        if self.repetition_context < 1:
-            raise _invalid("repetition_context", f" must be >= 1, got {self.repetition_context}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if not -2.0 <= value <= 2.0:  # OpenAI's range (NaN is outside it too)
-                raise _invalid(name, f" must be in [-2, 2], got {value}")
 
 
 def make_processors(params: SamplingParams, prompt: int) -> list[LogitsProcessor]:

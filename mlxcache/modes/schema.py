@@ -28,9 +28,9 @@ import jsonschema
 from jsonschema.exceptions import SchemaError, ValidationError
 from llguidance import LLMatcher
 
-from mlxcache.constrain import grammar_check, grammar_error, grammar_from_json_schema
 from mlxcache.errors import GrammarError, Setting, UserInputError, Worded
 from mlxcache.fileio import loads_json
+from mlxcache.grammar import grammar_check, grammar_error, grammar_from_json_schema
 from mlxcache.modes.repeats import describe_loop
 from mlxcache.modes.schema_walk import (
     Parts,
