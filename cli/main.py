@@ -13,7 +13,7 @@ from typer.core import TyperGroup, TyperOption
 
 from mlxcache import __version__
 from mlxcache.errors import MlxcacheError, UserInputError
-from mlxcache_cli import bench, cache_cmd, coerce, models_cmd, regress_cmd, ui
+from mlxcache_cli import bench, cache_cmd, coerce, models_cmd, regress_cmd, richhelp, ui
 from mlxcache_cli.chat_cmd import chat_cmd
 from mlxcache_cli.generate import generate
 from mlxcache_cli.json_cmd import json_cmd
@@ -62,6 +62,7 @@ def _flag_display_type(self: TyperOption, ctx: Any) -> str | None:
 
 TyperOption.display_type_rich = _flag_display_type  # type: ignore[method-assign]
 coerce.install()
+richhelp.install()
 
 
 def usage_message(exc: click_errors.ClickException) -> str:

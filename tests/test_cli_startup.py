@@ -22,7 +22,13 @@ from mlxcache_cli.main import app
 
 MODEL_CODE = ("mlx", "mlx_lm", "transformers", "huggingface_hub", "numpy")
 SCHEMA_CODE = ("jsonschema", "llguidance")
-HEAVY = (*MODEL_CODE, *SCHEMA_CODE, "pydantic")  # pydantic: Typer's coercion (coerce.py)
+HEAVY = (
+    *MODEL_CODE,
+    *SCHEMA_CODE,
+    "pydantic",  # Typer's coercion (coerce.py)
+    "markdown_it",  # rich.markdown, which Typer's help renderer imports (richhelp.py)
+    "pygments",  # rich.syntax, imported by rich.markdown
+)
 NEEDS = {
     "json --check": SCHEMA_CODE,  # the metaschema check and the grammar compiler
     # numpy: the index's token arrays (mlxcache.cache). mlx: cache/disk.py imports mlx.core
@@ -57,6 +63,13 @@ def _imports(tmp_path: Path, args: list[str]) -> dict[str, Any]:
     return dict(json.loads(report.read_text()))
 
 
+def _python(code: str) -> str:
+    """What `code` prints, run in a fresh interpreter (it must exit 0)."""
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    ).stdout
+
+
 @pytest.mark.parametrize(
     "name", ["--help", "--version", "typo", "json --check", "cache ls", "models ls"]
 )
@@ -66,6 +79,24 @@ def test_fast_commands_import_no_model_code(tmp_path: Path, name: str) -> None:
     argv = startup_bench.commands(schema, tmp_path / "cache")[name][3:]  # after `-m mlxcache_cli`
     result = _imports(tmp_path, argv)
     assert result == {"code": 2 if name == "typo" else 0, "heavy": sorted(NEEDS.get(name, ()))}
+
+
+def test_help_renderer_defers_markdown_and_traceback() -> None:
+    """Help is drawn without rich.markdown and rich.traceback; the renderer's names for
+    them still give the real classes once used, and a later import is the real module."""
+    code = (
+        "import contextlib, io, sys\n"
+        "sys.argv = ['mlxcache', '--help']\n"
+        "from mlxcache_cli.main import app\n"
+        "with contextlib.redirect_stdout(io.StringIO()) as help_text:\n"
+        "    try:\n        app()\n    except SystemExit as exc:\n        code = exc.code\n"
+        "print(code, 'Usage: mlxcache' in help_text.getvalue())\n"
+        "print([m for m in ('rich.markdown', 'rich.traceback') if m in sys.modules])\n"
+        "import rich.markdown, rich.traceback, typer.rich_utils as r\n"
+        "print(isinstance(r.Markdown('# hi'), rich.markdown.Markdown))\n"
+        "print(r.Traceback.from_exception == rich.traceback.Traceback.from_exception)\n"
+    )
+    assert _python(code) == "0 True\n[]\nTrue\nTrue\n"
 
 
 def test_cache_ls_with_entries_imports_no_model_code(tmp_path: Path) -> None:
@@ -105,10 +136,7 @@ def test_library_api_is_imported_on_first_use(tmp_path: Path) -> None:
         "assert 'open_engine' in dir(mlxcache)\n"
         "try:\n    mlxcache.nothing\nexcept AttributeError as exc:\n    print(exc)\n"
     )
-    run = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
-    )
-    assert run.stdout == "module 'mlxcache' has no attribute 'nothing'\n"
+    assert _python(code) == "module 'mlxcache' has no attribute 'nothing'\n"
 
 
 def _params() -> list[tuple[str, Any, Any]]:
