@@ -90,22 +90,30 @@ def decode(
             drawn_from.append(logp)
         return sampler(logp)
 
+    def forward(y: mx.array) -> Generator[Forward, Any, mx.array]:
+        """The next forward, queued. Without processors the sampling is queued too; a
+        processor (grammar) must see the token first."""
+        if batched:
+            nxt = yield Forward(y, kv)
+        else:
+            nxt = model(y.reshape(1, 1), cache=layers)[:, -1, :]
+        nxt = pick(nxt) if not procs else nxt
+        mx.async_eval(nxt)
+        return nxt
+
     y = pick(logits)
     mx.async_eval(y)
     decode_start = 0.0
     nxt = y
     while True:
         more = len(out) + 1 < budget
-        if more:
+        first = not out
+        if more and not first:
             # Queue the next forward before waiting on this token: graph building overlaps
-            # compute (as mlx-lm does). Without processors the sampling is queued too; a
-            # processor (grammar) must see the token first.
-            if batched:
-                nxt = yield Forward(y, kv)
-            else:
-                nxt = model(y.reshape(1, 1), cache=layers)[:, -1, :]
-            nxt = pick(nxt) if not procs else nxt
-            mx.async_eval(nxt)
+            # compute (as mlx-lm does). Not before the first: on MLX's CPU backend
+            # `async_eval` computes most of a forward before it returns, which would hold
+            # the first token back by a decode step.
+            nxt = yield from forward(y)
         token = cast(int, y.item())
         if not out:
             stats.ttft_s = time.perf_counter() - start
@@ -126,6 +134,8 @@ def decode(
             break
         if not more:
             break
+        if first:
+            nxt = yield from forward(y)
         if procs:
             host[prompt.size + len(out) - 1] = token
             history = mx.array(host[: prompt.size + len(out)])

@@ -217,7 +217,7 @@ def same_as_cold(got: Run, cold: Run) -> None:
     first = [] if start % B == 0 or start == n else [(start, min(start // B * B + B, n) - start)]
     canonical = [c for c in cold.calls if c[0] >= start]
     assert got.calls == first + canonical, f"calls {got.calls} != cold {cold.calls} from {start}"
-    assert set(got.batch_sizes) == {1}, f"batch sizes {got.batch_sizes}"
+    assert set(got.batch_sizes) <= {1}, f"batch sizes {got.batch_sizes}"
     assert mx.array_equal(got.logits, cold.logits), "last-prompt logits differ from cold"
 
 

@@ -148,18 +148,22 @@ def test_a_request_goes_before_warm_ahead(tiny: LoadedModel) -> None:
 
 def test_the_first_token_comes_with_the_last_chunk(tiny: LoadedModel) -> None:
     """A lane whose prompt is done samples its first token in the same step (sampling is no
-    model call), instead of waiting a whole round of the other lanes."""
+    model call), instead of waiting a whole round of the other lanes; it is given before
+    the next decode step is queued (on MLX's CPU backend queueing computes most of it),
+    and that step comes with the lane's next turn, the one after it queued behind."""
     engine, spy = cached(tiny)
     a = engine.submit(Request(prompt(3, seed=1), GREEDY))  # one chunk
     b = engine.submit(Request(prompt(6, seed=2), GREEDY))  # two chunks
     spy.reset()
     first = engine.step()
     assert [(type(e), e.request_id) for e in first] == [(Prefill, a), (Token, a)]
-    assert spy.calls == [(0, 3), (3, 1)]  # a's prompt, then its next decode step queued
+    assert spy.calls == [(0, 3)]  # a's prompt only: no decode step before its first token
     second = engine.step()
     assert [(type(e), e.request_id) for e in second] == [(Prefill, b)]  # b's first chunk
+    assert spy.calls == [(0, 3), (0, B)]
     third = engine.step()
     assert [(type(e), e.request_id) for e in third] == [(Token, a)]
+    assert spy.calls[2:] == [(3, 1), (4, 1)]  # a's second token, its third queued
 
 
 def test_a_followed_reply_keeps_its_blocks_as_it_goes(tiny: LoadedModel) -> None:
