@@ -10,24 +10,45 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from rich.console import Console
-from rich.theme import Theme
-
 from mlxcache.errors import worded
 
-if TYPE_CHECKING:  # imported where a bar is drawn: most commands draw none
+if TYPE_CHECKING:  # imported where used: `--version` or `json --check` draw nothing
+    from rich.console import Console
     from rich.progress import Progress, TaskID
 
-THEME = Theme(
-    {
-        "error": "bold red",
-        "stats": "dim",
-        "cached": "green",
-        "warn": "yellow",
-        "thought": "dim italic",
-    }
-)
-err = Console(stderr=True, theme=THEME, highlight=False)
+STYLES = {
+    "error": "bold red",
+    "stats": "dim",
+    "cached": "green",
+    "warn": "yellow",
+    "thought": "dim italic",
+}
+"""The theme every console of the CLI shares."""
+
+
+def console(stderr: bool = False, **options: Any) -> Console:
+    """A Rich console with the CLI's theme (on stdout, or stderr)."""
+    from rich.console import Console
+    from rich.theme import Theme
+
+    return Console(stderr=stderr, theme=Theme(STYLES), highlight=False, **options)
+
+
+def _shared(name: str) -> Console:
+    """`err` or `out`: the module's console of that name (a test may set one), made on
+    first use."""
+    made: Console | None = globals().get(name)
+    if made is None:
+        made = globals()[name] = console(stderr=name == "err")
+    return made
+
+
+def __getattr__(name: str) -> Console:
+    """`err` and `out`, the consoles on stderr and stdout, made on first use: importing
+    Rich's console costs ~50 ms of a command that prints nothing through it."""
+    if name not in ("err", "out"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return _shared(name)
 
 
 def out_text(text: str) -> None:
@@ -42,15 +63,13 @@ def out_json(obj: Any) -> None:
     sys.stdout.flush()
 
 
-out = Console(theme=THEME, highlight=False)
-
-
 def out_table(table: Any) -> None:
     """A Rich table on stdout; piped, as wide as its content (paths are never cut)."""
+    out = _shared("out")
     if out.is_terminal:
         out.print(table)
     else:  # Console.print caps width at the console's: a wide console of its own
-        Console(file=sys.stdout, width=10_000, theme=THEME, highlight=False).print(table)
+        console(file=sys.stdout, width=10_000).print(table)
 
 
 def human_bytes(n: int) -> str:
@@ -109,18 +128,18 @@ def as_flags(message: object) -> str:
 
 def error(message: object) -> None:
     """The one red line a failed command prints (`message`: text, or a library error)."""
-    err.print(f"error: {as_flags(message)}", style="error", markup=False, soft_wrap=True)
+    _shared("err").print(f"error: {as_flags(message)}", style="error", markup=False, soft_wrap=True)
 
 
 def info(message: str) -> None:
     """A plain status line on stderr (never wrapped: scripts may parse it)."""
-    err.print(message, style="stats", markup=False, soft_wrap=True)
+    _shared("err").print(message, style="stats", markup=False, soft_wrap=True)
 
 
 def thought(reasoning: str | None) -> None:
     """A plain reply's thinking section, on stderr: seen, and kept out of stdout's answer."""
     if reasoning:
-        err.print(
+        _shared("err").print(
             f"thinking: {reasoning}",
             style="thought",
             markup=False,
@@ -130,7 +149,9 @@ def thought(reasoning: str | None) -> None:
 
 
 def warn(message: object) -> None:
-    err.print(f"warning: {as_flags(message)}", style="warn", markup=False, soft_wrap=True)
+    _shared("err").print(
+        f"warning: {as_flags(message)}", style="warn", markup=False, soft_wrap=True
+    )
 
 
 def finish_note(finish_reason: str, tokens: int) -> None:
@@ -179,7 +200,7 @@ def stats_line(stats: dict[str, Any], rate: PrefillRate | None = None) -> None:
     why = f" ({where})" if where else ""
     saved = rate.saved_s(stats)
     saving = "" if saved is None else f" · saved ~{seconds(saved)}"
-    err.print(
+    _shared("err").print(
         f"[cached]{cached}[/cached]/{prompt} prompt tokens cached{why}, "
         f"{stats['prefilled_tokens']} prefilled{saving} · TTFT {stats['ttft_s']:.2f}s · "
         f"{stats['generated_tokens']} tokens at {stats['decode_tps']:.1f} tok/s",
@@ -256,7 +277,7 @@ def _new_bar(label: str, count: str, transient: bool = True, rate: bool = False)
 
     speed = [Rate()] if rate else []
     columns = [TextColumn(label), BarColumn(), TextColumn(count), *speed, TimeRemainingColumn()]
-    return Progress(*columns, console=err, transient=transient)
+    return Progress(*columns, console=_shared("err"), transient=transient)
 
 
 class PrefillBar:
@@ -269,7 +290,7 @@ class PrefillBar:
     def __init__(self, quiet: bool = False, delay: float = 1.0) -> None:
         self.replying = False
         """Whether the request got past its prefill (a token, or its end)."""
-        self._on = not quiet and err.is_terminal
+        self._on = not quiet and _shared("err").is_terminal
         self._delay = delay
         self._start = time.monotonic()
         self._bar: Progress | None = None
@@ -313,7 +334,7 @@ def progress_bar(transient: bool = True) -> Iterator[Callable[[str, int, int], N
 
     def update(stage: str, done: int, total: int) -> None:
         nonlocal bar
-        if not err.is_terminal:  # a log or a pipe gets no redraw noise
+        if not _shared("err").is_terminal:  # a log or a pipe gets no redraw noise
             return
         if bar is None:
             bar = _new_bar("{task.description}", "{task.completed}/{task.total}", transient)
@@ -336,7 +357,7 @@ def batch_line(
     if not ran:  # a rerun of a finished batch: nothing ran, nothing to measure
         info(f"0 lines run, {skipped} already in {output}")
         return
-    err.print(
+    _shared("err").print(
         f"{ran} lines run, {skipped} already in {output}, {failed} failed · "
         f"[cached]{cached}[/cached]/{prompt} prompt tokens cached · {seconds:.1f}s "
         f"({seconds / ran:.2f}s per line)",

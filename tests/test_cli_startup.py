@@ -28,12 +28,16 @@ HEAVY = (
     "pydantic",  # Typer's coercion (coerce.py)
     "markdown_it",  # rich.markdown, which Typer's help renderer imports (richhelp.py)
     "pygments",  # rich.syntax, imported by rich.markdown
+    "rich",  # drawn output only: help, an error line, a table
 )
 NEEDS = {
+    "--help": ("rich",),
+    "typo": ("rich",),
     "json --check": SCHEMA_CODE,  # the metaschema check and the grammar compiler
     # numpy: the index's token arrays (mlxcache.cache). mlx: cache/disk.py imports mlx.core
     # at module level, for its block files only; drop it here once that import moves.
-    "cache ls": ("mlx", "numpy"),
+    "cache ls": ("mlx", "numpy", "rich"),
+    "models ls": ("rich",),
 }
 """Of HEAVY, what each fast command imports; the others import none of it."""
 
