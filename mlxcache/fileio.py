@@ -15,8 +15,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from mlxcache.errors import OutputFileError, UserInputError
 
 MAX_DEPTH = 100
@@ -105,6 +103,8 @@ def load_yaml(text: str) -> Any:
     Raises:
         yaml.YAMLError: not YAML, or one of the above.
     """
+    import yaml  # here: JSON readers (`json --check`) need none of it
+
     try:
         doc = yaml.safe_load(text)
     except RecursionError:  # PyYAML's composer recurses per level: far deeper than MAX_DEPTH
@@ -115,6 +115,8 @@ def load_yaml(text: str) -> Any:
 
 def _check_tree(doc: Any) -> None:
     """Walk `doc` as a tree (aliases expanded) without recursion; a cycle is infinitely deep."""
+    import yaml
+
     stack = [(doc, 0)]
     seen = 0
     while stack:

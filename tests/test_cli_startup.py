@@ -29,6 +29,7 @@ HEAVY = (
     "markdown_it",  # rich.markdown, which Typer's help renderer imports (richhelp.py)
     "pygments",  # rich.syntax, imported by rich.markdown
     "rich",  # drawn output only: help, an error line, a table
+    "yaml",  # regress suites only (fileio.load_yaml)
 )
 NEEDS = {
     "--help": ("rich",),
