@@ -35,9 +35,7 @@ NEEDS = {
     "--help": ("rich",),
     "typo": ("rich",),
     "json --check": SCHEMA_CODE,  # the metaschema check and the grammar compiler
-    # numpy: the index's token arrays (mlxcache.cache). mlx: cache/disk.py imports mlx.core
-    # at module level, for its block files only; drop it here once that import moves.
-    "cache ls": ("mlx", "numpy", "rich"),
+    "cache ls": ("rich",),
     "models ls": ("rich",),
 }
 """Of HEAVY, what each fast command imports; the others import none of it."""
@@ -105,7 +103,10 @@ def test_help_renderer_defers_markdown_and_traceback() -> None:
 
 
 def test_cache_ls_with_entries_imports_no_model_code(tmp_path: Path) -> None:
-    """The preview of each entry's prompt reads the tokenizer without transformers."""
+    """The preview of each entry's prompt reads the tokenizer without transformers, and
+    the listing reads the entries' tokens without numpy or MLX."""
+    import numpy as np
+
     from mlxcache.cache.disk import DiskTier
 
     folder = tmp_path / "model"
@@ -113,11 +114,13 @@ def test_cache_ls_with_entries_imports_no_model_code(tmp_path: Path) -> None:
     _word_tokenizer(folder / "tokenizer.json")
     disk = DiskTier(tmp_path / "cache" / "kv")
     disk.name_namespace("ns", "wordy", str(folder), 4)
+    tokens = np.array([2, 0, 1, 2], dtype=np.int32)
+    disk.add_entry("ns", tokens, True, {"b1": lambda path: path.write_bytes(b"kv")}, 2)
     disk.close()
     from mlxcache.cache import manage
 
-    decode = manage._decoders({"ns": ("wordy", str(folder), 4)})["ns"]
-    assert decode([0, 1, 2]) == "hello big world"
+    [row] = manage.entries(tmp_path / "cache", preview_tokens=3)
+    assert (row["model"], row["tokens"], row["preview"]) == ("wordy", 4, "hello big world")
     result = _imports(tmp_path, ["cache", "ls", "--cache-dir", str(tmp_path / "cache")])
     assert result == {"code": 0, "heavy": sorted(NEEDS["cache ls"])}
 

@@ -14,17 +14,20 @@ import fcntl
 import os
 import sqlite3
 import time
+from array import array
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import mlx.core as mx
-import numpy as np
 import xxhash
 
 from mlxcache.errors import CacheStoreError, CorruptCacheFileError, CorruptIndexError
+
+if TYPE_CHECKING:
+    import mlx.core as mx
+    import numpy as np
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS entries (
@@ -68,11 +71,26 @@ class DiskEntry:
 
     id: int
     ns: str
-    tokens: np.ndarray
+    raw: bytes
+    """The token ids, int32 in the machine's byte order (as numpy wrote them)."""
     trimmable: bool
     nbytes: int
     created_ns: int
     used_ns: int
+
+    @property
+    def tokens(self) -> np.ndarray:
+        import numpy as np  # here: listing the cache (`cache ls`) needs no numpy
+
+        return np.frombuffer(self.raw, dtype=np.int32)
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.raw) // 4
+
+    def last_tokens(self, n: int) -> list[int]:
+        """The last `n` token ids."""
+        return list(array("i", self.raw[-4 * n :])) if n > 0 else []
 
 
 def _checksum(data: bytes) -> str:
@@ -81,6 +99,8 @@ def _checksum(data: bytes) -> str:
 
 def digest_tokens(tokens: np.ndarray) -> str:
     """Identity of an entry's token sequence (within a namespace)."""
+    import numpy as np
+
     return str(xxhash.xxh3_128_hexdigest(np.ascontiguousarray(tokens, np.int32).tobytes()))
 
 
@@ -185,6 +205,8 @@ class DiskTier:
 
     def read_block(self, name: str) -> dict[str, mx.array]:
         """The block's arrays stored under `name` (checksum verified)."""
+        import mlx.core as mx  # here: listing and managing the cache (`cache ls`) needs no MLX
+
         path = self._read(name)
         try:
             arrays = mx.load(str(path))
@@ -331,6 +353,8 @@ class DiskTier:
         written: dict[str, tuple[int, str]],
     ) -> int:
         """Index the new files, the entry and its links in one transaction."""
+        import numpy as np
+
         now = time.time_ns()
         data = np.ascontiguousarray(tokens, np.int32).tobytes()
         with self._tx() as db:
@@ -442,6 +466,8 @@ def reset(root: Path) -> list[str]:
 
 def block_writer(block: dict[str, mx.array]) -> Writer:
     """How to write one block file (its arrays by name, see `layout.Layout`)."""
+    import mlx.core as mx
+
     return lambda path: mx.save_safetensors(str(path), block)
 
 
@@ -455,5 +481,4 @@ def checkpoint_writer(layers: list[Any]) -> Writer:
 
 
 def _row(r: tuple[Any, ...]) -> DiskEntry:
-    tokens = np.frombuffer(r[2], dtype=np.int32)
-    return DiskEntry(int(r[0]), str(r[1]), tokens, bool(r[3]), int(r[4]), int(r[5]), int(r[6]))
+    return DiskEntry(int(r[0]), str(r[1]), bytes(r[2]), bool(r[3]), int(r[4]), int(r[5]), int(r[6]))

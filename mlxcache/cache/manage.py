@@ -14,12 +14,14 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mlxcache.cache.disk import INDEX, DiskEntry, DiskTier, index_error, reset
-from mlxcache.cache.index import Entry, PromptIndex
 from mlxcache.errors import CorruptIndexError
 from mlxcache.paths import kv_dir
+
+if TYPE_CHECKING:
+    from mlxcache.cache.index import Entry
 
 Directory = str | os.PathLike[str] | None
 
@@ -79,7 +81,7 @@ def _report(disk: DiskTier, check: bool) -> dict[str, Any]:
         "entries": n,
         "bytes": nbytes,
         "models": sorted({_model_name(r.ns, names) for r in rows}),
-        "tokens": sum(len(r.tokens) for r in rows),
+        "tokens": sum(r.n_tokens for r in rows),
     }
     if check:
         out["problems"] = disk.verify()
@@ -95,13 +97,18 @@ def entries(directory: Directory = None, preview_tokens: int = 0) -> list[dict[s
     with _opened(directory) as disk:
         rows = disk.all_entries() if disk else []
         names = disk.namespaces() if disk else {}
-    decode = _decoders(names) if preview_tokens else {}
+    # Only the models with entries: loading a tokenizer costs tens of milliseconds.
+    decode = (
+        _decoders({ns: names[ns] for ns in {r.ns for r in rows} if ns in names})
+        if preview_tokens
+        else {}
+    )
     return [
         {
             "id": r.id,
             "model": _model_name(r.ns, names),
             "block_size": names[r.ns][2] if r.ns in names else None,
-            "tokens": len(r.tokens),
+            "tokens": r.n_tokens,
             "trimmable": r.trimmable,
             "bytes": r.nbytes,
             "created": r.created_ns / 1e9,
@@ -135,7 +142,7 @@ def _decoders(names: dict[str, tuple[str, str, int]]) -> dict[str, Callable[[lis
 
 
 def _preview(decode: Callable[[list[int]], str] | None, row: DiskEntry, n: int) -> str | None:
-    return None if decode is None else decode([int(t) for t in row.tokens[-n:]])
+    return None if decode is None else decode(row.last_tokens(n))
 
 
 def clear(
@@ -197,6 +204,8 @@ def prune(max_bytes: int, directory: Directory = None) -> dict[str, int]:
 
 
 def _prune(disk: DiskTier, max_bytes: int) -> int:
+    from mlxcache.cache.index import PromptIndex  # here: it needs numpy, `cache ls` does not
+
     removed = 0
     indexes: dict[str, tuple[PromptIndex, dict[Entry, DiskEntry]]] = {}  # per namespace
     for row in disk.all_entries():  # oldest use first: each index's clock follows it
