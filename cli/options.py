@@ -187,6 +187,20 @@ BlockSize = Annotated[
         rich_help_panel=CACHE_PANEL,
     ),
 ]
+StateStride = Annotated[
+    int | None,
+    typer.Option(
+        "--state-stride",
+        metavar="BLOCKS",
+        help=(
+            "Models with recurrent layers (Qwen3-Next, LFM2, Mamba hybrids): keep their "
+            "state after every N-th block (and at each prompt's end). Smaller resumes closer "
+            "to where prompts part, at the cost of a state per N blocks (default: measured, "
+            "states cost about half of the blocks' KV)."
+        ),
+        rich_help_panel=CACHE_PANEL,
+    ),
+]
 WarmAhead = Annotated[
     bool,
     typer.Option(
@@ -274,6 +288,7 @@ def cache_config(
     disk: str,
     block_size: int | None,
     warm_ahead: bool,
+    state_stride: int | None = None,
 ) -> CacheConfig:
     """Cache settings from options; None keeps `CacheConfig`'s default (one home for it)."""
     try:
@@ -284,6 +299,7 @@ def cache_config(
             mem_bytes=parse_size(mem),
             disk_bytes=parse_size(disk),
             warm_ahead=warm_ahead,
+            state_stride=state_stride,
             **size,
         )
     except SettingError:
@@ -423,6 +439,7 @@ class RunOptions:
     cache_mem: str
     cache_disk: str
     block_size: int | None
+    state_stride: int | None
     warm_ahead: bool
     quiet: bool
 
@@ -455,6 +472,7 @@ class RunOptions:
             self.cache_disk,
             self.block_size,
             self.warm_ahead,
+            self.state_stride,
         )
 
     def engine(self, invariant: bool = False) -> Engine:
@@ -488,6 +506,7 @@ _RUN_OPTIONS: list[tuple[str, Any, Any]] = [
     ("cache_mem", CacheMem, format_size(_config_default("mem_bytes"))),
     ("cache_disk", CacheDisk, format_size(_config_default("disk_bytes"))),
     ("block_size", BlockSize, None),
+    ("state_stride", StateStride, None),
     ("warm_ahead", WarmAhead, _config_default("warm_ahead")),
     ("quiet", Quiet, False),
 ]

@@ -109,6 +109,7 @@ FLAGS = {
     "presence_penalty": "--presence-penalty",
     "frequency_penalty": "--frequency-penalty",
     "block_size": "--block-size",
+    "state_stride": "--state-stride",
     "think": "--think",
     "think_budget": "--think-budget",
     "tool_choice": "--tool-choice",

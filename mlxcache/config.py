@@ -185,6 +185,7 @@ class CacheConfig:
         if self.mem_bytes < 0 or self.disk_bytes < 0:
             raise ValueError("cache budgets must be >= 0")
         if self.state_stride is not None and self.state_stride < 1:
-            raise ValueError(f"state stride must be >= 1, got {self.state_stride}")
+            why = f" must be >= 1, got {self.state_stride}"
+            raise SettingError(Worded(Setting("state_stride", "state stride"), why))
         if self.max_entries < 1:
             raise ValueError(f"max entries must be >= 1, got {self.max_entries}")

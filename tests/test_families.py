@@ -157,3 +157,31 @@ def test_prefill_stages_only_the_states_it_keeps(
     cold = Engine(variant.loaded, NoCache(variant.loaded.model, B))
     assert got.tokens == cold.complete(Request(prompt(30), GREEDY)).tokens
     assert len(_states(tmp_path)) == 4  # blocks 2, 4 and 6 (stride) and 7 (the last)
+
+
+def test_state_stride_option(family_models: dict[str, Variant], tmp_path: Path) -> None:
+    """`--state-stride 1` keeps a hybrid's state after every block of the prompt; by
+    default (measured) fewer; 0 is refused with one line naming the flag."""
+    from typer.testing import CliRunner
+
+    from mlxcache_cli.main import app
+
+    folder = str(family_models["qwen3_next"].loaded.path)
+    text = "the quick brown fox jumps over the lazy dog " * 3
+
+    def kept(*stride: str) -> tuple[int, int]:
+        where = tmp_path / f"cache{len(stride)}"
+        args = ["generate", "--raw", text, "-m", folder, "-n", "1", "--block-size", str(B)]
+        result = CliRunner().invoke(app, [*args, "--cache-dir", str(where), *stride])
+        assert result.exit_code == 0, result.output
+        files = sorted((where / "kv" / "files").glob("*.safetensors"))
+        states = [f for f in files if f.name.endswith(".s.safetensors")]
+        return len(files) - len(states), len(states)
+
+    blocks, states = kept("--state-stride", "1")
+    assert blocks >= 6 and states == blocks
+    default = kept()
+    assert default[0] == blocks and 1 <= default[1] < blocks // 4  # a state outweighs 4 tokens' KV
+    refused = CliRunner().invoke(app, ["generate", "hi", "--state-stride", "0"])
+    assert refused.exit_code == 2
+    assert refused.output.splitlines()[-1] == "error: --state-stride must be >= 1, got 0"
