@@ -2,14 +2,16 @@
 
 Typer (0.2x) checks every option value with a pydantic TypeAdapter, built on first use:
 importing pydantic takes ~0.3 s, more than the rest of `mlxcache cache ls`. A value that
-already has its type (a default), a string for a `str` option and a string for a plain
-`Path` option come out of that check unchanged (or as `Path(value)`), so they skip it here;
-anything else (numbers typed on the command line, lists, bad values and their messages)
-still goes through Typer's own coercion, built only then.
+already has its type (a default), a string for a `str` option, a string for a plain
+`Path` option and a plain decimal number for an `int` or `float` option without bounds
+come out of that check as `Path(value)`, `int(value)`, `float(value)`, so they skip it
+here; anything else (bounded numbers, lists, bad values and their messages) still goes
+through Typer's own coercion, built only then.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,13 @@ try:  # Typer's internals: present in the versions that coerce through pydantic
     from typer._param_types import coerce_cli_path
 except ImportError:  # an older Typer (click types, no pydantic): nothing to speed up
     RuntimeParam = None  # type: ignore[assignment,misc]
+
+# What pydantic reads the same as int() / float() (ASCII digits only: int() also takes other
+# scripts' digits, and underscores, which pydantic refuses).
+_NUMBERS = {
+    int: re.compile(r"[+-]?[0-9]+"),
+    float: re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?"),
+}
 
 if RuntimeParam is not None:
 
@@ -37,6 +46,10 @@ if RuntimeParam is not None:
                 return value
             if kind is str and isinstance(value, str):
                 return value
+            number = _NUMBERS.get(kind)
+            ranged = self.descriptor.is_ranged
+            if number and isinstance(value, str) and number.fullmatch(value) and not ranged:
+                return kind(value)
             if kind is Path and isinstance(value, str) and info.path_type is None:
                 # Typer's own path checks (exists, readable, ...) on what pydantic makes
                 # of a string: Path(value).
