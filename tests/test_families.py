@@ -31,6 +31,7 @@ from guarantees import (
 
 from mlxcache.bench.families import FAMILIES, build
 from mlxcache.cache.base import NoCache
+from mlxcache.cache.layout import nbytes as block_nbytes
 from mlxcache.cache.store import PromptCache
 from mlxcache.config import CacheConfig
 from mlxcache.engine import Engine, Request
@@ -86,8 +87,10 @@ def test_recurrent_state_every_other_block(
     family_models: dict[str, Variant], tmp_path: Path
 ) -> None:
     """With a state stride of 2, a gated-delta hybrid keeps its state after blocks 2, 4, 6
-    and after the prompt's last block (7); a fork resumes at the last of those it shares,
-    and keeps the state where it left the prompt, so the next fork there resumes there."""
+    and after the prompt's last block (7) on disk, and after every block in memory (the
+    states between strides fit their share of the budget); a fork resumes at the last
+    state it shares, and keeps the state where it left the prompt on disk too, so the next
+    fork there resumes there in another process."""
     variant = family_models["qwen3_next"]
     engine = _cached_engine(variant, tmp_path, 2)
     cold = Engine(variant.loaded, NoCache(variant.loaded.model, B))
@@ -95,7 +98,7 @@ def test_recurrent_state_every_other_block(
     engine.complete(Request(p, GREEDY))
     assert len(_states(tmp_path)) == 4
     for tokens, resumed in [
-        (p[:23] + prompt(5, seed=3), 16),  # shares 5 blocks: block 5 has no state
+        (p[:23] + prompt(5, seed=3), 20),  # shares 5 blocks: block 5's state is in memory
         (p[:29] + prompt(4, seed=4), 28),  # shares all 7: the last has its state
         (p, 30),  # the same prompt: its tail
     ]:
@@ -103,7 +106,7 @@ def test_recurrent_state_every_other_block(
         assert got.stats.cached_tokens == resumed
         assert got.tokens == cold.complete(Request(tokens, GREEDY)).tokens
     # A new process (a new cache on the directory) resumes there from disk; a fork that
-    # shares block 6 but not 7 backs off to 24.
+    # shares block 6 but not 7 backs off to 24 (block 6's state was never written).
     reopened = _cached_engine(variant, tmp_path, 2)
     for tokens, resumed in [(p[:23] + prompt(6, seed=5), 20), (p[:27] + prompt(3, seed=6), 24)]:
         got = reopened.complete(Request(tokens, GREEDY))
@@ -112,8 +115,9 @@ def test_recurrent_state_every_other_block(
 
 
 def test_measured_state_stride(family_models: dict[str, Variant], tmp_path: Path) -> None:
-    """By default a hybrid's states cost about half of what its blocks' KV costs: the stride
-    is ceil(2 * state bytes / block KV bytes), and the last block always keeps its state."""
+    """By default a hybrid's stored states cost at most 40% of what its blocks' KV costs:
+    the stride is ceil(2.5 * state bytes / block KV bytes), and the last block always
+    keeps its state."""
     variant = family_models["qwen3_next"]
     engine = _cached_engine(variant, tmp_path, None)
     engine.complete(Request(prompt(30), GREEDY))
@@ -126,37 +130,75 @@ def test_measured_state_stride(family_models: dict[str, Variant], tmp_path: Path
         assert isinstance(arrays, dict)
         return sum(int(a.nbytes) for a in arrays.values())
 
-    stride = -(-2 * size(states[0]) // size(blocks[0]))
+    stride = -(-5 * size(states[0]) // (2 * size(blocks[0])))
     assert stride > 1  # a gated-delta state outweighs a block of 4 tokens' KV
     assert len(blocks) == 7
     assert len(states) == len({j for j in range(7) if (j + 1) % stride == 0} | {6})
 
 
-def test_prefill_stages_only_the_states_it_keeps(
+def test_prefill_stages_states_between_strides_within_their_budget(
     family_models: dict[str, Variant], tmp_path: Path
 ) -> None:
     """A prefill stages each block's recurrent state as its chunk ends (the layers do not
-    hold it later), but a state its keep would drop is let go once the next block is
-    staged: with a stride of 2, never more than the kept ones (blocks 2, 4, 6) and the
-    latest. One state per block of a long prompt would be gigabytes on a real hybrid."""
+    hold it later). States between strides are extras: kept in memory only, within their
+    share of the budget; past it the oldest staged extra lets go of its state as the next
+    is staged (one state per block of a long prompt would be gigabytes on a real hybrid).
+    Stride 2 keeps blocks 2, 4, 6 and the last (7); extras: 1, 3, 5."""
+    variant = family_models["qwen3_next"]
+    cold = Engine(variant.loaded, NoCache(variant.loaded.model, B))
+
+    def staged_states(directory: Path, budget_states: int | None) -> list[list[int]]:
+        engine = _cached_engine(variant, directory, 2)
+        mem = cast(PromptCache, engine.cache).mem
+        layout = mem.layout
+        assert layout is not None
+        capture, seen = mem.capture, []
+
+        def counting(tokens: np.ndarray, layers: Layers) -> None:
+            capture(tokens, layers)
+            staged = mem._staged[id(layers)]
+            if budget_states is not None and len(staged) == 1:  # one state's size, learned
+                mem.extra_budget = budget_states * block_nbytes(layout.split(staged[0])[1])
+            seen.append(sorted(j for j, piece in staged.items() if layout.split(piece)[1]))
+
+        mem.capture = counting  # type: ignore[method-assign]
+        got = engine.complete(Request(prompt(30), GREEDY))
+        assert got.tokens == cold.complete(Request(prompt(30), GREEDY)).tokens
+        assert len(_states(directory)) == 4  # on disk: blocks 2, 4, 6 (stride), 7 (the last)
+        return seen
+
+    assert staged_states(tmp_path / "roomy", None) == [list(range(k + 1)) for k in range(7)]
+    assert staged_states(tmp_path / "one", 1) == [
+        [0],
+        [0, 1],
+        [0, 1, 2],
+        [1, 2, 3],
+        [1, 2, 3, 4],
+        [1, 3, 4, 5],
+        [1, 3, 4, 5, 6],
+    ]
+
+
+def test_states_between_strides_go_before_entries(
+    family_models: dict[str, Variant], tmp_path: Path
+) -> None:
+    """Under memory pressure the extras are dropped (oldest first) before any entry is
+    evicted; their entries then resume at the kept state before, bit for bit as cold."""
     variant = family_models["qwen3_next"]
     engine = _cached_engine(variant, tmp_path, 2)
-    mem = cast(PromptCache, engine.cache).mem
-    layout = mem.layout
-    assert layout is not None
-    capture, seen = mem.capture, []
-
-    def counting(tokens: np.ndarray, layers: Layers) -> None:
-        capture(tokens, layers)
-        staged = mem._staged[id(layers)]
-        seen.append(sorted(j for j, piece in staged.items() if layout.split(piece)[1]))
-
-    mem.capture = counting  # type: ignore[method-assign]
-    got = engine.complete(Request(prompt(30), GREEDY))
-    assert seen == [[0], [1], [1, 2], [1, 3], [1, 3, 4], [1, 3, 5], [1, 3, 5, 6]]
     cold = Engine(variant.loaded, NoCache(variant.loaded.model, B))
-    assert got.tokens == cold.complete(Request(prompt(30), GREEDY)).tokens
-    assert len(_states(tmp_path)) == 4  # blocks 2, 4 and 6 (stride) and 7 (the last)
+    mem = cast(PromptCache, engine.cache).mem
+    p = prompt(30)
+    engine.complete(Request(p, GREEDY))
+    extras = list(mem._extra)
+    assert len(extras) == 3 and len(mem) == 1  # blocks 1, 3, 5's states; one entry
+    tails = sum(t.nbytes for t in mem._tails.values())  # remembered tails go first
+    mem.reserve(mem.budget - mem.nbytes + tails + 1)  # a byte more: the oldest extra goes
+    assert list(mem._extra) == extras[1:] and len(mem) == 1
+    fork = p[:7] + prompt(9, seed=2)  # shares block 1 only: its state is gone, back to 0
+    got = engine.complete(Request(fork, GREEDY))
+    assert got.stats.cached_tokens == 0
+    assert got.tokens == cold.complete(Request(fork, GREEDY)).tokens
 
 
 def test_state_stride_option(family_models: dict[str, Variant], tmp_path: Path) -> None:
@@ -185,3 +227,21 @@ def test_state_stride_option(family_models: dict[str, Variant], tmp_path: Path) 
     refused = CliRunner().invoke(app, ["generate", "hi", "--state-stride", "0"])
     assert refused.exit_code == 2
     assert refused.output.splitlines()[-1] == "error: --state-stride must be >= 1, got 0"
+
+
+def test_a_resume_from_a_state_between_strides_survives_the_room_it_makes(
+    family_models: dict[str, Variant], tmp_path: Path
+) -> None:
+    """A fork resumes from a state between strides (block 5) in a full memory tier: the
+    room its prefill needs drops every extra, that one included, after its layers hold it."""
+    variant = family_models["qwen3_next"]
+    engine = _cached_engine(variant, tmp_path, 2)
+    cold = Engine(variant.loaded, NoCache(variant.loaded.model, B))
+    mem = cast(PromptCache, engine.cache).mem
+    p = prompt(30)
+    engine.complete(Request(p, GREEDY))
+    mem.budget = mem.nbytes  # full: a prefill's room comes from tails, then extras
+    fork = p[:23] + prompt(5, seed=3)
+    got = engine.complete(Request(fork, GREEDY))
+    assert got.stats.cached_tokens == 20
+    assert got.tokens == cold.complete(Request(fork, GREEDY)).tokens

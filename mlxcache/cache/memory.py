@@ -26,7 +26,7 @@ disk tier.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,6 +46,9 @@ from mlxcache.types import LayerCache, Layers
 
 MAX_TAILS = 32
 """Whole prompts whose tails the memory tier remembers (the most recently used)."""
+EXTRA_STATE_SHARE = 8
+"""Recurrent states kept between two strides, in memory only, take at most this fraction
+(1/8) of the memory budget: the newest first, dropped before any entry is evicted."""
 
 
 @dataclass(slots=True)
@@ -117,6 +120,13 @@ class MemoryTier:
         self._staged: dict[int, dict[int, Block]] = {}
         self._stride = config.state_stride
         self._branches: dict[int, int] = {}  # id of a lane's layers -> its branch block
+        # States between strides: kept in memory only (never written to disk), oldest
+        # first, within `extra_budget`; and, per lane, the staged blocks whose states are
+        # such extras, oldest first (their states go first when staging would outgrow it).
+        self._extra: OrderedDict[str, None] = OrderedDict()
+        self._extra_bytes = 0
+        self.extra_budget = config.mem_bytes // EXTRA_STATE_SHARE
+        self._staged_extra: dict[int, deque[int]] = {}
 
     # -- views ----------------------------------------------------------------------------
 
@@ -194,11 +204,12 @@ class MemoryTier:
         """Fresh layers holding `entry`'s first `length` tokens, the entry pinned, room made
         for the rest of `tokens`; with `tail` (of `tokens`, whose full blocks these are) the
         whole prompt and its logits. `shared`: how far `tokens` follow the entry."""
-        if tail is None:
-            self.reserve_prefill(tokens, length, entry)
         layers = self._layers(entry, length)  # before the pin: if this fails, none is left
-        if shared > length:  # where this prompt leaves the entry: keep its state there
-            self._branches[id(layers)] = shared // self.block_size - 1
+        if tail is None:  # after: room made may drop the state between strides it starts from
+            self.reserve_prefill(tokens, length, entry)
+        # Where this prompt leaves the entry: its state is kept there (computed if this
+        # resume starts before it; made a kept state, on disk too, if it is an extra).
+        self._branches[id(layers)] = shared // self.block_size - 1
         logits = None
         if tail is not None:
             # Tails are kept for block layouts only; `tail()` gives those with logits.
@@ -213,6 +224,7 @@ class MemoryTier:
     def release(self, resume: Resume) -> None:
         """Unpin `resume`'s entry; forget what its lane captured and did not keep."""
         self._staged.pop(id(resume.layers), None)
+        self._staged_extra.pop(id(resume.layers), None)
         self._branches.pop(id(resume.layers), None)
         if resume.lease is not None and resume.lease in self.index:
             self.index.unpin(resume.lease)
@@ -237,14 +249,21 @@ class MemoryTier:
         start = j * self.block_size
         staged = self._staged.setdefault(id(layers), {})
         staged[j] = self.layout.cut(layers, start, len(tokens))
-        # The block before is no longer the last: its state stays staged only if `keep`
-        # would keep it (`_fresh_blocks`), else a long prefill of a large-state hybrid
-        # would hold one state per block until its keep (gigabytes on a real Qwen3-Next).
+        # The block before is no longer the last: unless `keep` keeps its state on disk too
+        # (`_fresh_blocks`), it is an extra, staged within the extras' budget; past it the
+        # oldest staged extra lets go of its state (else a long prefill of a large-state
+        # hybrid would hold one state per block: gigabytes on a real Qwen3-Next).
         before = staged.get(j - 1)
         if before is not None and j - 1 != self._branches.get(id(layers)):
             blocks, state = self.layout.split(before)
             if state and not self._keeps_state(j - 1, state, blocks):
-                staged[j - 1] = blocks
+                extras = self._staged_extra.setdefault(id(layers), deque())
+                extras.append(j - 1)
+                # A model's states all have one size.
+                while extras and len(extras) * block_nbytes(state) > self.extra_budget:
+                    k = extras.popleft()
+                    if k in staged:
+                        staged[k] = self.layout.split(staged[k])[0]
 
     def keep(self, tokens: np.ndarray, layers: Layers) -> Kept | None:
         """Store the first len(tokens) positions of `layers` (int32 `tokens`) as an entry,
@@ -253,22 +272,31 @@ class MemoryTier:
         if self.layout is None:
             checkpoint = kv.snapshot(layers)
             return Kept(self.add_checkpoint(tokens, checkpoint), tokens, checkpoint=checkpoint)
-        names, fresh = self._fresh_blocks(tokens, layers)
+        names, fresh, extras = self._fresh_blocks(tokens, layers)
         if not names:
             return None
         tokens = self._whole_blocks(tokens, names)
         entry = self.add_blocks(tokens, names, fresh)
-        return Kept(entry, tokens, {h: self._blocks[h].data for h in names})
+        for name in extras:
+            self._extra[name] = None
+            self._extra_bytes += self._blocks[name].nbytes
+        while self._extra_bytes > self.extra_budget:
+            self._drop_extra(next(iter(self._extra)))
+        # Extras stay in memory: the disk tier keeps the strided states only.
+        stored = {h: self._blocks[h].data for h in names if h not in self._extra}
+        return Kept(entry, tokens, stored)
 
     def _fresh_blocks(
         self, tokens: np.ndarray, layers: Layers
-    ) -> tuple[list[str], dict[str, Block]]:
+    ) -> tuple[list[str], dict[str, Block], list[str]]:
         """The names an entry of `tokens` holds (its blocks, then the recurrent states it
-        keeps) and the blocks among them not stored yet: captured ones, or cut out of
-        `layers` (plain KV). It stops before the first block that is neither stored nor
-        captured. States are kept after every `stride`-th block, after the last, and
-        after the block where this prompt left the entry it resumed from (had it a state
-        there, it would have resumed there: the next prompt that shares as much will)."""
+        keeps), the blocks among them not stored yet (captured ones, or cut out of
+        `layers`: plain KV), and the fresh states among them that are extras. It stops
+        before the first block that is neither stored nor captured. States are kept after
+        every `stride`-th block, after the last, and after the block where this prompt
+        left the entry it resumed from (had it a state there, it would have resumed
+        there: the next prompt that shares as much will); the others captured are extras
+        (memory only). An extra that one of those positions now needs stops being one."""
         assert self.layout is not None
         b, layout = self.block_size, self.layout
         names = kv.chain_hashes(tokens, b, self.ns)
@@ -282,6 +310,7 @@ class MemoryTier:
             n = len(names)
         fresh: dict[str, Block] = {}
         states: list[str] = []
+        extras: list[str] = []
         for j, h in enumerate(names[:n]):
             piece = staged.pop(j, None)
             if piece is None and h not in self._blocks:
@@ -292,24 +321,31 @@ class MemoryTier:
             if not layout.has_state:
                 continue
             name = state_name(h)
-            ends = j in (n - 1, branch)
-            if name not in self._blocks and state and (ends or self._keeps_state(j, state, blocks)):
+            kept = j in (n - 1, branch) or (bool(state) and self._keeps_state(j, state, blocks))
+            if name not in self._blocks and state:
                 fresh[name] = state
+                if not kept:
+                    extras.append(name)
+            elif kept and name in self._extra:
+                self._extra.pop(name)
+                self._extra_bytes -= self._blocks[name].nbytes
             if name in self._blocks or name in fresh:
                 states.append(name)
-        return names[:n] + states, fresh
+        return names[:n] + states, fresh, extras
 
     def _whole_blocks(self, tokens: np.ndarray, names: list[str]) -> np.ndarray:
         """The tokens of the blocks among `names`: what an entry of them holds."""
         return tokens[: sum(not is_state(h) for h in names) * self.block_size]
 
     def _keeps_state(self, j: int, state: Block, blocks: Block) -> bool:
-        """Whether block j keeps its recurrent state: every `stride`-th one. The stride is
-        set, or measured the first time: states may cost about half of what the blocks'
-        attention arrays cost (a state per block can outweigh a hybrid's KV many times)."""
+        """Whether block j keeps its recurrent state (on disk too): every `stride`-th one.
+        The stride is set, or measured the first time: strided states may cost 40% of what
+        the blocks' attention arrays cost, so that with a prompt's last state and the
+        files' headers a kept prompt stays within 1.5x its KV (a state per block can
+        outweigh a hybrid's KV many times). States between strides are memory's extras."""
         if self._stride is None:
             kv_bytes = block_nbytes(blocks) or 1
-            self._stride = max(1, -(-2 * block_nbytes(state) // kv_bytes))
+            self._stride = max(1, -(-5 * block_nbytes(state) // (2 * kv_bytes)))
         return (j + 1) % self._stride == 0
 
     def add_checkpoint(self, tokens: np.ndarray, checkpoint: list[Any]) -> Entry:
@@ -382,11 +418,14 @@ class MemoryTier:
         """Evict until `n_bytes` more fit the budget; stops when all that is left is pinned
         (or `skip`).
 
-        Remembered tails go first (the oldest first), then entries in the victim order.
+        Remembered tails go first (the oldest first), then states between strides (the
+        oldest first), then entries in the victim order.
         """
         while self.nbytes + n_bytes > self.budget:
             if self._tails:
                 self._drop_tail(next(iter(self._tails)))
+            elif self._extra:
+                self._drop_extra(next(iter(self._extra)))
             elif not self._evict(self.index.victim(skip=skip, prompt=prompt)):
                 break
 
@@ -408,7 +447,20 @@ class MemoryTier:
             if block.refs == 0:
                 del self._blocks[h]
                 self.nbytes -= block.nbytes
+                if h in self._extra:
+                    del self._extra[h]
+                    self._extra_bytes -= block.nbytes
         return True
+
+    def _drop_extra(self, name: str) -> None:
+        """Forget a state between strides: its entries resume at an earlier kept state."""
+        del self._extra[name]
+        block = self._blocks.pop(name)
+        self.nbytes -= block.nbytes
+        self._extra_bytes -= block.nbytes
+        for names in self._entry_blocks.values():
+            if name in names:
+                names.remove(name)
 
 
 def state_name(block: str) -> str:
