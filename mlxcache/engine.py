@@ -279,14 +279,12 @@ class Engine:
         """
         turn = self._sched.next_turn(background, batch=len(self._batch) > 0)
         if turn is BATCH:
-            events = self._batch_step()
-        else:
-            events = [] if turn is None else list(self._turn(turn))
-        self._settle()
-        return events
+            return self._batch_step()
+        return [] if turn is None else list(self._turn(turn))
 
-    def _settle(self) -> None:
-        """Once no lane is left, hand freed memory back to the system (`sysmem`)."""
+    def release_memory(self) -> None:
+        """If no lane runs, hand freed memory back to the system (`sysmem`): `run` and
+        `generate` do when they end; a caller of `step` when it is left idle."""
         if not self._sched:
             release_unused()
 
@@ -400,6 +398,7 @@ class Engine:
         lanes too: warm-ahead and follow)."""
         while self.busy or (warm and self.warming):
             yield from self.step()
+        self.release_memory()
 
     def generate(self, request: Request) -> Iterator[Event]:
         """Run one request alone and yield its events; other lanes wait (see `submit`).
@@ -420,7 +419,7 @@ class Engine:
                     yield event
         finally:
             self.cancel(rid)
-            self._settle()
+            self.release_memory()
 
     def cancel(self, rid: int) -> None:
         """Stop a lane now: its pin is released and it yields nothing more.

@@ -31,6 +31,8 @@ from mlxcache.errors import (
 from mlxcache.events import CANCELLED, Done, Event, Result, Stats
 
 T = TypeVar("T")
+IDLE_RELEASE_S = 1.0
+"""How long the worker waits with nothing to run before handing freed memory back."""
 Sink = Callable[[Event], None]
 """Receives a request's events, on the worker thread; the last one is always a `Done`."""
 
@@ -207,12 +209,22 @@ class EngineWorker:
         # MLX streams are per thread: this one gets its own on the engine's device.
         stream = mx.new_stream(mx.default_device())
         mx.set_default_stream(stream)
+        released = True  # nothing has run yet
         try:
             while True:
                 idle = not (self._active or self._pending or self.engine.warming)
                 if self._stopping and not (self._active or self._pending):
                     break
-                self._read_inbox(block=idle)
+                released = released and idle
+                if idle and not released:
+                    # Left idle a moment, it hands freed memory back; back-to-back requests
+                    # keep MLX's buffers (a release makes the next prefill fault them in).
+                    if not self._read_inbox(block=True, timeout=IDLE_RELEASE_S):
+                        self.engine.release_memory()
+                        released = True
+                        continue
+                else:
+                    self._read_inbox(block=idle)
                 self._admit()
                 # Requests waiting for a lane: warm-ahead and follow lanes wait too.
                 for event in self.engine.step(background=not self._pending):
@@ -247,17 +259,19 @@ class EngineWorker:
             elif message[0] == "call" and message[2] is not None:
                 message[2].set_exception(EngineStoppedError("the engine has stopped"))
 
-    def _read_inbox(self, block: bool) -> None:
+    def _read_inbox(self, block: bool, timeout: float | None = None) -> bool:
+        """Handle what the inbox holds (waiting for a first message if `block`, at most
+        `timeout` seconds); whether there was any."""
         try:
-            message = self._inbox.get(block=block)
+            message = self._inbox.get(block=block, timeout=timeout)
         except queue.Empty:
-            return
+            return False
         while True:
             self._handle(message)
             try:
                 message = self._inbox.get_nowait()
             except queue.Empty:
-                return
+                return True
 
     def _handle(self, message: tuple[Any, ...]) -> None:
         kind = message[0]

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxcache import sysmem
+from mlxcache import sysmem, worker
 from mlxcache.cache.store import PromptCache
 from mlxcache.config import CacheConfig
 from mlxcache.engine import Engine, Request
@@ -48,3 +49,28 @@ def test_release_unused_trims_the_c_heap(monkeypatch: pytest.MonkeyPatch) -> Non
 @pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="glibc only")
 def test_glibc_malloc_trim_is_found() -> None:
     assert sysmem._malloc_trim() is not None
+
+
+def test_a_worker_left_idle_releases_memory_once(
+    tiny: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Between back-to-back requests the worker keeps MLX's buffers; left idle for
+    `IDLE_RELEASE_S` it hands them back, once (a cache report does not count as work)."""
+    monkeypatch.setattr(worker, "IDLE_RELEASE_S", 0.05)
+    config = CacheConfig(block_size=4, directory=tmp_path)
+    engine = Engine(tiny, PromptCache(tiny.model, tiny.key, config, root=tmp_path / "kv"))
+    release, released, calls = engine.release_memory, threading.Event(), []
+
+    def spy() -> None:
+        calls.append(engine.busy)
+        release()
+        released.set()
+
+    engine.release_memory = spy  # type: ignore[method-assign]
+    with worker.EngineWorker(engine) as w:
+        assert not calls  # nothing ran yet: nothing to release
+        w.complete(Request(_prompt(40, 1), SamplingParams(max_tokens=6)))
+        assert released.wait(120)
+        assert w.call(lambda e: mx.get_cache_memory()) == 0
+        assert w.call(lambda e: len(calls)) == 1
+    assert calls == [False]

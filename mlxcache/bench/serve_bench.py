@@ -34,6 +34,7 @@ from typing import Any
 from mlxcache.config import parse_size
 from mlxcache.model import load
 from mlxcache.server.process import ChildServer, MlxcacheServer, free_port
+from mlxcache.worker import IDLE_RELEASE_S
 
 SYSTEM = "You are a concise assistant. Answer in two or three sentences."
 TOPICS = ["the sea", "mountains", "the moon", "forests", "rivers", "deserts", "volcanoes", "ice"]
@@ -174,10 +175,10 @@ def _many(
             for r in range(requests)
         ]
 
-    before, held_before = _rss_bytes(pid) if pid else 0, held() if held else 0
+    held_before, before = _settled(pid, held)
     solo = [asks(c) for c in range(clients)]
     together, wall = _together([partial(asks, c) for c in range(clients)])
-    after, held_after = _rss_bytes(pid) if pid else 0, held() if held else 0
+    held_after, after = _settled(pid, held)
     return {
         "wall_s": round(wall, 3),
         "ttft_p50_s": round(statistics.median(r.ttft_s for rs in together for r in rs), 4),
@@ -189,6 +190,15 @@ def _many(
         "rss_after_mb": round(after / 2**20, 1),
         "cache_held_growth_mb": round((held_after - held_before) / 2**20, 1),
     }
+
+
+def _settled(pid: int | None, held: Callable[[], int] | None) -> tuple[int, int]:
+    """The cache's bytes and the resident size once the server is idle (warm-ahead done)
+    and has handed freed memory back (`worker.IDLE_RELEASE_S` after; waited for mlx_lm's
+    server too, alike)."""
+    cached = held() if held else 0
+    time.sleep(2 * IDLE_RELEASE_S)
+    return cached, _rss_bytes(pid) if pid else 0
 
 
 def _held_bytes(url: str) -> int:
@@ -217,7 +227,7 @@ def _load_test(server: MlxcacheServer, requests: int, clients: int) -> dict[str,
     import openai
 
     client = _client(server.url)
-    before = _rss_bytes(server.proc.pid)
+    _, before = _settled(server.proc.pid, partial(_held_bytes, server.url))
     outcomes: list[str] = []
     lock = threading.Lock()
 
@@ -236,7 +246,7 @@ def _load_test(server: MlxcacheServer, requests: int, clients: int) -> dict[str,
 
     _, wall = _together([partial(one_client, c) for c in range(clients)])
     report = idle_report(server.url)
-    after = _rss_bytes(server.proc.pid)
+    _, after = _settled(server.proc.pid, None)
     budget = parse_size(CACHE_MEM)
     return {
         "requests": len(outcomes),
