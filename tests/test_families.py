@@ -32,6 +32,7 @@ from guarantees import (
 from mlxcache.bench.families import FAMILIES, build
 from mlxcache.cache.base import NoCache
 from mlxcache.cache.layout import nbytes as block_nbytes
+from mlxcache.cache.memory import MemoryTier
 from mlxcache.cache.store import PromptCache
 from mlxcache.config import CacheConfig
 from mlxcache.engine import Engine, Request
@@ -179,17 +180,24 @@ def test_prefill_stages_states_between_strides_within_their_budget(
     ]
 
 
+def _kept_with_stride_2(
+    variant: Variant, directory: Path
+) -> tuple[Engine, Engine, MemoryTier, list[int]]:
+    """A cached engine (state stride 2) that has kept a 30-token prompt, a cold engine,
+    the memory tier and the prompt."""
+    engine = _cached_engine(variant, directory, 2)
+    p = prompt(30)
+    engine.complete(Request(p, GREEDY))
+    cold = Engine(variant.loaded, NoCache(variant.loaded.model, B))
+    return engine, cold, cast(PromptCache, engine.cache).mem, p
+
+
 def test_states_between_strides_go_before_entries(
     family_models: dict[str, Variant], tmp_path: Path
 ) -> None:
     """Under memory pressure the extras are dropped (oldest first) before any entry is
     evicted; their entries then resume at the kept state before, bit for bit as cold."""
-    variant = family_models["qwen3_next"]
-    engine = _cached_engine(variant, tmp_path, 2)
-    cold = Engine(variant.loaded, NoCache(variant.loaded.model, B))
-    mem = cast(PromptCache, engine.cache).mem
-    p = prompt(30)
-    engine.complete(Request(p, GREEDY))
+    engine, cold, mem, p = _kept_with_stride_2(family_models["qwen3_next"], tmp_path)
     extras = list(mem._extra)
     assert len(extras) == 3 and len(mem) == 1  # blocks 1, 3, 5's states; one entry
     tails = sum(t.nbytes for t in mem._tails.values())  # remembered tails go first
@@ -234,12 +242,7 @@ def test_a_resume_from_a_state_between_strides_survives_the_room_it_makes(
 ) -> None:
     """A fork resumes from a state between strides (block 5) in a full memory tier: the
     room its prefill needs drops every extra, that one included, after its layers hold it."""
-    variant = family_models["qwen3_next"]
-    engine = _cached_engine(variant, tmp_path, 2)
-    cold = Engine(variant.loaded, NoCache(variant.loaded.model, B))
-    mem = cast(PromptCache, engine.cache).mem
-    p = prompt(30)
-    engine.complete(Request(p, GREEDY))
+    engine, cold, mem, p = _kept_with_stride_2(family_models["qwen3_next"], tmp_path)
     mem.budget = mem.nbytes  # full: a prefill's room comes from tails, then extras
     fork = p[:23] + prompt(5, seed=3)
     got = engine.complete(Request(fork, GREEDY))
