@@ -196,7 +196,7 @@ StateStride = Annotated[
             "Models with recurrent layers (Qwen3-Next, LFM2, Mamba hybrids): keep their "
             "state after every N-th block (and at each prompt's end). Smaller resumes closer "
             "to where prompts part, at the cost of a state per N blocks (default: measured, "
-            "stored states cost at most 40% of the blocks' KV; in memory, states between "
+            "stored states cost at most a quarter of the blocks' KV; in memory, states between "
             "strides are kept too, within an eighth of --cache-mem)."
         ),
         rich_help_panel=CACHE_PANEL,

@@ -166,7 +166,7 @@ class CacheConfig:
             idle time (`Engine.warm_chat`), so the next turn resumes past the reply.
         state_stride: for models with recurrent layers, keep their state after every
             `state_stride`-th block (and after each kept prompt's last one); None: chosen
-            from the first state's size, so that stored states cost at most 40% of the
+            from the first state's size, so that stored states cost at most a quarter of the
             blocks' KV (the memory tier also keeps states between strides, within an
             eighth of its budget).
     """

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from typing import cast
 
 import mlx.core as mx
 import numpy as np
@@ -74,3 +75,26 @@ def test_a_worker_left_idle_releases_memory_once(
         assert w.call(lambda e: mx.get_cache_memory()) == 0
         assert w.call(lambda e: len(calls)) == 1
     assert calls == [False]
+
+
+def test_what_the_cache_keeps_holds_no_lane_arrays(tiny: LoadedModel, tmp_path: Path) -> None:
+    """Kept blocks and tails are evaluated copies: once a lane's layers are gone, their
+    arrays are freed (a lazy cut would keep every array it reads alive: after a batched
+    decode, all rows' KV)."""
+    import gc
+
+    from mlxcache.types import KVLayer, new_layers
+
+    config = CacheConfig(block_size=4, directory=tmp_path, disk_bytes=0)
+    cache = PromptCache(tiny.model, tiny.key, config)
+    tokens = np.asarray(_prompt(202, 3), dtype=np.int32)
+    layers = new_layers(tiny.model)
+    tiny.model(mx.array(tokens[None]), cache=layers)
+    mx.eval([c.state for c in layers])
+    cache.keep(tokens[:200], layers)
+    cache.keep_tail(tokens, layers, None)
+    held = sum(c.keys.nbytes + c.values.nbytes for c in cast(list[KVLayer], layers))
+    before = mx.get_active_memory()
+    del layers
+    gc.collect()
+    assert before - mx.get_active_memory() >= held

@@ -339,13 +339,13 @@ class MemoryTier:
 
     def _keeps_state(self, j: int, state: Block, blocks: Block) -> bool:
         """Whether block j keeps its recurrent state (on disk too): every `stride`-th one.
-        The stride is set, or measured the first time: strided states may cost 40% of what
-        the blocks' attention arrays cost, so that with a prompt's last state and the
-        files' headers a kept prompt stays within 1.5x its KV (a state per block can
+        The stride is set, or measured the first time: strided states may cost a quarter of
+        what the blocks' attention arrays cost, so that with a prompt's last state a kept
+        prompt stays within 1.5x its KV (a state per block can
         outweigh a hybrid's KV many times). States between strides are memory's extras."""
         if self._stride is None:
             kv_bytes = block_nbytes(blocks) or 1
-            self._stride = max(1, -(-5 * block_nbytes(state) // (2 * kv_bytes)))
+            self._stride = max(1, -(-4 * block_nbytes(state) // kv_bytes))
         return (j + 1) % self._stride == 0
 
     def add_checkpoint(self, tokens: np.ndarray, checkpoint: list[Any]) -> Entry:
@@ -358,6 +358,7 @@ class MemoryTier:
 
     def add_blocks(self, tokens: np.ndarray, names: list[str], fresh: dict[str, Block]) -> Entry:
         """Add an entry backed by blocks `names`; `fresh` holds those not stored yet."""
+        mx.eval([list(block.values()) for block in fresh.values()])  # see `keep_tail`
         added = 0
         for h, block in fresh.items():
             self._blocks[h] = _Block(block)
@@ -385,7 +386,9 @@ class MemoryTier:
         tail = self.layout.cut(layers, at, len(tokens))
         if logits is not None:
             logits = mx.array(logits)
-            mx.eval(logits)
+        # Evaluated now: a lazy cut keeps the whole arrays it reads alive (after a batched
+        # decode, every row's KV), far more than the tail's own bytes, counted in the budget.
+        mx.eval(list(tail.values()), logits)
         key = digest_tokens(tokens)
         self._drop_tail(key)
         ids = np.array(tokens[at:], dtype=np.int32)
