@@ -124,7 +124,6 @@ class MemoryTier:
         # first, within `extra_budget`; and, per lane, the staged blocks whose states are
         # such extras, oldest first (their states go first when staging would outgrow it).
         self._extra: OrderedDict[str, None] = OrderedDict()
-        self._extra_bytes = 0
         self.extra_budget = config.mem_bytes // EXTRA_STATE_SHARE
         self._staged_extra: dict[int, deque[int]] = {}
 
@@ -277,10 +276,8 @@ class MemoryTier:
             return None
         tokens = self._whole_blocks(tokens, names)
         entry = self.add_blocks(tokens, names, fresh)
-        for name in extras:
-            self._extra[name] = None
-            self._extra_bytes += self._blocks[name].nbytes
-        while self._extra_bytes > self.extra_budget:
+        self._extra.update(dict.fromkeys(extras))
+        while sum(self._blocks[n].nbytes for n in self._extra) > self.extra_budget:
             self._drop_extra(next(iter(self._extra)))
         # Extras stay in memory: the disk tier keeps the strided states only.
         stored = {h: self._blocks[h].data for h in names if h not in self._extra}
@@ -326,9 +323,8 @@ class MemoryTier:
                 fresh[name] = state
                 if not kept:
                     extras.append(name)
-            elif kept and name in self._extra:
-                self._extra.pop(name)
-                self._extra_bytes -= self._blocks[name].nbytes
+            elif kept:
+                self._extra.pop(name, None)
             if name in self._blocks or name in fresh:
                 states.append(name)
         return names[:n] + states, fresh, extras
@@ -341,8 +337,8 @@ class MemoryTier:
         """Whether block j keeps its recurrent state (on disk too): every `stride`-th one.
         The stride is set, or measured the first time: strided states may cost a quarter of
         what the blocks' attention arrays cost, so that with a prompt's last state a kept
-        prompt stays within 1.5x its KV (a state per block can
-        outweigh a hybrid's KV many times). States between strides are memory's extras."""
+        prompt stays within 1.5x its KV (a state per block can outweigh a hybrid's KV
+        many times). States between strides are memory's extras."""
         if self._stride is None:
             kv_bytes = block_nbytes(blocks) or 1
             self._stride = max(1, -(-4 * block_nbytes(state) // kv_bytes))
@@ -450,9 +446,7 @@ class MemoryTier:
             if block.refs == 0:
                 del self._blocks[h]
                 self.nbytes -= block.nbytes
-                if h in self._extra:
-                    del self._extra[h]
-                    self._extra_bytes -= block.nbytes
+                self._extra.pop(h, None)
         return True
 
     def _drop_extra(self, name: str) -> None:
@@ -460,7 +454,6 @@ class MemoryTier:
         del self._extra[name]
         block = self._blocks.pop(name)
         self.nbytes -= block.nbytes
-        self._extra_bytes -= block.nbytes
         for names in self._entry_blocks.values():
             if name in names:
                 names.remove(name)
