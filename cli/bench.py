@@ -295,3 +295,29 @@ def startup(
 
     o.positive(rounds=rounds)
     _report(startup_bench.run(rounds, cache_dir, server))
+
+
+def distributed(
+    model: o.Model = None,
+    ranks: Annotated[
+        str, typer.Option("--ranks", help="Numbers of local ranks, comma-separated.", metavar="N,N")
+    ] = "1,2,3",
+    block_size: o.BlockSize = 16,
+    tokens: Annotated[
+        int, typer.Option("--tokens", help="Tokens generated per request.", metavar="N")
+    ] = 8,
+) -> None:
+    """The model sharded over 1, 2 and 3 local ranks (ring over loopback): TTFT cold and
+    resumed and decode tokens/s vs one process, every rank's cache counters; goals:
+    resumed == cold in every run, every rank's counters equal rank 0's."""
+    from mlxcache.bench import distributed_bench
+
+    try:
+        sizes = tuple(int(n) for n in ranks.split(","))
+    except ValueError:
+        raise UserInputError(
+            f"--ranks must be numbers separated by commas, got {ranks!r}"
+        ) from None
+    block_size = 16 if block_size is None else block_size
+    o.positive(ranks=min(sizes), block_size=block_size, tokens=tokens)
+    _report(distributed_bench.run(model, sizes, block_size, tokens))

@@ -198,6 +198,7 @@ command(bench.schemas, app=bench_app, examples="mlxcache bench schemas schemas/ 
 command(bench.serve, app=bench_app, examples="mlxcache bench serve --turns 2 --tokens 30")
 command(bench.reuse, app=bench_app, examples="mlxcache bench reuse --block-size 16")
 command(bench.startup, app=bench_app, examples="mlxcache bench startup --rounds 5")
+command(bench.distributed, app=bench_app, examples="mlxcache bench distributed --ranks 1,3")
 app.add_typer(bench_app, name="bench")
 
 models_app = typer.Typer(help="Converted models and what a model spec loads.", no_args_is_help=True)

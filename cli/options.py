@@ -211,6 +211,16 @@ WarmAhead = Annotated[
         rich_help_panel=CACHE_PANEL,
     ),
 ]
+Split = Annotated[
+    str | None,
+    typer.Option(
+        "--split",
+        metavar="tensor|pipeline",
+        help="Run under mlx.launch: shard the model across its processes by tensor "
+        "(default, where the model has it) or by pipeline stage; rank 0 runs the command.",
+        rich_help_panel=MODEL_PANEL,
+    ),
+]
 Quiet = Annotated[
     bool,
     typer.Option("--quiet", "-q", help="No progress on stderr.", rich_help_panel=MODEL_PANEL),
@@ -309,16 +319,29 @@ def cache_config(
         raise UserInputError(str(exc)) from exc
 
 
-def engine(model: str | None, config: CacheConfig, invariant: bool = False) -> Engine:
+def engine(
+    model: str | None, config: CacheConfig, invariant: bool = False, split: str | None = None
+) -> Engine:
     """Open the engine (no `model`: the one `mlxcache models default` chose), with a
-    progress bar on stderr if a GGUF needs converting; `invariant`: see `open_engine`
-    (chat and serve)."""
+    progress bar on stderr if a GGUF needs converting; `invariant` and `split`: see
+    `open_engine` (chat and serve ask for `invariant`)."""
+    from mlxcache.distributed import SPLITS
     from mlxcache.model.loader import default_spec
     from mlxcache.runtime import open_engine
 
+    if split is not None and split not in SPLITS:
+        raise UserInputError(f"--split must be one of {', '.join(SPLITS)}, got {split!r}")
     spec = model or default_spec()
     with ui.progress_bar() as update:
-        return open_engine(spec, config, progress=update, on_warning=ui.warn, invariant=invariant)
+        return open_engine(
+            spec,
+            config,
+            progress=update,
+            on_warning=ui.warn,
+            invariant=invariant,
+            split=split,
+            on_rank_lost=ui.error,
+        )
 
 
 @contextmanager
@@ -442,6 +465,7 @@ class RunOptions:
     block_size: int | None
     state_stride: int | None
     warm_ahead: bool
+    split: str | None
     quiet: bool
 
     def sampling(self) -> SamplingParams:
@@ -477,7 +501,7 @@ class RunOptions:
         )
 
     def engine(self, invariant: bool = False) -> Engine:
-        return engine(self.model, self.cache(), invariant)
+        return engine(self.model, self.cache(), invariant, self.split)
 
 
 def _config_default(name: str) -> Any:
@@ -509,9 +533,17 @@ _RUN_OPTIONS: list[tuple[str, Any, Any]] = [
     ("block_size", BlockSize, None),
     ("state_stride", StateStride, None),
     ("warm_ahead", WarmAhead, _config_default("warm_ahead")),
+    ("split", Split, None),
     ("quiet", Quiet, False),
 ]
 F = TypeVar("F", bound=Callable[..., None])
+
+
+def _following() -> bool:
+    """A rank other than 0 of a run started by `mlx.launch` (read without importing MLX)."""
+    from mlxcache.launch import launched_rank
+
+    return launched_rank() not in (None, 0)
 
 
 def with_run_options(max_tokens: int = _SAMPLING.max_tokens) -> Callable[[F], F]:
@@ -539,6 +571,11 @@ def with_run_options(max_tokens: int = _SAMPLING.max_tokens) -> Callable[[F], F]
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> None:
             run = RunOptions(**{name: kwargs.pop(name) for name, _, _ in _RUN_OPTIONS})
+            if _following():
+                from mlxcache.distributed import follow
+
+                follow(run.engine())  # rank 0 runs the command; this rank its engine calls
+                return
             fn(*args, run=run, **kwargs)
 
         params = [*own, *shared]

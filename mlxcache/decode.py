@@ -6,16 +6,30 @@ import time
 from collections import deque
 from collections.abc import Generator
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import mlx.core as mx
 import numpy as np
 
 from mlxcache.detok import TextStream
+from mlxcache.errors import GenerationError
 from mlxcache.events import Result, Stats, Token
 from mlxcache.sampling import LogitsProcessor, SamplingParams, make_processors, make_sampler
 from mlxcache.stops import StopScanner
 from mlxcache.types import KVLayer, Layers, Model, Tokenizer
+
+FAILED = 2**32 - 1
+"""A shared token that says rank 0's pick failed (`Share.fail`)."""
+
+
+class Share(Protocol):
+    """A sharded run's picks (`distributed.Ranks`): rank 0's token on every rank."""
+
+    def token(self, token: mx.array) -> mx.array: ...
+
+    def fail(self) -> None:
+        """Rank 0's pick failed: every rank's fails (its token reads as `FAILED`)."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +67,7 @@ def decode(
     out: list[int] | None = None,
     logprobs: int | None = None,
     batched: bool = False,
+    share: Share | None = None,
 ) -> Generator[Token | Forward | Leave, Any, Result]:
     """Generate up to `budget` tokens after `prompt`, whose last logits are `logits`.
 
@@ -62,7 +77,8 @@ def decode(
     `logprobs` k, each Token carries its log-probability and the k most likely tokens'
     (`_scored`), read from the distribution it was drawn from: after the processors,
     before temperature and the top-p/min-p/top-k filters. `batched`: each forward is
-    asked of the engine (`Forward`), and `Leave` comes after the last.
+    asked of the engine (`Forward`), and `Leave` comes after the last. `share` (a sharded
+    run): every pick becomes rank 0's, and a pick that fails there fails on every rank.
     """
     sampler = make_sampler(sampling)
     # Only plain KV models decode as one batch (the engine checks their layout).
@@ -83,12 +99,17 @@ def decode(
     drawn_from: deque[mx.array] = deque()  # with logprobs: each queued pick's log-probs
 
     def pick(logits: mx.array) -> mx.array:
-        for proc in procs:
-            logits = proc(history, logits)
+        try:
+            for proc in procs:
+                logits = proc(history, logits)
+        except Exception:
+            if share is not None:  # the others wait for this pick: they fail with it
+                share.fail()
+            raise
         logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         if logprobs is not None:
             drawn_from.append(logp)
-        return sampler(logp)
+        return sampler(logp) if share is None else share.token(sampler(logp))
 
     def forward(y: mx.array) -> Generator[Forward, Any, mx.array]:
         """The next forward, queued. Without processors the sampling is queued too; a
@@ -115,6 +136,8 @@ def decode(
             # the first token back by a decode step.
             nxt = yield from forward(y)
         token = cast(int, y.item())
+        if token == FAILED:  # no sampler draws it: rank 0's pick failed (`share`)
+            raise GenerationError("the request failed on rank 0")
         if not out:
             stats.ttft_s = time.perf_counter() - start
             decode_start = time.perf_counter()

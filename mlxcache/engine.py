@@ -23,11 +23,12 @@ Whose turn it is, for each kind of lane (`LaneKind`), is decided by `scheduler.S
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import time
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, cast
 
 import mlx.core as mx
 import numpy as np
@@ -45,6 +46,12 @@ from mlxcache.sampling import LogitsProcessor, SamplingParams
 from mlxcache.scheduler import BACKGROUND, BATCH, LaneKind, Scheduler
 from mlxcache.sysmem import release_unused
 from mlxcache.types import KVLayer, Layers, Model
+
+if TYPE_CHECKING:
+    from mlxcache.distributed import Ranks
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 @dataclass(slots=True)
@@ -100,6 +107,25 @@ class _Lane:
         return f is None or f.closed or f.ready() > f.done
 
 
+def _told(method: Callable[P, R]) -> Callable[P, R]:
+    """An engine call that changes which forward calls are made: on rank 0 of a sharded
+    run, the other ranks are told to make it too (`distributed`), unless it is made from
+    within another such call (which they make themselves)."""
+
+    @functools.wraps(method)
+    def call(*args: P.args, **kwargs: P.kwargs) -> R:
+        engine = cast("Engine", args[0])
+        ranks = engine.ranks
+        if ranks is None or ranks.stepping:
+            return method(*args, **kwargs)
+        if ranks.leader:
+            ranks.tell(engine, method.__name__, args[1:])
+        with ranks.step():
+            return method(*args, **kwargs)
+
+    return call
+
+
 def final_result(events: Iterable[Event], on_event: Callable[[Event], None] | None) -> Result:
     """The `Result` of a request's event stream, each event shown to `on_event` first."""
     for event in events:
@@ -135,6 +161,7 @@ class Engine:
         keep_replies: bool = False,
         batch_decode: bool = False,
         on_warning: Callable[[str], None] | None = None,
+        ranks: Ranks | None = None,
     ) -> None:
         if block_size is not None and block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -156,6 +183,8 @@ class Engine:
         self._warn = on_warning or (lambda _msg: None)
         self._ids = itertools.count()
         self._sched: Scheduler[_Lane] = Scheduler()
+        self.ranks = ranks
+        """The other processes of a sharded run (`distributed`); None when alone."""
 
     @property
     def model(self) -> Model:
@@ -177,6 +206,7 @@ class Engine:
 
     # -- lanes ------------------------------------------------------------------------------
 
+    @_told
     def submit(self, request: Request) -> int:
         """Queue a request as a new lane; returns its id. Validates it first.
 
@@ -220,6 +250,7 @@ class Engine:
             self._sched.add(follower, lane, follows=rid)
         return rid
 
+    @_told
     def warm(self, tokens: Sequence[int] | np.ndarray) -> int | None:
         """Queue low-priority work: prefill `tokens`' full blocks and keep them.
 
@@ -266,6 +297,7 @@ class Engine:
         follow lanes in the order of their next turns (`scheduler.Scheduler.lanes`)."""
         return [(rid, lane.kind) for rid, lane in self._sched.lanes()]
 
+    @_told
     def step(self, background: bool = True) -> list[Event]:
         """One lane's turn, one model call: the next request lane (or follow lane with work,
         while no request is prefilling), round robin; else the oldest warm lane with work.
@@ -335,6 +367,8 @@ class Engine:
         try:
             logits = self._batch.forward(self.model)
         except Exception as exc:  # every row fails alone, as a lane's own call would
+            if self.ranks is not None:  # ... but the other ranks' did not fail: out of step
+                raise self.ranks.lost(exc) from exc
             events: list[Event] = []
             for rid in rows:
                 self._batch.drop(rid)
@@ -386,6 +420,8 @@ class Engine:
         except StopIteration:
             return None
         except Exception as exc:
+            if self.ranks is not None:  # the other ranks did not fail with it: out of step
+                raise self.ranks.lost(exc) from exc
             if rid in self._batch:
                 self._batch.drop(rid)
             if lane.kind is LaneKind.REQUEST:
@@ -413,7 +449,8 @@ class Engine:
         rid = self.submit(request)
         try:
             while rid in self._sched:
-                for event in self._turn(rid, alone=True):
+                turn = self._turn(rid, alone=True) if self.ranks is None else self._whole_turn(rid)
+                for event in turn:
                     if isinstance(event, Done) and event.result.error is not None:
                         raise GenerationError(event.result.error)
                     yield event
@@ -421,6 +458,12 @@ class Engine:
             self.cancel(rid)
             self.release_memory()
 
+    @_told
+    def _whole_turn(self, rid: int) -> list[Event]:
+        """`generate`'s turn in a sharded run: made whole, as the other ranks make it."""
+        return list(self._turn(rid, alone=True))
+
+    @_told
     def cancel(self, rid: int) -> None:
         """Stop a lane now: its pin is released and it yields nothing more.
 
@@ -432,6 +475,7 @@ class Engine:
                 self._batch.drop(r)
             lane.gen.close()
 
+    @_told
     def cancel_warm(self) -> None:
         """Stop every background lane: warm-ahead and follow lanes (each keeps the full
         blocks it has computed). Requests, and so a running reply, go on unfollowed."""
@@ -503,6 +547,7 @@ class Engine:
                 out=None if follow is None else follow.reply,
                 logprobs=req.logprobs,
                 batched=self.batch_decode,
+                share=self.ranks,
             )
             if self.keep_replies:
                 self._keep_reply(tokens, result.tokens, resume.layers)

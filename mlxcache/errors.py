@@ -141,3 +141,8 @@ class ServerError(MlxcacheError):
 
 class ServerMismatchError(UserInputError):
     """A server that runs another model, cache settings or version than the command would."""
+
+
+class RankError(MlxcacheError):
+    """A distributed run (`mlx.launch`) cannot go on: another rank stopped or cannot be
+    reached."""

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
+from mlxcache import distributed
 from mlxcache.cache.base import NoCache, PrefixCache
 from mlxcache.cache.layout import Layout
 from mlxcache.cache.store import PromptCache
 from mlxcache.config import CacheConfig
 from mlxcache.engine import Engine
 from mlxcache.invariance import probe
+from mlxcache.launch import launched_rank
 from mlxcache.model import LoadedModel, load
 from mlxcache.model.gguf import Progress
 from mlxcache.paths import cache_dir, kv_dir
@@ -23,7 +26,8 @@ def make_cache(
     if not config.enabled:
         return NoCache(loaded.model, config.block_size)
     root = kv_dir(config.directory) if config.disk_bytes > 0 else None
-    label = (loaded.name, str(loaded.path))
+    name = f"{loaded.name} ({loaded.shard})" if loaded.shard else loaded.name
+    label = (name, str(loaded.path))
     return PromptCache(loaded.model, loaded.key, config, root, on_warning, label)
 
 
@@ -33,6 +37,8 @@ def open_engine(
     progress: Progress | None = None,
     on_warning: Callable[[str], None] | None = None,
     invariant: bool = False,
+    split: str | None = None,
+    on_rank_lost: Callable[[str], None] | None = None,
 ) -> Engine:
     """Load `model` (default: the embedded SmolLM2) and attach the prompt cache
     `cache_config` describes.
@@ -48,11 +54,26 @@ def open_engine(
             the probe runs once per model, device and versions): keep each reply's decode
             KV for the next turn, and decode concurrent requests as one batch. Chat and
             serve ask for it.
+        split: in a process started by `mlx.launch`, how the model is sharded across the
+            processes ("tensor" or "pipeline"; default: tensor where the model supports
+            it). The engine then runs as one rank of the run (`distributed`): on rank 0,
+            it tells the others each call; on the others, `distributed.follow` makes them.
+        on_rank_lost: in such a run, told in one line when another rank ended before the
+            run did; this process then exits with code 1 (`distributed.Ranks.watch`).
+
+    Raises:
+        RankError: a process of the distributed run stopped or cannot be reached.
     """
     config = cache_config or CacheConfig()
-    loaded = load(model, cache_root=config.directory, progress=progress, on_warning=on_warning)
+    args: dict[str, Any] = {"progress": progress, "on_warning": on_warning}
+    if launched_rank() is None:
+        loaded, ranks = load(model, cache_root=config.directory, **args), None
+    else:
+        loaded, ranks = _load_shard(model, config, split, args, on_rank_lost or (lambda _m: None))
     prompts = make_cache(loaded, config, on_warning)
-    allowed = measured(loaded, config) if invariant else NOTHING_MEASURED
+    allowed = measured(loaded, config) if invariant and ranks is None else NOTHING_MEASURED
+    if ranks is not None:  # no probe (its forwards are one rank's): the canonical path
+        prompts = distributed.AgreedCache(prompts, ranks, loaded.model)
     return Engine(
         loaded,
         prompts,
@@ -60,7 +81,33 @@ def open_engine(
         keep_replies=allowed["decode"],
         batch_decode=allowed["batch"],
         on_warning=on_warning,
+        ranks=ranks,
     )
+
+
+def _load_shard(
+    model: str | None,
+    config: CacheConfig,
+    split: str | None,
+    args: dict[str, Any],
+    on_lost: Callable[[str], None],
+) -> tuple[LoadedModel, distributed.Ranks | None]:
+    """This rank's shard of `model`. Rank 0 loads first (a GGUF is converted once, by it)."""
+    leader = launched_rank() == 0
+    if not leader:
+        distributed.sync("rank 0 loading the model")
+    loaded = load(model, cache_root=config.directory, lazy=True, **args)
+    if leader:
+        distributed.sync("loading the model")
+    topo = distributed.topology(loaded.model, loaded.config, split)
+    if topo is None:  # launched alone: the weights are read at the first forward
+        return loaded, None
+    ranks = distributed.Ranks(topo)
+    if leader:
+        distributed.lead(ranks)
+    loaded = distributed.shard(loaded, topo)
+    ranks.watch(on_lost)
+    return loaded, ranks
 
 
 NOTHING_MEASURED = {"decode": False, "batch": False}

@@ -27,6 +27,7 @@ from mlxcache.errors import (
     EngineStoppedError,
     GenerationError,
     QueueFullError,
+    RankError,
 )
 from mlxcache.events import CANCELLED, Done, Event, Result, Stats
 
@@ -78,10 +79,17 @@ class EngineWorker:
         max_lanes: requests run together (interleaved); more wait in a queue.
         max_queue: requests that may wait; one more raises QueueFullError (0: no limit, as
             chat's one user needs; the server passes its own, `ServerConfig.max_queue`).
+        on_stop: told, on the worker thread, when a sharded run lost a rank: every request
+            failed, and the worker takes no more (`error`).
     """
 
     def __init__(
-        self, engine: Engine, *, max_lanes: int = ServerConfig.lanes, max_queue: int = 0
+        self,
+        engine: Engine,
+        *,
+        max_lanes: int = ServerConfig.lanes,
+        max_queue: int = 0,
+        on_stop: Callable[[RankError], None] | None = None,
     ) -> None:
         if max_lanes < 1 or max_queue < 0:
             raise ValueError("max_lanes must be >= 1 and max_queue >= 0")
@@ -96,6 +104,10 @@ class EngineWorker:
         self._active: dict[int, _Job] = {}  # engine lane id -> job
         self._stopping = False
         self._closed = False  # the loop has ended: nothing will read the inbox again
+        self.error: RankError | None = None
+        """Why the worker stopped on its own: a sharded run lost a rank (`on_stop` is told
+        then, on the worker thread; the owner stops)."""
+        self._on_stop = on_stop or (lambda _exc: None)
         self._thread = threading.Thread(target=self._loop, name="mlxcache-engine", daemon=True)
 
     # -- any thread -------------------------------------------------------------------------
@@ -241,9 +253,15 @@ class EngineWorker:
             self._pending.clear()
             self._active.clear()
             self._drain(failed)
-            raise
+            if not isinstance(exc, RankError):
+                raise
+            self.error = exc  # expected, not a bug: the owner reports it, in one line
+            self._on_stop(exc)
         finally:
-            mx.synchronize(stream)  # work queued on this thread's stream must not outlive it
+            # Work queued on this thread's stream must not outlive it; but a collective of
+            # a run that lost a rank never completes (the process is ending anyway).
+            if self.error is None:
+                mx.synchronize(stream)
 
     def _drain(self, failed: Result) -> None:
         """End for good: refuse what comes next, answer what was sent and not read."""

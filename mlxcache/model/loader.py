@@ -52,6 +52,8 @@ class LoadedModel:
     name: str
     path: Path
     config: dict[str, Any] = field(repr=False)
+    shard: str = ""
+    """Which part of the model this process holds in a sharded run (`distributed`)."""
 
     @property
     def context_length(self) -> int:
@@ -144,11 +146,13 @@ def load(
     cache_root: str | os.PathLike[str] | None = None,
     progress: Progress | None = None,
     on_warning: Warn | None = None,
+    lazy: bool = False,
 ) -> LoadedModel:
     """Load a model by spec: `smollm2-135m` (default), a .gguf path, an mlx-lm folder or a Hub id.
 
     GGUF files are converted once into an mlx-lm folder under the cache directory; a
-    damaged conversion is converted again (`on_warning` is told).
+    damaged conversion is converted again (`on_warning` is told). `lazy`: the weights are
+    read when first evaluated (a sharded run reads only its shard's).
 
     Raises:
         ModelNotFoundError: the path does not exist or cannot be read.
@@ -161,7 +165,7 @@ def load(
     name, path = _resolve(spec or DEFAULT_MODEL, cache_dir(cache_root), progress, warn)
     if not (path / "config.json").is_file():
         raise ModelNotFoundError(f"not an mlx-lm model folder (no config.json): {path}")
-    model, config = load_folder(path)
+    model, config = load_folder(path, lazy=lazy)
     try:
         tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
     except (ValueError, KeyError, FileNotFoundError) as exc:
@@ -180,6 +184,7 @@ def describe(loaded: LoadedModel) -> dict[str, Any]:
         "layers": loaded.config.get("num_hidden_layers"),
         "vocab_size": loaded.config.get("vocab_size"),
         "quantization": loaded.config.get("quantization"),
+        **({"shard": loaded.shard} if loaded.shard else {}),
     }
 
 

@@ -18,7 +18,7 @@ from uvicorn.server import HANDLED_SIGNALS
 
 from mlxcache.config import ServerConfig
 from mlxcache.engine import Engine
-from mlxcache.errors import UserInputError
+from mlxcache.errors import RankError, UserInputError
 from mlxcache.server.app import Settings, create_app
 from mlxcache.server.log import RequestLog
 from mlxcache.worker import EngineWorker
@@ -88,9 +88,20 @@ def serve(
 ) -> None:
     """Serve until Ctrl-C / SIGTERM, then drain; SIGTERM is ignored once the drain has
     begun (the process is ending). `port` 0 picks a free port; `on_listen` is told the
-    URL once the socket listens (the CLI announces it: the library never prints)."""
+    URL once the socket listens (the CLI announces it: the library never prints).
+
+    Raises:
+        RankError: a sharded run lost a rank (`distributed`): the server stopped.
+    """
     sock = bind(host, port)  # before the worker starts: a refusal leaves nothing running
-    with sock, EngineWorker(engine, max_lanes=max_lanes, max_queue=max_queue) as worker:
+    server: _Server | None = None
+
+    def stop(_exc: RankError) -> None:  # the run lost a rank: nothing more can be served
+        if server is not None:
+            server.should_exit = True
+
+    worker = EngineWorker(engine, max_lanes=max_lanes, max_queue=max_queue, on_stop=stop)
+    with sock, worker:
         app = create_app(engine, worker, settings, log)
         config = uvicorn.Config(
             app,
@@ -101,4 +112,7 @@ def serve(
             lifespan="off",
             timeout_graceful_shutdown=None,
         )
-        _Server(config, on_listen).run(sockets=[sock])
+        server = _Server(config, on_listen)
+        server.run(sockets=[sock])
+    if worker.error is not None:
+        raise worker.error
