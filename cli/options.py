@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import functools
 import inspect
+import os
 import re
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -340,8 +341,18 @@ def engine(
             on_warning=ui.warn,
             invariant=invariant,
             split=split,
-            on_rank_lost=ui.error,
+            on_rank_lost=_rank_lost,
         )
+
+
+def _rank_lost(message: str | None) -> None:
+    """Another rank of the run ended (`Ranks.watch`): this one may be waiting for it in a
+    collective that never completes, so the process ends here (`message`: its one line;
+    None when the loss was raised here already, and is being reported)."""
+    if message is not None:
+        ui.error(message)
+    sys.stderr.flush()
+    os._exit(1)
 
 
 @contextmanager

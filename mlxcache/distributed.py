@@ -242,14 +242,16 @@ class Ranks:
             yield msg
         self._closed = True
 
-    def watch(self, on_lost: Callable[[str], None]) -> None:
-        """End this process (exit code 1) when another rank's ends before the run does.
+    def watch(self, on_lost: Callable[[str | None], None]) -> None:
+        """Call `on_lost` (on a thread of its own) when another rank's process ends before
+        the run does: the caller ends this process then, since this rank may be waiting in
+        a collective that never completes (MLX's ring backend fails only the first one
+        after a peer is gone). It gets the one line to report, or None when this rank
+        already raised the loss as a `RankError` (`lost`), which its caller reports.
 
-        MLX's ring backend leaves a collective waiting forever once a peer is gone (only
-        the first one after may fail), so the ranks also hold plain TCP connections, rank 0
-        to each other rank, and a closed one ends the process: `on_lost` is told first,
-        unless this rank already raised the loss (`lost`), which its caller reports. Only
-        for a run whose launcher names rank 0's address (`mlx.launch`: ring and JACCL).
+        The ranks hold plain TCP connections for this, rank 0 to each other rank: a closed
+        one is an ended process. Only for a run whose launcher names rank 0's address
+        (`mlx.launch`: ring and JACCL).
         """
         host = _leader_host()
         if host is None:
@@ -268,7 +270,7 @@ class Ranks:
             conn.sendall(self.topology.rank.to_bytes(4, "big"))
             self._watch(conn, "rank 0 stopped", on_lost)
 
-    def _watch(self, conn: socket.socket, said: str, on_lost: Callable[[str], None]) -> None:
+    def _watch(self, conn: socket.socket, said: str, on_lost: Callable[[str | None], None]) -> None:
         def wait() -> None:
             conn.settimeout(None)
             with contextlib.suppress(OSError):
@@ -276,10 +278,8 @@ class Ranks:
                     pass
             if self._closed:
                 return
-            time.sleep(_GRACE_S)  # a loss this rank saw itself is reported by its caller
-            if self._lost is None:
-                on_lost(f"{said}: the distributed run cannot go on")
-            os._exit(1)
+            time.sleep(_GRACE_S)  # a loss this rank saw itself: its caller may be reporting it
+            on_lost(None if self._lost else f"{said}: the distributed run cannot go on")
 
         threading.Thread(target=wait, name="mlxcache-rank-watch", daemon=True).start()
 
@@ -312,13 +312,22 @@ def _settings(engine: Engine) -> dict[str, Any]:
 
 
 def _portable(arg: Any) -> Any:
-    """A request as the other ranks need it: they sample nothing (`Ranks.share`), so
-    neither its logits processors (a grammar matcher cannot be pickled) nor log-probs."""
+    """A request as the other ranks need it: their picks count for nothing (`Ranks.token`),
+    so neither its logits processors (a grammar matcher cannot be pickled) nor log-probs.
+    But a decode with processors picks each token after the forward that follows it, and
+    one without, before: the others get a processor that changes nothing, so that they
+    make their collectives in rank 0's order."""
     from mlxcache.engine import Request
 
     if isinstance(arg, Request):
-        return replace(arg, processors=[], logprobs=None, tokens=np.asarray(arg.tokens))
+        procs = [unchanged] if arg.processors else []
+        return replace(arg, processors=procs, logprobs=None, tokens=np.asarray(arg.tokens))
     return arg
+
+
+def unchanged(tokens: mx.array, logits: mx.array) -> mx.array:
+    """A logits processor that keeps the logits (see `_portable`)."""
+    return logits
 
 
 def follow(engine: Engine) -> None:

@@ -38,7 +38,7 @@ def open_engine(
     on_warning: Callable[[str], None] | None = None,
     invariant: bool = False,
     split: str | None = None,
-    on_rank_lost: Callable[[str], None] | None = None,
+    on_rank_lost: Callable[[str | None], None] | None = None,
 ) -> Engine:
     """Load `model` (default: the embedded SmolLM2) and attach the prompt cache
     `cache_config` describes.
@@ -58,8 +58,9 @@ def open_engine(
             processes ("tensor" or "pipeline"; default: tensor where the model supports
             it). The engine then runs as one rank of the run (`distributed`): on rank 0,
             it tells the others each call; on the others, `distributed.follow` makes them.
-        on_rank_lost: in such a run, told in one line when another rank ended before the
-            run did; this process then exits with code 1 (`distributed.Ranks.watch`).
+        on_rank_lost: in such a run, called when another rank's process ended before the
+            run did; it must end this process (`distributed.Ranks.watch`). None: not
+            watched (a rank may then wait forever for one that is gone).
 
     Raises:
         RankError: a process of the distributed run stopped or cannot be reached.
@@ -69,7 +70,7 @@ def open_engine(
     if launched_rank() is None:
         loaded, ranks = load(model, cache_root=config.directory, **args), None
     else:
-        loaded, ranks = _load_shard(model, config, split, args, on_rank_lost or (lambda _m: None))
+        loaded, ranks = _load_shard(model, config, split, args, on_rank_lost)
     prompts = make_cache(loaded, config, on_warning)
     allowed = measured(loaded, config) if invariant and ranks is None else NOTHING_MEASURED
     if ranks is not None:  # no probe (its forwards are one rank's): the canonical path
@@ -90,7 +91,7 @@ def _load_shard(
     config: CacheConfig,
     split: str | None,
     args: dict[str, Any],
-    on_lost: Callable[[str], None],
+    on_lost: Callable[[str | None], None] | None,
 ) -> tuple[LoadedModel, distributed.Ranks | None]:
     """This rank's shard of `model`. Rank 0 loads first (a GGUF is converted once, by it)."""
     leader = launched_rank() == 0
@@ -106,7 +107,8 @@ def _load_shard(
     if leader:
         distributed.lead(ranks)
     loaded = distributed.shard(loaded, topo)
-    ranks.watch(on_lost)
+    if on_lost is not None:
+        ranks.watch(on_lost)
     return loaded, ranks
 
 

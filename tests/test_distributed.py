@@ -173,6 +173,24 @@ def test_a_split_the_model_cannot_take_is_one_error_line(
             assert err.count("\n") == 1 and err.startswith("error: ") and said in err, err
 
 
+def test_json_mode_over_two_ranks(tiny: LoadedModel, tmp_path: Path, ranks: Ranks) -> None:
+    """The grammar runs on rank 0 only; the others still make their collectives in its
+    order (a decode with processors picks later), and every reply is rank 0's."""
+    schema = tmp_path / "schema.json"
+    schema.write_text(
+        '{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}'
+    )
+    args = ["json", "--model", str(tiny.path), "--schema", str(schema), "--max-tokens", "30"]
+    args += ["--block-size", "4", "--cache-dir", str(tmp_path / "c"), "give a"]
+    replies = []
+    for _ in range(2):
+        done = finish(ranks(2, args))
+        assert [code for code, _, _ in done] == [0, 0], done
+        assert done[1][1] == ""
+        replies.append(done[0][1])
+    assert replies[0] == replies[1] and isinstance(json.loads(replies[0])["a"], int)
+
+
 @pytest.mark.model
 def test_smollm2_over_three_ranks(smol: LoadedModel, tmp_path: Path, ranks: Ranks) -> None:
     """SmolLM2's 3 KV heads, one per rank: the real model's reply, cold then resumed."""

@@ -15,6 +15,7 @@ layers) is reported as skipped for N, with the reason.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -104,7 +105,7 @@ def child(model: str, directory: str, block_size: str, tokens: str) -> None:
 
     config = CacheConfig(block_size=int(block_size), directory=Path(directory) / "cache")
     try:
-        engine = open_engine(model or None, config, on_rank_lost=_say)
+        engine = open_engine(model or None, config, on_rank_lost=_lost)
     except MlxcacheError as exc:  # e.g. a model that cannot be split in this many ranks
         _say(str(exc))
         sys.exit(2)
@@ -140,7 +141,13 @@ def child(model: str, directory: str, block_size: str, tokens: str) -> None:
 
 
 def _say(message: str) -> None:
-    print(message, file=sys.stderr)
+    print(message, file=sys.stderr, flush=True)
+
+
+def _lost(message: str | None) -> None:
+    if message is not None:
+        _say(message)
+    os._exit(1)  # this rank may wait forever for the one that is gone
 
 
 if __name__ == "__main__":
