@@ -117,6 +117,7 @@ FLAGS = {
     "strict": "drop --strict",
     "messages": "--messages FILE",
     "json_output": "previous --json output",
+    "split": "--split",
 }
 """The words of the CLI for the settings library messages name (`errors.Worded`): their
 flags, where the library names them as its API does (max_tokens -> --max-tokens)."""

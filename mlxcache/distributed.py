@@ -7,7 +7,7 @@ each engine call it makes (`Ranks.tell`: `submit`, `step`, `cancel`, ...), with 
 arguments, before making it; the others replay the calls in the same order on their
 own engine (`follow`), so every rank makes the same forward calls with the same shapes,
 which the collectives inside each forward need. Nothing that decides a forward is
-re-derived on a rank: sampled tokens are rank 0's (`Ranks.share`), and so is every cache
+re-derived on a rank: sampled tokens are rank 0's (`Ranks.token`), and so is every cache
 lookup (`AgreedCache`).
 
 Each rank keeps its own prompt cache (its shard's KV), under a model key that names the
@@ -34,12 +34,13 @@ import numpy as np
 
 from mlxcache.cache.base import PrefixCache, Resume
 from mlxcache.decode import FAILED
-from mlxcache.errors import RankError, UnsupportedModelError
+from mlxcache.errors import MlxcacheError, RankError, Setting, UnsupportedModelError, Worded
 from mlxcache.types import Layers, new_layers
 
 if TYPE_CHECKING:
     from mlxcache.engine import Engine
     from mlxcache.model import LoadedModel
+    from mlxcache.sampling import LogitsProcessor
 
 SPLITS = ("tensor", "pipeline")
 
@@ -108,7 +109,9 @@ def topology(model: Any, config: dict[str, Any], split: str | None) -> Topology 
                 f"{type(model).__module__} can be split neither by tensor nor by pipeline"
             )
     elif not can_split(model, split):
-        raise UnsupportedModelError(f"this model cannot be split by {split} (--split)")
+        raise UnsupportedModelError(
+            Worded(f"this model cannot be split by {split} (", Setting("split"), ")")
+        )
     topo = Topology(group.size(), group.rank(), split)
     _check_fits(config, topo)
     return topo
@@ -128,8 +131,12 @@ def _check_fits(config: dict[str, Any], topo: Topology) -> None:
         heads = config.get(name)
         if isinstance(heads, int) and heads % topo.size:
             raise UnsupportedModelError(
-                f"tensor parallel over {topo.size} ranks needs {name} ({heads}) divisible by "
-                f"{topo.size}: run fewer ranks or --split pipeline"
+                Worded(
+                    f"tensor parallel over {topo.size} ranks needs {name} ({heads}) divisible "
+                    f"by {topo.size}: run fewer ranks or ",
+                    Setting("split", "split by"),
+                    " pipeline",
+                )
             )
 
 
@@ -320,7 +327,7 @@ def _portable(arg: Any) -> Any:
     from mlxcache.engine import Request
 
     if isinstance(arg, Request):
-        procs = [unchanged] if arg.processors else []
+        procs: list[LogitsProcessor] = [unchanged] if arg.processors else []
         return replace(arg, processors=procs, logprobs=None, tokens=np.asarray(arg.tokens))
     return arg
 
@@ -342,7 +349,10 @@ def follow(engine: Engine) -> None:
     for op, args, settings in ranks.commands():
         for name, value in settings.items():
             setattr(engine, name, value)
-        getattr(engine, op)(*args)
+        # A call refused on rank 0 (a prompt too long for the context) is refused here
+        # alike, before any forward: rank 0's caller reports it; the run goes on.
+        with contextlib.suppress(MlxcacheError):
+            getattr(engine, op)(*args)
         engine.release_memory()
 
 

@@ -164,13 +164,28 @@ def test_a_split_the_model_cannot_take_is_one_error_line(
     tiny: LoadedModel, qwen3_next: Path, ranks: Ranks
 ) -> None:
     cases = [  # 3 ranks cannot share the tiny llama's 2 KV heads; Qwen3-Next has no tensor split
-        (3, tiny.path, (), "num_attention_heads (4) divisible by 3"),
-        (2, qwen3_next, ("--split", "tensor"), "cannot be split by tensor"),
+        (
+            3,
+            tiny.path,
+            (),
+            "num_attention_heads (4) divisible by 3: run fewer ranks or --split pipeline",
+        ),
+        (2, qwen3_next, ("--split", "tensor"), "cannot be split by tensor (--split)"),
     ]
     for size, model, extra, said in cases:
         for code, out, err in finish(ranks(size, _generate_args(model, PROMPT, *extra))):
             assert code == 2 and out == "", err
             assert err.count("\n") == 1 and err.startswith("error: ") and said in err, err
+
+
+def test_a_request_refused_on_rank_0_is_one_error_line_and_the_others_end_quietly(
+    tiny: LoadedModel, ranks: Ranks
+) -> None:
+    too_long = "x" * 300  # the tiny model's context is 256 tokens, one per byte
+    (code, out, err), (code1, out1, err1) = finish(ranks(2, _generate_args(tiny.path, too_long)))
+    assert code == 2 and out == "" and err.startswith("error: ") and err.count("\n") == 1, err
+    assert "context" in err
+    assert (code1, out1, err1) == (0, "", "")
 
 
 def test_json_mode_over_two_ranks(tiny: LoadedModel, tmp_path: Path, ranks: Ranks) -> None:
