@@ -11,6 +11,7 @@ from mlxcache.cache.layout import Layout
 from mlxcache.cache.store import PromptCache
 from mlxcache.config import CacheConfig
 from mlxcache.engine import Engine
+from mlxcache.errors import Setting, Worded
 from mlxcache.invariance import probe
 from mlxcache.launch import launched_rank
 from mlxcache.model import LoadedModel, load
@@ -68,6 +69,10 @@ def open_engine(
     config = cache_config or CacheConfig()
     args: dict[str, Any] = {"progress": progress, "on_warning": on_warning}
     if launched_rank() is None:
+        if split is not None and on_warning is not None:
+            on_warning(
+                Worded("a split (", Setting("split"), ") is for runs under mlx.launch: ignored")
+            )
         loaded, ranks = load(model, cache_root=config.directory, **args), None
     else:
         loaded, ranks = _load_shard(model, config, split, args, on_rank_lost)

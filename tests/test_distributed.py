@@ -348,3 +348,11 @@ def test_distributed_bench_reports_each_size_and_skips_one_the_model_cannot_take
     }
     assert set(runs["2"]["vs_one_process"]) == {"ttft_cold_s", "ttft_resumed_s", "decode_tps"}
     assert result["goals"] == {"resumed_equals_cold": True, "ranks_agree": True, "some_run": True}
+
+
+def test_a_split_outside_mlx_launch_is_a_warning(tiny: LoadedModel) -> None:
+    args = _generate_args(tiny.path, PROMPT, "--split", "tensor", "--no-cache")
+    alone = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=TIMEOUT)
+    assert alone.returncode == 0
+    assert alone.stderr == "warning: a split (--split) is for runs under mlx.launch: ignored\n"
+    assert len(json.loads(alone.stdout)["tokens"]) == 6
