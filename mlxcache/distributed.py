@@ -201,10 +201,12 @@ class Ranks:
         finally:
             self.stepping = False
 
-    def tell(self, engine: Engine, op: str, args: tuple[Any, ...]) -> None:
-        """Rank 0: the others are to make engine call `op(*args)` now (with the engine's
-        own settings as they are at this call)."""
-        self._send((op, tuple(_portable(a) for a in args), _settings(engine)))
+    def tell(self, engine: Engine, op: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Rank 0: the others are to make engine call `op(*args, **kwargs)` now (with the
+        engine's own settings as they are at this call)."""
+        args = tuple(_portable(a) for a in args)
+        kwargs = {k: _portable(v) for k, v in kwargs.items()}
+        self._send((op, args, kwargs, _settings(engine)))
 
     def _send(self, obj: Any) -> None:
         """Rank 0's Python object to every rank, through `all_sum` (the others add zeros)."""
@@ -243,7 +245,9 @@ class Ranks:
             with contextlib.suppress(RankError):
                 self._send(None)
 
-    def commands(self) -> Iterator[tuple[str, tuple[Any, ...], dict[str, Any]]]:
+    def commands(
+        self,
+    ) -> Iterator[tuple[str, tuple[Any, ...], dict[str, Any], dict[str, Any]]]:
         """The others: rank 0's engine calls, until it closes."""
         while (msg := self._recv()) is not None:
             yield msg
@@ -346,13 +350,13 @@ def follow(engine: Engine) -> None:
     ranks = engine.ranks
     if ranks is None or ranks.leader:
         raise ValueError("follow() is for the ranks other than 0")
-    for op, args, settings in ranks.commands():
+    for op, args, kwargs, settings in ranks.commands():
         for name, value in settings.items():
             setattr(engine, name, value)
         # A call refused on rank 0 (a prompt too long for the context) is refused here
         # alike, before any forward: rank 0's caller reports it; the run goes on.
         with contextlib.suppress(MlxcacheError):
-            getattr(engine, op)(*args)
+            getattr(engine, op)(*args, **kwargs)
         engine.release_memory()
 
 

@@ -119,7 +119,7 @@ def _told(method: Callable[P, R]) -> Callable[P, R]:
         if ranks is None or ranks.stepping:
             return method(*args, **kwargs)
         if ranks.leader:
-            ranks.tell(engine, method.__name__, args[1:])
+            ranks.tell(engine, method.__name__, args[1:], kwargs)
         with ranks.step():
             return method(*args, **kwargs)
 

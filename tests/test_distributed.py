@@ -118,19 +118,28 @@ def test_tensor_two_ranks_resume_exactly_and_apart_from_one_process(
     assert resumed["tokens"] == cold["tokens"]
     fresh = run(ranks, 2, _generate_args(tiny.path, PROMPT, "--no-cache"))
     assert fresh["tokens"] == cold["tokens"]
-    # One process on the same cache directory: the shards' entries are not its own.
-    alone = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=TIMEOUT)
-    assert alone.returncode == 0, alone.stderr
-    assert json.loads(alone.stdout)["stats"]["cached_tokens"] == 0
+    # One process on the same cache directory: the shards' entries are not its own ...
+    assert _alone(args)["stats"]["cached_tokens"] == 0
+    # ... nor its entries theirs (another prompt: one process first, then the shards).
+    other = _generate_args(tiny.path, PROMPT.upper(), "--cache-dir", str(tmp_path / "c"))
+    assert _alone(other)["stats"]["cached_tokens"] == 0
+    assert run(ranks, 2, other)["stats"]["cached_tokens"] == 0
     listed = subprocess.run(
         [*CLI, "cache", "ls", "--json", "--cache-dir", str(tmp_path / "c")],
         capture_output=True,
         text=True,
         timeout=TIMEOUT,
     )
-    models = sorted(row["model"] for row in json.loads(listed.stdout))
+    models = sorted({row["model"] for row in json.loads(listed.stdout)})
     name = tiny.path.name
     assert models == [name, f"{name} (tensor2-rank0)", f"{name} (tensor2-rank1)"]
+
+
+def _alone(args: list[str]) -> dict[str, Any]:
+    """The JSON reply of one process (no launcher)."""
+    done = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=TIMEOUT)
+    assert done.returncode == 0, done.stderr
+    return dict(json.loads(done.stdout))
 
 
 def test_a_rank_missing_its_blocks_makes_every_rank_prefill(
@@ -249,7 +258,10 @@ def _serve(
 ) -> tuple[str, list[subprocess.Popen[str]]]:
     port = _free_port()
     args = ["serve", "--model", str(model), "--port", str(port), "--block-size", "4"]
-    procs = ranks(size, [*args, "--split", split, "--cache-dir", str(cache)])
+    # Two lanes: requests wait while follow lanes have work, so steps are told with
+    # `background` False (a keyword the others must get too).
+    args += ["--max-lanes", "2", "--split", split, "--cache-dir", str(cache)]
+    procs = ranks(size, args)
     base = f"http://127.0.0.1:{port}"
     _wait_for(f"{base}/health", procs)
     return base, procs
@@ -291,10 +303,10 @@ def test_serve_concurrent_equals_solo_and_a_lost_rank_stops_it(
 
     solo = [ask(i) for i in range(5)]
     assert all(uncached > 0 for _, uncached in solo)
-    with ThreadPoolExecutor(4) as pool:
-        together = list(pool.map(ask, range(4)))
-    assert [text for text, _ in together] == [text for text, _ in solo[:4]]
-    assert [uncached for _, uncached in together] == [0] * 4  # each resumed its whole prompt
+    with ThreadPoolExecutor(5) as pool:
+        together = list(pool.map(ask, range(5)))
+    assert [text for text, _ in together] == [text for text, _ in solo]
+    assert [uncached for _, uncached in together] == [0] * 5  # each resumed its whole prompt
     report = json.loads(urllib.request.urlopen(f"{base}/v1/cache", timeout=TIMEOUT).read())
     assert report["topology"] == f"{split}{size}-rank0"
 
