@@ -268,7 +268,7 @@ class Ranks:
         if host is None:
             return
         if self.leader:
-            with socket.create_server(("", 0)) as server:
+            with _listen(host) as server:
                 self._sum(np.array([server.getsockname()[1]], np.int64), "joining the run")
                 server.settimeout(_CONNECT_S)
                 for _ in range(self.topology.size - 1):
@@ -297,6 +297,15 @@ class Ranks:
 
 _CONNECT_S = 60.0  # every rank joins within this after rank 0 (they load the model first)
 _GRACE_S = 3.0
+
+
+def _listen(host: str) -> socket.socket:
+    """A listening socket on rank 0's address as the others know it (else on every
+    address: a name the launcher resolves elsewhere)."""
+    try:
+        return socket.create_server((host, 0))
+    except OSError:
+        return socket.create_server(("", 0))
 
 
 def _leader_host() -> str | None:
