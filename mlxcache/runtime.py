@@ -78,7 +78,9 @@ def open_engine(
         loaded, ranks = _load_shard(model, config, split, args, on_rank_lost)
     prompts = make_cache(loaded, config, on_warning)
     allowed = measured(loaded, config) if invariant and ranks is None else NOTHING_MEASURED
-    if ranks is not None:  # no probe (its forwards are one rank's): the canonical path
+    # No probe in a sharded run (its forwards are one rank's): the canonical path. A cache
+    # that keeps nothing resumes nothing on every rank: nothing to agree on.
+    if ranks is not None and not isinstance(prompts, NoCache):
         prompts = distributed.AgreedCache(prompts, ranks, loaded.model)
     return Engine(
         loaded,

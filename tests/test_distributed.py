@@ -117,7 +117,7 @@ def test_tensor_two_ranks_resume_exactly_and_apart_from_one_process(
     assert resumed["stats"]["cached_from"] == "disk"
     assert resumed["tokens"] == cold["tokens"]
     fresh = run(ranks, 2, _generate_args(tiny.path, PROMPT, "--no-cache"))
-    assert fresh["tokens"] == cold["tokens"]
+    assert fresh["tokens"] == cold["tokens"] and fresh["stats"]["miss_reason"] == "cache off"
     # One process on the same cache directory: the shards' entries are not its own ...
     assert _alone(args)["stats"]["cached_tokens"] == 0
     # ... nor its entries theirs (another prompt: one process first, then the shards).
