@@ -230,10 +230,15 @@ class Ranks:
         """Rank 0's pick failed: the others' token reads `decode.FAILED`."""
         self._sum(np.array([FAILED], np.uint32), "failing a request")
 
+    def _from_leader(self, values: np.ndarray, what: str) -> np.ndarray:
+        """Rank 0's `values` on every rank (the others' own, of the same shape, count for
+        nothing)."""
+        return self._sum(values if self.leader else np.zeros_like(values), what)
+
     def agree(self, values: tuple[int, ...], what: str) -> tuple[int, ...] | None:
         """Rank 0's `values`, if every rank has the same; else None on every rank."""
         mine = np.asarray(values, np.int64)
-        lead = self._sum(mine if self.leader else np.zeros_like(mine), what)
+        lead = self._from_leader(mine, what)
         differ = self._sum(np.array([int(not np.array_equal(mine, lead))], np.int64), what)
         return None if differ[0] else tuple(int(v) for v in lead)
 
@@ -267,19 +272,23 @@ class Ranks:
         host = _leader_host()
         if host is None:
             return
-        if self.leader:
-            with _listen(host) as server:
-                self._sum(np.array([server.getsockname()[1]], np.int64), "joining the run")
-                server.settimeout(_CONNECT_S)
-                for _ in range(self.topology.size - 1):
-                    conn, _ = server.accept()
-                    rank = int.from_bytes(conn.recv(4), "big")
-                    self._watch(conn, f"rank {rank} stopped", on_lost)
-        else:
-            port = int(self._sum(np.zeros(1, np.int64), "joining the run")[0])
-            conn = socket.create_connection((host, port), timeout=_CONNECT_S)
-            conn.sendall(self.topology.rank.to_bytes(4, "big"))
-            self._watch(conn, "rank 0 stopped", on_lost)
+        try:
+            if self.leader:
+                with _listen(host) as server:
+                    port = np.array([server.getsockname()[1]], np.int64)
+                    self._from_leader(port, "joining the run")
+                    server.settimeout(_CONNECT_S)
+                    for _ in range(self.topology.size - 1):
+                        conn, _ = server.accept()
+                        rank = int.from_bytes(conn.recv(4), "big")
+                        self._watch(conn, f"rank {rank} stopped", on_lost)
+            else:
+                port = self._from_leader(np.zeros(1, np.int64), "joining the run")
+                conn = socket.create_connection((host, int(port[0])), timeout=_CONNECT_S)
+                conn.sendall(self.topology.rank.to_bytes(4, "big"))
+                self._watch(conn, "rank 0 stopped", on_lost)
+        except OSError as exc:  # a rank that never connects, an address not reachable
+            raise self.lost(RankError(f"cannot watch the other ranks: {exc}")) from exc
 
     def _watch(self, conn: socket.socket, said: str, on_lost: Callable[[str | None], None]) -> None:
         def wait() -> None:
