@@ -68,6 +68,7 @@ def decode(
     logprobs: int | None = None,
     batched: bool = False,
     share: Share | None = None,
+    to_end: bool = False,
 ) -> Generator[Token | Forward | Leave, Any, Result]:
     """Generate up to `budget` tokens after `prompt`, whose last logits are `logits`.
 
@@ -79,6 +80,9 @@ def decode(
     before temperature and the top-p/min-p/top-k filters. `batched`: each forward is
     asked of the engine (`Forward`), and `Leave` comes after the last. `share` (a sharded
     run): every pick becomes rank 0's, and a pick that fails there fails on every rank.
+    `to_end`: the layers end up holding the KV of every token drawn, the last one (an end
+    token too) included, as mlx-lm's do: where decode KV is kept, the next turn resumes
+    after the whole reply instead of prefilling its last token in its own TTFT.
     """
     sampler = make_sampler(sampling)
     # Only plain KV models decode as one batch (the engine checks their layout).
@@ -126,10 +130,12 @@ def decode(
     mx.async_eval(y)
     decode_start = 0.0
     nxt = y
+    ended_by: int | None = None
     while True:
         more = len(out) + 1 < budget
         first = not out
-        if more and not first:
+        held = more and not first  # y's own forward is queued (the layers will hold y)
+        if held:
             # Queue the next forward before waiting on this token: graph building overlaps
             # compute (as mlx-lm does). Not before the first: on MLX's CPU backend
             # `async_eval` computes most of a forward before it returns, which would hold
@@ -146,7 +152,7 @@ def decode(
         if logprobs is not None:
             logprob, top = _scored(drawn_from.popleft(), token, logprobs)
         if token in stop_tokens:
-            finish = "stop"
+            finish, ended_by = "stop", token
             break
         out.append(token)
         piece = stops.feed(text.add(token))
@@ -159,21 +165,29 @@ def decode(
             break
         if first:
             nxt = yield from forward(y)
+            held = True
         if procs:
             host[prompt.size + len(out) - 1] = token
             history = mx.array(host[: prompt.size + len(out)])
             nxt = pick(nxt)
             mx.async_eval(nxt)
         y = nxt
-    if batched:
-        yield Leave(kv)
     tail = stops.feed(text.flush()) + stops.flush()
     if tail:
         pieces.append(tail)
         yield Token(rid, out[-1], tail)
     stats.generated_tokens = len(out)
     stats.decode_s = time.perf_counter() - decode_start
-    return Result("".join(pieces), list(out), finish, stats)  # `out` may be a follow lane's
+    if to_end and not held:  # after every piece of text: the client has it all already
+        if batched:
+            yield Forward(y, kv)  # its logits are not needed
+        else:
+            model(y.reshape(1, 1), cache=layers)
+            mx.eval([c.state for c in layers])  # the KV only: no LM head
+    if batched:
+        yield Leave(kv)
+    # `out` may be a follow lane's
+    return Result("".join(pieces), list(out), finish, stats, stop_token=ended_by)
 
 
 def _scored(logp: mx.array, token: int, top: int) -> tuple[float, tuple[tuple[int, float], ...]]:

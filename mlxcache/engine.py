@@ -548,9 +548,11 @@ class Engine:
                 logprobs=req.logprobs,
                 batched=self.batch_decode,
                 share=self.ranks,
+                to_end=self.keep_replies,
             )
             if self.keep_replies:
-                self._keep_reply(tokens, result.tokens, resume.layers)
+                ended = [] if result.stop_token is None else [result.stop_token]
+                self._keep_reply(tokens, [*result.tokens, *ended], resume.layers)
         except GenerationError as exc:
             # This request fails alone: the lanes beside it go on.
             result = Result("", [], "error", stats, error=str(exc))
@@ -562,9 +564,9 @@ class Engine:
         yield Done(rid, result)  # after the release: a finished request holds no pin
 
     def _keep_reply(self, prompt: np.ndarray, reply: list[int], layers: Layers) -> None:
-        """Keep the full blocks of prompt + reply that `layers` hold past the prompt's own,
-        and the rest as a tail to resume mid-block from (decode KV, canonical on this
-        device: see `keep_replies`)."""
+        """Keep the full blocks of prompt + reply (its end token included) that `layers`
+        hold past the prompt's own, and the rest as a tail to resume mid-block from
+        (decode KV, canonical on this device: see `keep_replies`)."""
         block = self.cache.block_size
         held = min(cast(KVLayer, layers[0]).offset, prompt.size + len(reply))
         ids = np.concatenate([prompt, np.asarray(reply, np.int32)])[:held]

@@ -40,13 +40,15 @@ CANCELLED = "cancelled"
 @dataclass(frozen=True, slots=True)
 class Result:
     """A finished reply. finish_reason: "stop" (end of turn), "length" (max tokens or
-    context), "error" (the request failed: `error` says why), "cancelled"."""
+    context), "error" (the request failed: `error` says why), "cancelled".
+    `stop_token`: the end-of-turn token that ended it (not in `tokens`), if one did."""
 
     text: str
     tokens: list[int]
     finish_reason: str
     stats: Stats = field(compare=False)
     error: str | None = None
+    stop_token: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -161,6 +161,7 @@ class Run:
     """One request as the spy saw it."""
 
     tokens: list[int]
+    stop_token: int | None
     prompt_len: int
     cached: int
     calls: list[tuple[int, int]]
@@ -179,6 +180,7 @@ def _run_of(
         logits = remembered if remembered is not None else mx.zeros((0,))
     return Run(
         result.tokens,
+        result.stop_token,
         n_prompt,
         result.stats.cached_tokens,
         [spy.calls[i] for i in calls],
@@ -206,6 +208,19 @@ def run(
     whole = result.stats.cached_tokens == len(tokens)
     memo = remembered_logits(engine, tokens) if whole else None
     return _run_of(result, len(tokens), list(range(len(spy.calls))), spy, memo)
+
+
+def fed_to_end(cold: Run) -> Run:
+    """The cold run as an engine that keeps replies runs it: the reply's last token (an end
+    token too) is fed as well, by one more decode call if the loop had not queued it."""
+    fed = cold.prompt_len + len(cold.tokens) + (cold.stop_token is not None)
+    last = sum(cold.calls[-1])
+    if last == fed:
+        return cold
+    assert last == fed - 1, f"the cold run fed {last} of {fed} tokens"
+    return dataclasses.replace(
+        cold, calls=[*cold.calls, (last, 1)], batch_sizes=[*cold.batch_sizes, 1]
+    )
 
 
 def same_as_cold(got: Run, cold: Run) -> None:
@@ -307,6 +322,7 @@ class Rig:
         return [
             Run(
                 r["tokens"],
+                r["stop_token"],
                 r["prompt_len"],
                 r["cached"],
                 [tuple(c) for c in r["calls"]],
@@ -322,6 +338,7 @@ def save_runs(runs: list[Run], out: Path) -> None:
     docs = [
         {
             "tokens": r.tokens,
+            "stop_token": r.stop_token,
             "prompt_len": r.prompt_len,
             "cached": r.cached,
             "calls": r.calls,
@@ -557,15 +574,18 @@ def check_kept_replies(rig: Rig) -> None:
     def turn(tokens: list[int]) -> list[int]:
         expect = rig.geo.resume(tokens, engine.cache, anywhere=engine.keep_replies and plain)
         got = run(engine, spy, tokens, params, follow=True)
-        rig.check(got, tokens, expect, rig.cold(tokens, params), engine.cache)
+        cold = rig.cold(tokens, params)
+        rig.check(
+            got, tokens, expect, fed_to_end(cold) if engine.keep_replies else cold, engine.cache
+        )
         list(engine.run(warm=True))  # a follow lane, where replies are not kept
         whole = [*tokens, *got.tokens]
-        if engine.keep_replies:  # one entry; a reply cut at its limit never fed its last token
-            fed = len(whole) - (len(got.tokens) == params.max_tokens)
-            if fed // B * B > rig.geo.keep_at(tokens):
-                rig.geo.kept.add(tuple(whole[: fed // B * B]))
-            if plain and fed >= B:
-                rig.geo.replies.setdefault(id(engine.cache), set()).add(tuple(whole[:fed]))
+        if engine.keep_replies:  # one entry: every token drawn, an end token too, was fed
+            fed = [*whole, *([] if got.stop_token is None else [got.stop_token])]
+            if len(fed) // B * B > rig.geo.keep_at(tokens):
+                rig.geo.kept.add(tuple(fed[: len(fed) // B * B]))
+            if plain and len(fed) >= B:
+                rig.geo.replies.setdefault(id(engine.cache), set()).add(tuple(fed))
         elif rig.variant.trimmable:  # its follow lane keeps each block of the reply
             for k in range(rig.geo.keep_at(tokens) + B, len(whole) // B * B + 1, B):
                 rig.geo.kept.add(tuple(whole[:k]))
@@ -629,7 +649,7 @@ def check_batched(rig: Rig) -> None:
     nxt = [*first.tokens, *reply, *prompt(5, seed=40)]
     got = engine.complete(Request(nxt, first.sampling))
     assert got.tokens == cold.complete(Request(nxt, first.sampling)).tokens
-    fed = len(first.tokens) + len(reply) - (len(reply) == first.sampling.max_tokens)
+    fed = len(first.tokens) + len(reply)  # the reply's last token was fed too
     if engine.keep_replies and plain:  # as far as the reply's KV goes, inside a block too
         assert got.stats.cached_tokens == fed, f"resumed {got.stats.cached_tokens}, fed {fed}"
     elif engine.keep_replies:

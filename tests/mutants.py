@@ -406,6 +406,16 @@ def resume_anywhere_unprobed(patch: Patch) -> None:
     patch(engine_mod, "prefill", anywhere_prefill)
 
 
+def reply_end_not_fed(patch: Patch) -> None:
+    """A kept reply's KV stops short of its last token: the next turn prefills it again."""
+    decode: Callable[..., Generator[Event, None, Result]] = engine_mod.decode
+
+    def short(*args: Any, **kwargs: Any) -> Generator[Event, None, Result]:
+        return (yield from decode(*args, **{**kwargs, "to_end": False}))
+
+    patch(engine_mod, "decode", short)
+
+
 MUTANTS: dict[str, Callable[[Patch], None]] = {
     f.__name__: f
     for f in (
@@ -433,5 +443,6 @@ MUTANTS: dict[str, Callable[[Patch], None]] = {
         probe_trusted,
         batch_probe_trusted,
         resume_anywhere_unprobed,
+        reply_end_not_fed,
     )
 }

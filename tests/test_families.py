@@ -36,6 +36,7 @@ from mlxcache.cache.memory import MemoryTier
 from mlxcache.cache.store import PromptCache
 from mlxcache.config import CacheConfig
 from mlxcache.engine import Engine, Request
+from mlxcache.events import Event, Token
 from mlxcache.model import LoadedModel, load
 from mlxcache.types import Layers
 
@@ -243,8 +244,20 @@ def test_a_resume_from_a_state_between_strides_survives_the_room_it_makes(
     """A fork resumes from a state between strides (block 5) in a full memory tier: the
     room its prefill needs drops every extra, that one included, after its layers hold it."""
     engine, cold, mem, p = _kept_with_stride_2(family_models["qwen3_next"], tmp_path)
-    mem.budget = mem.nbytes  # full: a prefill's room comes from tails, then extras
-    fork = p[:23] + prompt(5, seed=3)
-    got = engine.complete(Request(fork, GREEDY))
-    assert got.stats.cached_tokens == 20
-    assert got.tokens == cold.complete(Request(fork, GREEDY)).tokens
+    extras = sum(mem._blocks[name].nbytes for name in mem._extra)
+    tails = sum(t.nbytes for t in mem._tails.values())
+    # Full, less than nothing to spare without them: a prefill's room takes every tail and
+    # every extra (then finds no entry it may evict: the one it resumes from is pinned).
+    mem.budget = mem.nbytes - tails - extras
+    fork = Request(p[:23] + prompt(5, seed=3), GREEDY, logprobs=4)
+
+    def scored(engine: Engine) -> tuple[int, list[tuple[int, float | None, object]]]:
+        events: list[Event] = []
+        result = engine.complete(fork, on_event=events.append)
+        drawn = [(e.token, e.logprob, e.top_logprobs) for e in events if isinstance(e, Token)]
+        return result.stats.cached_tokens, drawn
+
+    # Log-probabilities, bit for bit: the tiny model draws the same tokens from a wrong
+    # recurrent state too.
+    assert scored(engine) == (20, scored(cold)[1])
+    assert not mem._extra

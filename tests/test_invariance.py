@@ -11,6 +11,8 @@ from shapemodel import shaped
 from spy import spied
 
 import mlxcache.invariance as invariance
+from mlxcache.cache.base import NoCache
+from mlxcache.cache.store import PromptCache
 from mlxcache.config import CacheConfig
 from mlxcache.engine import Engine, Request
 from mlxcache.model import LoadedModel
@@ -83,3 +85,31 @@ def test_batching_anyway_is_what_a_user_asks_for(tiny: LoadedModel, sliding: Loa
     list(engine.run())
     assert max(spy.batch_sizes) == 3
     assert not batch_anyway(Engine(sliding, block_size=4))
+
+
+@pytest.mark.parametrize(("end", "at"), [("length", 7), ("length", 1), ("stop", 3), ("stop", 0)])
+def test_a_kept_reply_holds_every_token_drawn(
+    tiny: LoadedModel, tmp_path: Path, end: str, at: int
+) -> None:
+    """Where replies are kept, the next turn resumes after the whole reply, its end token
+    included (as mlx-lm's cache does): none of it is prefilled in the next turn's time to
+    first token, a reply cut at its limit and an end token drawn first too. The next
+    reply is the cold run's."""
+    cache = PromptCache(tiny.model, tiny.key, CacheConfig(block_size=4), root=tmp_path / "kv")
+    engine = Engine(tiny, cache, keep_replies=True)
+    cold = Engine(tiny, NoCache(tiny.model, 4))
+    prompt = [40, 3, 99, 17, 250, 8]  # the tiny model draws 66, 254 x3, then 245 ...
+    drawn = cold.complete(Request(prompt, SamplingParams(max_tokens=12), stop_tokens=frozenset()))
+    if end == "stop":  # greedy: the reply ends where this token is first drawn
+        at = next(i for i in range(at, 12) if drawn.tokens[i] not in drawn.tokens[:i])
+        params, stop = SamplingParams(max_tokens=12), frozenset({drawn.tokens[at]})
+    else:
+        params, stop = SamplingParams(max_tokens=at), frozenset()
+    got = engine.complete(Request(prompt, params, stop_tokens=stop))
+    assert got.tokens == drawn.tokens[:at] and got.finish_reason == end
+    assert got.stop_token == (drawn.tokens[at] if end == "stop" else None)
+    fed = [*prompt, *drawn.tokens[: at + (end == "stop")]]
+    follow = Request([*fed, 11, 12, 13], SamplingParams(max_tokens=5))
+    again = engine.complete(follow)
+    assert again.stats.cached_tokens == len(fed)
+    assert again.tokens == cold.complete(follow).tokens

@@ -67,6 +67,7 @@ CAUGHT_BY: dict[str, list[tuple[str, str]]] = {
     "probe_trusted": [("shaped", "kept_replies")],
     "batch_probe_trusted": [("shaped", "batched")],
     "resume_anywhere_unprobed": [("shaped", "chat"), ("shaped", "fork")],
+    "reply_end_not_fed": [("plain", "kept_replies"), ("plain", "batched")],
 }
 
 
