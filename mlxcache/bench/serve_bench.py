@@ -12,7 +12,8 @@ no pin or running lane left after, resident memory growth within the cache budge
 With `many_clients`, a load profile runs on both servers too: that many streaming clients
 send `many_requests` one-turn chats each, all at once, after the same requests ran one at
 a time (their solo replies). Per server: wall, TTFT p50, replies identical to solo, RSS
-before and after; against mlx_lm.server: wall and TTFT p50 ratios (goals <= 1.0).
+before and after (goal: growth beyond the bytes the prompt cache chose to keep <= 10%);
+against mlx_lm.server: wall and TTFT p50 ratios (goals <= 1.0).
 """
 
 from __future__ import annotations
@@ -345,11 +346,13 @@ def _goals(result: dict[str, Any]) -> dict[str, Any]:
     if "mlxcache_many" in result:
         mine = result["mlxcache_many"]
         goals["many_identical_to_solo"] = all(mine["identical_to_solo"])
-        goals["many_rss_within_10pct"] = mine["rss_after_mb"] <= 1.1 * mine["rss_before_mb"]
-        # Reported beside it: the growth that is not KV the prompt cache chose to keep.
-        result["many_rss_growth_beyond_cache_mb"] = round(
-            mine["rss_after_mb"] - mine["rss_before_mb"] - mine["cache_held_growth_mb"], 1
-        )
+        # Growth that is not KV the prompt cache chose to keep (within --cache-mem, as
+        # /v1/cache reports): the profile's replies are kept by design, and raw RSS also
+        # swings with the allocator's slack before the run (350 -> 355 MB one run,
+        # 320 -> 372 MB with 36 MB more kept the next).
+        beyond = mine["rss_after_mb"] - mine["rss_before_mb"] - mine["cache_held_growth_mb"]
+        result["many_rss_growth_beyond_cache_mb"] = round(beyond, 1)
+        goals["many_rss_beyond_cache_within_10pct"] = beyond <= 0.1 * mine["rss_before_mb"]
         if "mlx_lm_many" in result:
             other = result["mlx_lm_many"]
             for key in ("wall_s", "ttft_p50_s"):
