@@ -246,8 +246,8 @@ def test_a_resume_from_a_state_between_strides_survives_the_room_it_makes(
     engine, cold, mem, p = _kept_with_stride_2(family_models["qwen3_next"], tmp_path)
     extras = sum(mem._blocks[name].nbytes for name in mem._extra)
     tails = sum(t.nbytes for t in mem._tails.values())
-    # Full, less than nothing to spare without them: a prefill's room takes every tail and
-    # every extra (then finds no entry it may evict: the one it resumes from is pinned).
+    # No room but theirs: a prefill's room takes every tail and every extra, and no entry
+    # (the only one is the one it resumes from).
     mem.budget = mem.nbytes - tails - extras
     fork = Request(p[:23] + prompt(5, seed=3), GREEDY, logprobs=4)
 
