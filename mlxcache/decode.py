@@ -115,13 +115,16 @@ def decode(
             drawn_from.append(logp)
         return sampler(logp) if share is None else share.token(sampler(logp))
 
+    def feed(y: mx.array) -> Generator[Forward, Any, mx.array]:
+        """`y` into the layers; its logits, lazy (batched: the engine runs the forward)."""
+        if batched:
+            return (yield Forward(y, kv))
+        return model(y.reshape(1, 1), cache=layers)[:, -1, :]
+
     def forward(y: mx.array) -> Generator[Forward, Any, mx.array]:
         """The next forward, queued. Without processors the sampling is queued too; a
         processor (grammar) must see the token first."""
-        if batched:
-            nxt = yield Forward(y, kv)
-        else:
-            nxt = model(y.reshape(1, 1), cache=layers)[:, -1, :]
+        nxt = yield from feed(y)
         nxt = pick(nxt) if not procs else nxt
         mx.async_eval(nxt)
         return nxt
@@ -179,10 +182,8 @@ def decode(
     stats.generated_tokens = len(out)
     stats.decode_s = time.perf_counter() - decode_start
     if to_end and not held:  # after every piece of text: the client has it all already
-        if batched:
-            yield Forward(y, kv)  # its logits are not needed
-        else:
-            model(y.reshape(1, 1), cache=layers)
+        yield from feed(y)  # its logits are not needed
+        if not batched:
             mx.eval([c.state for c in layers])  # the KV only: no LM head
     if batched:
         yield Leave(kv)

@@ -47,16 +47,33 @@ def test_the_load_profile_rss_goal_leaves_out_what_the_cache_keeps() -> None:
     cache keeping the profile's replies within its budget is its job, a leak is not."""
 
     def goals(after: float, held: float) -> tuple[bool, float]:
-        ours = {"ttft_p50_s": 1.0, "answered": 1, "requests": 1, "replies": []}
-        ours["solo_vs_concurrent_identical"] = [True]
-        load = {"answered": 1, "refused_429": 0, "requests": 1, "failed": [], "rss_ok": True}
-        load["left"] = {"pinned_entries": 0, "busy": False, "warming": False, "waiting": 0}
-        many = {"identical_to_solo": [True], "rss_before_mb": 320.0, "rss_after_mb": after}
-        many["cache_held_growth_mb"] = held
-        result = serve_bench._goals({"mlxcache": ours, "load": load, "mlxcache_many": many})
-        return result["goals"]["many_rss_beyond_cache_within_10pct"], result[
-            "many_rss_growth_beyond_cache_mb"
-        ]
+        result = serve_bench._goals(
+            {
+                "mlxcache": {
+                    "ttft_p50_s": 1.0,
+                    "answered": 1,
+                    "requests": 1,
+                    "replies": [],
+                    "solo_vs_concurrent_identical": [True],
+                },
+                "load": {
+                    "answered": 1,
+                    "refused_429": 0,
+                    "requests": 1,
+                    "failed": [],
+                    "rss_ok": True,
+                    "left": {"pinned_entries": 0, "busy": False, "warming": False, "waiting": 0},
+                },
+                "mlxcache_many": {
+                    "identical_to_solo": [True],
+                    "rss_before_mb": 320.0,
+                    "rss_after_mb": after,
+                    "cache_held_growth_mb": held,
+                },
+            }
+        )
+        beyond = result["many_rss_growth_beyond_cache_mb"]
+        return result["goals"]["many_rss_beyond_cache_within_10pct"], beyond
 
     assert goals(372.0, 36.0) == (True, 16.0)
     assert goals(372.0, 0.0) == (False, 52.0)
