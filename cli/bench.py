@@ -287,6 +287,15 @@ def startup(
             help="Also time a short generate through the `mlxcache serve` at URL (goal: <= 1 s).",
         ),
     ] = None,
+    model: Annotated[
+        str | None,
+        typer.Option(
+            "--model",
+            "-m",
+            help="The model the --server runs (default: the embedded one).",
+            metavar="MODEL",
+        ),
+    ] = None,
 ) -> None:
     """Wall time of --help, --version, a typo, json --check, cache ls and models ls vs
     `python -c pass`, each in a new process (goal: <= 0.5 s each, fastest round); with
@@ -294,7 +303,7 @@ def startup(
     from mlxcache_cli import startup_bench
 
     o.positive(rounds=rounds)
-    _report(startup_bench.run(rounds, cache_dir, server))
+    _report(startup_bench.run(rounds, cache_dir, server, model))
 
 
 def distributed(

@@ -48,14 +48,14 @@ def _time(argv: list[str]) -> tuple[float, float]:
     return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
-def through(url: str) -> list[str]:
-    """A short generate sent to the server at `url`, with the model and block size it
-    runs (so that it is accepted: `mlxcache.remote.differences`)."""
+def through(url: str, model: str) -> list[str]:
+    """A short generate of `model` sent to the server at `url`, with the block size it
+    runs (so that it is accepted, when it runs `model`: `mlxcache.remote.differences`)."""
     from mlxcache.remote import Server
 
     with Server(url) as server:
         found = server.card()["mlxcache"]
-    model = ["-m", found["source"], "--block-size", str(found["block_size"])]
+    model_args = ["-m", model, "--block-size", str(found["block_size"])]
     return [
         sys.executable,
         "-m",
@@ -63,23 +63,31 @@ def through(url: str) -> list[str]:
         "generate",
         "-n",
         "4",
-        *model,
+        *model_args,
         "--server",
         url,
         "hi",
     ]
 
 
-def run(rounds: int, cache_dir: Path | None = None, server: str | None = None) -> dict[str, Any]:
+def run(
+    rounds: int,
+    cache_dir: Path | None = None,
+    server: str | None = None,
+    model: str | None = None,
+) -> dict[str, Any]:
     """Min and median wall seconds per command over `rounds`, the least CPU seconds, and
-    ratios (fastest wall time) to `python -c pass`; with `server`, a short generate
-    through it (the same prompt each round: after the first, a memory-tier hit)."""
+    ratios (fastest wall time) to `python -c pass`; with `server`, a short generate of
+    `model` (default: the embedded one) through it (the same prompt each round: after the
+    first, a memory-tier hit)."""
+    from mlxcache.model.loader import default_spec
+
     with tempfile.TemporaryDirectory(prefix="mlxcache-startup-") as work:
         schema = Path(work) / "schema.json"
         schema.write_text(json.dumps(_SCHEMA))
         runs = {"python -c pass": [sys.executable, "-c", "pass"], **commands(schema, cache_dir)}
         if server is not None:
-            runs["generate --server"] = through(server)
+            runs["generate --server"] = through(server, model or default_spec())
         times: dict[str, list[tuple[float, float]]] = {name: [] for name in runs}
         for argv in runs.values():  # once untimed: the first run fills the OS file cache
             _time(argv)

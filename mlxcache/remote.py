@@ -2,9 +2,10 @@
 
 A command sent to a server pays no model import or load and resumes from the server's
 memory tier. It must reply exactly as it would in-process, so the server publishes its
-`identity` on its model card ("mlxcache": model source, a stamp of the model files, model
-key, block size, cache on or off, batch exactness, version) and the client compares it with
-what the command would load (`differences`) before sending anything.
+`identity` on its model card ("mlxcache": model name, family, a digest of its source and a
+stamp of its files, model key, block size, cache on or off, batch exactness, version; never
+a local path) and the client compares it with what the command would load (`differences`)
+before sending anything.
 
 Only the standard library is used here (http.client, json): a command that goes to a server
 must start fast, so nothing of mlx_lm, transformers or an HTTP client package is imported.
@@ -75,6 +76,23 @@ def model_source(spec: str) -> dict[str, str]:
     return {"source": str(path.resolve()), "stamp": stamp.hexdigest()[:16]}
 
 
+def published(spec: str) -> dict[str, str]:
+    """What a server says of the model `spec` loads, without a local path (any client that
+    reaches the port reads it): its name, a digest of the file or folder it names (a
+    client computes the same from its own spec) and the files' stamp (`model_source`).
+
+    Raises:
+        ModelNotFoundError: a path that does not exist.
+    """
+    from mlxcache.model.loader import DEFAULT_MODEL
+
+    found = model_source(spec)
+    source = found["source"]
+    name = spec if spec == DEFAULT_MODEL or not Path(source).is_absolute() else Path(source).name
+    digest = hashlib.sha256(source.encode()).hexdigest()[:16]
+    return {"model": name, "digest": digest, "stamp": found["stamp"]}
+
+
 def identity(spec: str, engine: Engine, cache: CacheConfig, exact: bool) -> dict[str, Any]:
     """What a server publishes about itself (see the module's docstring); `exact`: False
     when its replies depend on the requests beside them (`serve --batch-inexact`)."""
@@ -84,7 +102,8 @@ def identity(spec: str, engine: Engine, cache: CacheConfig, exact: bool) -> dict
     from mlxcache import __version__
 
     return {
-        **model_source(spec),
+        **published(spec),
+        "family": str(engine.loaded.config.get("model_type", "")),
         "key": engine.loaded.key,
         "block_size": cache.block_size,
         "cache": cache.enabled,
@@ -108,7 +127,7 @@ class Wanted:
         from mlxcache import __version__
 
         return {
-            **model_source(self.spec),
+            **published(self.spec),
             "block_size": self.block_size,
             "cache": self.cache,
             "exact": True,
@@ -117,7 +136,7 @@ class Wanted:
 
 
 _WHAT = {
-    "source": "model",
+    "digest": "model",
     "stamp": "model files (changed since the server loaded them)",
     "block_size": "block size",
     "cache": "prompt cache on",
@@ -128,14 +147,20 @@ _WHAT = {
 
 def differences(found: dict[str, Any], wanted: Wanted) -> list[str]:
     """What differs between a server's identity and what the command would run, as
-    `name: server's vs this command's` phrases (empty: the server replies as in-process)."""
+    `name: server's vs this command's` phrases (empty: the server replies as in-process).
+    Another model is named: the server's by its name, this command's by what it loads."""
     mine = wanted.identity()
     out = []
     for name, what in _WHAT.items():
-        if name == "stamp" and found.get("source") != mine["source"]:
+        if name == "stamp" and found.get("digest") != mine["digest"]:
             continue  # another model: its files' stamp says nothing more
-        if found.get(name) != mine[name]:
-            out.append(f"{what}: {found.get(name)} (server) vs {mine[name]} (this command)")
+        if found.get(name) == mine[name]:
+            continue
+        if name == "digest":
+            theirs, ours = found.get("model"), model_source(wanted.spec)["source"]
+        else:
+            theirs, ours = found.get(name), mine[name]
+        out.append(f"{what}: {theirs} (server) vs {ours} (this command)")
     return out
 
 

@@ -384,3 +384,33 @@ def test_server_json_thinks_as_json_mode_does_by_default(wearing: LoadedModel) -
         assert isinstance(plan.request.processors[-1], ThinkingBudget)
         answer = plan.answer('plan</think>\n{"a": 1}', "stop")
         assert (answer.reasoning, answer.content) == ("plan", '{"a": 1}')
+
+
+@pytest.mark.parametrize("wearing", [QWEN3], indirect=True)
+def test_reasoning_effort_turns_a_templates_thinking_off_or_on(wearing: LoadedModel) -> None:
+    """On a template with a thinking section, `none`/`minimal` render the prompt as
+    `enable_thinking=False` does and every other level as `True`, for plain chat, JSON and
+    tools alike; nothing is named as ignored but `verbosity`."""
+    engine = Engine(wearing)
+    messages = [{"role": "user", "content": "hi"}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}
+    ping = {"name": "ping", "parameters": {"type": "object", "properties": {}}}
+    tools = [{"type": "function", "function": ping}]
+
+    def plan(effort: str, **more: Any) -> prepare.Plan:
+        fields = {"model": "m", "messages": messages, "reasoning_effort": effort, **more}
+        return prepare.chat(engine, ChatRequest.model_validate(fields), SamplingParams())
+
+    for effort, think in (("none", False), ("minimal", False), ("low", True), ("xhigh", True)):
+        assert plan(effort).ids == engine.encoder.encode_chat(messages, enable_thinking=think)
+        task = JsonTask.create(SCHEMA).for_model(wearing.tokenizer, think)
+        rendered = [task.messages("")[0], *messages]
+        assert plan(effort, response_format=fmt).ids == engine.encoder.encode_chat(
+            rendered, **task.template_kwargs
+        )
+        tools_task = ToolsTask(TOOLS, ToolChoice("auto"), None, True, think)
+        tools_task.style_for(engine)
+        assert plan(effort, tools=tools).ids == tools_task.encode(engine, messages)
+        assert plan(effort).ignored == ()
+        assert plan(effort, verbosity="high").ignored == ("verbosity",)
+    assert wearing.tokenizer.decode(plan("none").ids).endswith("<think>\n\n</think>\n\n")

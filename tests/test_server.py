@@ -641,3 +641,33 @@ def test_sigterm_drains_a_running_stream(model: Path, ref: Engine) -> None:
         assert text == ref.complete(Request(ref.encoder.encode("abab"), params(max_tokens=64))).text
     finally:
         assert srv.stop() == 0
+
+
+def test_streams_ended_every_way_leave_no_task_exception(server: ServerProcess) -> None:
+    """Clients that close the moment `[DONE]` arrives (as SDKs do), that read the body to
+    its end, and that leave after the first chunk: the server's log shows a line per
+    request and no asyncio "Task exception was never retrieved" (nor any traceback)."""
+    before = len(server.lines)
+    ids: list[str] = []
+    for i in range(60):
+        body = {
+            "model": server.model,
+            "stream": True,
+            "max_tokens": 3,
+            "messages": [{"role": "user", "content": f"count {i}"}],
+        }
+        conn = connect(server)
+        try:
+            items = events(stream(conn, "/v1/chat/completions", body))
+            ids.append(json.loads(next(items))["id"])
+            if i % 3 == 0:
+                assert "[DONE]" in list(items)  # read up to [DONE], then close at once
+            elif i % 3 == 1:
+                assert list(items)[-1] == "[DONE]"  # and the body's end after it
+        finally:
+            conn.close()  # i % 3 == 2: gone after the first chunk
+    for rid in ids:  # every handler is done once its request is logged
+        server.wait_for(re.compile(re.escape(rid) + " "))
+    idle_report(server.url)
+    logged = server.lines[before:]
+    assert not [line for line in logged if "exception" in line.lower() or "Traceback" in line]

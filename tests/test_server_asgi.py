@@ -4,10 +4,12 @@ only give under load (429) or that need odd framing (a chunked body over the lim
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import io
 import json
 import threading
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -170,3 +172,34 @@ def test_a_waiting_stream_gets_keepalive_comments(
     first_keepalive = stream.index(server_app.KEEPALIVE)
     assert first_keepalive < stream.index('"content": "a"')  # before the reply's text
     assert stream.endswith("data: [DONE]\n\n")
+
+
+@pytest.mark.parametrize("steps", range(6))
+def test_a_stream_cancelled_as_its_events_end_leaves_no_task_exception(steps: int) -> None:
+    """The client leaves (its handler is cancelled) while the next event is being read,
+    `steps` loop turns in: at some of them that read has just ended with
+    StopAsyncIteration. Its outcome is retrieved whatever the moment, so asyncio logs
+    nothing ("Task exception was never retrieved")."""
+    logged: list[str] = []
+
+    async def events() -> AsyncIterator[str]:
+        yield "a"
+
+    async def main() -> None:
+        asyncio.get_running_loop().set_exception_handler(
+            lambda _loop, context: logged.append(context["message"])
+        )
+        kept = server_app._kept_alive(events())
+        assert await anext(kept) == "a"
+        handler = asyncio.ensure_future(anext(kept))
+        for _ in range(steps):
+            await asyncio.sleep(0)
+        handler.cancel()
+        with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+            await handler
+        await kept.aclose()
+        gc.collect()  # a future's unread exception is logged when it is collected
+        await asyncio.sleep(0)
+
+    asyncio.run(main())
+    assert logged == []

@@ -26,6 +26,7 @@ from mlxcache.config import CacheConfig
 from mlxcache.engine import Engine, Request
 from mlxcache.events import Token
 from mlxcache.model import LoadedModel
+from mlxcache.remote import identity
 from mlxcache.sampling import SamplingParams
 from mlxcache.server.app import Settings, create_app
 from mlxcache.server.log import RequestLog
@@ -368,8 +369,17 @@ def unsupported(param: str, why: str) -> dict[str, Any]:
         ),
         (
             "chat",
-            {"reasoning_effort": "low"},
-            unsupported("reasoning_effort", "reasoning_effort is not supported"),
+            {"reasoning_effort": "extreme"},
+            invalid(
+                "reasoning_effort: Input should be 'none', 'minimal', 'low', 'medium', 'high' "
+                "or 'xhigh'",
+                "reasoning_effort",
+            ),
+        ),
+        (
+            "chat",
+            {"verbosity": 2},
+            invalid("verbosity: Input should be 'low', 'medium' or 'high'", "verbosity"),
         ),
         ("text", {"echo": True}, unsupported("echo", "echo is not supported")),
         ("text", {"best_of": 3}, unsupported("best_of", "best_of must be 1")),
@@ -438,6 +448,31 @@ def test_a_model_s_card_by_id(worker: EngineWorker) -> None:
     reply = call(app, "GET", "/v1/models/gpt-4o")
     message = "model 'gpt-4o' is not served here (this server runs 'org/tiny')"
     assert (reply.status, reply.json()) == (404, invalid(message, "model", "model_not_found"))
+
+
+def test_the_model_card_shows_no_local_path(
+    worker: EngineWorker, tiny_gguf: Path, cache_root: Path
+) -> None:
+    """Any client that reaches the port reads the card: it names the model, its family
+    and digest, never where the model file, the cache or the user's home are."""
+    engine = worker.engine
+    config = CacheConfig(block_size=BLOCK, directory=cache_root)
+    app = app_of(worker, identity=identity(str(tiny_gguf), engine, config, True))
+    cards = [
+        call(app, "GET", "/v1/models").json(),
+        call(app, "GET", f"/v1/models/{engine.loaded.name}").json(),
+    ]
+    found = cards[1]["mlxcache"]
+    assert (found["model"], found["family"], found["key"]) == (
+        "tiny.gguf",
+        "llama",
+        engine.loaded.key,
+    )
+    assert found["block_size"] == BLOCK and len(found["digest"]) == 16
+    places = {str(tiny_gguf.parent), str(cache_root), str(Path.home()), str(engine.loaded.path)}
+    for card in cards:
+        text = json.dumps(card)
+        assert not [place for place in places if place in text], text
 
 
 def test_the_bearer_scheme_is_case_insensitive(worker: EngineWorker) -> None:
@@ -592,3 +627,26 @@ mlxcache_busy 0
 def test_serve_refuses_bad_penalties_and_origins_before_loading(args: list[str], line: str) -> None:
     result = CliRunner().invoke(cli, ["serve", "--model", "/nonexistent.gguf", *args])
     assert (result.exit_code, result.stdout, result.stderr) == (2, "", f"error: {line}\n")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_reasoning_effort_and_verbosity_are_accepted_and_named_as_ignored(
+    worker: EngineWorker, stream: bool
+) -> None:
+    """Agents send both on every request: on a model without a thinking section they
+    change nothing (the same bytes as without them), and the reply's header says so."""
+    app = app_of(worker)
+    plain = chat(app, max_tokens=6, stream=stream)
+    cases = {
+        "reasoning_effort, verbosity": {"reasoning_effort": "high", "verbosity": "low"},
+        "reasoning_effort": {"reasoning_effort": "none"},
+        "verbosity": {"verbosity": "medium"},
+    }
+    for named, fields in cases.items():
+        reply = chat(app, max_tokens=6, stream=stream, **fields)
+        assert reply.status == 200 and reply.headers["x-mlxcache-ignored"] == named
+        texts = [r.body if stream else content(r.json()) for r in (reply, plain)]
+        if stream:  # ids and times differ: the content of the chunks
+            texts = [json.dumps([c["choices"] for c in chunks(r)[1:-1]]) for r in (reply, plain)]
+        assert texts[0] == texts[1]
+    assert "x-mlxcache-ignored" not in plain.headers

@@ -190,6 +190,11 @@ def _tags(tokenizer: Any) -> tuple[str, str] | None:
     return None
 
 
+def has_thinking(tokenizer: Any) -> bool:
+    """Whether the model's chat template has a thinking section (can be asked to think)."""
+    return _tags(tokenizer) is not None
+
+
 def reply_thinking(tokenizer: Any, prompt: str) -> Thinking | None:
     """The thinking section a reply may open, or continue when `prompt` (the rendered
     prompt's end) leaves it open, with the template left to its default (the server's

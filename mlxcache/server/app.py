@@ -171,10 +171,12 @@ def create_app(engine: Engine, worker: Worker, settings: Settings, log: RequestL
     async def chat(request: Request) -> Any:
         body, plan, env, stream, usage = await begin(request, ChatRequest, prepare.chat, "chatcmpl")
         chat_logprobs = None if plan.vocab is None else Formatter(plan.vocab).chat
+        # Fields accepted that changed nothing for this model, said where a client reads it.
+        headers = {prepare.IGNORED_HEADER: ", ".join(plan.ignored)} if plan.ignored else {}
         if body.stream:
             usage_chunk = usage if body.include_usage else None
             events = _chat_events(stream, plan, env, usage_chunk, warm, chat_logprobs)
-            return _stream(events, request, env.id, note)
+            return _stream(events, request, env.id, note, headers)
         outcome = await end(request, stream, env)
         answer = plan.answer(outcome.text, outcome.finish_reason)
         await warm(plan, answer)
@@ -186,7 +188,7 @@ def create_app(engine: Engine, worker: Worker, settings: Settings, log: RequestL
             answer.reasoning,
             None if chat_logprobs is None else chat_logprobs(stream.scored),
         )
-        return JSONResponse(reply)
+        return JSONResponse(reply, headers=headers)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
@@ -345,12 +347,21 @@ async def _kept_alive(events: AsyncIterator[str | Outcome]) -> AsyncIterator[str
             pending.cancel()
             with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
                 await pending
+        elif not pending.cancelled():
+            # Cancelled (the client left) just as `pending` ended: its outcome is read, or
+            # asyncio logs "Task exception was never retrieved" for a StopAsyncIteration.
+            pending.exception()
 
 
 def _stream(
-    events: AsyncIterator[str | Outcome], request: Request, rid: str, note: Noter
+    events: AsyncIterator[str | Outcome],
+    request: Request,
+    rid: str,
+    note: Noter,
+    headers: dict[str, str] | None = None,
 ) -> StreamingResponse:
-    """SSE from an event generator whose items are text to send or the final outcome."""
+    """SSE from an event generator whose items are text to send or the final outcome
+    (`headers`: more response headers)."""
 
     async def body() -> AsyncIterator[str]:
         finished = False
@@ -365,8 +376,8 @@ def _stream(
             if not finished:  # the client left mid-stream: the stream was cancelled
                 log_fields(request.scope)["finish_reason"] = "disconnected"
 
-    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-    return StreamingResponse(body(), media_type="text/event-stream", headers=headers)
+    sse_headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})}
+    return StreamingResponse(body(), media_type="text/event-stream", headers=sse_headers)
 
 
 def _outcome_events(outcome: Outcome) -> list[str | Outcome]:

@@ -24,7 +24,7 @@ from mlxcache.engine import Engine, Request
 from mlxcache.events import Result, Stats
 from mlxcache.modes import json_mode
 from mlxcache.modes.json_mode import JsonTask
-from mlxcache.modes.reasoning import Thinking, reply_thinking, split_reply
+from mlxcache.modes.reasoning import Thinking, has_thinking, reply_thinking, split_reply
 from mlxcache.modes.tool_chat import ToolsTask, next_turn, read_messages
 from mlxcache.modes.tools import ToolCall, ToolChoice, ToolReply, parse_tools
 from mlxcache.sampling import SamplingParams
@@ -81,6 +81,9 @@ class Plan:
     """A plain chat reply's thinking section (its reasoning, apart from the content)."""
     vocab: tuple[bytes, ...] | None = None
     """Each token's bytes, when the reply's logprobs are asked for (`logprobs.Formatter`)."""
+    ignored: tuple[str, ...] = ()
+    """Request fields accepted that change nothing for this model (`effort`): the reply
+    names them in its `IGNORED_HEADER`."""
 
     def reply_text(self) -> ReplyText:
         if self.tools is None or self.tools.choice.mode == "none":
@@ -107,6 +110,35 @@ def sampling(
         given.update(top_p=1.0, temperature=0.0)
     # Out of range: a SettingError naming the field (`errors.from_domain` sets its param).
     return replace(defaults, **given, max_tokens=max_tokens or defaults.max_tokens)
+
+
+IGNORED_HEADER = "X-Mlxcache-Ignored"
+"""A reply's header naming the request's fields that changed nothing (`Plan.ignored`)."""
+_NO_EFFORT = ("none", "minimal")
+
+
+@dataclass(frozen=True, slots=True)
+class Effort:
+    """What a chat request's `reasoning_effort` and `verbosity` do on this model."""
+
+    think: bool | None
+    """Ask the template to think (True) or not (False); None: the template's default."""
+    ignored: tuple[str, ...]
+
+
+def effort(body: ChatRequest, tokenizer: Any) -> Effort:
+    """`reasoning_effort` on a template with a thinking section turns thinking off
+    (`none`, `minimal`) or on (any other level: the section's length is not graded);
+    without one it changes nothing, nor does `verbosity` on any model: those are named
+    as ignored."""
+    ignored = ["verbosity"] if body.verbosity is not None else []
+    think = None
+    if body.reasoning_effort is not None:
+        if has_thinking(tokenizer):
+            think = body.reasoning_effort not in _NO_EFFORT
+        else:
+            ignored.insert(0, "reasoning_effort")
+    return Effort(think, tuple(ignored))
 
 
 def _tool_names(messages: list[Message]) -> dict[str, str]:
@@ -205,24 +237,38 @@ def chat(
 def _chat(
     engine: Engine, body: ChatRequest, defaults: SamplingParams, tokenizing: Tokenizing
 ) -> Plan:
+    wanted = effort(body, engine.loaded.tokenizer)
+    plan = _chat_plan(engine, body, defaults, tokenizing, wanted.think)
+    plan.ignored = wanted.ignored
+    return plan
+
+
+def _chat_plan(
+    engine: Engine,
+    body: ChatRequest,
+    defaults: SamplingParams,
+    tokenizing: Tokenizing,
+    think: bool | None,
+) -> Plan:
     params = sampling(body, defaults, body.max_completion_tokens or body.max_tokens)
     messages = _plain(body.messages)
     fmt = body.response_format
     if body.tools:
         if fmt is not None and fmt.type != "text":
             raise APIError(400, "response_format cannot be combined with tools", param="tools")
-        return _tools_plan(engine, body, messages, params, tokenizing)
+        return _tools_plan(engine, body, messages, params, tokenizing, bool(think))
     if body.tool_choice not in (None, "none", "auto"):
         raise APIError(400, "tool_choice needs tools", param="tool_choice", code="invalid_value")
     _refuse_tool_turns(messages)
     if fmt is None or fmt.type == "text":
         tokenizer = engine.loaded.tokenizer
+        kwargs = {} if think is None else {"enable_thinking": think}
         with tokenizing:
-            ids = engine.encoder.encode_chat(messages)
+            ids = engine.encoder.encode_chat(messages, **kwargs)
             thinking = reply_thinking(tokenizer, tokenizer.decode(ids[-_PROMPT_END:]))
         # A client may send the next turn as soon as this reply ends: follow it.
         request = Request(ids, params, stop_strings=body.stops(), follow=engine.warm_ahead)
-        return Plan(ids, request, next_turn=_warm(engine, messages), thinking=thinking)
+        return Plan(ids, request, next_turn=_warm(engine, messages, **kwargs), thinking=thinking)
     if fmt.type == "json_schema":
         if fmt.json_schema is None:
             raise APIError(400, "response_format.json_schema is required", param="response_format")
@@ -235,9 +281,9 @@ def _chat(
     # OpenAI's strict refuses what the grammar cannot enforce, as --strict, but keeps the
     # digit cap: the SDKs' parse() sets it on every request, and a reply must end.
     task = JsonTask.create(schema, instructions=instructions, strict=strict, cap_numbers=True)
-    # As `mlxcache json` by default: a reasoning template is asked not to think (one that
-    # opens the section anyway gets it bounded and apart).
-    task = task.for_model(engine.loaded.tokenizer, False)  # renders a probe: no tokenizer call
+    # As `mlxcache json` by default: a reasoning template is asked not to think unless a
+    # reasoning effort says so (one that opens the section anyway gets it bounded and apart).
+    task = task.for_model(engine.loaded.tokenizer, bool(think))  # a probe: no tokenizer call
     compile_for(engine.loaded, task.grammar)
     rendered = [task.messages("")[0], *rest]  # the schema's system message, then the chat
     with tokenizing:
@@ -265,13 +311,14 @@ def _tools_plan(
     messages: list[dict[str, Any]],
     params: SamplingParams,
     tokenizing: Tokenizing,
+    think: bool,
 ) -> Plan:
     tools = parse_tools([t.model_dump(exclude_none=True) for t in body.tools or ()])
     choice = _choice(body, [t.name for t in tools])
     system, rest = _split_system(messages)
     conversation = read_messages(rest)
     parallel = body.parallel_tool_calls is not False  # OpenAI's default: allowed
-    task = ToolsTask(tools, choice, system, parallel)
+    task = ToolsTask(tools, choice, system, parallel, think)
     style = task.style_for(engine)  # renders probes and compiles the schemas: no tokenizer call
     if style.grammar is not None:
         compile_for(engine.loaded, style.grammar)

@@ -139,6 +139,9 @@ class ChatRequest(SamplingFields):
     tools: list[ToolDef] | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # Sent by coding agents and SDK wrappers whatever the model (`prepare.effort`).
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -152,8 +155,6 @@ UNSUPPORTED = {
     "web_search_options": "web search is not supported",
     "functions": "functions is not supported (send tools)",
     "function_call": "function_call is not supported (send tool_choice)",
-    "reasoning_effort": "reasoning_effort is not supported",
-    "verbosity": "verbosity is not supported",
     "echo": "echo is not supported",
     "best_of": "best_of must be 1",
     "suffix": "suffix is not supported",
