@@ -32,10 +32,10 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 import numpy as np
 
-from mlxcache.cache.base import PrefixCache, Resume
+from mlxcache.cache.base import Lease, PrefixCache
 from mlxcache.decode import FAILED
 from mlxcache.errors import MlxcacheError, RankError, Setting, UnsupportedModelError, Worded
-from mlxcache.types import Layers, new_layers
+from mlxcache.types import new_layers
 
 if TYPE_CHECKING:
     from mlxcache.engine import Engine
@@ -395,32 +395,22 @@ class AgreedCache:
         self.block_size = inner.block_size
         self.trimmable = inner.trimmable
 
-    def restore(self, tokens: np.ndarray, count: bool = True, anywhere: bool = False) -> Resume:
-        resume = self.inner.restore(tokens, count, anywhere)
-        mine = (resume.length, resume.logits is not None)
+    def restore(
+        self, tokens: np.ndarray, count: bool = True, anywhere: bool = False, whole: bool = False
+    ) -> Lease:
+        lease = self.inner.restore(tokens, count, anywhere, whole)
+        mine = (lease.length, lease.logits is not None)
         if self._ranks.agree(mine, "looking up the prompt") is not None:
-            return resume
-        self.inner.release(resume)
-        return Resume(new_layers(self._model), 0)
+            return lease
+        lease.release()
+        return Lease(lease.keeper, new_layers(self._model), 0)  # kept by the rank's own
 
-    def cached_length(self, tokens: np.ndarray) -> int:
-        mine = self.inner.cached_length(tokens)
+    def cached_length(self, tokens: np.ndarray, whole: bool = False) -> int:
+        mine = self.inner.cached_length(tokens, whole)
         if not self._ranks.stepping:  # a front end asking rank 0's cache
             return mine
         agreed = self._ranks.agree((mine,), "looking up the prompt")
         return 0 if agreed is None else agreed[0]
-
-    def capture(self, tokens: np.ndarray, layers: Layers) -> None:
-        self.inner.capture(tokens, layers)
-
-    def keep(self, tokens: np.ndarray, layers: Layers) -> None:
-        self.inner.keep(tokens, layers)
-
-    def keep_tail(self, tokens: np.ndarray, layers: Layers, logits: Any) -> None:
-        self.inner.keep_tail(tokens, layers, logits)
-
-    def release(self, resume: Resume) -> None:
-        self.inner.release(resume)
 
     def report(self) -> dict[str, Any]:
         return self.inner.report() | {"topology": self._ranks.topology.tag}

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, cast
 import mlx.core as mx
 import numpy as np
 
-from mlxcache.cache.base import NoCache, PrefixCache, with_probe
+from mlxcache.cache.base import Lease, NoCache, PrefixCache
 from mlxcache.config import WARM_AHEAD, default_block_size
 from mlxcache.decode import Forward, Leave, decode
 from mlxcache.decode_batch import DecodeBatch
@@ -45,7 +45,7 @@ from mlxcache.prefill import prefill
 from mlxcache.sampling import LogitsProcessor, SamplingParams
 from mlxcache.scheduler import BACKGROUND, BATCH, LaneKind, Scheduler
 from mlxcache.sysmem import release_unused
-from mlxcache.types import KVLayer, Layers, Model
+from mlxcache.types import KVLayer, Model
 
 if TYPE_CHECKING:
     from mlxcache.distributed import Ranks
@@ -507,26 +507,24 @@ class Engine:
         n = int(tokens.size)
         stats = Stats(prompt_tokens=n)
         start = time.perf_counter()
-        resume = None
+        lease = None
         try:
-            resume = self.cache.restore(tokens, anywhere=self.keep_replies)
-            stats.cached_tokens = resume.length
-            stats.prefilled_tokens = n - resume.length
-            stats.miss_reason = "" if resume.length else self._miss_reason(n)
-            stats.cached_from = resume.tier
+            lease = self.cache.restore(tokens, anywhere=self.keep_replies)
+            stats.cached_tokens = lease.length
+            stats.prefilled_tokens = n - lease.length
+            stats.miss_reason = "" if lease.length else self._miss_reason(n)
+            stats.cached_from = lease.tier
             stats.restore_s = time.perf_counter() - start
             block = self.cache.block_size
             # Trimmable KV is kept after the prompt's last full block; a whole-state
             # checkpoint (recurrent / rotating layers) must be taken at the last boundary
             # before the end, so that the same prompt can resume from it.
             keep_at = (n // block if self.cache.trimmable else (n - 1) // block) * block
-            if resume.logits is not None:  # this very prompt again: nothing to prefill
-                logits = resume.logits
+            if lease.logits is not None:  # this very prompt again: nothing to prefill
+                logits = lease.logits
             else:
-                logits = yield from self._prefill(
-                    rid, tokens, resume.layers, resume.length, keep_at
-                )
-                self.cache.keep_tail(tokens, resume.layers, logits)
+                logits = yield from self._prefill(rid, tokens, lease, lease.length, keep_at)
+                lease.keep_tail(tokens, logits)
             stop = req.stop_tokens
             if stop is None:
                 stop = frozenset(self.loaded.tokenizer.eos_token_ids)
@@ -535,7 +533,7 @@ class Engine:
                 self.loaded.tokenizer,
                 rid,
                 tokens,
-                resume.layers,
+                lease.layers,
                 logits,
                 sampling=req.sampling,
                 processors=req.processors,
@@ -552,43 +550,42 @@ class Engine:
             )
             if self.keep_replies:
                 ended = [] if result.stop_token is None else [result.stop_token]
-                self._keep_reply(tokens, [*result.tokens, *ended], resume.layers)
+                self._keep_reply(tokens, [*result.tokens, *ended], lease)
         except GenerationError as exc:
             # This request fails alone: the lanes beside it go on.
             result = Result("", [], "error", stats, error=str(exc))
         finally:
-            if resume is not None:
-                self.cache.release(resume)
+            if lease is not None:
+                lease.release()
             if follow is not None:  # however the request ended: its follow lane may finish
                 follow.closed = True
         yield Done(rid, result)  # after the release: a finished request holds no pin
 
-    def _keep_reply(self, prompt: np.ndarray, reply: list[int], layers: Layers) -> None:
-        """Keep the full blocks of prompt + reply (its end token included) that `layers`
-        hold past the prompt's own, and the rest as a tail to resume mid-block from
+    def _keep_reply(self, prompt: np.ndarray, reply: list[int], lease: Lease) -> None:
+        """Keep the full blocks of prompt + reply (its end token included) that the lease's
+        layers hold past the prompt's own, and the rest as a tail to resume mid-block from
         (decode KV, canonical on this device: see `keep_replies`)."""
         block = self.cache.block_size
-        held = min(cast(KVLayer, layers[0]).offset, prompt.size + len(reply))
+        held = min(cast(KVLayer, lease.layers[0]).offset, prompt.size + len(reply))
         ids = np.concatenate([prompt, np.asarray(reply, np.int32)])[:held]
         if held // block > prompt.size // block:
-            self.cache.keep(ids[: held // block * block], layers)
-        self.cache.keep_tail(ids, layers, None)
+            lease.keep(ids[: held // block * block])
+        lease.keep_tail(ids, None)
 
     def _warm_lane(self, rid: int, tokens: np.ndarray) -> Generator[Event, None, None]:
         # No logits needed: every full block. Warm work is not a request: not counted.
         # Where decode KV is canonical, it resumes from the reply's own tail: only the
         # next turn's new tokens are prefilled.
-        resume = self.cache.restore(with_probe(tokens), count=False, anywhere=self.keep_replies)
-        try:
-            if resume.length < len(tokens):
-                yield from self._prefill(rid, tokens, resume.layers, resume.length, len(tokens))
-        finally:
-            self.cache.release(resume)
+        with self.cache.restore(
+            tokens, count=False, anywhere=self.keep_replies, whole=True
+        ) as lease:
+            if lease.length < len(tokens):
+                yield from self._prefill(rid, tokens, lease, lease.length, len(tokens))
 
     def _follow_lane(self, rid: int, f: _Follow) -> Generator[Event, None, None]:
         # Stepped only when a block is complete or the request has ended (`step`).
         block = self.cache.block_size
-        resume = None
+        lease = None
         try:
             while (target := f.ready()) > f.done or not f.closed:
                 if target <= f.done:
@@ -597,31 +594,32 @@ class Engine:
                 ids = f.tokens()[:target]
                 # Blocks kept already (the same conversation before) are skipped, and the
                 # layers held so far with them: a later miss restores from there.
-                if (kept := self.cache.cached_length(with_probe(ids))) > f.done:
+                if (kept := self.cache.cached_length(ids, whole=True)) > f.done:
                     f.done = kept
-                    if resume is not None:
-                        self.cache.release(resume)
-                        resume = None
+                    if lease is not None:
+                        lease.release()
+                        lease = None
                     continue
-                if resume is None:
-                    resume = self.cache.restore(with_probe(ids[: f.done]), count=False)
-                    f.done = resume.length
+                if lease is None:
+                    lease = self.cache.restore(ids[: f.done], count=False, whole=True)
+                    f.done = lease.length
                 stop = min(target, f.done + block)  # one chunk per step
-                yield from self._prefill(rid, ids[:stop], resume.layers, f.done, stop)
+                yield from self._prefill(rid, ids[:stop], lease, f.done, stop)
                 f.done = stop
         finally:
-            if resume is not None:
-                self.cache.release(resume)
+            if lease is not None:
+                lease.release()
 
     def _prefill(
         self,
         rid: int,
         tokens: np.ndarray,
-        layers: Layers,
+        lease: Lease,
         start: int,
         keep_at: int,
     ) -> Generator[Event, None, mx.array]:
-        """Prefill tokens[start:] canonically and keep tokens[:keep_at]; returns last logits.
+        """Prefill tokens[start:] into the lease's layers canonically and keep
+        tokens[:keep_at]; returns the last logits.
 
         Stopped early (cancelled, interrupted), it keeps the full blocks it computed.
         """
@@ -631,14 +629,14 @@ class Engine:
         at_chunk_end = False  # the layers hold exactly `done` tokens
         try:
             # A resume inside a block only where decode KV is canonical: see `restore`.
-            chunks = prefill(self.model, layers, tokens, start, block, self.keep_replies)
+            chunks = prefill(self.model, lease.layers, tokens, start, block, self.keep_replies)
             for stop, out in chunks:
                 done, logits, at_chunk_end = stop, out, True
                 if stop % block == 0 and stop <= keep_at:
-                    self.cache.capture(tokens[:stop], layers)
+                    lease.capture(tokens[:stop])
                 if stop == keep_at and keep_at > start:
                     kept = keep_at  # tried once: not again while unwinding if it fails
-                    self.cache.keep(tokens[:keep_at], layers)
+                    lease.keep(tokens[:keep_at])
                 yield Prefill(rid, stop, n)
                 at_chunk_end = False
         except BaseException:
@@ -650,7 +648,7 @@ class Engine:
                 # Best effort while unwinding: a failed keep must not replace what stopped
                 # the lane (a cancel, Ctrl-C) nor fail the request that pre-empted it.
                 with contextlib.suppress(Exception):
-                    self.cache.keep(tokens[:done], layers)
+                    lease.keep(tokens[:done])
             raise
         if logits is None:  # prefill() always ends with the logits chunk
             raise GenerationError("prefill produced no logits")

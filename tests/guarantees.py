@@ -191,9 +191,8 @@ def _run_of(
 
 def remembered_logits(engine: Engine, tokens: list[int]) -> mx.array | None:
     """The last-prompt logits a whole-prompt resume of `tokens` starts from (if any)."""
-    resume = engine.cache.restore(np.asarray(tokens, dtype=np.int32))
-    engine.cache.release(resume)
-    return resume.logits
+    with engine.cache.restore(np.asarray(tokens, dtype=np.int32)) as lease:
+        return lease.logits
 
 
 def run(
@@ -275,6 +274,8 @@ class Rig:
         """Run on a cached engine; check resume point, entries and bits against cold."""
         expect = self.geo.resume(tokens, engine.cache)
         got = run(engine, spy, tokens, params, follow)
+        if not engine.warming:  # every lease taken by a lane that ended was released
+            assert engine.cache.report()["open_leases"] == 0, "a lease was not released"
         self.check(got, tokens, expect, self.cold(tokens, params), engine.cache)
         self.entries(engine.cache)
         return got

@@ -79,7 +79,7 @@ def keep_decode_kv(patch: Patch) -> None:
         tokens = seen.pop(id(resume.layers), None)
         n = 0 if tokens is None else len(tokens) // self.block_size * self.block_size
         if tokens is not None and self.trimmable and n:
-            self.keep(tokens[:n], resume.layers)
+            self.keep(tokens[:n], resume)
         release(self, resume)
 
     patch(PromptCache, "release", release_keeping)
@@ -92,9 +92,13 @@ def penalty_without_cached_prompt(patch: Patch) -> None:
     starts: dict[int, int] = {}  # id(layers) -> the resume point they were restored at
 
     def restore_noting(
-        self: PromptCache, tokens: np.ndarray, count: bool = True, anywhere: bool = False
+        self: PromptCache,
+        tokens: np.ndarray,
+        count: bool = True,
+        anywhere: bool = False,
+        whole: bool = False,
     ) -> Any:
-        resume = restore(self, tokens, count, anywhere)
+        resume = restore(self, tokens, count, anywhere, whole)
         starts[id(resume.layers)] = resume.length
         return resume
 
@@ -149,16 +153,20 @@ def partial_last_block(patch: Patch) -> None:
     prompts: dict[int, np.ndarray] = {}  # id(layers) -> the prompt they were restored for
 
     def restore_noting(
-        self: PromptCache, tokens: np.ndarray, count: bool = True, anywhere: bool = False
+        self: PromptCache,
+        tokens: np.ndarray,
+        count: bool = True,
+        anywhere: bool = False,
+        whole: bool = False,
     ) -> Any:
-        resume = restore(self, tokens, count, anywhere)
+        resume = restore(self, tokens, count, anywhere, whole)
         prompts[id(resume.layers)] = np.asarray(tokens)
         return resume
 
     def release_keeping(self: PromptCache, resume: Any) -> None:
         tokens = prompts.pop(id(resume.layers), None)
         if tokens is not None and len(tokens) % self.block_size and self.trimmable:
-            keep(self, tokens, resume.layers)
+            keep(self, tokens, resume)
         release(self, resume)
 
     patch(PromptCache, "restore", restore_noting)
@@ -204,15 +212,12 @@ def warm_in_one_chunk(patch: Patch) -> None:
     bits of the KV it resumes from differ (on the shape-sensitive model)."""
 
     def _warm_lane(self: Engine, rid: int, tokens: np.ndarray) -> Generator[Event, None, None]:
-        resume = self.cache.restore(np.append(tokens, np.int32(-1)))  # as the engine looks up
-        try:
-            if resume.length < len(tokens):
-                self.model(mx.array(tokens[None, resume.length :]), cache=resume.layers)
-                mx.eval([c.state for c in resume.layers])
-                self.cache.keep(tokens, resume.layers)
+        with self.cache.restore(tokens, whole=True) as lease:
+            if lease.length < len(tokens):
+                self.model(mx.array(tokens[None, lease.length :]), cache=lease.layers)
+                mx.eval([c.state for c in lease.layers])
+                lease.keep(tokens)
                 yield Prefill(rid, len(tokens), len(tokens))
-        finally:
-            self.cache.release(resume)
 
     patch(Engine, "_warm_lane", _warm_lane)
 
@@ -267,16 +272,16 @@ def follow_in_one_chunk(patch: Patch) -> None:
                     continue
                 ids = f.tokens()[:target]
                 if resume is None:
-                    resume = self.cache.restore(np.append(ids[: f.done], np.int32(-1)))
+                    resume = self.cache.restore(ids[: f.done], whole=True)
                     f.done = resume.length
                 self.model(mx.array(ids[None, f.done : target]), cache=resume.layers)
                 mx.eval([c.state for c in resume.layers])
-                self.cache.keep(ids, resume.layers)
+                resume.keep(ids)
                 f.done = target
                 yield Prefill(rid, target, target)
         finally:
             if resume is not None:
-                self.cache.release(resume)
+                resume.release()
 
     patch(Engine, "_follow_lane", _follow_lane)
 
@@ -287,12 +292,16 @@ def tail_of_a_prefix(patch: Patch) -> None:
     restore = PromptCache.restore
 
     def restore_prefix(
-        self: PromptCache, tokens: np.ndarray, count: bool = True, anywhere: bool = False
+        self: PromptCache,
+        tokens: np.ndarray,
+        count: bool = True,
+        anywhere: bool = False,
+        whole: bool = False,
     ) -> Any:
         for k in range(len(tokens) - 1, self.block_size - 1, -1):
-            if self.mem.tail(tokens[:k]) is not None:
+            if not whole and self.mem.tail(tokens[:k]) is not None:
                 return restore(self, tokens[:k], count)
-        return restore(self, tokens, count, anywhere)
+        return restore(self, tokens, count, anywhere, whole)
 
     patch(PromptCache, "restore", restore_prefix)
 
@@ -306,13 +315,17 @@ def keep_decode_on_cancel(patch: Patch) -> None:
     """A request cancelled during its reply (Ctrl-C, a client gone) keeps the prompt and
     the reply so far, KV its decode steps computed included."""
     restore, lane = PromptCache.restore, Engine._lane
-    restored: dict[bytes, Any] = {}  # prompt bytes -> the layers restored for it
+    restored: dict[bytes, Any] = {}  # prompt bytes -> the lease restored for it
 
     def restore_noting(
-        self: PromptCache, tokens: np.ndarray, count: bool = True, anywhere: bool = False
+        self: PromptCache,
+        tokens: np.ndarray,
+        count: bool = True,
+        anywhere: bool = False,
+        whole: bool = False,
     ) -> Any:
-        resume = restore(self, tokens, count, anywhere)
-        restored[np.asarray(tokens, np.int32).tobytes()] = resume.layers
+        resume = restore(self, tokens, count, anywhere, whole)
+        restored[np.asarray(tokens, np.int32).tobytes()] = resume
         return resume
 
     def _lane(
@@ -326,12 +339,13 @@ def keep_decode_on_cancel(patch: Patch) -> None:
                     reply.append(event.token)
                 yield event
         except GeneratorExit:
-            layers = restored.get(np.asarray(tokens, np.int32).tobytes())
-            if layers is not None and reply:
+            lease = restored.get(np.asarray(tokens, np.int32).tobytes())
+            if lease is not None and reply:
+                layers = lease.layers
                 held = int(layers[0].offset) // self.cache.block_size * self.cache.block_size
                 seen = np.concatenate([tokens, np.asarray(reply, np.int32)])[:held]
                 if held > len(tokens) and (self.cache.trimmable or held == layers[0].offset):
-                    self.cache.keep(seen, layers)
+                    lease.keep(seen)
             gen.close()
             raise
 
@@ -355,7 +369,7 @@ def snapshot_shares_state(patch: Patch) -> None:
 def no_capture(patch: Patch) -> None:
     """Blocks are not noted right after their chunk: keep cuts them out of the layers
     later, which no longer hold a sliding window's old positions or a block's state."""
-    patch(PromptCache, "capture", lambda self, tokens, layers: None)
+    patch(PromptCache, "capture", lambda self, tokens, lease: None)
 
 
 def state_of_the_block_start(patch: Patch) -> None:
@@ -393,9 +407,13 @@ def resume_anywhere_unprobed(patch: Patch) -> None:
     restore, run = PromptCache.restore, prefill_mod.prefill
 
     def anywhere_restore(
-        self: PromptCache, tokens: Any, count: bool = True, anywhere: bool = False
+        self: PromptCache,
+        tokens: Any,
+        count: bool = True,
+        anywhere: bool = False,
+        whole: bool = False,
     ) -> Any:
-        return restore(self, tokens, count, anywhere=True)
+        return restore(self, tokens, count, True, whole)
 
     def anywhere_prefill(
         model: Any, layers: Any, tokens: Any, start: int, block_size: int, anywhere: bool = False

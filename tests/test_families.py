@@ -30,7 +30,7 @@ from guarantees import (
 )
 
 from mlxcache.bench.families import FAMILIES, build
-from mlxcache.cache.base import NoCache
+from mlxcache.cache.base import Lease, NoCache
 from mlxcache.cache.layout import nbytes as block_nbytes
 from mlxcache.cache.memory import MemoryTier
 from mlxcache.cache.store import PromptCache
@@ -38,7 +38,6 @@ from mlxcache.config import CacheConfig
 from mlxcache.engine import Engine, Request
 from mlxcache.events import Event, Token
 from mlxcache.model import LoadedModel, load
-from mlxcache.types import Layers
 
 CHECKS: list[Callable[[Rig], None]] = [
     check_warm,
@@ -156,9 +155,9 @@ def test_prefill_stages_states_between_strides_within_their_budget(
         assert layout is not None
         capture, seen = mem.capture, []
 
-        def counting(tokens: np.ndarray, layers: Layers) -> None:
-            capture(tokens, layers)
-            staged = mem._staged[id(layers)]
+        def counting(tokens: np.ndarray, lease: Lease) -> None:
+            capture(tokens, lease)
+            staged = lease.staged
             if budget_states is not None and len(staged) == 1:  # one state's size, learned
                 mem.extra_budget = budget_states * block_nbytes(layout.split(staged[0])[1])
             seen.append(sorted(j for j, piece in staged.items() if layout.split(piece)[1]))

@@ -39,8 +39,8 @@ def test_warm_equals_cold_and_lanes_equal_solo(smol: LoadedModel, tmp_path: Path
     assert warm.tokens == cold.tokens
     assert cold_calls[:3] == [(0, 16), (16, 16), (32, 5)]
     assert spy.calls == cold_calls[3:]  # its decode steps only
-    resume = engine.cache.restore(np.asarray(ids, dtype=np.int32))
-    engine.cache.release(resume)
+    with engine.cache.restore(np.asarray(ids, dtype=np.int32)) as resume:
+        pass
     assert resume.length == 37 and mx.array_equal(resume.logits, cold_logits)
 
     # A longer prompt resumes at the last full block and makes the cold run's calls.

@@ -83,16 +83,19 @@ def test_what_the_cache_keeps_holds_no_lane_arrays(tiny: LoadedModel, tmp_path: 
     decode, all rows' KV)."""
     import gc
 
-    from mlxcache.types import KVLayer, new_layers
+    from mlxcache.types import KVLayer
 
     config = CacheConfig(block_size=4, directory=tmp_path, disk_bytes=0)
     cache = PromptCache(tiny.model, tiny.key, config)
     tokens = np.asarray(_prompt(202, 3), dtype=np.int32)
-    layers = new_layers(tiny.model)
+    lease = cache.restore(tokens)  # a miss: fresh layers
+    layers = lease.layers
     tiny.model(mx.array(tokens[None]), cache=layers)
     mx.eval([c.state for c in layers])
-    cache.keep(tokens[:200], layers)
-    cache.keep_tail(tokens, layers, None)
+    lease.keep(tokens[:200])
+    lease.keep_tail(tokens, None)
+    lease.release()
+    del lease
     held = sum(c.keys.nbytes + c.values.nbytes for c in cast(list[KVLayer], layers))
     gc.collect()  # earlier tests' garbage must not be what frees the bytes counted below
     before = mx.get_active_memory()

@@ -34,6 +34,12 @@ REWRITING = (
 )
 
 
+def held(engine: Engine) -> tuple[int, int]:
+    """Entries pinned and leases not released: (0, 0) once no lane runs."""
+    report = engine.cache.report()
+    return report["pinned_entries"], report["open_leases"]
+
+
 def prompt(n: int, seed: int = 0) -> list[int]:
     return [int(t) for t in np.random.default_rng(seed).integers(3, 250, size=n)]
 
@@ -190,7 +196,7 @@ def test_a_followed_reply_keeps_its_blocks_as_it_goes(tiny: LoadedModel) -> None
     second = engine.complete(Request(nxt, GREEDY))
     assert second.stats.cached_tokens == 20 and spy.calls[0] == (20, 4)
     same_as_cold(tiny, second, spy, nxt)
-    assert engine.cache.report()["pinned_entries"] == 0
+    assert held(engine) == (0, 0)
     # The same conversation again: its blocks are kept already, the follow lane skips them.
     spy.reset()
     engine.submit(Request(p, twelve, stop_tokens=frozenset(), follow=True))
@@ -225,7 +231,7 @@ def test_follow_lanes_wait_while_a_request_prefills(tiny: LoadedModel) -> None:
     engine.cancel(a)
     assert engine.lanes() == [(b, LaneKind.REQUEST)] and not engine.warming  # all of a's gone
     list(engine.run())
-    assert engine.cache.report()["pinned_entries"] == 0
+    assert held(engine) == (0, 0)
 
 
 def test_a_follow_lane_goes_on_while_its_reply_runs(tiny: LoadedModel) -> None:
@@ -241,7 +247,7 @@ def test_a_follow_lane_goes_on_while_its_reply_runs(tiny: LoadedModel) -> None:
     engine.submit(Request([*p, *replies, 7, 7], GREEDY))  # shares 12 > the follow's 8
     assert (follower, LaneKind.FOLLOW) in engine.lanes()
     list(engine.run(warm=True))
-    assert not engine.lanes() and engine.cache.report()["pinned_entries"] == 0
+    assert not engine.lanes() and held(engine) == (0, 0)
 
 
 def test_a_followed_request_that_fails_to_start_ends_its_follow_lane(
@@ -473,7 +479,7 @@ def test_units_closed_early_leave_nothing_behind(tiny: LoadedModel) -> None:
     next(results)
     results.close()
     assert not engine.busy
-    assert engine.cache.report()["pinned_entries"] == 0
+    assert held(engine) == (0, 0)
 
 
 def test_a_failing_keep_while_cancelling_spares_the_worker(
@@ -518,7 +524,7 @@ def test_a_failing_warm_lane_warns_once_and_ends_alone(
     engine.warm(prompt(12))
     assert list(engine.run(warm=True)) == []
     assert warnings == ["warm-ahead stopped early: MemoryError: no room for the KV"]
-    assert not engine.lanes() and engine.cache.report()["pinned_entries"] == 0
+    assert not engine.lanes() and held(engine) == (0, 0)
     result = engine.complete(Request(prompt(12), GREEDY))  # the engine goes on
     assert result.finish_reason == "length" and result.stats.cached_tokens == 0
 

@@ -3,7 +3,8 @@ nothing."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
@@ -25,21 +26,85 @@ class CacheStats:
     disk_errors: int = 0
 
 
-@dataclass(slots=True)
-class Resume:
-    """Where a request starts: fresh per-layer caches holding `length` prompt tokens.
+class Keeper(Protocol):
+    """What a `Lease` hands its calls to: the cache that restored it."""
 
-    `lease` is the cache's own handle (a pinned entry); hand it back with `release`.
-    `logits` (the last prompt token's) come only with a whole prompt seen before: then
-    `length` is the whole prompt and nothing is left to prefill.
+    def capture(self, tokens: np.ndarray, lease: Lease) -> None: ...
+
+    def keep(self, tokens: np.ndarray, lease: Lease) -> None: ...
+
+    def keep_tail(self, tokens: np.ndarray, lease: Lease, logits: Any) -> None: ...
+
+    def release(self, lease: Lease) -> None: ...
+
+
+class LeaseError(RuntimeError):
+    """A lease used after its release, or released twice: a bug in the caller."""
+
+
+@dataclass(slots=True, eq=False)
+class Lease:
+    """What one request holds of a prefix cache, from `PrefixCache.restore` to `release`.
+
+    Fresh per-layer caches (`layers`) holding the first `length` prompt tokens, the entry
+    they came from (pinned until the release), and what the request stages on the way to
+    `keep`: the blocks it captured, which of their recurrent states are extras, and where
+    its prompt left the entry it resumed from. All of it is this lease's own, dropped with
+    it: nothing is keyed by anything another request could reuse. `logits` (the last
+    prompt token's) come only with a whole prompt seen before: then `length` is the whole
+    prompt and nothing is left to prefill. Released exactly once: `release()` or the end
+    of a `with` block; a second release, or a keep after it, raises `LeaseError`.
     """
 
+    keeper: Keeper
     layers: Layers
     length: int
-    lease: Any = None
+    entry: Any = None
     logits: Any = None
     tier: str = ""
     """Where the resumed prefix came from: "memory", "disk", or "" (nothing resumed)."""
+    branch: int | None = None
+    """The last block this prompt shares with the entry it resumed from."""
+    staged: dict[int, Any] = field(default_factory=dict)
+    """Blocks captured (`capture`) by number, until kept."""
+    extras: deque[int] = field(default_factory=deque)
+    """Staged blocks whose recurrent states are extras (memory only), oldest first."""
+    released: bool = False
+
+    def capture(self, tokens: np.ndarray) -> None:
+        """`layers` hold exactly `tokens` (whole blocks), right after the canonical chunk
+        that ended them: note the last block now if only this moment shows it (sliding
+        windows drop it later, recurrent state moves on); `keep` stores it."""
+        self._check()
+        self.keeper.capture(tokens, self)
+
+    def keep(self, tokens: np.ndarray) -> None:
+        """Store the first len(tokens) positions of `layers` (a whole number of blocks)."""
+        self._check()
+        self.keeper.keep(tokens, self)
+
+    def keep_tail(self, tokens: np.ndarray, logits: Any) -> None:
+        """Remember a whole prompt's state past its last full block, and its last logits,
+        so that the same prompt again resumes with nothing to prefill. Without logits (a
+        reply's decode KV): only for resuming mid-block (`restore(anywhere=True)`)."""
+        self._check()
+        self.keeper.keep_tail(tokens, self, logits)
+
+    def release(self) -> None:
+        """Unpin the entry and forget what was staged and not kept."""
+        self._check()
+        self.released = True
+        self.keeper.release(self)
+
+    def _check(self) -> None:
+        if self.released:
+            raise LeaseError("this lease was released already")
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.release()
 
 
 class PrefixCache(Protocol):
@@ -49,36 +114,18 @@ class PrefixCache(Protocol):
     trimmable: bool
     """Whether the model's state can be rewound (all plain KV layers)."""
 
-    def restore(self, tokens: np.ndarray, count: bool = True, anywhere: bool = False) -> Resume:
-        """Fresh layers restored to the longest reusable prefix of `tokens` (pinned);
+    def restore(
+        self, tokens: np.ndarray, count: bool = True, anywhere: bool = False, whole: bool = False
+    ) -> Lease:
+        """A lease on fresh layers restored to the longest reusable prefix of `tokens`;
         `count` False: warm-ahead work, left out of the hit and miss counters; `anywhere`:
         the prefix may end inside a block (only where the device was measured
-        shape-invariant: the prefill then starts there)."""
+        shape-invariant: the prefill then starts there); `whole`: it may be all of
+        `tokens` (work that needs no logits), else it stops a token short of the end."""
         ...
 
-    def capture(self, tokens: np.ndarray, layers: Layers) -> None:
-        """`layers` hold exactly `tokens` (whole blocks), right after the canonical chunk
-        that ended them: note the last block now if only this moment shows it (sliding
-        windows drop it later, recurrent state moves on). `keep` with the same layers
-        stores it; `release` forgets what was not kept."""
-        ...
-
-    def keep(self, tokens: np.ndarray, layers: Layers) -> None:
-        """Store the first len(tokens) positions of `layers` (a whole number of blocks)."""
-        ...
-
-    def cached_length(self, tokens: np.ndarray) -> int:
+    def cached_length(self, tokens: np.ndarray, whole: bool = False) -> int:
         """How many of `tokens` a restore would resume now (a lookup: nothing is copied)."""
-        ...
-
-    def keep_tail(self, tokens: np.ndarray, layers: Layers, logits: Any) -> None:
-        """Remember a whole prompt's state past its last full block, and its last logits,
-        so that the same prompt again resumes with nothing to prefill. Without logits (a
-        reply's decode KV): only for resuming mid-block (`restore(anywhere=True)`)."""
-        ...
-
-    def release(self, resume: Resume) -> None:
-        """Unpin what `restore` pinned."""
         ...
 
     def report(self) -> dict[str, Any]:
@@ -87,9 +134,10 @@ class PrefixCache(Protocol):
 
 
 def with_probe(tokens: Any) -> np.ndarray:
-    """`tokens` and one id past them that matches nothing. A lookup leaves a prompt at least
-    one token to prefill (for its logits), so it stops a block short of a prompt of whole
-    blocks; with the probe it reaches every full block of `tokens`."""
+    """`tokens` and one id past them that matches nothing: the index's lookups leave a
+    prompt at least one token to prefill (for its logits), so they stop a block short of
+    a prompt of whole blocks; with the probe they reach every full block of `tokens`
+    (a `whole` lookup, inside the cache)."""
     return np.append(np.asarray(tokens, dtype=np.int32), np.int32(-1))
 
 
@@ -110,23 +158,32 @@ class NoCache:
         self.block_size = block_size
         self.trimmable = is_trimmable(new_layers(model), block_size)
 
-    def restore(self, tokens: np.ndarray, count: bool = True, anywhere: bool = False) -> Resume:
-        return Resume(new_layers(self._model), 0)
+    def restore(
+        self, tokens: np.ndarray, count: bool = True, anywhere: bool = False, whole: bool = False
+    ) -> Lease:
+        return Lease(_KEEPS_NOTHING, new_layers(self._model), 0)
 
-    def capture(self, tokens: np.ndarray, layers: Layers) -> None:
-        return None
-
-    def keep(self, tokens: np.ndarray, layers: Layers) -> None:
-        return None
-
-    def cached_length(self, tokens: np.ndarray) -> int:
+    def cached_length(self, tokens: np.ndarray, whole: bool = False) -> int:
         return 0
-
-    def keep_tail(self, tokens: np.ndarray, layers: Layers, logits: Any) -> None:
-        return None
-
-    def release(self, resume: Resume) -> None:
-        return None
 
     def report(self) -> dict[str, Any]:
         return {"pinned_entries": 0}
+
+
+class _Nothing:
+    """The keeper of a cache that keeps nothing."""
+
+    def capture(self, tokens: np.ndarray, lease: Lease) -> None:
+        return None
+
+    def keep(self, tokens: np.ndarray, lease: Lease) -> None:
+        return None
+
+    def keep_tail(self, tokens: np.ndarray, lease: Lease, logits: Any) -> None:
+        return None
+
+    def release(self, lease: Lease) -> None:
+        return None
+
+
+_KEEPS_NOTHING = _Nothing()

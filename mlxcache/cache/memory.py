@@ -26,7 +26,7 @@ disk tier.
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,7 +35,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlxcache.cache import blocks as kv
-from mlxcache.cache.base import CacheStats, Resume, with_probe
+from mlxcache.cache.base import CacheStats, Keeper, Lease, with_probe
 from mlxcache.cache.disk import digest_tokens
 from mlxcache.cache.index import Entry, Match, PromptIndex
 from mlxcache.cache.layout import Block, Layout
@@ -115,17 +115,13 @@ class MemoryTier:
         self._entry_blocks: dict[Entry, list[str]] = {}
         self._checkpoints: dict[Entry, list[Any]] = {}
         self._tails: OrderedDict[str, Tail] = OrderedDict()  # by prompt digest, oldest first
-        # Blocks captured by running lanes (by id of their layers, then block number) until
-        # they keep them; outside the budget, like the lanes' own layers.
-        self._staged: dict[int, dict[int, Block]] = {}
+        # Blocks a lane captured are staged on its lease (`Lease.staged`) until it keeps
+        # them; outside the budget, like the lanes' own layers.
         self._stride = config.state_stride
-        self._branches: dict[int, int] = {}  # id of a lane's layers -> its branch block
         # States between strides: kept in memory only (never written to disk), oldest
-        # first, within `extra_budget`; and, per lane, the staged blocks whose states are
-        # such extras, oldest first (their states go first when staging would outgrow it).
+        # first, within `extra_budget` (a lease's staged extras, `Lease.extras`, too).
         self._extra: OrderedDict[str, None] = OrderedDict()
         self.extra_budget = config.mem_bytes // EXTRA_STATE_SHARE
-        self._staged_extra: dict[int, deque[int]] = {}
 
     # -- views ----------------------------------------------------------------------------
 
@@ -198,17 +194,24 @@ class MemoryTier:
         return 0
 
     def resume(
-        self, entry: Entry, length: int, shared: int, tokens: np.ndarray, tail: Tail | None
-    ) -> Resume:
-        """Fresh layers holding `entry`'s first `length` tokens, the entry pinned, room made
-        for the rest of `tokens`; with `tail` (of `tokens`, whose full blocks these are) the
-        whole prompt and its logits. `shared`: how far `tokens` follow the entry."""
+        self,
+        keeper: Keeper,
+        entry: Entry,
+        length: int,
+        shared: int,
+        tokens: np.ndarray,
+        tail: Tail | None,
+    ) -> Lease:
+        """A lease (of `keeper`) on fresh layers holding `entry`'s first `length` tokens,
+        the entry pinned, room made for the rest of `tokens`; with `tail` (of `tokens`,
+        whose full blocks these are) the whole prompt and its logits. `shared`: how far
+        `tokens` follow the entry."""
         layers = self._layers(entry, length)  # before the pin: if this fails, none is left
         if tail is None:  # after: room made may drop the state between strides it starts from
             self.reserve_prefill(tokens, length, entry)
         # Where this prompt leaves the entry: its state is kept there (computed if this
         # resume starts before it; made a kept state, on disk too, if it is an extra).
-        self._branches[id(layers)] = shared // self.block_size - 1
+        branch = shared // self.block_size - 1
         logits = None
         if tail is not None:
             # Tails are kept for block layouts only; `tail()` gives those with logits.
@@ -218,15 +221,15 @@ class MemoryTier:
             # A copy: logits processors (the repetition penalty) write into their input.
             length, logits = len(tokens), mx.array(tail.logits)
         self.index.pin(entry)
-        return Resume(layers, length, entry, logits)
+        return Lease(keeper, layers, length, entry, logits, branch=branch)
 
-    def release(self, resume: Resume) -> None:
-        """Unpin `resume`'s entry; forget what its lane captured and did not keep."""
-        self._staged.pop(id(resume.layers), None)
-        self._staged_extra.pop(id(resume.layers), None)
-        self._branches.pop(id(resume.layers), None)
-        if resume.lease is not None and resume.lease in self.index:
-            self.index.unpin(resume.lease)
+    def release(self, lease: Lease) -> None:
+        """Unpin `lease`'s entry; forget what its lane captured and did not keep (at once:
+        a lane's generator may hold its lease a while longer)."""
+        lease.staged.clear()
+        lease.extras.clear()
+        if lease.entry is not None and lease.entry in self.index:
+            self.index.unpin(lease.entry)
 
     def _layers(self, entry: Entry, length: int) -> list[LayerCache]:
         if entry in self._checkpoints:
@@ -239,24 +242,24 @@ class MemoryTier:
 
     # -- keeping ------------------------------------------------------------------------------
 
-    def capture(self, tokens: np.ndarray, layers: Layers) -> None:
-        """Note the last block of `layers` (holding exactly `tokens`, right after its chunk)
-        when the layout cannot cut it later; `keep` with these layers stores it."""
+    def capture(self, tokens: np.ndarray, lease: Lease) -> None:
+        """Note the last block of the lease's layers (holding exactly `tokens`, right after
+        its chunk) when the layout cannot cut it later; `keep` of this lease stores it."""
         if self.layout is None or not self.layout.needs_capture:
             return
         j = len(tokens) // self.block_size - 1
         start = j * self.block_size
-        staged = self._staged.setdefault(id(layers), {})
-        staged[j] = self.layout.cut(layers, start, len(tokens))
+        staged = lease.staged
+        staged[j] = self.layout.cut(lease.layers, start, len(tokens))
         # The block before is no longer the last: unless `keep` keeps its state on disk too
         # (`_fresh_blocks`), it is an extra, staged within the extras' budget; past it the
         # oldest staged extra lets go of its state (else a long prefill of a large-state
         # hybrid would hold one state per block: gigabytes on a real Qwen3-Next).
         before = staged.get(j - 1)
-        if before is not None and j - 1 != self._branches.get(id(layers)):
+        if before is not None and j - 1 != lease.branch:
             blocks, state = self.layout.split(before)
             if state and not self._keeps_state(j - 1, state, blocks):
-                extras = self._staged_extra.setdefault(id(layers), deque())
+                extras = lease.extras
                 extras.append(j - 1)
                 # A model's states all have one size.
                 while extras and len(extras) * block_nbytes(state) > self.extra_budget:
@@ -264,14 +267,14 @@ class MemoryTier:
                     if k in staged:
                         staged[k] = self.layout.split(staged[k])[0]
 
-    def keep(self, tokens: np.ndarray, layers: Layers) -> Kept | None:
-        """Store the first len(tokens) positions of `layers` (int32 `tokens`) as an entry,
-        after freeing a slot; None when not even its first block can be stored."""
+    def keep(self, tokens: np.ndarray, lease: Lease) -> Kept | None:
+        """Store the first len(tokens) positions of the lease's layers (int32 `tokens`) as
+        an entry, after freeing a slot; None when not even its first block can be stored."""
         self.make_room(tokens)
         if self.layout is None:
-            checkpoint = kv.snapshot(layers)
+            checkpoint = kv.snapshot(lease.layers)
             return Kept(self.add_checkpoint(tokens, checkpoint), tokens, checkpoint=checkpoint)
-        names, fresh, extras = self._fresh_blocks(tokens, layers)
+        names, fresh, extras = self._fresh_blocks(tokens, lease)
         if not names:
             return None
         tokens = self._whole_blocks(tokens, names)
@@ -284,11 +287,11 @@ class MemoryTier:
         return Kept(entry, tokens, stored)
 
     def _fresh_blocks(
-        self, tokens: np.ndarray, layers: Layers
+        self, tokens: np.ndarray, lease: Lease
     ) -> tuple[list[str], dict[str, Block], list[str]]:
         """The names an entry of `tokens` holds (its blocks, then the recurrent states it
         keeps), the blocks among them not stored yet (captured ones, or cut out of
-        `layers`: plain KV), and the fresh states among them that are extras. It stops
+        the lease's layers: plain KV), and the fresh states among them that are extras. It stops
         before the first block that is neither stored nor captured. States are kept after
         every `stride`-th block, after the last, and after the block where this prompt
         left the entry it resumed from (had it a state there, it would have resumed
@@ -297,8 +300,7 @@ class MemoryTier:
         assert self.layout is not None
         b, layout = self.block_size, self.layout
         names = kv.chain_hashes(tokens, b, self.ns)
-        staged = self._staged.get(id(layers), {})
-        branch = self._branches.get(id(layers))
+        staged, branch, layers = lease.staged, lease.branch, lease.layers
         n = next(
             (j for j, h in enumerate(names) if h not in self._blocks and j not in staged),
             len(names),

@@ -20,7 +20,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlxcache.cache import blocks as kv
-from mlxcache.cache.base import CacheStats, Resume, with_probe
+from mlxcache.cache.base import CacheStats, Lease, with_probe
 from mlxcache.cache.disk import (
     DiskTier,
     Writer,
@@ -35,7 +35,7 @@ from mlxcache.cache.layout import nbytes as block_nbytes
 from mlxcache.cache.memory import Kept, MemoryTier, state_name
 from mlxcache.config import CacheConfig
 from mlxcache.errors import CacheStoreError, CorruptCacheFileError
-from mlxcache.types import Layers, Model, new_layers
+from mlxcache.types import Model, new_layers
 
 # What the disk tier can raise that means "go on without it" (a corrupt file is handled apart).
 _DISK_ERRORS = (sqlite3.Error, OSError, CacheStoreError)
@@ -70,6 +70,7 @@ class PromptCache:
         self.ns = kv.namespace(model_key, config.block_size, "layout-v1" if mixed else "")
         self.config = config
         self.stats = CacheStats()
+        self._open: set[Lease] = set()  # restored and not yet released: none while idle
         self._warn = on_warning or (lambda _msg: None)
         self.mem = MemoryTier(self.layout, self.ns, config, self.stats)
         self.disk_index = PromptIndex(config.block_size)
@@ -87,15 +88,20 @@ class PromptCache:
 
     # -- PrefixCache ------------------------------------------------------------------------
 
-    def restore(self, tokens: np.ndarray, count: bool = True, anywhere: bool = False) -> Resume:
-        """Fresh caches restored to the longest reusable prefix of `tokens`, entry pinned;
-        the whole prompt, with its last logits, when its tail is remembered. `count`
-        False (warm-ahead work): the request counters (hits, misses, cached tokens,
-        disk hits) stay as they are. `anywhere` (a device measured shape-invariant): the
-        prefix may end inside a block, where a kept block or tail stops following it."""
-        resume = self._restore(tokens)
+    def restore(
+        self, tokens: np.ndarray, count: bool = True, anywhere: bool = False, whole: bool = False
+    ) -> Lease:
+        """A lease on fresh caches restored to the longest reusable prefix of `tokens`,
+        entry pinned; the whole prompt, with its last logits, when its tail is remembered.
+        `count` False (warm-ahead work): the request counters (hits, misses, cached
+        tokens, disk hits) stay as they are. `anywhere` (a device measured
+        shape-invariant): the prefix may end inside a block, where a kept block or tail
+        stops following it. `whole`: the prefix may be all of `tokens` (no logits wanted,
+        so no remembered tail either)."""
+        resume = self._restore(with_probe(tokens) if whole else tokens)
+        self._open.add(resume)
         if anywhere and resume.logits is None:
-            self._continue(resume, tokens)
+            self._continue(resume, tokens, whole)
         if count:
             self.stats.hits += resume.length > 0
             self.stats.misses += resume.length == 0
@@ -103,10 +109,12 @@ class PromptCache:
             self.stats.cached_tokens += resume.length
         return resume
 
-    def _continue(self, resume: Resume, tokens: np.ndarray) -> None:
+    def _continue(self, resume: Lease, tokens: np.ndarray, whole: bool) -> None:
         """Extend `resume` mid-block as far as the memory tier's KV follows `tokens`, one
-        token short of the end (the last one's logits come from the prefill)."""
-        found = self.mem.partial(tokens, resume.length, len(tokens) - 1 - resume.length)
+        token short of the end (the last one's logits come from the prefill) unless
+        `whole`."""
+        limit = len(tokens) - resume.length - (0 if whole else 1)
+        found = self.mem.partial(tokens, resume.length, limit)
         if found is None:
             return
         piece, k = found
@@ -115,7 +123,7 @@ class PromptCache:
         resume.length += k
         resume.tier = resume.tier or "memory"
 
-    def _restore(self, tokens: np.ndarray) -> Resume:
+    def _restore(self, tokens: np.ndarray) -> Lease:
         self._sync_disk()
         tail = self.mem.tail(tokens)
         # A whole prompt resumes from its last full block, even when that is its end.
@@ -136,47 +144,54 @@ class PromptCache:
                 return self._miss(tokens)
             if length != len(tokens) // self.block_size * self.block_size:
                 tail = None  # its full blocks are not all here: an ordinary resume
-            resume = self.mem.resume(entry, length, shared, tokens, tail)
+            resume = self.mem.resume(self, entry, length, shared, tokens, tail)
             resume.tier = tier
             return resume
 
-    def _miss(self, tokens: np.ndarray) -> Resume:
-        """Fresh caches holding nothing, room made for the prompt's KV."""
+    def _miss(self, tokens: np.ndarray) -> Lease:
+        """A lease on fresh caches holding nothing, room made for the prompt's KV."""
         self.mem.reserve_prefill(tokens, 0, None)
-        return Resume(new_layers(self._model), 0)
+        return Lease(self, new_layers(self._model), 0)
 
-    def keep(self, tokens: np.ndarray, layers: Layers) -> None:
-        """Store the first len(tokens) positions of `layers`, in memory and on disk."""
-        kept = self.mem.keep(np.array(tokens, dtype=np.int32), layers)
+    # -- Keeper: what a lease hands its calls to ------------------------------------------
+
+    def keep(self, tokens: np.ndarray, lease: Lease) -> None:
+        """Store the first len(tokens) positions of the lease's layers, in memory and on
+        disk."""
+        kept = self.mem.keep(np.array(tokens, dtype=np.int32), lease)
         if kept is None:
             return
         self._write_disk(kept)
         self._fit(skip=kept.entry, prompt=kept.tokens)
 
-    def capture(self, tokens: np.ndarray, layers: Layers) -> None:
-        """Note the last block of `layers` (holding exactly `tokens`, right after its chunk)
-        when the layout cannot cut it later; `keep` with these layers stores it."""
-        self.mem.capture(tokens, layers)
+    def capture(self, tokens: np.ndarray, lease: Lease) -> None:
+        """Note the last block of the lease's layers (holding exactly `tokens`, right after
+        its chunk) when the layout cannot cut it later; `keep` stores it."""
+        self.mem.capture(tokens, lease)
 
-    def cached_length(self, tokens: np.ndarray) -> int:
+    def keep_tail(self, tokens: np.ndarray, lease: Lease, logits: mx.array | None) -> None:
+        """Remember `tokens`' tail in the lease's layers (past its last full block) and its
+        logits (None: for resuming mid-block only)."""
+        if self.mem.keep_tail(tokens, lease.layers, logits):
+            self._fit(prompt=None)
+
+    def release(self, lease: Lease) -> None:
+        self._open.discard(lease)
+        self.mem.release(lease)
+        self._fit(prompt=None)  # entries kept over budget go once nothing runs on them
+
+    # -- lookups ------------------------------------------------------------------------------
+
+    def cached_length(self, tokens: np.ndarray, whole: bool = False) -> int:
         """How many of `tokens` a restore would resume now (a lookup, counted as a use of
         what it finds; nothing is copied)."""
         self._sync_disk()
-        return max((m.length for m in self._lookup(tokens) if m is not None), default=0)
+        probe = with_probe(tokens) if whole else tokens
+        return max((m.length for m in self._lookup(probe) if m is not None), default=0)
 
     def _lookup(self, tokens: np.ndarray) -> tuple[Match | None, Match | None]:
         """The memory and disk tiers' matches for `tokens` (each counted as a use)."""
         return self.mem.lookup(tokens), self.disk_index.lookup(tokens) if self.disk else None
-
-    def keep_tail(self, tokens: np.ndarray, layers: Layers, logits: mx.array | None) -> None:
-        """Remember `tokens`' tail in `layers` (past its last full block) and its logits
-        (None: for resuming mid-block only)."""
-        if self.mem.keep_tail(tokens, layers, logits):
-            self._fit(prompt=None)
-
-    def release(self, resume: Resume) -> None:
-        self.mem.release(resume)
-        self._fit(prompt=None)  # entries kept over budget go once nothing runs on them
 
     # -- sizes and stats ------------------------------------------------------------------
 
@@ -199,6 +214,7 @@ class PromptCache:
             "block_size": self.block_size,
             "kv_bytes_per_token": self.mem.token_bytes,
             "pinned_entries": self.mem.pinned(),
+            "open_leases": len(self._open),
         }
 
     def _fit(self, skip: Entry | None = None, prompt: np.ndarray | None = None) -> None:
