@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Any
+from collections.abc import Iterable, Iterator
+from typing import Annotated
 
 import typer
 
 from mlxcache.errors import UserInputError
 from mlxcache_cli import options as o
 from mlxcache_cli import remote, ui
-
-if TYPE_CHECKING:
-    from mlxcache.events import Result
 
 
 @o.with_run_options()
@@ -34,7 +32,7 @@ def generate(
     if raw and system is not None:
         raise UserInputError("--system needs the chat template; drop --raw")
     if server:
-        remote.generate(server, run, text, system, raw, as_json)
+        _print(remote.generate(server, run, text, system, raw), as_json)
         return
     from mlxcache.engine import Request
     from mlxcache.events import Done, Token
@@ -47,26 +45,38 @@ def generate(
         ids = engine.encoder.encode_chat([*messages, {"role": "user", "content": text}])
     events = engine.generate(Request(ids, params, stop_strings=stops))
     with o.watch(engine, ids, run.quiet, events) as seen:
-        for event in events:
-            seen(event)
-            if isinstance(event, Token) and not as_json:
-                ui.out_text(event.text)
-            elif isinstance(event, Done):
-                _done(event.result, seen.stats(event.result.stats), as_json)
+
+        def pieces() -> Iterator[str | remote.Finished]:
+            for event in events:
+                seen(event)
+                if isinstance(event, Token):
+                    yield event.text
+                elif isinstance(event, Done):
+                    yield remote.Finished(event.result, seen.stats(event.result.stats))
+
+        _print(pieces(), as_json)
 
 
-def _done(result: Result | remote.Reply, stats: dict[str, Any], as_json: bool) -> None:
-    if as_json:
-        ui.out_json(
-            {
-                "text": result.text,
-                "tokens": result.tokens,
-                "finish_reason": result.finish_reason,
-                "stats": stats,
-            }
-        )
-    else:
-        ui.out_text("\n")
-    ui.stats_line(stats)
-    if not as_json:
-        ui.finish_note(result.finish_reason, len(result.tokens))
+def _print(items: Iterable[str | remote.Finished], as_json: bool) -> None:
+    """A reply as it comes, in-process or from a server: its text (not with --json), then
+    the JSON document (with --json), the stats line and a note on how it ended."""
+    for item in items:
+        if isinstance(item, str):
+            if not as_json:
+                ui.out_text(item)
+            continue
+        result, stats = item.result, item.stats
+        if as_json:
+            ui.out_json(
+                {
+                    "text": result.text,
+                    "tokens": result.tokens,
+                    "finish_reason": result.finish_reason,
+                    "stats": stats,
+                }
+            )
+        else:
+            ui.out_text("\n")
+        ui.stats_line(stats)
+        if not as_json:
+            ui.finish_note(result.finish_reason, len(result.tokens))

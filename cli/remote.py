@@ -6,17 +6,17 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from mlxcache.config import ENV_API_KEY, ENV_SERVER
-from mlxcache.errors import OutputError, ServerMismatchError, UserInputError
-from mlxcache_cli import ui
+from mlxcache.errors import ServerMismatchError, UserInputError
 
 if TYPE_CHECKING:  # the client (http.client, ssl) is imported by the commands that connect
+    from mlxcache.events import Result
     from mlxcache.modes.tools import Tool, ToolChoice, ToolReply
     from mlxcache.remote import Server, Wanted
     from mlxcache.sampling import SamplingParams
@@ -111,11 +111,10 @@ def generate(
     text: str,
     system: str | None,
     raw: bool,
-    as_json: bool,
-) -> None:
-    """`mlxcache generate` through the server: the reply streamed to stdout as it comes."""
+) -> Iterator[str | Finished]:
+    """`mlxcache generate` through the server: the reply's text as it streams, then how it
+    finished (printed by `generate`, as in-process)."""
     from mlxcache.remote import usage_of
-    from mlxcache_cli.generate import _done
 
     stops = run.stop_strings()
     server, model = connect(url, run)
@@ -137,15 +136,23 @@ def generate(
         for event in server.stream(path, body):
             for choice in event.get("choices") or ():
                 piece = choice.get("text") if raw else (choice.get("delta") or {}).get("content")
-                if piece and not as_json:
-                    ui.out_text(piece)
+                if piece:
+                    yield piece
             usage = event.get("usage") or usage
         extra = usage_of(usage, server.url)
-    _done(Reply(extra), extra["stats"], as_json)
+    yield Finished(Reply(extra), extra["stats"])
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """How a generated reply ended, as `generate` prints it: its result and stats."""
+
+    result: Result | Reply
+    stats: dict[str, Any]
 
 
 class Reply:
-    """The parts of a `Result` that `generate._done` reads, from the server's usage."""
+    """The parts of a `Result` that `generate` prints, from the server's usage."""
 
     def __init__(self, extra: dict[str, Any]) -> None:
         self.text: str = extra["text"]
@@ -160,10 +167,9 @@ def json_single(
     schema: Any,
     instructions: str | None,
     text: str,
-    as_json: bool,
-) -> None:
-    """`mlxcache json PROMPT` through the server, printed as `json_cmd._single` does (the
-    document in the form of `JsonReply.as_dict` with --json)."""
+) -> tuple[dict[str, Any], str]:
+    """`mlxcache json PROMPT` through the server: the reply as `JsonReply.as_dict` gives
+    it in-process, and the document's text (printed by `json_cmd._show`)."""
     from mlxcache.modes.schema import read_document
     from mlxcache.remote import usage_of
 
@@ -191,15 +197,7 @@ def json_single(
     if error is not None:
         doc.update(error=error, text=extra["text"])
     doc["stats"] = extra["stats"]
-    if as_json:
-        ui.out_json(doc)
-    else:
-        ui.thought(doc.get("reasoning"))
-        if error is None:
-            ui.out_text(content + "\n")
-    ui.stats_line(doc["stats"])
-    if doc.get("error") is not None:
-        raise OutputError(doc["error"])
+    return doc, content
 
 
 def tools(
@@ -214,7 +212,8 @@ def tools(
     """`mlxcache tools` through the server: the reply read as `ToolsTask.read` reads it (a
     call cut off or unreadable is its `error`, from the usage), the raw result, its stats."""
     from mlxcache.modes.tools import ToolCall, ToolReply
-    from mlxcache.remote import tool_choice_field, usage_of, worded_from
+    from mlxcache.remote import tool_choice_field, usage_of
+    from mlxcache.wire import worded_from
 
     head = [{"role": "system", "content": system}] if system is not None else []
     server, model = connect(url, run)

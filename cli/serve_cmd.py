@@ -76,10 +76,10 @@ def serve_cmd(
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (Ctrl-C drains and stops)."""
     from mlxcache.model.loader import default_spec
-    from mlxcache.remote import identity
     from mlxcache.server.app import Settings
     from mlxcache.server.log import RequestLog
     from mlxcache.server.run import serve
+    from mlxcache.wire import identity
 
     if not 0 <= port <= 65535:
         raise UserInputError(f"--port must be in 0..65535, got {port}")

@@ -35,6 +35,7 @@ import numpy as np
 from mlxcache.cache.base import Lease, PrefixCache
 from mlxcache.decode import FAILED
 from mlxcache.errors import MlxcacheError, RankError, Setting, UnsupportedModelError, Worded
+from mlxcache.peers import replay
 from mlxcache.types import new_layers
 
 if TYPE_CHECKING:
@@ -366,15 +367,16 @@ def follow(engine: Engine) -> None:
         RankError: rank 0 stopped without closing (the connection was lost).
     """
     ranks = engine.ranks
-    if ranks is None or ranks.leader:
+    if not isinstance(ranks, Ranks) or ranks.leader:
         raise ValueError("follow() is for the ranks other than 0")
     for op, args, kwargs, settings in ranks.commands():
         for name, value in settings.items():
             setattr(engine, name, value)
         # A call refused on rank 0 (a prompt too long for the context) is refused here
         # alike, before any forward: rank 0's caller reports it; the run goes on.
+        call = replay(engine, op)  # outside the suppress: an unknown call is a RankError
         with contextlib.suppress(MlxcacheError):
-            getattr(engine, op)(*args, **kwargs)
+            call(*args, **kwargs)
         engine.release_memory()
 
 

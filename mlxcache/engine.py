@@ -28,7 +28,7 @@ import itertools
 import time
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, cast
+from typing import Any, ParamSpec, TypeVar, cast
 
 import mlx.core as mx
 import numpy as np
@@ -41,14 +41,12 @@ from mlxcache.encoder import Encoder, common_prefix
 from mlxcache.errors import GenerationError, UserInputError
 from mlxcache.events import Done, Event, Prefill, Result, Stats, Token
 from mlxcache.model import LoadedModel
+from mlxcache.peers import TOLD, Peers
 from mlxcache.prefill import prefill
 from mlxcache.sampling import LogitsProcessor, SamplingParams
 from mlxcache.scheduler import BACKGROUND, BATCH, LaneKind, Scheduler
 from mlxcache.sysmem import release_unused
 from mlxcache.types import KVLayer, Model
-
-if TYPE_CHECKING:
-    from mlxcache.distributed import Ranks
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -108,9 +106,11 @@ class _Lane:
 
 
 def _told(method: Callable[P, R]) -> Callable[P, R]:
-    """An engine call that changes which forward calls are made: on rank 0 of a sharded
-    run, the other ranks are told to make it too (`distributed`), unless it is made from
-    within another such call (which they make themselves)."""
+    """An engine call that changes which forward calls are made (one of `peers.TOLD`): on
+    rank 0 of a sharded run, the other ranks are told to make it too, unless it is made
+    from within another such call (which they make themselves)."""
+    if method.__name__ not in TOLD:
+        raise TypeError(f"{method.__name__} is not an engine call the ranks are told")
 
     @functools.wraps(method)
     def call(*args: P.args, **kwargs: P.kwargs) -> R:
@@ -161,7 +161,7 @@ class Engine:
         keep_replies: bool = False,
         batch_decode: bool = False,
         on_warning: Callable[[str], None] | None = None,
-        ranks: Ranks | None = None,
+        ranks: Peers | None = None,
     ) -> None:
         if block_size is not None and block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")

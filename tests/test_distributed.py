@@ -369,3 +369,20 @@ def test_a_split_outside_mlx_launch_is_a_warning(tiny: LoadedModel) -> None:
     warning = "warning: a split (--split) is for runs under mlx.launch: ignored"
     assert alone.stderr.splitlines()[0] == warning
     assert len(json.loads(alone.stdout)["tokens"]) == 6
+
+
+def test_every_call_rank_0_tells_is_one_the_engine_marks_and_followers_replay() -> None:
+    """The table of told calls and the engine agree: a renamed engine method fails here,
+    not in a follower at run time; a follower refuses any other call in one error."""
+    from mlxcache.engine import Engine
+    from mlxcache.errors import RankError
+    from mlxcache.peers import TOLD, replay
+
+    for op in TOLD:
+        assert callable(getattr(Engine, op, None)) and hasattr(getattr(Engine, op), "__wrapped__")
+    told = {name for name, f in vars(Engine).items() if hasattr(f, "__wrapped__")}
+    assert told == TOLD
+    engine = object.__new__(Engine)
+    assert replay(engine, "cancel_warm").__func__ is Engine.cancel_warm  # type: ignore[attr-defined]
+    with pytest.raises(RankError, match="rank 0 asked for engine call 'complete', which no rank"):
+        replay(engine, "complete")

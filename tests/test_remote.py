@@ -353,7 +353,7 @@ def test_identity_is_on_the_model_card(server: MlxcacheServer, model: Path) -> N
     import mlx_lm
 
     from mlxcache import __version__
-    from mlxcache.remote import model_source
+    from mlxcache.wire import model_source
 
     with urllib.request.urlopen(server.url + "/v1/models") as reply:
         found = json.loads(reply.read())["data"][0]["mlxcache"]

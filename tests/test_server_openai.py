@@ -26,10 +26,10 @@ from mlxcache.config import CacheConfig
 from mlxcache.engine import Engine, Request
 from mlxcache.events import Token
 from mlxcache.model import LoadedModel
-from mlxcache.remote import identity
 from mlxcache.sampling import SamplingParams
 from mlxcache.server.app import Settings, create_app
 from mlxcache.server.log import RequestLog
+from mlxcache.wire import identity
 from mlxcache.worker import EngineWorker
 from mlxcache_cli.main import app as cli
 

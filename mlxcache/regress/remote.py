@@ -97,6 +97,6 @@ class ServerRunner:
         return {c.name: str(self.identity["key"]) for c in self.suite.cases}
 
     def versions(self) -> dict[str, str]:
-        """The server's (published on its model card: `mlxcache.remote.identity`)."""
+        """The server's (published on its model card: `mlxcache.wire.identity`)."""
         found = self.identity
         return {"mlxcache": str(found["version"]), **{k: str(found[k]) for k in ("mlx", "mlx_lm")}}

@@ -21,7 +21,6 @@ from mlxcache.config import ServerConfig
 from mlxcache.engine import Engine
 from mlxcache.engine import Request as EngineRequest
 from mlxcache.events import Done, Event
-from mlxcache.remote import worded_doc
 from mlxcache.sampling import SamplingParams
 from mlxcache.server import errors, prepare
 from mlxcache.server.errors import APIError
@@ -33,6 +32,7 @@ from mlxcache.server.openai_format import SSE_DONE, Envelope, Usage, error_event
 from mlxcache.server.prepare import Answer, Plan
 from mlxcache.server.schemas import ChatRequest, CompletionRequest, SamplingFields
 from mlxcache.server.stream import Handle, Outcome, Stream, Worker
+from mlxcache.wire import USAGE_FIELD, worded_doc
 
 DEFAULT_MAX_BODY = ServerConfig.max_body
 B = TypeVar("B", bound=BaseModel)
@@ -51,7 +51,7 @@ class Settings:
     cors_origins: tuple[str, ...] = ()
     identity: dict[str, Any] = field(default_factory=dict)
     """What a client needs to tell whether this server replies as it would in-process
-    (`mlxcache.remote.identity`: model source and key, block size, version); shown on the
+    (`mlxcache.wire.identity`: model source and key, block size, version); shown on the
     model card as "mlxcache"."""
 
 
@@ -154,7 +154,7 @@ def create_app(engine: Engine, worker: Worker, settings: Settings, log: RequestL
         plan = await prepared(make, body)
         env = Envelope(f"{prefix}-{uuid.uuid4().hex[:24]}", settings.model_id)
         note(request, env.id)
-        if (body.model_extra or {}).get(MLXCACHE_USAGE) is not True:
+        if (body.model_extra or {}).get(USAGE_FIELD) is not True:
             return body, plan, env, Stream(worker, plan.request, plan.reply_text()), _usage
         tap = _Tap(worker, plan)
         return body, plan, env, Stream(tap, plan.request, plan.reply_text()), tap.usage
@@ -220,9 +220,6 @@ def create_app(engine: Engine, worker: Worker, settings: Settings, log: RequestL
     )
 
 
-MLXCACHE_USAGE = "mlxcache_usage"
-"""A request field (ours, not OpenAI's): true adds the request's stats, token ids and raw
-text to its usage, as "mlxcache" (what `mlxcache.remote` shows as a command would)."""
 UsageOf = Callable[[Outcome], Usage]
 
 
@@ -232,7 +229,7 @@ def _usage(outcome: Outcome) -> Usage:
 
 class _Tap:
     """The worker, seen through the one request submitted by it: keeps its `Done`, whose
-    result the usage then reports (`MLXCACHE_USAGE`)."""
+    result the usage then reports (`USAGE_FIELD`)."""
 
     def __init__(self, worker: Worker, plan: Plan) -> None:
         self._worker = worker
@@ -269,7 +266,7 @@ class _Tap:
         }
         if self._plan.tools is not None:
             # A call the reply left unreadable or cut off: the answer has no calls, but a
-            # command fails on it as in-process (`remote.worded_doc`).
+            # command fails on it as in-process (`wire.worded_doc`).
             error = self._plan.tools.read(result).error
             if error is not None:
                 extra["tool_error"] = worded_doc(error)
