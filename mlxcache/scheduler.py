@@ -15,7 +15,14 @@ Warm and follow lanes are the background kinds (`BACKGROUND`): `next_turn(backgr
 (requests are waiting to start) gives them no turn at all.
 
 With batched decode, requests past their first token wait in the engine's decode batch
-(`batched`) and take their steps together: the batch's turn alternates with the lanes'.
+(`Phase.BATCHED`) and take their steps together: the batch's turn alternates with the lanes'.
+
+A lane is data: its kind and its `Phase`. The engine advances a lane's generator and tells
+the scheduler what that gave (`advanced`, a `Step`); the scheduler moves the lane to its
+next phase and place and says whether the same turn goes on: a request's first token comes
+with its prompt's last chunk (sampling it is no model call, and waiting for the next round
+would delay it by every other lane's turn), and a request past its first token joins the
+decode batch at once.
 """
 
 from __future__ import annotations
@@ -34,6 +41,40 @@ class LaneKind(enum.Enum):
     """Warm-ahead: prefill a prefix the next request is expected to start with, and keep it."""
     FOLLOW = "follow"
     """Prefill and keep each block of a followed request's prompt + reply as it completes."""
+
+
+class Phase(enum.Enum):
+    """Where a lane is in its work."""
+
+    RESTORING = "restoring"
+    """Queued: its prompt not looked up yet (before its first turn)."""
+    PREFILLING = "prefilling"
+    """Computing its prompt's KV (a request before its first token; background lanes)."""
+    DECODING = "decoding"
+    """A request past its first token, taking its steps in its own turns."""
+    BATCHED = "batched"
+    """A request past its first token, waiting in the decode batch for its next forward."""
+    DONE = "done"
+    """Ended: out of the queues."""
+
+
+PROMPT_PHASES = (Phase.RESTORING, Phase.PREFILLING)
+"""A request in these has not given its first token: its forwards are its own."""
+
+
+class Step(enum.Enum):
+    """What one advance of a lane gave (`Scheduler.advanced`)."""
+
+    CHUNK = "chunk"
+    """Work that ends the turn: a prefill chunk, a background lane's step."""
+    PROMPT_DONE = "prompt done"
+    """A request's last prefill chunk: its prompt is all in the layers."""
+    TOKEN = "token"
+    """A request gave a token."""
+    JOINED = "joined"
+    """A request joined the decode batch to wait for its next forward."""
+    ENDED = "ended"
+    """The lane ended (a request with its `Done`)."""
 
 
 BACKGROUND = (LaneKind.WARM, LaneKind.FOLLOW)
@@ -56,14 +97,10 @@ class Schedulable(Protocol):
     def kind(self) -> LaneKind: ...
 
     @property
-    def prefilling(self) -> bool:
-        """A request that has not given its first token yet."""
-        ...
+    def phase(self) -> Phase: ...
 
-    @property
-    def batched(self) -> bool:
-        """A request waiting in the decode batch: it steps with the batch, not alone."""
-        ...
+    @phase.setter
+    def phase(self, phase: Phase) -> None: ...
 
     def has_work(self) -> bool:
         """Whether a turn would do something (a follow lane may wait for its reply)."""
@@ -111,7 +148,7 @@ class Scheduler(Generic[L]):
         lane of the round may run; else the oldest warm lane. `background` False: warm and
         follow lanes get no turn.
         """
-        prefilling = any(self._lanes[r].prefilling for r in self._round)
+        prefilling = any(self._prefilling(self._lanes[r]) for r in self._round)
         rid = next(
             (
                 r
@@ -129,11 +166,55 @@ class Scheduler(Generic[L]):
         return rid
 
     @staticmethod
+    def _prefilling(lane: Schedulable) -> bool:
+        return lane.kind is LaneKind.REQUEST and lane.phase in PROMPT_PHASES
+
+    @staticmethod
     def _may_run(lane: Schedulable, follow: bool) -> bool:
         # follow: follow lanes may have a turn now (background, and no request prefilling)
         if lane.kind is LaneKind.REQUEST:
-            return not lane.batched
+            return lane.phase is not Phase.BATCHED
         return follow and lane.has_work()
+
+    def advanced(self, rid: int, step: Step, batch: bool) -> bool:
+        """Lane `rid` was advanced and gave `step`: its next phase and place. Returns
+        whether it is advanced again in this turn: a request's first token comes with its
+        prompt's last chunk, and a request that gave a token joins the decode batch at
+        once when there is one (`batch`: the engine decodes in a batch, and this turn is
+        not a lone request's)."""
+        lane = self._lanes[rid]
+        if step is Step.ENDED:
+            lane.phase = Phase.DONE
+            self.finish(rid)
+            return False
+        if step is Step.JOINED:
+            lane.phase = Phase.BATCHED
+            return False
+        if lane.kind is not LaneKind.REQUEST:  # background work: one step a turn
+            lane.phase = Phase.PREFILLING
+            self.requeue(rid)
+            return False
+        if step is Step.PROMPT_DONE:
+            lane.phase = Phase.PREFILLING
+            return True
+        if step is Step.CHUNK:
+            lane.phase = Phase.PREFILLING
+            self.requeue(rid)  # requests take turns: to the back of the round
+            return False
+        lane.phase = Phase.DECODING
+        self.requeue(rid)
+        return batch
+
+    def batch_forward(self, rid: int) -> None:
+        """The decode batch's forward gave request `rid` its logits: it decodes its token
+        (then `advanced` says it joins the batch again, or it ends)."""
+        self._lanes[rid].phase = Phase.DECODING
+
+    def alone(self, rid: int) -> bool:
+        """Whether lane `rid`'s forwards are its own (not the batch's): a request's
+        until its first token, a background lane's always."""
+        lane = self._lanes[rid]
+        return lane.kind is not LaneKind.REQUEST or lane.phase in PROMPT_PHASES
 
     def requeue(self, rid: int) -> None:
         """The lane had its turn and goes on: a lane of the round to its back; a warm lane

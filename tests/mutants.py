@@ -18,6 +18,7 @@ from mlx_lm.models.cache import KVCache
 import mlxcache.decode as decode_mod
 import mlxcache.engine as engine_mod
 import mlxcache.invariance as invariance
+import mlxcache.lanes as lanes_mod
 import mlxcache.prefill as prefill_mod
 import mlxcache.sampling as sampling_mod
 from mlxcache.cache import blocks
@@ -69,10 +70,7 @@ def keep_decode_kv(patch: Patch) -> None:
 
         return wrapped
 
-    if hasattr(Engine, "_decode"):
-        patch(Engine, "_decode", noting(Engine._decode))
-    else:
-        patch(engine_mod, "decode", noting(engine_mod.decode))
+    patch(lanes_mod, "decode", noting(lanes_mod.decode))
     release = PromptCache.release
 
     def release_keeping(self: PromptCache, resume: Any) -> None:
@@ -102,7 +100,7 @@ def penalty_without_cached_prompt(patch: Patch) -> None:
         starts[id(resume.layers)] = resume.length
         return resume
 
-    decode: Callable[..., Generator[Event, None, Result]] = engine_mod.decode
+    decode: Callable[..., Generator[Event, None, Result]] = lanes_mod.decode
 
     def decode_uncached(*args: Any, **kwargs: Any) -> Generator[Event, None, Result]:
         at = next(i for i, a in enumerate(args) if isinstance(a, np.ndarray))
@@ -111,7 +109,7 @@ def penalty_without_cached_prompt(patch: Patch) -> None:
         return (yield from decode(*args[:at], prompt, *args[at + 1 :], **kwargs))
 
     patch(PromptCache, "restore", restore_noting)
-    patch(engine_mod, "decode", decode_uncached)
+    patch(lanes_mod, "decode", decode_uncached)
 
 
 class _Batched:
@@ -178,20 +176,20 @@ def partial_last_block(patch: Patch) -> None:
 def checkpoint_at_prompt_end(patch: Patch) -> None:
     """A request keeps its state after the whole prompt (partial last block included), not
     at the last block boundary before its end."""
-    prefill = Engine._prefill
+    prefill = lanes_mod.prefill_blocks
 
-    def _prefill(
-        self: Engine,
+    def prefill_blocks(
+        work: lanes_mod.Work,
         rid: int,
         tokens: np.ndarray,
-        layers: list[Any],
+        lease: Any,
         start: int,
         keep_at: int,
         *rest: Any,
     ) -> Generator[Event, None, mx.array]:
-        return (yield from prefill(self, rid, tokens, layers, start, len(tokens), *rest))
+        return (yield from prefill(work, rid, tokens, lease, start, len(tokens), *rest))
 
-    patch(Engine, "_prefill", _prefill)
+    patch(lanes_mod, "prefill_blocks", prefill_blocks)
 
 
 def unaligned_chunks(patch: Patch) -> None:
@@ -211,7 +209,9 @@ def warm_in_one_chunk(patch: Patch) -> None:
     canonical chunks. The request that resumes from it makes the right calls; only the
     bits of the KV it resumes from differ (on the shape-sensitive model)."""
 
-    def _warm_lane(self: Engine, rid: int, tokens: np.ndarray) -> Generator[Event, None, None]:
+    def warm_lane(
+        self: lanes_mod.Work, rid: int, tokens: np.ndarray
+    ) -> Generator[Event, None, None]:
         with self.cache.restore(tokens, whole=True) as lease:
             if lease.length < len(tokens):
                 self.model(mx.array(tokens[None, lease.length :]), cache=lease.layers)
@@ -219,7 +219,7 @@ def warm_in_one_chunk(patch: Patch) -> None:
                 lease.keep(tokens)
                 yield Prefill(rid, len(tokens), len(tokens))
 
-    patch(Engine, "_warm_lane", _warm_lane)
+    patch(lanes_mod, "warm_lane", warm_lane)
 
 
 def restore_without_copy(patch: Patch) -> None:
@@ -254,7 +254,7 @@ def shared_sampler(patch: Patch) -> None:
 
         return sample
 
-    for module in (sampling_mod, engine_mod, decode_mod):
+    for module in (sampling_mod, engine_mod, lanes_mod, decode_mod):
         if hasattr(module, "make_sampler"):
             patch(module, "make_sampler", make_sampler)
 
@@ -263,7 +263,7 @@ def follow_in_one_chunk(patch: Patch) -> None:
     """A follow lane that fell behind prefills all the blocks the reply has completed in
     one forward call (fewer, larger calls), not one canonical chunk per block."""
 
-    def _follow_lane(self: Engine, rid: int, f: Any) -> Generator[Event, None, None]:
+    def follow_lane(self: lanes_mod.Work, rid: int, f: Any) -> Generator[Event, None, None]:
         resume = None
         try:
             while (target := f.ready()) > f.done or not f.closed:
@@ -283,7 +283,7 @@ def follow_in_one_chunk(patch: Patch) -> None:
             if resume is not None:
                 resume.release()
 
-    patch(Engine, "_follow_lane", _follow_lane)
+    patch(lanes_mod, "follow_lane", follow_lane)
 
 
 def tail_of_a_prefix(patch: Patch) -> None:
@@ -314,7 +314,7 @@ def tail_without_kv(patch: Patch) -> None:
 def keep_decode_on_cancel(patch: Patch) -> None:
     """A request cancelled during its reply (Ctrl-C, a client gone) keeps the prompt and
     the reply so far, KV its decode steps computed included."""
-    restore, lane = PromptCache.restore, Engine._lane
+    restore, lane = PromptCache.restore, lanes_mod.request_lane
     restored: dict[bytes, Any] = {}  # prompt bytes -> the lease restored for it
 
     def restore_noting(
@@ -328,8 +328,8 @@ def keep_decode_on_cancel(patch: Patch) -> None:
         restored[np.asarray(tokens, np.int32).tobytes()] = resume
         return resume
 
-    def _lane(
-        self: Engine, rid: int, tokens: np.ndarray, *rest: Any
+    def request_lane(
+        self: lanes_mod.Work, rid: int, tokens: np.ndarray, *rest: Any
     ) -> Generator[Event, None, None]:
         reply: list[int] = []
         gen = lane(self, rid, tokens, *rest)
@@ -350,7 +350,7 @@ def keep_decode_on_cancel(patch: Patch) -> None:
             raise
 
     patch(PromptCache, "restore", restore_noting)
-    patch(Engine, "_lane", _lane)
+    patch(lanes_mod, "request_lane", request_lane)
 
 
 def namespace_without_block_size(patch: Patch) -> None:
@@ -421,17 +421,17 @@ def resume_anywhere_unprobed(patch: Patch) -> None:
         return run(model, layers, tokens, start, block_size, anywhere=True)
 
     patch(PromptCache, "restore", anywhere_restore)
-    patch(engine_mod, "prefill", anywhere_prefill)
+    patch(lanes_mod, "prefill", anywhere_prefill)
 
 
 def reply_end_not_fed(patch: Patch) -> None:
     """A kept reply's KV stops short of its last token: the next turn prefills it again."""
-    decode: Callable[..., Generator[Event, None, Result]] = engine_mod.decode
+    decode: Callable[..., Generator[Event, None, Result]] = lanes_mod.decode
 
     def short(*args: Any, **kwargs: Any) -> Generator[Event, None, Result]:
         return (yield from decode(*args, **{**kwargs, "to_end": False}))
 
-    patch(engine_mod, "decode", short)
+    patch(lanes_mod, "decode", short)
 
 
 MUTANTS: dict[str, Callable[[Patch], None]] = {

@@ -40,7 +40,8 @@ from mlxcache.engine import Engine, Request
 from mlxcache.model import LoadedModel
 from mlxcache.sampling import SamplingParams
 
-pytestmark = pytest.mark.slow  # every guarantee on four model variants, new processes
+# Every guarantee on four model variants, new processes; in the fast tier all the same (`make check`).
+pytestmark = [pytest.mark.slow, pytest.mark.check]
 
 VARIANTS = [
     "plain",

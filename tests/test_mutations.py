@@ -26,7 +26,8 @@ from guarantees import (
 )
 from mutants import MUTANTS
 
-pytestmark = pytest.mark.slow  # the exactness checks rerun under each mutant
+# The exactness checks rerun under each mutant; in the fast tier all the same (`make check`).
+pytestmark = [pytest.mark.slow, pytest.mark.check]
 
 # Which checks, on which variant, must catch each mutant (every one of them must fail).
 CAUGHT_BY: dict[str, list[tuple[str, str]]] = {
@@ -79,8 +80,12 @@ def mutant(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> s
     return name
 
 
-def test_every_mutant_has_checks() -> None:
+def test_every_mutant_has_checks_in_the_fast_tier() -> None:
+    """Each mutant is caught by the checks `CAUGHT_BY` names, and those run in the fast
+    tier (`make check` selects the tests marked check: this module's)."""
     assert sorted(CAUGHT_BY) == sorted(MUTANTS)
+    assert all(CAUGHT_BY[name] for name in MUTANTS)
+    assert any(mark.name == "check" for mark in pytestmark)
 
 
 def test_mutant_is_caught(

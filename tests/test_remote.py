@@ -67,6 +67,7 @@ def stats_line(stderr: bytes) -> str:
     return next(line for line in stderr.decode().splitlines() if "prompt tokens cached" in line)
 
 
+@pytest.mark.check  # the fast tier's --server smoke
 @pytest.mark.parametrize(
     "args",
     [

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from mlxcache.scheduler import BACKGROUND, BATCH, Batch, LaneKind, Scheduler
+from mlxcache.scheduler import BACKGROUND, BATCH, Batch, LaneKind, Phase, Scheduler, Step
 
 REQUEST, WARM, FOLLOW = LaneKind.REQUEST, LaneKind.WARM, LaneKind.FOLLOW
 
@@ -14,8 +14,7 @@ REQUEST, WARM, FOLLOW = LaneKind.REQUEST, LaneKind.WARM, LaneKind.FOLLOW
 @dataclass
 class FakeLane:
     kind: LaneKind
-    prefilling: bool = False
-    batched: bool = False
+    phase: Phase = Phase.DECODING
     work: bool = True
 
     def has_work(self) -> bool:
@@ -67,9 +66,9 @@ def test_follow_lanes_take_turns_in_the_round_only_with_work_and_no_request_pref
     assert turns(sched, 3) == [0, 2, 0]  # waiting for its reply to complete a block
     follow.work = True
     assert turns(sched, 3) == [1, 2, 0]
-    b.prefilling = True  # a request waits for its first token: follow lanes wait
+    b.phase = Phase.PREFILLING  # a request waits for its first token: follow lanes wait
     assert turns(sched, 3) == [2, 0, 2]
-    b.prefilling = False
+    b.phase = Phase.DECODING
     assert turns(sched, 2, background=False) == [0, 2]  # requests waiting: no background turn
     assert turns(sched, 1) == [1]
 
@@ -85,8 +84,8 @@ def test_a_lone_follow_lane_runs_before_warm_lanes() -> None:
 
 def test_the_decode_batch_alternates_with_the_lanes() -> None:
     sched: Scheduler[FakeLane] = Scheduler()
-    sched.add(0, FakeLane(REQUEST, batched=True))
-    sched.add(1, FakeLane(REQUEST, prefilling=True))
+    sched.add(0, FakeLane(REQUEST, Phase.BATCHED))
+    sched.add(1, FakeLane(REQUEST, Phase.PREFILLING))
     sched.add(2, FakeLane(WARM))
     assert turns(sched, 5, batch=True) == [1, BATCH, 1, BATCH, 1]
     sched.finish(1)
@@ -130,3 +129,40 @@ def test_a_follow_lane_and_only_a_follow_lane_names_its_request() -> None:
     sched.add(0, FakeLane(REQUEST))
     with pytest.raises(ValueError, match="lane 0 is queued already"):
         sched.add(0, FakeLane(REQUEST))
+
+
+def test_a_request_moves_through_its_phases_by_what_each_advance_gives() -> None:
+    """The rules the engine follows: a prefill chunk ends the turn; the last chunk's turn
+    goes on to the first token; a token ends the turn, or goes on to join the decode batch
+    when there is one; a joined request waits there; an ended one is forgotten."""
+    sched: Scheduler[FakeLane] = Scheduler()
+    lane, other = FakeLane(REQUEST, Phase.RESTORING), FakeLane(REQUEST, Phase.PREFILLING)
+    sched.add(0, lane)
+    sched.add(1, other)
+    assert sched.alone(0)  # its forwards are its own until its first token
+    assert not sched.advanced(0, Step.CHUNK, batch=True)
+    assert (lane.phase, turns(sched, 1)) == (Phase.PREFILLING, [1])  # to the back
+    assert sched.advanced(0, Step.PROMPT_DONE, batch=True)  # the first token: same turn
+    assert lane.phase is Phase.PREFILLING and sched.alone(0)
+    assert sched.advanced(0, Step.TOKEN, batch=True)  # on to the batch, same turn
+    assert lane.phase is Phase.DECODING and not sched.alone(0)
+    assert not sched.advanced(0, Step.JOINED, batch=True)
+    assert lane.phase is Phase.BATCHED and turns(sched, 2) == [1, 1]  # the batch has it
+    sched.batch_forward(0)
+    assert lane.phase is Phase.DECODING
+    assert not sched.advanced(0, Step.TOKEN, batch=False)  # no batch: its own turns
+    assert not sched.advanced(0, Step.ENDED, batch=False)
+    assert lane.phase is Phase.DONE and 0 not in sched
+
+
+def test_background_lanes_take_one_step_a_turn_whatever_it_gave() -> None:
+    sched: Scheduler[FakeLane] = Scheduler()
+    warm, request = FakeLane(WARM, Phase.RESTORING), FakeLane(REQUEST, Phase.RESTORING)
+    sched.add(0, warm)
+    sched.add(1, FakeLane(FOLLOW, Phase.RESTORING), follows=9)  # its request has ended
+    for step in (Step.CHUNK, Step.PROMPT_DONE):
+        assert not sched.advanced(0, step, batch=True)
+        assert not sched.advanced(1, step, batch=True)
+    assert warm.phase is Phase.PREFILLING and sched.alone(0) and sched.alone(1)
+    sched.add(2, request)
+    assert turns(sched, 1) == [2]  # a request waiting for its first token: no follow turn

@@ -158,6 +158,7 @@ def chat_both(srv: ServerProcess, **kw: Any) -> tuple[Any, str, list[Any]]:
     return plain, text, chunks
 
 
+@pytest.mark.check  # the fast tier's server smoke
 def test_chat_streamed_and_plain_equal_the_library(server: ServerProcess, ref: Engine) -> None:
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
     for kw, p in [

@@ -37,7 +37,8 @@ from mlxcache.modes.tools import (
 from mlxcache.sampling import SamplingParams
 
 if TYPE_CHECKING:  # the engine imports mlx_lm: `tools --server` reads messages without it
-    from mlxcache.engine import Engine, LogitsProcessor, Request
+    from mlxcache.engine import Engine, Request
+    from mlxcache.sampling import LogitsProcessor
 
 _RESULT = Setting("tool_result")
 

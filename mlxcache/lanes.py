@@ -1,0 +1,318 @@
+"""The engine's lanes: what a lane is (`Lane`: its kind, its phase, its generator) and the
+work each kind does (`request_lane`, `warm_lane`, `follow_lane`), one model call per
+step, over the model and cache of a `Work`. Whose turn it is, and what a lane's phase
+becomes after a step, is the scheduler's (`scheduler.py`); the engine drives.
+
+A lane generator yields events (`Prefill`, `Token`, `Done`) and, in a batched decode, asks
+for its forwards (`decode.Forward`, `decode.Leave`); it keeps what it computed through its
+cache lease and releases the lease however it ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import mlx.core as mx
+import numpy as np
+
+from mlxcache.cache.base import Lease, NoCache, PrefixCache
+from mlxcache.decode import Forward, Leave, Share, decode
+from mlxcache.decode_batch import DecodeBatch
+from mlxcache.encoder import Encoder, common_prefix
+from mlxcache.errors import GenerationError
+from mlxcache.events import Done, Event, Prefill, Result, Stats, Token
+from mlxcache.model import LoadedModel
+from mlxcache.prefill import prefill
+from mlxcache.sampling import LogitsProcessor, SamplingParams
+from mlxcache.scheduler import LaneKind, Phase, Step
+from mlxcache.types import KVLayer, Model
+
+
+@dataclass(slots=True)
+class Request:
+    """One generation: prompt token ids, sampling, and optional logits processors."""
+
+    tokens: Sequence[int] | np.ndarray
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    processors: list[LogitsProcessor] = field(default_factory=list)
+    stop_tokens: frozenset[int] | None = None
+    """Token ids that end the reply; default: the tokenizer's end-of-turn ids."""
+    stop_strings: tuple[str, ...] = ()
+    """Texts that end the reply; the reply's text stops before the first one."""
+    follow: bool = False
+    """Keep prompt + reply warm while the reply is generated (see the module's doc)."""
+    logprobs: int | None = None
+    """k: every Token carries its log-probability and the k most likely tokens' (`decode`)."""
+
+
+@dataclass(slots=True)
+class Follow:
+    """What a follow lane prefills: a prompt and the reply its request appends to."""
+
+    prompt: np.ndarray
+    reply: list[int]
+    done: int  # where the follow lane's canonical KV ends (a block boundary)
+    block: int
+    limit: int  # the last position a block may end at (the context's, less one)
+    closed: bool = False  # the request has ended: the reply will not grow
+
+    def tokens(self) -> np.ndarray:
+        return np.concatenate([self.prompt, np.asarray(self.reply, dtype=np.int32)])
+
+    def ready(self) -> int:
+        """The end of the last full block of prompt + reply so far (within `limit`)."""
+        return min(len(self.prompt) + len(self.reply), self.limit) // self.block * self.block
+
+
+@dataclass(slots=True)
+class Lane:
+    """A lane: its generator, and what the scheduler reads and sets (`scheduler.Schedulable`)."""
+
+    gen: Generator[Any, Any, None]  # Events, and a batched decode's Forward / Leave
+    tokens: np.ndarray
+    kind: LaneKind
+    phase: Phase = Phase.RESTORING  # moved on by the scheduler (`Scheduler.advanced`)
+    follow: Follow | None = None  # a follow lane's state
+
+    def has_work(self) -> bool:
+        """False only for a follow lane waiting for its reply to complete a block."""
+        f = self.follow
+        return f is None or f.closed or f.ready() > f.done
+
+
+@dataclass(frozen=True, slots=True)
+class Work:
+    """What a lane runs on, fixed when it is queued: the model, its cache, and what the
+    device was measured to allow (`Engine.keep_replies`, `Engine.batch_decode`); `share`:
+    a sharded run's picks (`decode.Share`)."""
+
+    loaded: LoadedModel
+    model: Model
+    encoder: Encoder
+    cache: PrefixCache
+    keep_replies: bool
+    batch_decode: bool
+    share: Share | None
+
+
+def step_of(got: Event | Step | None) -> Step:
+    """What an advance gave, as the scheduler's rules read it (`Scheduler.advanced`)."""
+    if isinstance(got, Step):
+        return got
+    if got is None or isinstance(got, Done):
+        return Step.ENDED
+    if isinstance(got, Token):
+        return Step.TOKEN
+    if isinstance(got, Prefill) and got.done == got.total:
+        return Step.PROMPT_DONE
+    return Step.CHUNK
+
+
+def overtaken(lane: Lane, tokens: np.ndarray, block: int) -> tuple[bool, bool]:
+    """What a new request's prompt (`tokens`) does to a background lane: whether it stops
+    now (keeping what it computed, so the request resumes from it), and whether its
+    warm-ahead is queued again (from what it kept) to finish later. A warm lane stops when
+    the request shares a block with it, and goes on later when the request shares only
+    part of it (another conversation with the same system prompt); a finished reply's
+    follow lane stops when the request (its next turn) needs what it has not done yet;
+    one whose reply still runs goes on."""
+    if lane.follow is not None:
+        f = lane.follow
+        return f.closed and common_prefix(f.tokens(), tokens) // block * block > f.done, False
+    shared = common_prefix(lane.tokens, tokens)
+    return shared >= block, block <= shared < len(lane.tokens)
+
+
+def advance(
+    lane: Lane, rid: int, value: mx.array | None, own: bool, model: Model, batch: DecodeBatch
+) -> Event | Step | None:
+    """Send `value` to lane `rid` and make the forwards it asks for until it gives an event:
+    itself where they are its `own`, else it joins (or waits in) the decode `batch` and
+    this returns `Step.JOINED`; None once it has ended. Its errors propagate."""
+    try:
+        step = lane.gen.send(value)
+        while isinstance(step, Forward | Leave):
+            if isinstance(step, Leave):
+                if rid in batch:
+                    batch.leave(rid, step.layers)
+                step = lane.gen.send(None)
+            elif own:
+                step = lane.gen.send(model(step.y.reshape(1, 1), cache=step.layers)[:, -1, :])
+            else:
+                if rid in batch:
+                    batch.wait(rid, step.y)
+                else:
+                    batch.join(rid, step.layers, step.y)
+                return Step.JOINED
+        return cast(Event, step)
+    except StopIteration:
+        return None
+
+
+def miss_reason(work: Work, n: int) -> str:
+    """Why a request of n tokens resumed nothing."""
+    if isinstance(work.cache, NoCache):
+        return "cache off"
+    if n <= work.cache.block_size:
+        return f"shorter than one block of {work.cache.block_size} tokens"
+    return "no cached prefix"
+
+
+def request_lane(
+    work: Work, rid: int, tokens: np.ndarray, req: Request, follow: Follow | None
+) -> Generator[Event | Forward | Leave, Any, None]:
+    n = int(tokens.size)
+    stats = Stats(prompt_tokens=n)
+    start = time.perf_counter()
+    lease = None
+    try:
+        lease = work.cache.restore(tokens, anywhere=work.keep_replies)
+        stats.cached_tokens = lease.length
+        stats.prefilled_tokens = n - lease.length
+        stats.miss_reason = "" if lease.length else miss_reason(work, n)
+        stats.cached_from = lease.tier
+        stats.restore_s = time.perf_counter() - start
+        block = work.cache.block_size
+        # Trimmable KV is kept after the prompt's last full block; a whole-state
+        # checkpoint (recurrent / rotating layers) must be taken at the last boundary
+        # before the end, so that the same prompt can resume from it.
+        keep_at = (n // block if work.cache.trimmable else (n - 1) // block) * block
+        if lease.logits is not None:  # this very prompt again: nothing to prefill
+            logits = lease.logits
+        else:
+            logits = yield from prefill_blocks(work, rid, tokens, lease, lease.length, keep_at)
+            lease.keep_tail(tokens, logits)
+        stop = req.stop_tokens
+        if stop is None:
+            stop = frozenset(work.loaded.tokenizer.eos_token_ids)
+        result = yield from decode(
+            work.model,
+            work.loaded.tokenizer,
+            rid,
+            tokens,
+            lease.layers,
+            logits,
+            sampling=req.sampling,
+            processors=req.processors,
+            stop_tokens=stop,
+            stop_strings=req.stop_strings,
+            budget=work.encoder.reply_room(tokens, req.sampling.max_tokens),
+            stats=stats,
+            start=start,
+            out=None if follow is None else follow.reply,
+            logprobs=req.logprobs,
+            batched=work.batch_decode,
+            share=work.share,
+            to_end=work.keep_replies,
+        )
+        if work.keep_replies:
+            ended = [] if result.stop_token is None else [result.stop_token]
+            keep_reply(work, tokens, [*result.tokens, *ended], lease)
+    except GenerationError as exc:
+        # This request fails alone: the lanes beside it go on.
+        result = Result("", [], "error", stats, error=str(exc))
+    finally:
+        if lease is not None:
+            lease.release()
+        if follow is not None:  # however the request ended: its follow lane may finish
+            follow.closed = True
+    yield Done(rid, result)  # after the release: a finished request holds no pin
+
+
+def keep_reply(work: Work, prompt: np.ndarray, reply: list[int], lease: Lease) -> None:
+    """Keep the full blocks of prompt + reply (its end token included) that the lease's
+    layers hold past the prompt's own, and the rest as a tail to resume mid-block from
+    (decode KV, canonical on this device: see `keep_replies`)."""
+    block = work.cache.block_size
+    held = min(cast(KVLayer, lease.layers[0]).offset, prompt.size + len(reply))
+    ids = np.concatenate([prompt, np.asarray(reply, np.int32)])[:held]
+    if held // block > prompt.size // block:
+        lease.keep(ids[: held // block * block])
+    lease.keep_tail(ids, None)
+
+
+def warm_lane(work: Work, rid: int, tokens: np.ndarray) -> Generator[Event, None, None]:
+    # No logits needed: every full block. Warm work is not a request: not counted.
+    # Where decode KV is canonical, it resumes from the reply's own tail: only the
+    # next turn's new tokens are prefilled.
+    with work.cache.restore(tokens, count=False, anywhere=work.keep_replies, whole=True) as lease:
+        if lease.length < len(tokens):
+            yield from prefill_blocks(work, rid, tokens, lease, lease.length, len(tokens))
+
+
+def follow_lane(work: Work, rid: int, f: Follow) -> Generator[Event, None, None]:
+    # Stepped only when a block is complete or the request has ended (`step`).
+    block = work.cache.block_size
+    lease = None
+    try:
+        while (target := f.ready()) > f.done or not f.closed:
+            if target <= f.done:
+                yield Prefill(rid, f.done, f.done)  # nothing yet: wait for the reply
+                continue
+            ids = f.tokens()[:target]
+            # Blocks kept already (the same conversation before) are skipped, and the
+            # layers held so far with them: a later miss restores from there.
+            if (kept := work.cache.cached_length(ids, whole=True)) > f.done:
+                f.done = kept
+                if lease is not None:
+                    lease.release()
+                    lease = None
+                continue
+            if lease is None:
+                lease = work.cache.restore(ids[: f.done], count=False, whole=True)
+                f.done = lease.length
+            stop = min(target, f.done + block)  # one chunk per step
+            yield from prefill_blocks(work, rid, ids[:stop], lease, f.done, stop)
+            f.done = stop
+    finally:
+        if lease is not None:
+            lease.release()
+
+
+def prefill_blocks(
+    work: Work,
+    rid: int,
+    tokens: np.ndarray,
+    lease: Lease,
+    start: int,
+    keep_at: int,
+) -> Generator[Event, None, mx.array]:
+    """Prefill tokens[start:] into the lease's layers canonically and keep
+    tokens[:keep_at]; returns the last logits.
+
+    Stopped early (cancelled, interrupted), it keeps the full blocks it computed.
+    """
+    n, block = int(tokens.size), work.cache.block_size
+    done = kept = start
+    logits = None
+    at_chunk_end = False  # the layers hold exactly `done` tokens
+    try:
+        # A resume inside a block only where decode KV is canonical: see `restore`.
+        chunks = prefill(work.model, lease.layers, tokens, start, block, work.keep_replies)
+        for stop, out in chunks:
+            done, logits, at_chunk_end = stop, out, True
+            if stop % block == 0 and stop <= keep_at:
+                lease.capture(tokens[:stop])
+            if stop == keep_at and keep_at > start:
+                kept = keep_at  # tried once: not again while unwinding if it fails
+                lease.keep(tokens[:keep_at])
+            yield Prefill(rid, stop, n)
+            at_chunk_end = False
+    except BaseException:
+        # Cancelled between chunks (GeneratorExit) or interrupted inside one: what is
+        # fully computed is canonical KV. A trimmable cache cuts it out of any state; a
+        # whole-state checkpoint needs the layers to hold exactly `done` tokens.
+        usable = done % block == 0 and (work.cache.trimmable or at_chunk_end)
+        if done > kept and usable:
+            # Best effort while unwinding: a failed keep must not replace what stopped
+            # the lane (a cancel, Ctrl-C) nor fail the request that pre-empted it.
+            with contextlib.suppress(Exception):
+                lease.keep(tokens[:done])
+        raise
+    if logits is None:  # prefill() always ends with the logits chunk
+        raise GenerationError("prefill produced no logits")
+    return logits
