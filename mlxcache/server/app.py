@@ -51,7 +51,7 @@ class Settings:
     cors_origins: tuple[str, ...] = ()
     identity: dict[str, Any] = field(default_factory=dict)
     """What a client needs to tell whether this server replies as it would in-process
-    (`mlxcache.wire.identity`: model source and key, block size, version); shown on the
+    (`mlxcache.wire.identity`: model name, digest and key, block size, version); shown on the
     model card as "mlxcache"."""
 
 
