@@ -21,6 +21,7 @@ from mlxcache.config import (
     CPU_BLOCK_SIZE,
     METAL_BLOCK_SIZE,
     CacheConfig,
+    DraftConfig,
     SamplingParams,
     format_size,
     parse_size,
@@ -34,6 +35,7 @@ if TYPE_CHECKING:  # the engine imports mlx_lm (seconds): only the commands that
 
 # Help panels: a command's own options stay under "Options"; the shared ones are grouped.
 MODEL_PANEL, SAMPLING_PANEL, CACHE_PANEL = "Model", "Sampling", "Cache"
+DRAFT_PANEL = "Drafting (speculative decoding: the reply stays the plain one, bit for bit)"
 
 Model = Annotated[
     str | None,
@@ -222,6 +224,53 @@ Split = Annotated[
         rich_help_panel=MODEL_PANEL,
     ),
 ]
+Draft = Annotated[
+    str,
+    typer.Option(
+        "--draft",
+        metavar="auto|lookup|model|off",
+        help="Draft the reply and verify the drafts in one forward: lookup copies from the "
+        "prompt and reply so far, model uses --draft-model; auto drafts where this device "
+        "verifies exactly and cheaply (measured: not on MLX's CPU backend).",
+        rich_help_panel=DRAFT_PANEL,
+    ),
+]
+DraftModelOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--draft-model",
+        metavar="MODEL",
+        help="A smaller model with the same vocabulary to draft with (as --model takes).",
+        rich_help_panel=DRAFT_PANEL,
+    ),
+]
+DraftTokens = Annotated[
+    int,
+    typer.Option(
+        "--draft-tokens",
+        metavar="K",
+        help="Most tokens drafted per verify forward.",
+        rich_help_panel=DRAFT_PANEL,
+    ),
+]
+DraftNgram = Annotated[
+    int,
+    typer.Option(
+        "--draft-ngram",
+        metavar="N",
+        help="Lookup: the longest n-gram matched (then shorter ones).",
+        rich_help_panel=DRAFT_PANEL,
+    ),
+]
+DraftInexact = Annotated[
+    bool,
+    typer.Option(
+        "--draft-inexact",
+        help="Draft even where this device's verify forward was not measured to be bitwise "
+        "decode steps: replies may then differ from plain decoding (as mlx-lm's do).",
+        rich_help_panel=DRAFT_PANEL,
+    ),
+]
 Quiet = Annotated[
     bool,
     typer.Option("--quiet", "-q", help="No progress on stderr.", rich_help_panel=MODEL_PANEL),
@@ -321,11 +370,15 @@ def cache_config(
 
 
 def engine(
-    model: str | None, config: CacheConfig, invariant: bool = False, split: str | None = None
+    model: str | None,
+    config: CacheConfig,
+    invariant: bool = False,
+    split: str | None = None,
+    draft: DraftConfig | None = None,
 ) -> Engine:
     """Open the engine (no `model`: the one `mlxcache models default` chose), with a
-    progress bar on stderr if a GGUF needs converting; `invariant` and `split`: see
-    `open_engine` (chat and serve ask for `invariant`)."""
+    progress bar on stderr if a GGUF needs converting; `invariant`, `split` and `draft`:
+    see `open_engine` (chat and serve ask for `invariant`)."""
     from mlxcache.distributed import SPLITS
     from mlxcache.model.loader import default_spec
     from mlxcache.runtime import open_engine
@@ -342,6 +395,7 @@ def engine(
             invariant=invariant,
             split=split,
             on_rank_lost=_rank_lost,
+            draft=draft,
         )
 
 
@@ -477,6 +531,11 @@ class RunOptions:
     state_stride: int | None
     warm_ahead: bool
     split: str | None
+    draft: str
+    draft_model: str | None
+    draft_tokens: int
+    draft_ngram: int
+    draft_inexact: bool
     quiet: bool
 
     def sampling(self) -> SamplingParams:
@@ -511,8 +570,18 @@ class RunOptions:
             self.state_stride,
         )
 
+    def drafting(self) -> DraftConfig:
+        """--draft and its options; a --draft-model alone drafts with it (where auto does)."""
+        return DraftConfig(
+            mode=self.draft,
+            model=self.draft_model,
+            tokens=self.draft_tokens,
+            ngram=self.draft_ngram,
+            inexact=self.draft_inexact,
+        )
+
     def engine(self, invariant: bool = False) -> Engine:
-        return engine(self.model, self.cache(), invariant, self.split)
+        return engine(self.model, self.cache(), invariant, self.split, self.drafting())
 
 
 def _config_default(name: str) -> Any:
@@ -523,6 +592,7 @@ def _config_default(name: str) -> Any:
 
 
 _SAMPLING = SamplingParams()
+_DRAFT = DraftConfig()
 _RUN_OPTIONS: list[tuple[str, Any, Any]] = [
     ("model", Model, None),
     # Sampling defaults come from SamplingParams, their one home.
@@ -545,6 +615,12 @@ _RUN_OPTIONS: list[tuple[str, Any, Any]] = [
     ("state_stride", StateStride, None),
     ("warm_ahead", WarmAhead, _config_default("warm_ahead")),
     ("split", Split, None),
+    # Defaults come from DraftConfig, their one home.
+    ("draft", Draft, _DRAFT.mode),
+    ("draft_model", DraftModelOpt, _DRAFT.model),
+    ("draft_tokens", DraftTokens, _DRAFT.tokens),
+    ("draft_ngram", DraftNgram, _DRAFT.ngram),
+    ("draft_inexact", DraftInexact, _DRAFT.inexact),
     ("quiet", Quiet, False),
 ]
 F = TypeVar("F", bound=Callable[..., None])

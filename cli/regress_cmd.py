@@ -24,7 +24,7 @@ Variants = Annotated[
     typer.Option(
         "--variants",
         metavar="LIST",
-        help="Comma-separated execution variants: cold,warm,disk,lanes (default: all; "
+        help="Comma-separated execution variants: cold,warm,disk,lanes,drafted (default: all; "
         "through --server: warm, on the server's cache).",
         show_default=False,
     ),

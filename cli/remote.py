@@ -99,10 +99,20 @@ def in_process_only(**given: object) -> None:
 
 
 def sampling_body(run: RunOptions) -> dict[str, Any]:
-    """Every sampling field, so the server's own defaults (penalties included) play no part."""
+    """Every sampling field, so the server's own defaults (penalties included) play no part,
+    and --draft when given (`draft_field`)."""
     from mlxcache.remote import sampling_fields
 
-    return sampling_fields(run.sampling())
+    return {**sampling_fields(run.sampling()), **draft_field(run)}
+
+
+def draft_field(run: RunOptions) -> dict[str, Any]:
+    """--draft as the request's `draft` (none: the server's own setting). A reply is the
+    same drafted or not; the draft model and --draft-inexact are the server's to choose."""
+    from mlxcache.config import DraftConfig
+
+    in_process_only(draft_model=run.draft_model, draft_inexact=run.draft_inexact)
+    return {} if run.draft == DraftConfig().mode else {"draft": run.draft}
 
 
 def generate(
@@ -262,11 +272,11 @@ class ChatServer:
     chat completions, its model and cache the server's (warm-ahead too). Sessions stay
     local: every turn sends the whole conversation."""
 
-    def __init__(self, server: Server, card: dict[str, Any]) -> None:
+    def __init__(self, server: Server, card: dict[str, Any], fields: dict[str, Any]) -> None:
         from mlxcache.remote import ChatRunner
 
         self.server = server
-        self.runner = ChatRunner(server, str(card["id"]))
+        self.runner = ChatRunner(server, str(card["id"]), fields)
         self.model = ServedModel(str(card["id"]), str(card["mlxcache"]["key"]))
 
     def cache_report(self) -> dict[str, Any]:
@@ -293,4 +303,5 @@ def chat_server(url: str, run: RunOptions, sampling: SamplingParams) -> ChatServ
     from mlxcache.remote import sampling_fields
 
     sampling_fields(sampling)  # refused before connecting, as every other option
-    return ChatServer(*connect_card(url, run))
+    draft = draft_field(run)
+    return ChatServer(*connect_card(url, run), draft)

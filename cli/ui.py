@@ -118,6 +118,9 @@ FLAGS = {
     "messages": "--messages FILE",
     "json_output": "previous --json output",
     "split": "--split",
+    "draft": "--draft",
+    "draft_tokens": "--draft-tokens",
+    "draft_ngram": "--draft-ngram",
 }
 """The words of the CLI for the settings library messages name (`errors.Worded`): their
 flags, where the library names them as its API does (max_tokens -> --max-tokens)."""

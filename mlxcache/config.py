@@ -145,6 +145,49 @@ class SamplingParams:
                 raise _invalid(name, f" must be in [-2, 2], got {value}")
 
 
+DRAFTS = ("auto", "lookup", "model", "off")
+"""How replies are drafted (`DraftConfig.mode`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class DraftConfig:
+    """Speculative decoding: drafts verified by the model, kept only where they are what
+    plain decoding would pick (`mlxcache.draft`), so a drafted reply is a plain one.
+
+    Attributes:
+        mode: "lookup" drafts the tokens that followed the reply's last n-gram where it
+            occurred before in prompt + reply; "model" drafts with `model`; "off" never
+            drafts; "auto" drafts with lookup (or `model`) only where this device was
+            measured to verify exactly and cheaply.
+        model: the draft model's spec (what `mlxcache.model.load` takes); with mode
+            "auto" or "model", drafting uses it.
+        tokens: the most tokens drafted per verify forward (k; the forward has k + 1 rows).
+        ngram: lookup's longest n-gram (it tries n down to 1).
+        inexact: draft even where the device was not measured to verify exactly: replies
+            may then differ from plain decoding.
+    """
+
+    mode: str = "auto"
+    model: str | None = None
+    tokens: int = 4
+    ngram: int = 3
+    inexact: bool = False
+
+    def __post_init__(self) -> None:
+        if self.mode not in DRAFTS:
+            raise _invalid("draft", f" must be one of {', '.join(DRAFTS)}, got {self.mode!r}")
+        if self.mode == "model" and self.model is None:
+            raise _invalid("draft", " model needs a draft model (--draft-model)")
+        if not 1 <= self.tokens <= MAX_DRAFT:
+            raise _invalid("draft_tokens", f" must be in 1..{MAX_DRAFT}, got {self.tokens}")
+        if self.ngram < 1:
+            raise _invalid("draft_ngram", f" must be >= 1, got {self.ngram}")
+
+
+MAX_DRAFT = 8
+"""The most tokens a verify forward checks (the probe measures widths up to this + 1)."""
+
+
 WARM_AHEAD = True
 """Warm-ahead's default, for `CacheConfig` and an `Engine` built without one."""
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
@@ -12,6 +12,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlxcache.detok import TextStream
+from mlxcache.draft import Checkpoint, Drafter
 from mlxcache.errors import GenerationError
 from mlxcache.events import Result, Stats, Token
 from mlxcache.sampling import LogitsProcessor, SamplingParams, make_processors, make_sampler
@@ -49,6 +50,76 @@ class Leave:
     layers: list[KVLayer]
 
 
+class _Reply:
+    """The reply as its tokens are drawn: text, stop strings, end tokens, log-probabilities,
+    and the token history logits processors read (prompt + reply, kept on the host: an
+    mx.array made from host data is readable at once, while a lazy concatenate would queue
+    behind the forward in flight and stall a grammar's mask that should overlap it)."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        rid: int,
+        prompt: np.ndarray,
+        budget: int,
+        stop_tokens: frozenset[int],
+        stop_strings: tuple[str, ...],
+        out: list[int],
+        logprobs: int | None,
+    ) -> None:
+        self.rid = rid
+        self.prompt = int(prompt.size)
+        self.host = np.empty(prompt.size + budget, dtype=np.int32)
+        self.host[: prompt.size] = prompt
+        self.stop_tokens = stop_tokens
+        self.text = TextStream(tokenizer)
+        self.stops = StopScanner(stop_strings)
+        self.out = out
+        self.pieces: list[str] = []
+        self.finish = "length"
+        self.ended_by: int | None = None
+        self.logprobs = logprobs
+        self.drawn_from: deque[mx.array] = deque()  # with logprobs: each queued pick's
+
+    def tokens(self) -> np.ndarray:
+        """Prompt + reply so far (a view: read it before the next token is taken)."""
+        return self.host[: self.prompt + len(self.out)]
+
+    def take(self, token: int) -> Token | None:
+        """The drawn `token` as the reply's next Token; None when it is an end token (the
+        reply has ended: `finish`, `ended_by`)."""
+        if token == FAILED:  # no sampler draws it: rank 0's pick failed (`share`)
+            raise GenerationError("the request failed on rank 0")
+        logprob: float | None = None
+        top: tuple[tuple[int, float], ...] = ()
+        if self.logprobs is not None:
+            logprob, top = _scored(self.drawn_from.popleft(), token, self.logprobs)
+        if token in self.stop_tokens:
+            self.finish, self.ended_by = "stop", token
+            return None
+        self.host[self.prompt + len(self.out)] = token
+        self.out.append(token)
+        piece = self.stops.feed(self.text.add(token))
+        self.pieces.append(piece)
+        if self.stops.stopped:
+            self.finish = "stop"
+        return Token(self.rid, token, piece, logprob, top)
+
+    def tail(self) -> Token | None:
+        """Text held back until the end (an incomplete character, a possible stop string)."""
+        tail = self.stops.feed(self.text.flush()) + self.stops.flush()
+        if not tail:
+            return None
+        self.pieces.append(tail)
+        return Token(self.rid, self.out[-1], tail)
+
+    def result(self, stats: Stats) -> Result:
+        # `out` may be a follow lane's
+        return Result(
+            "".join(self.pieces), list(self.out), self.finish, stats, stop_token=self.ended_by
+        )
+
+
 def decode(
     model: Model,
     tokenizer: Tokenizer,
@@ -69,6 +140,8 @@ def decode(
     batched: bool = False,
     share: Share | None = None,
     to_end: bool = False,
+    drafter: Drafter | None = None,
+    draft: int = 0,
 ) -> Generator[Token | Forward | Leave, Any, Result]:
     """Generate up to `budget` tokens after `prompt`, whose last logits are `logits`.
 
@@ -83,36 +156,39 @@ def decode(
     `to_end`: the layers end up holding the KV of every token drawn, the last one (an end
     token too) included, as mlx-lm's do: where decode KV is kept, the next turn resumes
     after the whole reply instead of prefilling its last token in its own TTFT.
+    `drafter` with `draft` k >= 1: speculative decoding (`_drafted`), never batched.
     """
     sampler = make_sampler(sampling)
     # Only plain KV models decode as one batch (the engine checks their layout).
     kv = cast(list[KVLayer], layers)
     # Sampling's own processors (penalties) first, then the request's (bias, grammar).
     procs = [*make_processors(sampling, prompt.size), *processors]
-    # Token history for processors, kept on the host: an mx.array made from host data is
-    # readable at once, while a lazy concatenate would queue behind the forward in flight
-    # and stall the grammar's mask computation that should overlap it.
-    host = np.empty(prompt.size + budget, dtype=np.int32)
-    host[: prompt.size] = prompt
-    history = mx.array(prompt)
-    text = TextStream(tokenizer)
-    stops = StopScanner(stop_strings)
-    out = [] if out is None else out
-    pieces: list[str] = []
-    finish = "length"
-    drawn_from: deque[mx.array] = deque()  # with logprobs: each queued pick's log-probs
+    reply = _Reply(
+        tokenizer,
+        rid,
+        prompt,
+        budget,
+        stop_tokens,
+        stop_strings,
+        [] if out is None else out,
+        logprobs,
+    )
+    out = reply.out
 
     def pick(logits: mx.array) -> mx.array:
+        """The token plain decoding draws from `logits`, after prompt + reply so far."""
         try:
-            for proc in procs:
-                logits = proc(history, logits)
+            if procs:
+                history = mx.array(reply.tokens())
+                for proc in procs:
+                    logits = proc(history, logits)
         except Exception:
             if share is not None:  # the others wait for this pick: they fail with it
                 share.fail()
             raise
         logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         if logprobs is not None:
-            drawn_from.append(logp)
+            reply.drawn_from.append(logp)
         return sampler(logp) if share is None else share.token(sampler(logp))
 
     def feed(y: mx.array) -> Generator[Forward, Any, mx.array]:
@@ -120,6 +196,42 @@ def decode(
         if batched:
             return (yield Forward(y, kv))
         return model(y.reshape(1, 1), cache=layers)[:, -1, :]
+
+    if drafter is not None and draft > 0:
+        last = yield from _drafted(
+            model, layers, logits, reply, pick, drafter, draft, budget, stats, start
+        )
+        held = False
+    else:
+        last, held = yield from _plain(feed, pick, logits, reply, bool(procs), budget, stats, start)
+    tail = reply.tail()
+    if tail is not None:
+        yield tail
+    stats.generated_tokens = len(out)
+    if to_end and not held:  # after every piece of text: the client has it all already
+        yield from feed(last)  # its logits are not needed
+        if not batched:
+            mx.eval([c.state for c in layers])  # the KV only: no LM head
+    if batched:
+        yield Leave(kv)
+    return reply.result(stats)
+
+
+Pick = Callable[[mx.array], mx.array]
+
+
+def _plain(
+    feed: Callable[[mx.array], Generator[Forward, Any, mx.array]],
+    pick: Pick,
+    logits: mx.array,
+    reply: _Reply,
+    procs: bool,
+    budget: int,
+    stats: Stats,
+    start: float,
+) -> Generator[Token | Forward, Any, tuple[mx.array, bool]]:
+    """One token per forward. Returns the last token drawn and whether the layers hold it."""
+    out = reply.out
 
     def forward(y: mx.array) -> Generator[Forward, Any, mx.array]:
         """The next forward, queued. Without processors the sampling is queued too; a
@@ -133,7 +245,6 @@ def decode(
     mx.async_eval(y)
     decode_start = 0.0
     nxt = y
-    ended_by: int | None = None
     while True:
         more = len(out) + 1 < budget
         first = not out
@@ -144,51 +255,81 @@ def decode(
             # `async_eval` computes most of a forward before it returns, which would hold
             # the first token back by a decode step.
             nxt = yield from forward(y)
-        token = cast(int, y.item())
-        if token == FAILED:  # no sampler draws it: rank 0's pick failed (`share`)
-            raise GenerationError("the request failed on rank 0")
-        if not out:
+        token = reply.take(cast(int, y.item()))
+        if first:
             stats.ttft_s = time.perf_counter() - start
             decode_start = time.perf_counter()
-        logprob: float | None = None
-        top: tuple[tuple[int, float], ...] = ()
-        if logprobs is not None:
-            logprob, top = _scored(drawn_from.popleft(), token, logprobs)
-        if token in stop_tokens:
-            finish, ended_by = "stop", token
+        if token is None:
             break
-        out.append(token)
-        piece = stops.feed(text.add(token))
-        pieces.append(piece)
-        yield Token(rid, token, piece, logprob, top)
-        if stops.stopped:
-            finish = "stop"
-            break
-        if not more:
+        yield token
+        if reply.stops.stopped or not more:
             break
         if first:
             nxt = yield from forward(y)
             held = True
         if procs:
-            host[prompt.size + len(out) - 1] = token
-            history = mx.array(host[: prompt.size + len(out)])
             nxt = pick(nxt)
             mx.async_eval(nxt)
         y = nxt
-    tail = stops.feed(text.flush()) + stops.flush()
-    if tail:
-        pieces.append(tail)
-        yield Token(rid, out[-1], tail)
-    stats.generated_tokens = len(out)
     stats.decode_s = time.perf_counter() - decode_start
-    if to_end and not held:  # after every piece of text: the client has it all already
-        yield from feed(y)  # its logits are not needed
-        if not batched:
-            mx.eval([c.state for c in layers])  # the KV only: no LM head
-    if batched:
-        yield Leave(kv)
-    # `out` may be a follow lane's
-    return Result("".join(pieces), list(out), finish, stats, stop_token=ended_by)
+    return y, held
+
+
+def _drafted(
+    model: Model,
+    layers: Layers,
+    logits: mx.array,
+    reply: _Reply,
+    pick: Pick,
+    drafter: Drafter,
+    k: int,
+    budget: int,
+    stats: Stats,
+    start: float,
+) -> Generator[Token, Any, mx.array]:
+    """Speculative decoding: each forward feeds the last token and up to `k` drafts
+    (`draft.Drafter`); each row's logits are picked from exactly as plain decoding picks
+    (`pick`: the same processors over the same history, the sampler's next key), and a
+    draft is accepted while it equals the pick. The first pick that differs ends the
+    round; the rejected drafts' KV is taken back out (`Checkpoint`). Returns the last token
+    drawn (not in the layers)."""
+    out = reply.out
+    token = int(pick(logits).item())  # type: ignore[arg-type]
+    stats.ttft_s = time.perf_counter() - start
+    decode_start = time.perf_counter()
+    try:
+        taken = reply.take(token)
+        if taken is not None:
+            yield taken
+        while taken is not None and not reply.stops.stopped and len(out) < budget:
+            drafts = drafter.propose(reply.tokens(), min(k, budget - len(out) - 1))
+            inputs = [token, *drafts]
+            mark = Checkpoint(layers)
+            rows = model(mx.array([inputs]), cache=layers)[0]
+            stats.verify_forwards += 1
+            stats.drafted_tokens += len(drafts)
+            i = 0
+            while True:
+                token = int(pick(rows[i : i + 1]).item())  # type: ignore[arg-type]
+                taken = reply.take(token)
+                if taken is None:
+                    break
+                yield taken
+                if reply.stops.stopped or not accepts(token, drafts, i):
+                    break
+                stats.accepted_tokens += 1
+                i += 1
+            # Rows 0..i were read: their inputs stay; the drafts after them go.
+            mark.rewind(model, inputs[: i + 1], len(drafts) - i)
+    finally:
+        drafter.close()
+    stats.decode_s = time.perf_counter() - decode_start
+    return mx.array([token])
+
+
+def accepts(token: int, drafts: list[int], i: int) -> bool:
+    """Whether row i's pick accepts the i-th draft (and the next row is read)."""
+    return i < len(drafts) and token == drafts[i]
 
 
 def _scored(logp: mx.array, token: int, top: int) -> tuple[float, tuple[tuple[int, float], ...]]:

@@ -33,6 +33,7 @@ from mlxcache import lanes
 from mlxcache.cache.base import NoCache, PrefixCache
 from mlxcache.config import WARM_AHEAD, default_block_size
 from mlxcache.decode_batch import DecodeBatch
+from mlxcache.drafting import Drafting
 from mlxcache.encoder import Encoder, common_prefix
 from mlxcache.errors import GenerationError, UserInputError
 from mlxcache.events import Done, Event, Result, Stats
@@ -82,6 +83,7 @@ class Engine:
         batch_decode: bool = False,
         on_warning: Callable[[str], None] | None = None,
         ranks: Peers | None = None,
+        drafting: Drafting | None = None,
     ) -> None:
         if block_size is not None and block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -105,6 +107,8 @@ class Engine:
         self._sched: Scheduler[Lane] = Scheduler()
         self.ranks = ranks
         """The other processes of a sharded run (`distributed`); None when alone."""
+        self.drafting = drafting or Drafting.off(loaded, self.cache.block_size)
+        """Speculative decoding's settings (`drafting.Drafting`): never, by default."""
 
     @property
     def model(self) -> Model:
@@ -121,6 +125,7 @@ class Engine:
             self.keep_replies,
             self.batch_decode,
             self.ranks,
+            self.drafting,
         )
 
     def check(self, request: Request) -> np.ndarray:
@@ -157,6 +162,7 @@ class Engine:
                 self.cancel(rid)
             if rewarm:  # its warm-ahead goes on later, from what it kept
                 self.warm(lane.tokens)
+        plan = self.drafting.plan(request.draft)
         rid = next(self._ids)
         follow = None
         if (
@@ -168,8 +174,8 @@ class Engine:
             limit = self.loaded.context_length - 1
             follow = Follow(tokens, [], len(tokens) // block * block, block, limit)
         work = self._work()
-        gen = lanes.request_lane(work, rid, tokens, request, follow)
-        self._sched.add(rid, Lane(gen, tokens, LaneKind.REQUEST))
+        gen = lanes.request_lane(work, rid, tokens, request, follow, plan)
+        self._sched.add(rid, Lane(gen, tokens, LaneKind.REQUEST, solo=plan is not None))
         if follow is not None:
             follower = next(self._ids)
             lane = Lane(
@@ -261,7 +267,7 @@ class Engine:
         the turn between two of them; the lane is still queued then, for `cancel`.
         """
         lane = self._sched[rid]
-        batch = self.batch_decode and not alone
+        batch = self.batch_decode and not alone and not lane.solo
         again = True
         while again:
             got = self._advance(rid, lane, value, alone)

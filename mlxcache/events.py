@@ -18,9 +18,17 @@ class Stats:
     ttft_s: float = 0.0
     decode_s: float = 0.0
     miss_reason: str = ""
+    """Why nothing was resumed, when `cached_tokens` is 0 (e.g. shorter than one block)."""
     cached_from: str = ""
     """Where the cached prefix came from: "memory" or "disk" ("" when nothing was)."""
-    """Why nothing was resumed, when `cached_tokens` is 0 (e.g. shorter than one block)."""
+    draft: str = ""
+    """The drafter that drafted the reply ("lookup", "model"; "" when none did)."""
+    drafted_tokens: int = 0
+    """Tokens drafted and verified (speculative decoding)."""
+    accepted_tokens: int = 0
+    """... of which the model picked the same (each saved a forward)."""
+    verify_forwards: int = 0
+    """Forwards of the model while drafting (each verifies a round of drafts)."""
 
     @property
     def decode_tps(self) -> float:

@@ -21,13 +21,21 @@ from __future__ import annotations
 
 import contextlib
 import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, KVCache
+import numpy as np
+from mlx_lm.models.cache import BatchKVCache, KVCache, RotatingKVCache
 
+from mlxcache.config import MAX_DRAFT
+from mlxcache.draft import Checkpoint, snapshot
 from mlxcache.fileio import write_atomic
 from mlxcache.model import LoadedModel
+from mlxcache.prefill import prefill
 from mlxcache.types import KVLayer, LayerCache, Model, new_layers
 
 PROBES = "probes.json"
@@ -124,26 +132,137 @@ def _key(loaded: LoadedModel, block_size: int) -> str:
     return f"{loaded.key}|{block_size}|{device}|{version}|{mlx_lm.__version__}"
 
 
-def probe(loaded: LoadedModel, block_size: int, directory: Path) -> dict[str, bool]:
-    """{"decode": decode KV is canonical, "batch": rows may decode together} for `loaded`
-    on this device, from `directory`'s record or measured now (and recorded; a record that
-    cannot be written is only a lost shortcut)."""
-    path = directory / PROBES
+def _read(path: Path) -> dict[str, Any]:
     try:
         record = json.loads(path.read_text())
-        record = record if isinstance(record, dict) else {}
     except (OSError, ValueError):
-        record = {}
-    key = _key(loaded, block_size)
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def _write(directory: Path, key: str, found: dict[str, Any]) -> None:
+    """Add `found` to `key`'s record (a record that cannot be written is only a lost
+    shortcut)."""
+    path = directory / PROBES
+    record = _read(path)
     known = record.get(key)
-    if isinstance(known, dict) and all(isinstance(known.get(k), bool) for k in ("decode", "batch")):
+    record[key] = {**(known if isinstance(known, dict) else {}), **found}
+    with contextlib.suppress(OSError):
+        directory.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, json.dumps(record, indent=1))
+
+
+def _known(directory: Path, key: str) -> dict[str, Any]:
+    known = _read(directory / PROBES).get(key)
+    return known if isinstance(known, dict) else {}
+
+
+def probe(loaded: LoadedModel, block_size: int, directory: Path) -> dict[str, bool]:
+    """{"decode": decode KV is canonical, "batch": rows may decode together} for `loaded`
+    on this device, from `directory`'s record or measured now (and recorded)."""
+    key = _key(loaded, block_size)
+    known = _known(directory, key)
+    if all(isinstance(known.get(k), bool) for k in ("decode", "batch")):
         return {"decode": known["decode"], "batch": known["batch"]}
     found = {
         "decode": decode_matches_prefill(loaded.model, block_size),
         "batch": batch_matches_solo(loaded.model),
     }
-    record[key] = found
-    with contextlib.suppress(OSError):
-        directory.mkdir(parents=True, exist_ok=True)
-        write_atomic(path, json.dumps(record, indent=1))
+    _write(directory, key, found)
     return found
+
+
+VERIFY_WIDTHS = (2, 3, 5, MAX_DRAFT + 1)
+"""The verify forward widths the probe tries (k + 1 rows for k drafted tokens)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Verify:
+    """What the verify probe found: the widest forward whose rows are bitwise one-row
+    decode steps (1: none is), and what that forward costs in one-row steps' time."""
+
+    width: int
+    cost: float
+
+
+def verify_probe(loaded: LoadedModel, block_size: int, directory: Path | None) -> Verify:
+    """`verify_width` and its cost for `loaded` on this device, from `directory`'s record
+    or measured now (and recorded; None: measured, not recorded, as in a sharded run where
+    every rank must make the same forwards)."""
+    key = _key(loaded, block_size)
+    known = {} if directory is None else _known(directory, key)
+    width, cost = known.get("verify"), known.get("verify_cost")
+    if isinstance(width, int) and isinstance(cost, float):
+        return Verify(width, cost)
+    found = Verify(*verify_width(loaded.model, block_size))
+    if directory is not None:
+        _write(directory, key, {"verify": found.width, "verify_cost": found.cost})
+    return found
+
+
+def verify_width(model: Model, block_size: int) -> tuple[int, float]:
+    """The widest of `VERIFY_WIDTHS` whose drafting is bitwise plain decoding, and the
+    time of a forward that wide over a one-row step's (1 and 1.0 where none is).
+
+    For each width w, from a prefix prefilled canonically (long enough that any ring
+    buffer has wrapped): a verify forward of w rows, all accepted; a second one of which
+    only the first half is kept (`draft.Checkpoint` takes the rest back); two one-row
+    steps; a third verify. Every row's logits must equal, bit for bit, those of one-row
+    steps over the same tokens from the same prefix. Any family: plain KV is trimmed, other
+    caches are restored from a copy and fed again, as decode does.
+    """
+    fresh = new_layers(model)
+    window = max((int(c.max_size) for c in fresh if isinstance(c, RotatingKVCache)), default=0)
+    start = (window // block_size + 1) * block_size + 3  # mid-block, as decode mostly is
+    widest = max(VERIFY_WIDTHS)
+    ids = [(7 * i + 3) % 97 + 1 for i in range(start + 4 * widest)]
+    prefix = new_layers(model)
+    for _ in prefill(model, prefix, np.asarray(ids[:start], np.int32), 0, block_size):
+        pass
+    saved = [snapshot(c.state) for c in prefix]
+
+    def at_prefix() -> list[LayerCache]:
+        layers = new_layers(model)
+        for c, state in zip(layers, saved, strict=True):
+            c.state = snapshot(state)
+        return layers
+
+    layers = at_prefix()
+    plain = [model(mx.array([[t]]), cache=layers)[0, -1] for t in ids[start:]]
+    mx.eval(plain)
+
+    def same(layers: list[LayerCache], at: int, n: int) -> bool:
+        rows = model(mx.array([ids[start + at : start + at + n]]), cache=layers)[0]
+        return all(mx.array_equal(rows[i], plain[at + i]).item() for i in range(n))
+
+    best = 1
+    for w in VERIFY_WIDTHS:
+        layers = at_prefix()
+        if not same(layers, 0, w):
+            continue
+        mark = Checkpoint(layers)
+        if not same(layers, w, w):
+            continue
+        kept = w // 2 + 1
+        mark.rewind(model, ids[start + w : start + w + kept], w - kept)
+        at = w + kept
+        if not (same(layers, at, 1) and same(layers, at + 1, 1) and same(layers, at + 2, w)):
+            continue
+        best = w
+    return best, _cost(model, at_prefix, best) if best > 1 else 1.0
+
+
+def _cost(model: Model, at_prefix: Callable[[], list[LayerCache]], width: int) -> float:
+    """The time of a `width`-row forward over a one-row forward's (the fastest of 3 each)."""
+
+    def fastest(n: int) -> float:
+        times = []
+        for _ in range(3):
+            layers = at_prefix()
+            mx.eval([c.state for c in layers])
+            t = time.perf_counter()
+            mx.eval(model(mx.array([[5] * n]), cache=layers))
+            times.append(time.perf_counter() - t)
+        return min(times)
+
+    return round(fastest(width) / max(fastest(1), 1e-9), 3)

@@ -22,6 +22,7 @@ import numpy as np
 from mlxcache.cache.base import Lease, NoCache, PrefixCache
 from mlxcache.decode import Forward, Leave, Share, decode
 from mlxcache.decode_batch import DecodeBatch
+from mlxcache.drafting import Drafting, Plan
 from mlxcache.encoder import Encoder, common_prefix
 from mlxcache.errors import GenerationError
 from mlxcache.events import Done, Event, Prefill, Result, Stats, Token
@@ -47,6 +48,9 @@ class Request:
     """Keep prompt + reply warm while the reply is generated (see the module's doc)."""
     logprobs: int | None = None
     """k: every Token carries its log-probability and the k most likely tokens' (`decode`)."""
+    draft: str | None = None
+    """Speculative decoding: "auto", "lookup", "model" or "off" (`drafting`); None: the
+    engine's setting. A drafted reply is the plain one, bit for bit."""
 
 
 @dataclass(slots=True)
@@ -77,6 +81,7 @@ class Lane:
     kind: LaneKind
     phase: Phase = Phase.RESTORING  # moved on by the scheduler (`Scheduler.advanced`)
     follow: Follow | None = None  # a follow lane's state
+    solo: bool = False  # a drafted request: its decode forwards are its own, never batched
 
     def has_work(self) -> bool:
         """False only for a follow lane waiting for its reply to complete a block."""
@@ -88,7 +93,7 @@ class Lane:
 class Work:
     """What a lane runs on, fixed when it is queued: the model, its cache, and what the
     device was measured to allow (`Engine.keep_replies`, `Engine.batch_decode`); `share`:
-    a sharded run's picks (`decode.Share`)."""
+    a sharded run's picks (`decode.Share`); `drafting`: how replies are drafted."""
 
     loaded: LoadedModel
     model: Model
@@ -97,6 +102,7 @@ class Work:
     keep_replies: bool
     batch_decode: bool
     share: Share | None
+    drafting: Drafting
 
 
 def step_of(got: Event | Step | None) -> Step:
@@ -163,7 +169,12 @@ def miss_reason(work: Work, n: int) -> str:
 
 
 def request_lane(
-    work: Work, rid: int, tokens: np.ndarray, req: Request, follow: Follow | None
+    work: Work,
+    rid: int,
+    tokens: np.ndarray,
+    req: Request,
+    follow: Follow | None,
+    plan: Plan | None = None,
 ) -> Generator[Event | Forward | Leave, Any, None]:
     n = int(tokens.size)
     stats = Stats(prompt_tokens=n)
@@ -189,6 +200,7 @@ def request_lane(
         stop = req.stop_tokens
         if stop is None:
             stop = frozenset(work.loaded.tokenizer.eos_token_ids)
+        stats.draft = "" if plan is None else plan.kind
         result = yield from decode(
             work.model,
             work.loaded.tokenizer,
@@ -205,9 +217,11 @@ def request_lane(
             start=start,
             out=None if follow is None else follow.reply,
             logprobs=req.logprobs,
-            batched=work.batch_decode,
+            batched=work.batch_decode and plan is None,
             share=work.share,
             to_end=work.keep_replies,
+            drafter=None if plan is None else work.drafting.drafter(plan),
+            draft=0 if plan is None else plan.k,
         )
         if work.keep_replies:
             ended = [] if result.stop_token is None else [result.stop_token]

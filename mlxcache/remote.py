@@ -240,11 +240,13 @@ class ChatRunner:
     """A chat's turns (`modes.chat.Runner`) as streamed chat completions on `server`, whose
     model is `model`: the content as it comes (a thinking section apart from the answer, as
     the server sends it), then `Done` with the request's own result from the usage. Leaving
-    early closes the connection, and the server cancels the request."""
+    early closes the connection, and the server cancels the request. `fields`: more of
+    each request's fields (e.g. its `draft`)."""
 
-    def __init__(self, server: Server, model: str) -> None:
+    def __init__(self, server: Server, model: str, fields: dict[str, Any] | None = None) -> None:
         self.server = server
         self.model = model
+        self.fields = fields or {}
 
     def reply(
         self, messages: list[dict[str, str]], params: SamplingParams, stop: tuple[str, ...]
@@ -252,6 +254,7 @@ class ChatRunner:
         body = {
             "model": self.model,
             **sampling_fields(params),  # now: a setting no request carries raises here
+            **self.fields,
             "stop": list(stop),
             "messages": messages,
             "stream_options": {"include_usage": True},

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
+
+from mlx_lm.models.cache import KVCache
 
 from mlxcache import distributed
 from mlxcache.cache.base import NoCache, PrefixCache
 from mlxcache.cache.layout import Layout
 from mlxcache.cache.store import PromptCache
-from mlxcache.config import CacheConfig
+from mlxcache.config import CacheConfig, DraftConfig
+from mlxcache.draft import same_vocabulary
+from mlxcache.drafting import Drafting, DraftModel
 from mlxcache.engine import Engine
-from mlxcache.errors import Setting, Worded
+from mlxcache.errors import Setting, UserInputError, Worded
 from mlxcache.invariance import probe
 from mlxcache.launch import launched_rank
 from mlxcache.model import LoadedModel, load
@@ -40,6 +45,7 @@ def open_engine(
     invariant: bool = False,
     split: str | None = None,
     on_rank_lost: Callable[[str | None], None] | None = None,
+    draft: DraftConfig | None = None,
 ) -> Engine:
     """Load `model` (default: the embedded SmolLM2) and attach the prompt cache
     `cache_config` describes.
@@ -62,9 +68,12 @@ def open_engine(
         on_rank_lost: in such a run, called when another rank's process ended before the
             run did; it must end this process (`distributed.Ranks.watch`). None: not
             watched (a rank may then wait forever for one that is gone).
+        draft: speculative decoding's settings (`DraftConfig`); default: never drafts.
 
     Raises:
         RankError: a process of the distributed run stopped or cannot be reached.
+        UserInputError: a draft model that cannot draft for `model` (another vocabulary,
+            layers other than plain KV, a sharded run).
     """
     config = cache_config or CacheConfig()
     args: dict[str, Any] = {"progress": progress, "on_warning": on_warning}
@@ -82,6 +91,9 @@ def open_engine(
     # that keeps nothing resumes nothing on every rank: nothing to agree on.
     if ranks is not None and not isinstance(prompts, NoCache):
         prompts = distributed.AgreedCache(prompts, ranks, loaded.model)
+    drafting = None
+    if draft is not None:
+        drafting = _drafting(loaded, config, draft, ranks is not None, args)
     return Engine(
         loaded,
         prompts,
@@ -90,7 +102,38 @@ def open_engine(
         batch_decode=allowed["batch"],
         on_warning=on_warning,
         ranks=ranks,
+        drafting=drafting,
     )
+
+
+def _drafting(
+    loaded: LoadedModel,
+    config: CacheConfig,
+    draft: DraftConfig,
+    sharded: bool,
+    args: dict[str, Any],
+) -> Drafting:
+    """The engine's drafting: the draft model loaded and checked, with its own prompt
+    cache (a quarter of the memory budget); probes recorded but in a sharded run."""
+    record = None if sharded else cache_dir(config.directory)
+    helper = None
+    if draft.model is not None and draft.mode != "off":
+        if sharded:
+            raise UserInputError("a draft model does not run sharded: use --draft lookup")
+        small = load(draft.model, cache_root=config.directory, **args)
+        if not same_vocabulary(small.tokenizer, loaded.tokenizer):
+            raise UserInputError(
+                f"draft model {small.name} does not share {loaded.name}'s vocabulary "
+                "token for token: it cannot draft for it"
+            )
+        if not all(type(c) is KVCache for c in new_layers(small.model)):
+            raise UserInputError(
+                f"draft model {small.name} has layers other than plain attention: "
+                "choose a plain transformer to draft with"
+            )
+        own = dataclasses.replace(config, mem_bytes=config.mem_bytes // 4)
+        helper = DraftModel(small, make_cache(small, own, args["on_warning"]))
+    return Drafting(loaded, draft, config.block_size, record, helper, args["on_warning"])
 
 
 def _load_shard(

@@ -25,12 +25,15 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.sample_utils import make_logits_processors
 from shapemodel import checkpointed, shaped
 from spy import Spy, spied
 
 from mlxcache.cache.base import NoCache, is_trimmable
 from mlxcache.cache.store import PromptCache
-from mlxcache.config import CacheConfig
+from mlxcache.config import CacheConfig, DraftConfig
+from mlxcache.draft import Drafter
+from mlxcache.drafting import Drafting, Plan
 from mlxcache.engine import Engine, Request
 from mlxcache.events import Done, Event, Result, Token
 from mlxcache.model import LoadedModel, load
@@ -789,3 +792,133 @@ def load_variant(source: str, is_shaped: bool, is_checkpointed: bool) -> Variant
     """A variant as a child process loads it."""
     plain = load(source)
     return Variant.of("child", plain, is_shaped, is_checkpointed)
+
+
+class Oracle:
+    """A drafter that knows the plain reply: it drafts it with every third token wrong, so
+    a drafted run accepts and rejects at every row of a round, whatever the sampling."""
+
+    def __init__(self, prompt_len: int, reply: list[int], vocab: int) -> None:
+        self.prompt_len, self.reply, self.vocab = prompt_len, reply, vocab
+        self.proposed = 0
+
+    def propose(self, tokens: np.ndarray, k: int) -> list[int]:
+        at = len(tokens) - self.prompt_len
+        drafts = [
+            (t + 1) % self.vocab if (at + j) % 3 == 2 else t
+            for j, t in enumerate(self.reply[at : at + k])
+        ]
+        self.proposed += len(drafts)
+        return drafts
+
+    def close(self) -> None:
+        return None
+
+
+class OracleDrafting(Drafting):
+    """Drafting as the engine decides it (the probe), with the oracle's drafts."""
+
+    def __init__(self, loaded: LoadedModel, directory: Path, oracle: Oracle) -> None:
+        super().__init__(loaded, DraftConfig(mode="lookup", tokens=4), B, directory)
+        self.oracle = oracle
+
+    def drafter(self, plan: Plan) -> Drafter:
+        return self.oracle
+
+
+def scored(events: Sequence[Event]) -> list[tuple[int, float | None, Any]]:
+    """A reply's tokens with their log-probabilities, as a drafted run must repeat them."""
+    return [(e.token, e.logprob, e.top_logprobs) for e in events if isinstance(e, Token)]
+
+
+def _grammar(loaded: LoadedModel) -> list[Any]:
+    from mlxcache.constrain import grammar_from_lark, processor_for
+
+    return [processor_for(loaded, grammar_from_lark(r"start: /[a-z]{2,6}( [a-z]{1,5}){1,9}\./"))]
+
+
+DRAFT_CASES: list[tuple[str, SamplingParams, Callable[[LoadedModel], list[Any]]]] = [
+    ("greedy", SamplingParams(max_tokens=12), lambda _l: []),
+    ("seeded", SamplingParams(max_tokens=12, temperature=0.8, top_k=40, seed=5), lambda _l: []),
+    (
+        "penalties",
+        SamplingParams(
+            max_tokens=12,
+            temperature=0.7,
+            seed=2,
+            repetition_penalty=1.3,
+            presence_penalty=0.4,
+            frequency_penalty=0.3,
+        ),
+        lambda _l: [],
+    ),
+    (
+        "bias",
+        SamplingParams(max_tokens=12, temperature=0.9, seed=7),
+        lambda _l: make_logits_processors(logit_bias={5: 4.0, 83: -3.0}),
+    ),
+    ("grammar", SamplingParams(max_tokens=12, temperature=0.6, seed=1), _grammar),
+]
+"""Sampling and processors a drafted reply must follow exactly (a grammar and penalties
+advance only over accepted tokens; each pick draws with plain decoding's key)."""
+
+
+def check_drafted(rig: Rig) -> None:
+    """A drafted reply is the plain one, bit for bit (tokens and log-probabilities), for
+    greedy and seeded sampling, penalties, a logit bias and a grammar, with drafts accepted
+    and rejected at every row of a round: where the verify probe passes. The shape-sensitive
+    model must fail the probe and decode plainly. A drafted reply's KV is kept as a plain
+    one's (the next turn resumes past it with the cold run's bits), and a drafted request
+    decodes beside batched plain ones, each equal to its solo run."""
+    engine, _spy = rig.engine()
+    assert isinstance(engine.cache, PromptCache)
+    allowed = measured(engine.loaded, engine.cache.config)
+    engine.batch_decode, engine.keep_replies = allowed["batch"], allowed["decode"]
+    cold = Engine(rig.variant.loaded, NoCache(rig.variant.loaded.model, B))
+    vocab = len(rig.variant.loaded.tokenizer)
+    width = Drafting(engine.loaded, DraftConfig(mode="lookup"), B, rig.dir).verify().width
+    if rig.variant.is_shaped:
+        assert width == 1, "the verify probe trusted a shape-sensitive model"
+    p = prompt(9, seed=31)
+
+    def drafted(
+        tokens: list[int], params: SamplingParams, procs: Callable[[LoadedModel], list[Any]]
+    ) -> list[Event]:
+        """The drafted run against the plain one (each with its own processors: a grammar's
+        state is its request's)."""
+        loaded = rig.variant.loaded
+        plain = list(cold.generate(Request(tokens, params, procs(loaded), logprobs=2)))
+        reply = [e.token for e in plain if isinstance(e, Token) and e.logprob is not None]
+        oracle = Oracle(len(tokens), reply, vocab)
+        engine.drafting = OracleDrafting(engine.loaded, rig.dir, oracle)
+        mine = Request(tokens, params, procs(loaded), logprobs=2, draft="lookup")
+        got = list(engine.generate(mine))
+        assert scored(got) == scored(plain), "a drafted reply differs from the plain one"
+        done = next(e for e in got if isinstance(e, Done)).result
+        if width > 1:
+            assert done.stats.accepted_tokens > 0, "no draft was accepted"
+            assert done.stats.drafted_tokens > done.stats.accepted_tokens, "none was rejected"
+        return got
+
+    for _name, params, procs in DRAFT_CASES:
+        drafted(p, params, procs)
+    # The next turn resumes past the drafted reply (its KV kept where replies are).
+    first = drafted(p, GREEDY, lambda _l: [])
+    reply = [e.token for e in first if isinstance(e, Token) and e.logprob is not None]
+    nxt = [*p, *reply, *prompt(5, seed=32)]
+    plain = scored(list(cold.generate(Request(nxt, GREEDY, logprobs=2))))
+    engine.drafting = Drafting.off(engine.loaded, B)
+    assert scored(list(engine.generate(Request(nxt, GREEDY, logprobs=2)))) == plain
+    # Beside batched plain requests.
+    others = [Request(prompt(6 + 3 * i, seed=40 + i), GREEDY, logprobs=2) for i in range(2)]
+    solo = [scored(list(cold.generate(r))) for r in others]
+    params = SamplingParams(max_tokens=12, temperature=0.8, seed=3)
+    mine = Request(prompt(8, seed=44), params, logprobs=2, draft="lookup")
+    alone = scored(list(cold.generate(mine)))
+    reply = [t for t, logprob, _ in alone if logprob is not None]
+    engine.drafting = OracleDrafting(engine.loaded, rig.dir, Oracle(8, reply, vocab))
+    ids = [engine.submit(r) for r in [*others, mine]]
+    seen: dict[int, list[Event]] = {}
+    for e in engine.run():
+        seen.setdefault(e.request_id, []).append(e)
+    assert [scored(seen[i]) for i in ids] == [*solo, alone], "a reply depends on its neighbours"

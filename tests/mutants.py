@@ -16,6 +16,7 @@ import numpy as np
 from mlx_lm.models.cache import KVCache
 
 import mlxcache.decode as decode_mod
+import mlxcache.draft as draft_mod
 import mlxcache.engine as engine_mod
 import mlxcache.invariance as invariance
 import mlxcache.lanes as lanes_mod
@@ -434,6 +435,76 @@ def reply_end_not_fed(patch: Patch) -> None:
     patch(lanes_mod, "decode", short)
 
 
+def accept_one_row_late(patch: Patch) -> None:
+    """The accept rule reads row i's pick against the draft before it: a first row whose
+    pick differs from its draft is accepted, its draft's KV kept and the next row read."""
+    patch(
+        decode_mod,
+        "accepts",
+        lambda t, drafts, i: i < len(drafts) and (i == 0 or t == drafts[i - 1]),
+    )
+
+
+def rejected_draft_kv_kept(patch: Patch) -> None:
+    """Rejected drafts' KV is not trimmed: the next verify attends to it."""
+    patch(draft_mod.Checkpoint, "rewind", lambda self, model, inputs, rejected: None)
+
+
+def state_not_restored(patch: Patch) -> None:
+    """A ring buffer's or recurrent state is not put back before the accepted tokens are
+    fed again: it has seen the rejected drafts (and the accepted tokens twice)."""
+    patch(draft_mod.Checkpoint, "restore", lambda self: None)
+
+
+def grammar_over_drafts(patch: Patch) -> None:
+    """The history the processors read runs ahead over the drafts (written into it as the
+    verify feeds them): a grammar consumes rejected tokens, penalties count them."""
+    drafted = decode_mod._drafted
+
+    def ahead(
+        model: Any, layers: Any, logits: Any, reply: Any, pick: Any, drafter: Any, *rest: Any
+    ) -> Generator[Token, Any, mx.array]:
+        class Ahead:
+            def propose(self, tokens: np.ndarray, k: int) -> list[int]:
+                drafts = drafter.propose(tokens, k)
+                at = reply.prompt + len(reply.out)
+                reply.host[at : at + len(drafts)] = drafts
+                reply.ahead = len(drafts)
+                return drafts
+
+            def close(self) -> None:
+                drafter.close()
+
+        reply.ahead = 0
+        reply.tokens = lambda: reply.host[: reply.prompt + len(reply.out) + reply.ahead]
+        return (yield from drafted(model, layers, logits, reply, pick, Ahead(), *rest))
+
+    patch(decode_mod, "_drafted", ahead)
+
+
+def pick_with_next_key(patch: Patch) -> None:
+    """A verify row's pick draws with the next position's key (a key is used up before
+    it, as when keys are split for every row of a round up front)."""
+    drafted = decode_mod._drafted
+
+    def next_key(
+        model: Any, layers: Any, logits: Any, reply: Any, pick: Any, *rest: Any
+    ) -> Generator[Token, Any, mx.array]:
+        calls = [0]
+
+        def late(row: mx.array) -> mx.array:
+            calls[0] += 1
+            if calls[0] > 1:  # a verify row (the first pick is the prompt's)
+                pick(row)  # this position's key, thrown away
+                if reply.logprobs is not None:
+                    reply.drawn_from.pop()
+            return pick(row)
+
+        return (yield from drafted(model, layers, logits, reply, late, *rest))
+
+    patch(decode_mod, "_drafted", next_key)
+
+
 MUTANTS: dict[str, Callable[[Patch], None]] = {
     f.__name__: f
     for f in (
@@ -462,5 +533,10 @@ MUTANTS: dict[str, Callable[[Patch], None]] = {
         batch_probe_trusted,
         resume_anywhere_unprobed,
         reply_end_not_fed,
+        accept_one_row_late,
+        rejected_draft_kv_kept,
+        state_not_restored,
+        grammar_over_drafts,
+        pick_with_next_key,
     )
 }

@@ -14,6 +14,7 @@ from guarantees import (
     check_bit_flip,
     check_cancelled_decode,
     check_chat,
+    check_drafted,
     check_follow,
     check_fork,
     check_kept_replies,
@@ -69,6 +70,11 @@ CAUGHT_BY: dict[str, list[tuple[str, str]]] = {
     "batch_probe_trusted": [("shaped", "batched")],
     "resume_anywhere_unprobed": [("shaped", "chat"), ("shaped", "fork")],
     "reply_end_not_fed": [("plain", "kept_replies"), ("plain", "batched")],
+    "accept_one_row_late": [("plain", "drafted"), ("recurrent", "drafted")],
+    "rejected_draft_kv_kept": [("plain", "drafted")],
+    "state_not_restored": [("recurrent", "drafted"), ("checkpointed", "drafted")],
+    "grammar_over_drafts": [("plain", "drafted")],
+    "pick_with_next_key": [("plain", "drafted"), ("recurrent", "drafted")],
 }
 
 
@@ -107,6 +113,7 @@ def test_mutant_is_caught(
         "two_block_sizes": check_two_block_sizes,
         "kept_replies": check_kept_replies,
         "batched": check_batched,
+        "drafted": check_drafted,
         "two_models": lambda rig: check_two_models(rig, other_variants[rig.variant.name]),
     }
     for i, (variant, check) in enumerate(CAUGHT_BY[mutant]):

@@ -3,7 +3,9 @@
 - cold: no prompt cache, one request at a time;
 - warm: one prompt cache for the whole suite, so later cases resume from earlier ones;
 - disk: a fresh process on the warm variant's cache directory (memory empty: disk tier);
-- lanes: two cases at a time, every step's requests submitted together.
+- lanes: two cases at a time, every step's requests submitted together;
+- drafted: as warm, every reply drafted by prompt lookup (speculative decoding), where the
+  device verifies exactly (`drafting`; elsewhere it decodes plainly, and says so).
 
 Each case is a coroutine that yields the requests of a step and receives their results,
 so the same case code serves the sequential and the concurrent schedules.
@@ -24,7 +26,8 @@ import mlx.core as mx
 
 from mlxcache import __version__, units
 from mlxcache.cache.store import PromptCache
-from mlxcache.config import CacheConfig, default_block_size
+from mlxcache.config import CacheConfig, DraftConfig, default_block_size
+from mlxcache.drafting import Drafting
 from mlxcache.engine import Engine, Request
 from mlxcache.errors import MlxcacheError
 from mlxcache.events import Result
@@ -142,7 +145,7 @@ class LocalRunner:
         return self._models[case.model]
 
     def _engines(
-        self, cached: bool, disk: bool
+        self, cached: bool, disk: bool, drafted: bool = False
     ) -> tuple[Callable[[Case], Engine], list[PromptCache]]:
         """An engine per model, made on first use, and the caches they were given."""
         engines: dict[str | None, Engine] = {}
@@ -160,7 +163,11 @@ class LocalRunner:
                 cache = make_cache(loaded, config)
                 if isinstance(cache, PromptCache):
                     caches.append(cache)
-                engines[case.model] = Engine(loaded, cache)
+                drafting = None
+                if drafted:
+                    lookup = DraftConfig(mode="lookup")
+                    drafting = Drafting(loaded, lookup, self.block_size, self.work_dir)
+                engines[case.model] = Engine(loaded, cache, drafting=drafting)
             return engines[case.model]
 
         return engine_for, caches
@@ -178,7 +185,9 @@ class LocalRunner:
     def _run(self, variant: str, progress: Progress) -> dict[str, list[Output]]:
         if variant == "disk":
             return self._run_child(progress)
-        engine_for, caches = self._engines(cached=variant != "cold", disk=variant == "warm")
+        engine_for, caches = self._engines(
+            cached=variant != "cold", disk=variant == "warm", drafted=variant == "drafted"
+        )
         schedule = run_concurrent if variant == "lanes" else run_sequential
         outputs = schedule(engine_for, self.suite.cases, progress)
         reports = [c.report() for c in caches]

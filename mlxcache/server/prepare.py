@@ -384,13 +384,18 @@ def _adjusted(
     before the grammar's mask, which has the last word) and, when asked, its
     log-probabilities. Fields checked first, before any template or grammar work."""
     refuse_unsupported(body)
+    if body.draft == "model" and engine.drafting.draft_model is None:
+        why = "draft: 'model' needs a server started with --draft-model"
+        raise APIError(400, why, param="draft", code="invalid_value")
     tokenizer = engine.loaded.tokenizer
     with tokenizing:
         size = len(tokenizer)
     bias = make_logits_processors(logit_bias=_logit_bias(body.logit_bias or {}, size))
     plan = plan_of(engine, body, defaults, tokenizing)
     request = plan.request
-    plan.request = replace(request, processors=[*bias, *request.processors], logprobs=logprobs)
+    plan.request = replace(
+        request, processors=[*bias, *request.processors], logprobs=logprobs, draft=body.draft
+    )
     if logprobs is not None:
         with tokenizing:  # built once per model (a plain tokenizer decodes every id)
             plan.vocab = token_bytes(tokenizer)

@@ -116,6 +116,8 @@ class SamplingFields(_Body):
     repetition_penalty: float | None = Field(default=None, gt=0)
     stop: str | list[str] | None = None
     n: int = Field(default=1, ge=1)
+    # Ours: speculative decoding for this request (the reply is the plain one either way).
+    draft: Literal["auto", "lookup", "model", "off"] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
 

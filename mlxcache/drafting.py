@@ -1,0 +1,137 @@
+"""Whether and how a request's reply is drafted: the engine's speculative decoding policy.
+
+A request asks for a drafter (`Request.draft`, else the engine's `DraftConfig.mode`); it
+gets one only where drafting keeps the reply plain decoding's, bit for bit: the verify
+probe (`invariance.verify_probe`) found a forward width whose rows are one-row decode
+steps on this device, for this model. Elsewhere drafting is off (said once), unless
+`inexact` was asked for (said once too: replies may then differ from plain decoding).
+"auto" drafts only where verify is also cheap: on MLX's CPU backend a forward costs the
+same per token whatever its width (`mlxcache bench spec` measures it), so there it is off
+without a probe.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+
+from mlxcache.cache.base import PrefixCache
+from mlxcache.config import DRAFTS, DraftConfig
+from mlxcache.draft import Drafter, Lookup, ModelDrafter
+from mlxcache.errors import UserInputError
+from mlxcache.invariance import Verify, verify_probe
+from mlxcache.model import LoadedModel
+
+PAYS_OFF = 0.5
+"""auto: draft where a verify forward of w rows costs at most this much of w one-row steps."""
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """A request's drafting: the drafter's kind ("lookup" or "model") and k, the most tokens
+    it drafts per verify forward."""
+
+    kind: str
+    k: int
+
+
+@dataclass(frozen=True, slots=True)
+class DraftModel:
+    """A draft model and its own prompt cache (the model's key is its namespace)."""
+
+    loaded: LoadedModel
+    cache: PrefixCache
+
+
+class Drafting:
+    """The engine's drafting settings, with what the probe measured (once, when first asked).
+
+    Args:
+        loaded: the target model.
+        config: the settings (`DraftConfig`).
+        block_size: the engine's prefill chunk (the probe prefills its prefix with it).
+        record: where probe answers are recorded; None: measured at each start (a sharded
+            run: every rank must make the probe's forwards).
+        draft_model: the draft model, when `config.model` names one.
+        on_warning: told once when drafting asked for is off, or runs inexact.
+    """
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        config: DraftConfig,
+        block_size: int,
+        record: Path | None,
+        draft_model: DraftModel | None = None,
+        on_warning: Callable[[str], None] | None = None,
+    ) -> None:
+        self.loaded = loaded
+        self.config = config
+        self.block_size = block_size
+        self.record = record
+        self.draft_model = draft_model
+        self._warn = on_warning or (lambda _msg: None)
+        self._said: set[str] = set()
+        self._verify: Verify | None = None
+
+    @classmethod
+    def off(cls, loaded: LoadedModel, block_size: int) -> Drafting:
+        """Never drafts (an engine built without drafting settings)."""
+        return cls(loaded, DraftConfig(mode="off"), block_size, None)
+
+    def verify(self) -> Verify:
+        """What the probe found for the target model on this device (measured once)."""
+        if self._verify is None:
+            self._verify = verify_probe(self.loaded, self.block_size, self.record)
+        return self._verify
+
+    def plan(self, mode: str | None = None) -> Plan | None:
+        """How a request asking for `mode` (None: the engine's) is drafted; None: plain.
+
+        Raises:
+            UserInputError: an unknown mode, or "model" without a draft model.
+        """
+        mode = self.config.mode if mode is None else mode
+        if mode not in DRAFTS:
+            raise UserInputError(f"draft must be one of {', '.join(DRAFTS)}, got {mode!r}")
+        if mode == "model" and self.draft_model is None:
+            raise UserInputError("draft 'model' needs a draft model (serve --draft-model)")
+        if mode == "off":
+            return None
+        kind = "model" if mode == "model" or self.draft_model is not None else "lookup"
+        k = self.config.tokens
+        if mode == "auto":
+            if mx.default_device() == mx.cpu:  # a verify row costs a decode step here
+                return None
+            found = self.verify()
+            if found.width < 2 or found.cost > PAYS_OFF * found.width:
+                return None
+            return Plan(kind, min(k, found.width - 1))
+        found = self.verify()
+        if found.width >= 2:
+            return Plan(kind, min(k, found.width - 1))
+        if self.config.inexact:
+            self._once(
+                "drafting inexact: this device's verify forwards are not bitwise decode steps "
+                "for this model, so drafted replies may differ from plain decoding"
+            )
+            return Plan(kind, k)
+        self._once(
+            "drafting off: this device's verify forwards are not bitwise decode steps for "
+            "this model (--draft-inexact drafts anyway; replies may then differ)"
+        )
+        return None
+
+    def drafter(self, plan: Plan) -> Drafter:
+        """A new drafter for one reply."""
+        if plan.kind == "model" and self.draft_model is not None:
+            return ModelDrafter(self.draft_model.loaded.model, self.draft_model.cache)
+        return Lookup(self.config.ngram)
+
+    def _once(self, message: str) -> None:
+        if message not in self._said:
+            self._said.add(message)
+            self._warn(message)

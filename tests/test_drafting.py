@@ -1,0 +1,241 @@
+"""Speculative decoding: drafted == plain, bit for bit, wherever the verify probe allows;
+drafting off (said once) where it does not; the drafters; the options and their errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from guarantees import Rig, Variant, check_drafted, prompt, scored
+from typer.testing import CliRunner
+
+from mlxcache.bench.families import FAMILIES, build
+from mlxcache.config import CacheConfig, DraftConfig, SamplingParams
+from mlxcache.draft import Lookup
+from mlxcache.drafting import Drafting
+from mlxcache.engine import Engine, Request
+from mlxcache.errors import SettingError, UserInputError
+from mlxcache.events import Done
+from mlxcache.invariance import PROBES
+from mlxcache.model import LoadedModel, load
+from mlxcache.runtime import open_engine
+from mlxcache_cli.main import app
+
+runner = CliRunner()
+B = 4
+
+
+@pytest.mark.parametrize("name", ["plain", "shaped", "sliding", "recurrent", "checkpointed"])
+def test_drafted_is_plain(name: str, variants: dict[str, Variant], tmp_path: Path) -> None:
+    check_drafted(Rig(variants[name], tmp_path))
+
+
+# -- the lookup drafter ---------------------------------------------------------------------
+
+
+def ids(*tokens: int) -> np.ndarray:
+    return np.asarray(tokens, dtype=np.int32)
+
+
+def test_lookup_drafts_what_followed_the_longest_latest_ngram() -> None:
+    lookup = Lookup(ngram=3)
+    # "1 2 3" occurred before, followed by 4 5 6; "2 3" later, followed by 9.
+    assert lookup.propose(ids(1, 2, 3, 4, 5, 6, 7, 2, 3, 9, 8, 1, 2, 3), 3) == [4, 5, 6]
+    assert lookup.propose(ids(1, 2, 3, 4, 5, 6, 7, 2, 3, 9, 8, 1, 2, 3), 1) == [4]
+    # Only "3" matches (the latest of its occurrences): a shorter n-gram.
+    assert lookup.propose(ids(3, 7, 5, 3, 8, 9, 3), 2) == [8, 9]
+    assert lookup.propose(ids(1, 2, 3, 4), 3) == []  # the last token never occurred before
+    assert lookup.propose(ids(5), 3) == [] and lookup.propose(ids(1, 1), 0) == []
+
+
+def test_lookup_copies_a_run_through_its_own_end() -> None:
+    """A copy that reaches the end of what is known repeats it (as LZ77 copies do)."""
+    assert Lookup(ngram=2).propose(ids(9, 4, 4, 4), 5) == [4, 4, 4, 4, 4]
+    assert Lookup(ngram=2).propose(ids(1, 2, 1, 2), 5) == [1, 2, 1, 2, 1]
+
+
+# -- the policy ---------------------------------------------------------------------------
+
+
+def test_auto_is_off_on_the_cpu_without_a_probe(tiny: LoadedModel, tmp_path: Path) -> None:
+    drafting = Drafting(tiny, DraftConfig(), B, tmp_path)
+    assert mx.default_device() == mx.cpu
+    assert drafting.plan() is None and drafting.plan("auto") is None
+    assert not (tmp_path / PROBES).exists()  # no probe ran
+    assert drafting.plan("off") is None
+    with pytest.raises(UserInputError, match="needs a draft model"):
+        drafting.plan("model")
+    with pytest.raises(UserInputError, match="draft must be one of"):
+        drafting.plan("sometimes")
+
+
+def test_lookup_plans_the_probed_width_and_records_it(tiny: LoadedModel, tmp_path: Path) -> None:
+    plan = Drafting(tiny, DraftConfig(mode="lookup", tokens=6), B, tmp_path).plan()
+    assert plan is not None and (plan.kind, plan.k) == ("lookup", 6)
+    record = json.loads((tmp_path / PROBES).read_text())
+    (found,) = record.values()
+    assert found["verify"] == 9 and found["verify_cost"] > 0
+    # Read back from the record: no forward is made.
+    again = Drafting(tiny, DraftConfig(mode="lookup"), B, tmp_path)
+    found["verify"] = 3
+    (tmp_path / PROBES).write_text(json.dumps({next(iter(record)): found}))
+    assert again.plan() == type(plan)("lookup", 2)
+
+
+def test_a_refused_model_decodes_plainly_and_says_so_once(
+    variants: dict[str, Variant], tmp_path: Path
+) -> None:
+    shaped = variants["shaped"].loaded
+    said: list[str] = []
+    drafting = Drafting(shaped, DraftConfig(mode="lookup"), B, tmp_path, on_warning=said.append)
+    assert drafting.plan() is None and drafting.plan("lookup") is None
+    assert len(said) == 1 and said[0].startswith("drafting off:")
+    assert "--draft-inexact" in said[0]
+
+
+def test_inexact_drafting_differs_on_the_shape_sensitive_model(
+    variants: dict[str, Variant], tmp_path: Path
+) -> None:
+    """Where the probe refuses drafting, --draft-inexact drafts anyway and the reply then
+    differs from plain decoding: the exactness checks can fail."""
+    shaped = variants["shaped"].loaded
+    said: list[str] = []
+    config = DraftConfig(mode="lookup", inexact=True)
+    drafting = Drafting(shaped, config, B, tmp_path, on_warning=said.append)
+    tokens = [*prompt(8, seed=1)] * 3  # lookup finds the prompt's repeats
+    request = Request(tokens, SamplingParams(max_tokens=16), logprobs=1)
+    plain = scored(list(Engine(shaped, block_size=B).generate(request)))
+    inexact = Engine(shaped, block_size=B, drafting=drafting)
+    got = list(inexact.generate(request))
+    assert said and said[0].startswith("drafting inexact:")
+    done = next(e for e in got if isinstance(e, Done)).result
+    assert done.stats.draft == "lookup" and done.stats.verify_forwards > 0
+    assert scored(got) != plain
+
+
+# -- every family -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def families(tiny: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("draft-families")
+    return {name: load(str(build(root / name, tiny.path, c))) for name, c in FAMILIES.items()}
+
+
+EXACT_FAMILIES = {"qwen3", "qwen3_moe", "qwen3_next", "lfm2"}
+"""The families whose verify forwards this CPU computes as decode steps (measured here:
+MLA's multi-row path is another computation than its one-row one, a sliding window's ring
+buffer is laid out otherwise after a multi-row write, Mamba 2's scan differs by length)."""
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_family_drafts_exactly_or_not_at_all(
+    family: str, families: dict[str, LoadedModel], tmp_path: Path
+) -> None:
+    loaded = families[family]
+    drafting = Drafting(loaded, DraftConfig(mode="lookup"), B, tmp_path)
+    plan = drafting.plan()
+    assert (plan is not None) == (family in EXACT_FAMILIES), drafting.verify()
+    tokens = prompt(10, seed=2) * 2
+    for params in (SamplingParams(max_tokens=20), SamplingParams(max_tokens=20, temperature=1.0)):
+        request = Request(tokens, params, logprobs=2)
+        plain = scored(list(Engine(loaded, block_size=B).generate(request)))
+        cache = CacheConfig(block_size=B, directory=tmp_path, disk_bytes=0)
+        engine = Engine(loaded, _cache(loaded, cache), drafting=drafting)
+        for _ in range(2):  # cold, then resumed from the cache
+            assert scored(list(engine.generate(request))) == plain
+
+
+def _cache(loaded: LoadedModel, config: CacheConfig) -> Any:
+    from mlxcache.runtime import make_cache
+
+    return make_cache(loaded, config)
+
+
+# -- a draft model ------------------------------------------------------------------------
+
+
+def test_a_draft_model_drafts_exactly_and_resumes_its_own_prompt(
+    tiny_gguf: Path, families: dict[str, LoadedModel], tmp_path: Path
+) -> None:
+    """A draft model of the same vocabulary (another family, other weights) drafts; the
+    reply is the plain one; its own prompt resumes from the prompt cache next turn."""
+    helper = str(families["qwen3"].path)
+    config = CacheConfig(block_size=B, directory=tmp_path)
+    draft = DraftConfig(mode="model", model=helper)
+    engine = open_engine(str(tiny_gguf), config, draft=draft)
+    assert engine.drafting.draft_model is not None
+    tokens = prompt(12, seed=5) * 2
+    plain = scored(list(open_engine(str(tiny_gguf), config).generate(Request(tokens, logprobs=1))))
+    got = list(engine.generate(Request(tokens, logprobs=1)))
+    assert scored(got) == plain
+    stats = next(e for e in got if isinstance(e, Done)).result.stats
+    assert stats.draft == "model" and stats.drafted_tokens > 0
+    # The draft model kept its prompt's full blocks (its own namespace): a next turn's
+    # drafts resume from them.
+    small = engine.drafting.draft_model.cache
+    seen = np.asarray([*tokens, *(t for t, _, _ in plain)], dtype=np.int32)
+    assert small.cached_length(seen) == len(tokens) // B * B
+    assert engine.cache.cached_length(seen) == len(tokens) // B * B  # the target's own
+
+
+def test_a_draft_model_must_share_the_vocabulary(
+    tiny_gguf: Path, tiny: LoadedModel, tmp_path: Path
+) -> None:
+    other = build(tmp_path / "other", tiny.path, FAMILIES["qwen3"], vocab_size=300)
+    (other / "tokenizer.json").write_text(
+        (other / "tokenizer.json").read_text().replace('"<|im_end|>"', '"<|im_stop|>"')
+    )
+    config = CacheConfig(block_size=B, directory=tmp_path)
+    with pytest.raises(UserInputError, match="vocabulary"):
+        open_engine(str(tiny_gguf), config, draft=DraftConfig(mode="model", model=str(other)))
+    recurrent = build(tmp_path / "lfm2", tiny.path, FAMILIES["lfm2"])
+    with pytest.raises(UserInputError, match="plain transformer"):
+        open_engine(str(tiny_gguf), config, draft=DraftConfig(model=str(recurrent)))
+
+
+def test_draft_settings_are_checked() -> None:
+    for bad in ({"mode": "always"}, {"tokens": 0}, {"tokens": 9}, {"ngram": 0}, {"mode": "model"}):
+        with pytest.raises(SettingError):
+            DraftConfig(**bad)
+
+
+# -- the CLI ------------------------------------------------------------------------------
+
+
+def _generate(tiny_gguf: Path, *extra: str) -> Any:
+    args = ["generate", "--raw", "ab ab ab ab ab", "-m", str(tiny_gguf), "-n", "10"]
+    return runner.invoke(app, [*args, "--block-size", "4", "--json", *extra])
+
+
+def test_generate_drafted_prints_the_plain_reply(cache_root: Path, tiny_gguf: Path) -> None:
+    plain = _generate(tiny_gguf, "--draft", "off")
+    drafted = _generate(tiny_gguf, "--draft", "lookup", "--draft-tokens", "3")
+    assert plain.exit_code == 0 and drafted.exit_code == 0, drafted.stderr
+    a, b = json.loads(plain.stdout), json.loads(drafted.stdout)
+    assert (a["text"], a["tokens"]) == (b["text"], b["tokens"])
+    assert a["stats"]["draft"] == "" and b["stats"]["draft"] == "lookup"
+    assert b["stats"]["verify_forwards"] < len(b["tokens"])
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--draft", "sometimes"], "--draft must be one of auto, lookup, model, off"),
+        (["--draft-tokens", "0"], "--draft-tokens must be in 1..8, got 0"),
+        (["--draft-ngram", "0"], "--draft-ngram must be >= 1, got 0"),
+        (["--draft", "model"], "--draft model needs a draft model (--draft-model)"),
+        (["--draft-model", "/nowhere/model.gguf"], "/nowhere/model.gguf"),
+    ],
+)
+def test_bad_draft_options_are_one_line(
+    cache_root: Path, tiny_gguf: Path, extra: list[str], message: str
+) -> None:
+    result = _generate(tiny_gguf, *extra)
+    assert result.exit_code != 0 and "Traceback" not in result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], result.stderr
