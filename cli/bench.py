@@ -330,3 +330,47 @@ def distributed(
     block_size = 16 if block_size is None else block_size
     o.positive(ranks=min(sizes), block_size=block_size, tokens=tokens)
     _report(distributed_bench.run(model, sizes, block_size, tokens))
+
+
+def spec(
+    model: o.Model = None,
+    draft_model: Annotated[
+        str | None,
+        typer.Option(
+            "--draft-model",
+            metavar="MODEL",
+            help="The draft model to compare (default: the model itself, which measures the "
+            "mechanics only).",
+        ),
+    ] = None,
+    lines: Annotated[
+        int, typer.Option("--lines", help="Lines of the code file to rewrite.", metavar="N")
+    ] = 60,
+    tokens: Annotated[
+        int, typer.Option("--tokens", help="Most tokens per reply.", metavar="N")
+    ] = 160,
+    draft_tokens: Annotated[
+        int, typer.Option("--draft-tokens", help="Tokens drafted per verify.", metavar="K")
+    ] = 4,
+    suite: Annotated[
+        Path | None,
+        typer.Option(
+            "--suite",
+            metavar="FILE",
+            help="A regress suite to run as a workload (default: examples/smoke.yaml, if here).",
+        ),
+    ] = None,
+    rounds: Rounds = 2,
+    cache_dir: o.CacheDir = None,
+) -> None:
+    """Speculative decoding (lookup, a draft model, auto) against plain decoding, per workload:
+    forwards per token, acceptance, decode time, mlx_lm with the same draft model, bytes."""
+    from mlxcache.bench import spec_bench
+
+    o.positive(lines=lines, tokens=tokens, draft_tokens=draft_tokens, rounds=rounds)
+    rows = list(
+        spec_bench.run(model, draft_model, lines, tokens, draft_tokens, suite, cache_dir, rounds)
+    )
+    for row in rows[:-1]:
+        ui.out_json(row)
+    _report(rows[-1])

@@ -199,6 +199,7 @@ command(bench.serve, app=bench_app, examples="mlxcache bench serve --turns 2 --t
 command(bench.reuse, app=bench_app, examples="mlxcache bench reuse --block-size 16")
 command(bench.startup, app=bench_app, examples="mlxcache bench startup --rounds 5")
 command(bench.distributed, app=bench_app, examples="mlxcache bench distributed --ranks 1,3")
+command(bench.spec, app=bench_app, examples="mlxcache bench spec --lines 30 --tokens 80")
 app.add_typer(bench_app, name="bench")
 
 models_app = typer.Typer(help="Converted models and what a model spec loads.", no_args_is_help=True)

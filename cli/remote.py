@@ -57,6 +57,7 @@ def connect_card(url: str, run: RunOptions) -> tuple[Server, dict[str, Any]]:
         cache = run.cache()
         return [Wanted(run.model or default_spec(), cache.block_size, cache.enabled)]
 
+    draft_field(run)  # refused before connecting, as every other option
     return checked(url, wanted)
 
 
@@ -303,5 +304,4 @@ def chat_server(url: str, run: RunOptions, sampling: SamplingParams) -> ChatServ
     from mlxcache.remote import sampling_fields
 
     sampling_fields(sampling)  # refused before connecting, as every other option
-    draft = draft_field(run)
-    return ChatServer(*connect_card(url, run), draft)
+    return ChatServer(*connect_card(url, run), draft_field(run))

@@ -42,7 +42,9 @@ class Drafter(Protocol):
 
 class Lookup:
     """Prompt lookup: the `k` tokens that followed the latest earlier occurrence of the
-    last n tokens of prompt + reply, for the longest n up to `ngram` that occurred."""
+    last n tokens of prompt + reply, for the longest n up to `ngram` that occurred (and at
+    least 2, when `ngram` allows it: a lone token's last occurrence predicts little, and a
+    draft that is rejected costs a verify row)."""
 
     def __init__(self, ngram: int) -> None:
         self.ngram = ngram
@@ -50,7 +52,7 @@ class Lookup:
     def propose(self, tokens: np.ndarray, k: int) -> list[int]:
         if k < 1:
             return []
-        for n in range(min(self.ngram, len(tokens) - 1), 0, -1):
+        for n in range(min(self.ngram, len(tokens) - 1), min(self.ngram, 2) - 1, -1):
             # Windows over tokens[:-1]: the last n-gram itself is not an earlier occurrence.
             windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)
             hits = np.flatnonzero((windows == tokens[-n:]).all(axis=1))

@@ -73,10 +73,13 @@ def open_engine(
     Raises:
         RankError: a process of the distributed run stopped or cannot be reached.
         UserInputError: a draft model that cannot draft for `model` (another vocabulary,
-            layers other than plain KV, a sharded run).
+            layers other than plain KV, a run under mlx.launch).
     """
     config = cache_config or CacheConfig()
     args: dict[str, Any] = {"progress": progress, "on_warning": on_warning}
+    helper = draft is not None and draft.model is not None and draft.mode != "off"
+    if helper and launched_rank() is not None:  # before any rank waits for another
+        raise UserInputError("a draft model does not run under mlx.launch: use --draft lookup")
     if launched_rank() is None:
         if split is not None and on_warning is not None:
             on_warning(
@@ -118,8 +121,6 @@ def _drafting(
     record = None if sharded else cache_dir(config.directory)
     helper = None
     if draft.model is not None and draft.mode != "off":
-        if sharded:
-            raise UserInputError("a draft model does not run sharded: use --draft lookup")
         small = load(draft.model, cache_root=config.directory, **args)
         if not same_vocabulary(small.tokenizer, loaded.tokenizer):
             raise UserInputError(

@@ -63,3 +63,25 @@ def test_chunks_bench(cache_root: Path, tiny_gguf: Path) -> None:
     assert set(result["tps"]) == {"8", "16", "32"} and result["suggested_block_size"] in (16, 32)
     assert chunks_bench.suggest({8: 100.0, 16: 95.0, 32: 100.0, 64: 80.0}) == 16
     assert chunks_bench.suggest({8: 100.0, 16: 50.0, 32: 89.0, 64: 91.0}) == 64
+
+
+def test_spec_bench(cache_root: Path, wide_gguf: Path, tmp_path: Path) -> None:
+    from mlxcache.bench import spec_bench
+
+    suite = Path(__file__).parent.parent / "examples" / "smoke.yaml"
+    rows = list(
+        spec_bench.run(str(wide_gguf), None, 8, 12, 3, suite, tmp_path / "c", rounds=1)
+    )
+    assert [r.get("workload") for r in rows] == ["code", "json", "chat", "regress", None]
+    for row in rows[:-1]:
+        assert all(row[d]["same_bytes"] for d in ("plain", "lookup", "model", "auto")), row
+        assert row["plain"]["acceptance"] is None and row["model"]["acceptance"] > 0
+    assert rows[0]["lookup"]["forwards_per_token"] < rows[0]["plain"]["forwards_per_token"]
+    summary = rows[-1]
+    assert summary["probe_width"] == 9 and summary["goals"]["same_bytes"] is True
+    assert set(summary["goals"]) == {
+        "lookup_forwards_code",
+        "lookup_forwards_json",
+        "same_bytes",
+        "auto_not_slower",
+    }

@@ -135,6 +135,24 @@ def test_tensor_two_ranks_resume_exactly_and_apart_from_one_process(
     assert models == [name, f"{name} (tensor2-rank0)", f"{name} (tensor2-rank1)"]
 
 
+def test_two_ranks_draft_by_lookup_and_reply_as_plain(
+    tiny: LoadedModel, tmp_path: Path, ranks: Ranks
+) -> None:
+    """Every rank drafts the same (lookup over the shared picks) and verifies together; the
+    reply is the plain one. A draft model does not run under mlx.launch: one error line."""
+    prompt = "ab ab ab ab ab ab ab"
+    args = _generate_args(tiny.path, prompt, "--no-cache", "--max-tokens", "12")
+    plain = run(ranks, 2, [*args, "--draft", "off"])
+    drafted = run(ranks, 2, [*args, "--draft", "lookup"])
+    assert drafted["tokens"] == plain["tokens"] and drafted["text"] == plain["text"]
+    assert drafted["stats"]["draft"] == "lookup" and drafted["stats"]["verify_forwards"] > 0
+    refused = finish(ranks(2, [*args, "--draft-model", str(tiny.path)]))
+    assert [code for code, _, _ in refused] == [2, 2]
+    assert (
+        refused[0][2] == "error: a draft model does not run under mlx.launch: use --draft lookup\n"
+    )
+
+
 def _alone(args: list[str]) -> dict[str, Any]:
     """The JSON reply of one process (no launcher)."""
     done = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=TIMEOUT)

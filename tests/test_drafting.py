@@ -3,6 +3,7 @@ drafting off (said once) where it does not; the drafters; the options and their 
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 from typing import Any
@@ -46,8 +47,11 @@ def test_lookup_drafts_what_followed_the_longest_latest_ngram() -> None:
     # "1 2 3" occurred before, followed by 4 5 6; "2 3" later, followed by 9.
     assert lookup.propose(ids(1, 2, 3, 4, 5, 6, 7, 2, 3, 9, 8, 1, 2, 3), 3) == [4, 5, 6]
     assert lookup.propose(ids(1, 2, 3, 4, 5, 6, 7, 2, 3, 9, 8, 1, 2, 3), 1) == [4]
-    # Only "3" matches (the latest of its occurrences): a shorter n-gram.
-    assert lookup.propose(ids(3, 7, 5, 3, 8, 9, 3), 2) == [8, 9]
+    # "4 2 3" never occurred: "2 3" did (its latest occurrence counts).
+    assert lookup.propose(ids(2, 3, 7, 2, 3, 8, 9, 4, 2, 3), 2) == [8, 9]
+    # A lone token matches only where n = 1 is the longest asked for.
+    assert lookup.propose(ids(3, 7, 5, 4, 3), 2) == []
+    assert Lookup(ngram=1).propose(ids(3, 7, 5, 4, 3), 2) == [7, 5]
     assert lookup.propose(ids(1, 2, 3, 4), 3) == []  # the last token never occurred before
     assert lookup.propose(ids(5), 3) == [] and lookup.propose(ids(1, 1), 0) == []
 
@@ -239,3 +243,72 @@ def test_bad_draft_options_are_one_line(
     assert result.exit_code != 0 and "Traceback" not in result.output
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], result.stderr
+
+
+# -- serve --------------------------------------------------------------------------------
+
+
+def test_serve_takes_a_draft_field_and_replies_as_without(tiny: LoadedModel) -> None:
+    from asgi import call
+
+    from mlxcache.server.app import Settings, create_app
+    from mlxcache.server.log import RequestLog
+    from mlxcache.worker import EngineWorker
+
+    engine = Engine(tiny, block_size=B, warm_ahead=False)
+    with EngineWorker(engine) as worker:
+        app = create_app(engine, worker, Settings(tiny.name), RequestLog(stream=io.StringIO()))
+        body = {
+            "model": tiny.name,
+            "messages": [{"role": "user", "content": "ab ab ab ab"}],
+            "max_tokens": 12,
+            "temperature": 0.8,
+            "seed": 1,
+            "mlxcache_usage": True,
+        }
+        plain = call(app, "POST", "/v1/chat/completions", body).json()
+        drafted = call(app, "POST", "/v1/chat/completions", {**body, "draft": "lookup"}).json()
+        assert drafted["choices"] == plain["choices"]
+        stats = drafted["usage"]["mlxcache"]["stats"]
+        assert stats["draft"] == "lookup" and stats["verify_forwards"] > 0
+        assert plain["usage"]["mlxcache"]["stats"]["draft"] == ""  # the server's: off
+        refused = call(app, "POST", "/v1/chat/completions", {**body, "draft": "model"})
+        assert refused.status == 400 and refused.json()["error"]["param"] == "draft"
+        assert "--draft-model" in refused.json()["error"]["message"]
+        bad = call(app, "POST", "/v1/chat/completions", {**body, "draft": "always"})
+        assert bad.status == 400 and bad.json()["error"]["param"] == "draft"
+
+
+def test_json_batch_drafted_writes_the_plain_records(
+    cache_root: Path, tiny_gguf: Path, tmp_path: Path
+) -> None:
+    lines = [{"prompt": p} for p in ("ab ab ab", "cd cd", "ab ab ab cd")]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    schema = '{"type": "object", "properties": {"w": {"type": "string", "maxLength": 12}}}'
+
+    def batch(out: str, *extra: str) -> tuple[int, list[dict[str, Any]]]:
+        args = ["json", "--schema", schema, "-m", str(tiny_gguf), "-n", "24", "--temp", "0.9"]
+        args += ["--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / out)]
+        result = runner.invoke(app, [*args, "--lanes", "2", "--block-size", "4", *extra])
+        records = [json.loads(x) for x in (tmp_path / out).read_text().splitlines()]
+        kept = [{k: v for k, v in r.items() if k not in ("stats", "run")} for r in records]
+        return result.exit_code, kept
+
+    drafted = batch("drafted.jsonl", "--draft", "lookup")
+    assert drafted == batch("plain.jsonl", "--draft", "off")
+    assert len(drafted[1]) == 3 and any(r["output"] for r in drafted[1])
+    stats = [json.loads(x)["stats"] for x in (tmp_path / "drafted.jsonl").read_text().splitlines()]
+    assert {s["draft"] for s in stats} == {"lookup"} and sum(s["verify_forwards"] for s in stats)
+
+
+def test_chat_drafted_replies_as_plain_retry_included(cache_root: Path, tiny_gguf: Path) -> None:
+    turns = "ab ab ab\n/retry\ncd cd cd cd\n"
+
+    def chat(tmp: Path, *extra: str) -> str:
+        args = ["chat", "-m", str(tiny_gguf), "--cache-dir", str(tmp), "--cache-disk", "0"]
+        result = runner.invoke(app, [*args, "-n", "10", "-t", "0.7", *extra], input=turns)
+        assert result.exit_code == 0, result.stderr
+        return result.stdout
+
+    plain = chat(cache_root / "chat-plain", "--draft", "off")
+    assert chat(cache_root / "chat-drafted", "--draft", "lookup") == plain

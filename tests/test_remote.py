@@ -76,6 +76,9 @@ def stats_line(stderr: bytes) -> str:
         ["generate", "-n", "12", "-t", "0.8", "--seed", "3", "--top-k", "20", "hi"],
         ["json", "-n", "40", "--schema", json.dumps(SCHEMA), "Paris?"],
         ["json", "-n", "4", "--schema", json.dumps(SCHEMA), "Paris?"],  # cut off: exit 1
+        # Drafted: the request carries --draft; the reply is the plain one either way.
+        ["generate", "-n", "12", "--draft", "lookup", "-t", "0.7", "--seed", "2", "ab ab ab"],
+        ["json", "-n", "40", "--draft", "lookup", "--schema", json.dumps(SCHEMA), "Paris?"],
     ],
 )
 def test_same_bytes_as_in_process(
@@ -298,6 +301,8 @@ def test_unreachable_server_is_one_line_exit_1(model: Path, cache: Path) -> None
         (["json", "--think", "x"], "--think"),
         (["json", "--input", "in.jsonl", "-o", "out.jsonl"], "--input"),
         (["tools", "--tools", json.dumps([WEATHER]), "--think", "x"], "--think"),
+        (["generate", "--draft-model", "small.gguf", "x"], "--draft-model"),
+        (["json", "--draft-inexact", "x"], "--draft-inexact"),
     ],
 )
 def test_options_a_server_cannot_honour_are_refused(

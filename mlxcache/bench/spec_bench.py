@@ -1,0 +1,263 @@
+"""`mlxcache bench spec`: speculative decoding against plain decoding, per workload.
+
+Workloads: rewrite a code file with one change (prompt lookup's best case), a JSON batch
+whose records repeat their structure, the regress smoke suite (when its file is given or
+found), and a free-form chat reply (the worst case). For each workload and drafter, in the
+same run as plain decoding: the model's forwards per generated token (what a device where
+a verify forward is cheap gains: device-independent), the acceptance rate, decode time
+against plain decoding, against `mlx_lm.stream_generate` with the same draft model where
+that applies, and byte equality with plain decoding (goal: every byte). With `--draft
+auto`, never slower than plain. One JSON line per workload, then a summary line.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, cast
+
+from mlxcache.config import CacheConfig, DraftConfig
+from mlxcache.drafting import Drafting, DraftModel
+from mlxcache.engine import Engine, Request
+from mlxcache.events import Result
+from mlxcache.model import LoadedModel, load
+from mlxcache.modes.json_mode import JsonTask, request
+from mlxcache.regress.runner import run_sequential
+from mlxcache.regress.suite import load as load_suite
+from mlxcache.runtime import make_cache
+from mlxcache.sampling import SamplingParams
+from mlxcache.types import as_module, as_wrapper
+
+GOAL_FORWARDS = 0.5
+"""Prompt lookup on the code and JSON workloads: at most this many forwards per token."""
+GOAL_AUTO = 1.02
+"""--draft auto against plain decoding: decode time at most this ratio."""
+SMOKE = Path("examples/smoke.yaml")
+
+
+def code_file(lines: int) -> str:
+    """A Python file of `lines` lines (functions over a `total`), to rewrite with one change."""
+    out = ["import math", ""]
+    i = 0
+    while len(out) < lines:
+        out += [
+            f"def step_{i}(values, total=0):",
+            f'    """Add the values of batch {i} to total."""',
+            "    for value in values:",
+            f"        total += value * {i + 1}",
+            "    return math.floor(total)",
+            "",
+        ]
+        i += 1
+    return "\n".join(out[:lines])
+
+
+def _code(engine: Engine, lines: int, tokens: int) -> list[Request]:
+    text = (
+        "Rewrite this Python file with the parameter `total` renamed to `amount`. Reply "
+        f"with the whole file only.\n\n```python\n{code_file(lines)}\n```"
+    )
+    ids = engine.encoder.encode_chat([{"role": "user", "content": text}])
+    return [Request(ids, SamplingParams(max_tokens=tokens))]
+
+
+PRODUCTS = {
+    "type": "array",
+    "minItems": 4,
+    "maxItems": 4,
+    "items": {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 16},
+            "price": {"type": "number"},
+            "in_stock": {"type": "boolean"},
+        },
+        "required": ["name", "price", "in_stock"],
+        "additionalProperties": False,
+    },
+}
+
+
+def _json(engine: Engine, tokens: int) -> list[Request]:
+    task = JsonTask.create(PRODUCTS)
+    asks = ["List four fruits a shop sells.", "List four tools a shop sells."]
+    params = SamplingParams(max_tokens=tokens)
+    return [
+        request(engine, engine.encoder.encode_chat(task.messages(a)), task, params) for a in asks
+    ]
+
+
+def _chat(engine: Engine, tokens: int) -> list[Request]:
+    ids = engine.encoder.encode_chat([{"role": "user", "content": "Tell me about tea."}])
+    return [Request(ids, SamplingParams(max_tokens=tokens))]
+
+
+@dataclass
+class Tally:
+    """One drafter's runs of a workload (its requests in order; `rounds` of each: the
+    fastest decode time counts, so that load from elsewhere on the machine counts least)."""
+
+    rounds: int
+    outputs: list[list[int]] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)
+    generated: int = 0
+    forwards: int = 0
+    drafted: int = 0
+    accepted: int = 0
+
+    @property
+    def decode_s(self) -> float:
+        n = self.rounds
+        return sum(min(self.times[i : i + n]) for i in range(0, len(self.times), n))
+
+    def add(self, result: Result, timed: bool = True) -> None:
+        """A request's result; its later rounds (`timed` only) add their time alone."""
+        s = result.stats
+        self.times.append(s.decode_s)
+        if not timed:
+            return
+        self.outputs.append(result.tokens)
+        self.generated += s.generated_tokens
+        # A plain reply's first token comes with the prompt; each other is one forward.
+        self.forwards += s.verify_forwards if s.draft else max(s.generated_tokens - 1, 0)
+        self.drafted += s.drafted_tokens
+        self.accepted += s.accepted_tokens
+
+
+class _Recorder:
+    """An engine whose `complete` also tallies each result (the regress runner's calls)."""
+
+    def __init__(self, engine: Engine, tally: Tally) -> None:
+        self._engine, self._tally = engine, tally
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    def complete(self, req: Request, on_event: Any = None) -> Result:
+        result = self._engine.complete(req, on_event)
+        self._tally.add(result)
+        for _ in range(self._tally.rounds - 1):
+            self._tally.add(self._engine.complete(req, on_event), timed=False)
+        return result
+
+
+def _engine(loaded: LoadedModel, config: CacheConfig, drafting: Drafting | None) -> Engine:
+    return Engine(loaded, make_cache(loaded, config), warm_ahead=False, drafting=drafting)
+
+
+def _mlx_lm(
+    loaded: LoadedModel, draft: LoadedModel, req: Request, k: int
+) -> tuple[float, list[int]]:
+    """mlx-lm's own speculative decoding of `req` (greedy): decode seconds and tokens."""
+    from mlx_lm import stream_generate
+
+    out = list(
+        stream_generate(
+            as_module(loaded.model),
+            as_wrapper(loaded.tokenizer),
+            [int(t) for t in req.tokens],
+            max_tokens=req.sampling.max_tokens,
+            draft_model=as_module(draft.model),
+            num_draft_tokens=k,
+        )
+    )
+    tokens = [int(r.token) for r in out if int(r.token) not in loaded.tokenizer.eos_token_ids]
+    tps = float(out[-1].generation_tps) or 1e-9
+    return max(len(out) - 1, 1) / tps, tokens
+
+
+def run(
+    model: str | None = None,
+    draft_model: str | None = None,
+    lines: int = 60,
+    tokens: int = 160,
+    k: int = 4,
+    suite: Path | None = None,
+    directory: Path | None = None,
+    rounds: int = 2,
+) -> Iterator[dict[str, Any]]:
+    """One result per workload, then the summary (`"bench": "spec"`, with the goals)."""
+    loaded = load(model)
+    small = load(draft_model) if draft_model else loaded
+    config = CacheConfig(directory=directory, disk_bytes=0)
+    record = directory or config.directory
+    drafters: dict[str, Drafting | None] = {
+        "plain": None,
+        "lookup": Drafting(loaded, DraftConfig(mode="lookup", tokens=k), config.block_size, record),
+        "model": Drafting(
+            loaded,
+            DraftConfig(mode="model", model=small.name, tokens=k),
+            config.block_size,
+            record,
+            DraftModel(small, make_cache(small, config)),
+        ),
+        "auto": Drafting(loaded, DraftConfig(mode="auto", tokens=k), config.block_size, record),
+    }
+    engines = {name: _engine(loaded, config, d) for name, d in drafters.items()}
+    found = cast(Drafting, drafters["lookup"]).verify()
+    suite_path = suite if suite is not None else (SMOKE if SMOKE.is_file() else None)
+    workloads: dict[str, Callable[[Engine], list[Request]] | Path] = {
+        "code": lambda e: _code(e, lines, tokens),
+        "json": lambda e: _json(e, tokens),
+        "chat": lambda e: _chat(e, tokens),
+    }
+    if suite_path is not None:
+        workloads["regress"] = suite_path
+    rows = []
+    for name, work in workloads.items():
+        tallies = {d: Tally(rounds) for d in engines}
+        for drafter, engine in engines.items():
+            tally = tallies[drafter]
+            if isinstance(work, Path):
+                run_sequential(
+                    lambda _c, e=engine, t=tally: cast(Engine, _Recorder(e, t)),  # type: ignore[misc]
+                    load_suite(work).cases,
+                )
+                continue
+            for req in work(engine):
+                engine.complete(req)  # the prompt is kept: the timed rounds resume it whole
+                _Recorder(engine, tally).complete(req)
+        row = _row(name, tallies, found.width, found.cost)
+        if name == "code":
+            req = _code(engines["plain"], lines, tokens)[0]
+            seconds, theirs = _mlx_lm(loaded, small, req, k)
+            row["mlx_lm_model_vs_plain"] = round(seconds / max(tallies["plain"].decode_s, 1e-9), 3)
+            row["mlx_lm_model_same_bytes"] = theirs == tallies["plain"].outputs[0]
+        rows.append(row)
+        yield row
+    yield _summary(rows, found.width, found.cost, draft_model is None)
+
+
+def _row(name: str, tallies: dict[str, Tally], width: int, cost: float) -> dict[str, Any]:
+    plain = tallies["plain"]
+    row: dict[str, Any] = {"bench": "spec", "workload": name, "tokens": plain.generated}
+    for drafter, t in tallies.items():
+        row[drafter] = {
+            "forwards_per_token": round(t.forwards / max(t.generated, 1), 3),
+            "acceptance": round(t.accepted / t.drafted, 3) if t.drafted else None,
+            "decode_vs_plain": round(t.decode_s / max(plain.decode_s, 1e-9), 3),
+            "same_bytes": t.outputs == plain.outputs,
+        }
+    return row
+
+
+def _summary(
+    rows: list[dict[str, Any]], width: int, cost: float, self_draft: bool
+) -> dict[str, Any]:
+    lookup = {r["workload"]: r["lookup"]["forwards_per_token"] for r in rows}
+    goals = {
+        "lookup_forwards_code": lookup.get("code", 0.0) <= GOAL_FORWARDS,
+        "lookup_forwards_json": lookup.get("json", 0.0) <= GOAL_FORWARDS,
+        "same_bytes": all(r[d]["same_bytes"] for r in rows for d in ("lookup", "model", "auto")),
+        "auto_not_slower": all(r["auto"]["decode_vs_plain"] <= GOAL_AUTO for r in rows),
+    }
+    return {
+        "bench": "spec",
+        "summary": True,
+        "probe_width": width,
+        "probe_cost": cost,
+        "draft_model_is_target": self_draft,
+        "goals": goals,
+        "pass": all(goals.values()),
+    }
