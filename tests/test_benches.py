@@ -69,9 +69,7 @@ def test_spec_bench(cache_root: Path, wide_gguf: Path, tmp_path: Path) -> None:
     from mlxcache.bench import spec_bench
 
     suite = Path(__file__).parent.parent / "examples" / "smoke.yaml"
-    rows = list(
-        spec_bench.run(str(wide_gguf), None, 8, 12, 3, suite, tmp_path / "c", rounds=1)
-    )
+    rows = list(spec_bench.run(str(wide_gguf), None, 8, 12, 3, suite, tmp_path / "c", rounds=1))
     assert [r.get("workload") for r in rows] == ["code", "json", "chat", "regress", None]
     for row in rows[:-1]:
         assert all(row[d]["same_bytes"] for d in ("plain", "lookup", "model", "auto")), row

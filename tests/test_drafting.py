@@ -312,3 +312,37 @@ def test_chat_drafted_replies_as_plain_retry_included(cache_root: Path, tiny_ggu
 
     plain = chat(cache_root / "chat-plain", "--draft", "off")
     assert chat(cache_root / "chat-drafted", "--draft", "lookup") == plain
+
+
+# -- real models --------------------------------------------------------------------------
+
+
+@pytest.mark.model
+def test_smollm2_drafted_is_plain_cold_and_resumed(smol: LoadedModel, tmp_path: Path) -> None:
+    """SmolLM2: the probe passes on this CPU; a reply that copies its prompt drafts by
+    lookup (most drafts accepted), a draft model (SmolLM2 itself) drafts too, and both
+    replies are the plain one, token for token and log-probability for log-probability,
+    cold and resumed from the prompt cache."""
+    text = "Repeat exactly: the quick brown fox jumps over the lazy dog."
+    config = CacheConfig(directory=tmp_path, disk_bytes=0)
+    params = SamplingParams(max_tokens=14, temperature=0.5, seed=1)
+    engine = Engine(smol, _cache(smol, config))
+    ids = engine.encoder.encode_chat([{"role": "user", "content": text}])
+    plain = scored(list(engine.generate(Request(ids, params, logprobs=1))))
+    lookup = Drafting(smol, DraftConfig(mode="lookup"), config.block_size, tmp_path)
+    assert lookup.verify().width == 9
+    engine.drafting = lookup
+    for _ in range(2):  # the prompt resumed whole the second time
+        got = list(engine.generate(Request(ids, params, logprobs=1)))
+        assert scored(got) == plain
+        stats = next(e for e in got if isinstance(e, Done)).result.stats
+        assert stats.accepted_tokens >= stats.drafted_tokens // 2 > 0
+    from mlxcache.drafting import DraftModel
+
+    helper = DraftModel(smol, _cache(smol, config))
+    engine.drafting = Drafting(
+        smol, DraftConfig(mode="model", model=smol.name), config.block_size, tmp_path, helper
+    )
+    got = list(engine.generate(Request(ids, params, logprobs=1)))
+    assert scored(got) == plain
+    assert next(e for e in got if isinstance(e, Done)).result.stats.draft == "model"

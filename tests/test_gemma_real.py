@@ -245,3 +245,22 @@ def test_past_the_sliding_window(rig: Rig) -> None:
     doc = rig.new_process(fork_text)  # the fork's own blocks are on disk now
     assert doc["stats"]["cached_tokens"] == (len(fork) - 1) // B * B
     assert (doc["tokens"], doc["text"]) == (resumed.tokens, resumed.text)
+
+
+def test_drafting_is_refused_where_the_probe_fails(gemma: LoadedModel, tmp_path: Path) -> None:
+    """Gemma 3's sliding-window layers lay a multi-row write out otherwise than one-row
+    decode steps once the window is full: the verify probe (whose prefix fills the 512-token
+    window) refuses drafting, says so once, and the reply is plain decoding's."""
+    from mlxcache.config import DraftConfig
+    from mlxcache.drafting import Drafting
+
+    said: list[str] = []
+    drafting = Drafting(gemma, DraftConfig(mode="lookup"), B, tmp_path, on_warning=said.append)
+    assert drafting.verify().width == 1
+    engine = Engine(gemma, block_size=B, drafting=drafting)
+    request = Request(
+        gemma.tokenizer.encode("one two one two one two"), SamplingParams(max_tokens=6)
+    )
+    drafted = engine.complete(Request(request.tokens, request.sampling, draft="lookup"))
+    assert drafted.tokens == engine.complete(request).tokens and drafted.stats.draft == ""
+    assert len(said) == 1 and said[0].startswith("drafting off:")
