@@ -71,10 +71,19 @@ def serve_cmd(
             "the API (repeatable; off by default).",
         ),
     ] = None,
+    alias: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--alias",
+            metavar="NAME",
+            help="Answer requests naming NAME too (repeatable): for agents whose model name "
+            "is fixed (e.g. claude-sonnet-4-5, gpt-5).",
+        ),
+    ] = None,
     *,
     run: o.RunOptions,
 ) -> None:
-    """Serve the model over an OpenAI-compatible HTTP API (Ctrl-C drains and stops)."""
+    """Serve the model over OpenAI's and Anthropic's HTTP APIs (Ctrl-C drains and stops)."""
     from mlxcache.model.loader import default_spec
     from mlxcache.server.app import Settings
     from mlxcache.server.log import RequestLog
@@ -93,6 +102,9 @@ def serve_cmd(
         raise UserInputError(f"--max-body: {exc}") from exc
     o.positive(max_body=body_limit)
     origins = tuple(_origin(origin) for origin in cors_origin or ())
+    aliases = tuple(o.utf8(name, "--alias") for name in alias or ())
+    if any(not name.strip() for name in aliases):
+        raise UserInputError("--alias needs a non-empty name")
     if api_key:  # compared as UTF-8 bytes: undecodable argv bytes could never match
         api_key = o.utf8(api_key, "--api-key")
     defaults = run.sampling()
@@ -120,6 +132,7 @@ def serve_cmd(
             body_limit,
             origins,
             identity(run.model or default_spec(), engine, run.cache(), exact),
+            aliases,
         )
         lanes = max_lanes or (SERVER.batched_lanes if engine.batch_decode else SERVER.lanes)
 

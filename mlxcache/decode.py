@@ -116,7 +116,12 @@ class _Reply:
     def result(self, stats: Stats) -> Result:
         # `out` may be a follow lane's
         return Result(
-            "".join(self.pieces), list(self.out), self.finish, stats, stop_token=self.ended_by
+            "".join(self.pieces),
+            list(self.out),
+            self.finish,
+            stats,
+            stop_token=self.ended_by,
+            stop_string=self.stops.matched,
         )
 
 

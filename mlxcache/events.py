@@ -49,7 +49,8 @@ CANCELLED = "cancelled"
 class Result:
     """A finished reply. finish_reason: "stop" (end of turn), "length" (max tokens or
     context), "error" (the request failed: `error` says why), "cancelled".
-    `stop_token`: the end-of-turn token that ended it (not in `tokens`), if one did."""
+    `stop_token`: the end-of-turn token that ended it (not in `tokens`), if one did;
+    `stop_string`: the stop string that ended it (not in `text`), if one did."""
 
     text: str
     tokens: list[int]
@@ -57,6 +58,7 @@ class Result:
     stats: Stats = field(compare=False)
     error: str | None = None
     stop_token: int | None = None
+    stop_string: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

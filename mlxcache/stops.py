@@ -21,13 +21,15 @@ class StopScanner:
     decides it; `flush()` releases it at the end of the reply.
     """
 
-    __slots__ = ("_sent", "_stops", "_text", "stopped")
+    __slots__ = ("_sent", "_stops", "_text", "matched", "stopped")
 
     def __init__(self, stops: Sequence[str]) -> None:
         self._stops = [s for s in stops if s]
         self._text = ""
         self._sent = 0  # characters of _text already emitted
         self.stopped = False
+        self.matched: str | None = None
+        """The stop string that ended the reply."""
 
     def _held(self) -> int:
         """Length of the longest tail of the text that is a proper prefix of a stop."""
@@ -44,9 +46,9 @@ class StopScanner:
         self._text += piece
         # The first stop to appear ends the reply (what one more token at a time would
         # see): the earliest end, then the longest stop ending there.
-        hits = [(i + len(s), i) for s in self._stops if (i := self._text.find(s, start)) >= 0]
+        hits = [(i + len(s), i, s) for s in self._stops if (i := self._text.find(s, start)) >= 0]
         if hits:
-            end = min(hits)[1]
+            _, end, self.matched = min(hits)
             self.stopped = True
         else:
             end = max(self._sent, len(self._text) - self._held())

@@ -446,7 +446,7 @@ def test_a_model_s_card_by_id(worker: EngineWorker) -> None:
     assert call(app, "GET", "/v1/models/org/tiny").json() == card
     assert call(app, "GET", "/v1/models").json()["data"] == [card]
     reply = call(app, "GET", "/v1/models/gpt-4o")
-    message = "model 'gpt-4o' is not served here (this server runs 'org/tiny')"
+    message = "model 'gpt-4o' is not served here (it answers to 'org/tiny'; serve --alias NAME adds a name)"
     assert (reply.status, reply.json()) == (404, invalid(message, "model", "model_not_found"))
 
 

@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 import mlx.core as mx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 from starlette.middleware.cors import CORSMiddleware
 
@@ -22,8 +22,9 @@ from mlxcache.engine import Engine
 from mlxcache.engine import Request as EngineRequest
 from mlxcache.events import Done, Event
 from mlxcache.sampling import SamplingParams
-from mlxcache.server import errors, prepare
+from mlxcache.server import anthropic_api, errors, prepare, responses_api
 from mlxcache.server.errors import APIError
+from mlxcache.server.front import Routes, UsageOf, parsed
 from mlxcache.server.guard import Guard
 from mlxcache.server.log import RequestLog, log_fields
 from mlxcache.server.logprobs import Formatter, Scored
@@ -53,6 +54,13 @@ class Settings:
     """What a client needs to tell whether this server replies as it would in-process
     (`mlxcache.wire.identity`: model name, digest and key, block size, version); shown on the
     model card as "mlxcache"."""
+    aliases: tuple[str, ...] = ()
+    """Other names requests may give the model (`serve --alias`)."""
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every name the served model answers to, its id first."""
+        return (self.model_id, *self.aliases)
 
 
 def _cache_report(engine: Engine) -> dict[str, Any]:
@@ -85,10 +93,12 @@ def create_app(engine: Engine, worker: Worker, settings: Settings, log: RequestL
         return await run_in_threadpool(fn, engine, body, settings.defaults, tokenizing)
 
     def check_model(model: str) -> None:
-        if model != settings.model_id:
+        if model not in settings.names:
+            served = ", ".join(repr(n) for n in settings.names)
             raise APIError(
                 404,
-                f"model {model!r} is not served here (this server runs {settings.model_id!r})",
+                f"model {model!r} is not served here (it answers to {served}; "
+                "serve --alias NAME adds a name)",
                 param="model",
                 code="model_not_found",
             )
@@ -149,15 +159,21 @@ def create_app(engine: Engine, worker: Worker, settings: Settings, log: RequestL
     ) -> tuple[R, Plan, Envelope, Stream, UsageOf]:
         """Parse, check and prepare a completion request, and submit it; how to report its
         usage (with the request's own stats and token ids when it asks: `_Tap`)."""
-        body = await _body(request, schema)
+        body: R = await parsed(request, schema)
+        return (body, *await submit(request, body, make, prefix))
+
+    async def submit(
+        request: Request, body: R, make: Callable[..., Plan], prefix: str
+    ) -> tuple[Plan, Envelope, Stream, UsageOf]:
+        """`begin` for a body parsed already (the other APIs' routes make a ChatRequest)."""
         check_model(body.model)
         plan = await prepared(make, body)
         env = Envelope(f"{prefix}-{uuid.uuid4().hex[:24]}", settings.model_id)
         note(request, env.id)
         if (body.model_extra or {}).get(USAGE_FIELD) is not True:
-            return body, plan, env, Stream(worker, plan.request, plan.reply_text()), _usage
+            return plan, env, Stream(worker, plan.request, plan.reply_text()), _usage
         tap = _Tap(worker, plan)
-        return body, plan, env, Stream(tap, plan.request, plan.reply_text()), tap.usage
+        return plan, env, Stream(tap, plan.request, plan.reply_text()), tap.usage
 
     async def end(request: Request, stream: Stream, env: Envelope) -> Outcome:
         """The outcome of a non-streamed request (its failure raised as an HTTP error)."""
@@ -206,6 +222,23 @@ def create_app(engine: Engine, worker: Worker, settings: Settings, log: RequestL
             env.completion(outcome.text, outcome.finish_reason, usage(outcome), logprobs)
         )
 
+    async def count(request: Request, body: ChatRequest) -> int:
+        """The prompt tokens of a chat request (nothing is submitted)."""
+        check_model(body.model)
+        return len((await prepared(prepare.chat, body)).ids)
+
+    async def submit_chat(
+        request: Request, body: ChatRequest, prefix: str
+    ) -> tuple[Plan, Envelope, Stream, UsageOf]:
+        return await submit(request, body, prepare.chat, prefix)
+
+    def stream_of(events: AsyncIterator[str | Outcome], request: Request, rid: str) -> Any:
+        return _stream(events, request, rid, note)
+
+    routes = Routes(submit_chat, end, warm, count, stream_of)
+    anthropic_api.install(app, routes)
+    responses_api.install(app, routes)
+
     guarded = Guard(app, log, settings.api_key, settings.max_body, metrics)
     if not settings.cors_origins:
         return guarded
@@ -218,9 +251,6 @@ def create_app(engine: Engine, worker: Worker, settings: Settings, log: RequestL
         allow_headers=["*"],
         expose_headers=["Retry-After"],
     )
-
-
-UsageOf = Callable[[Outcome], Usage]
 
 
 def _usage(outcome: Outcome) -> Usage:
@@ -271,15 +301,6 @@ class _Tap:
             if error is not None:
                 extra["tool_error"] = worded_doc(error)
         return replace(outcome.usage, mlxcache=extra)
-
-
-async def _body(request: Request, model: type[B]) -> B:
-    """The body checked against `model` (400 naming the first bad field)."""
-    doc = errors.parse_json(await request.body())
-    try:
-        return model.model_validate(doc)
-    except ValidationError as exc:
-        raise errors.from_validation(exc.errors()) from None
 
 
 async def _finish(stream: Stream, request: Request) -> Outcome:

@@ -1,4 +1,6 @@
-"""OpenAI's error object for every failure: `{"error": {message, type, param, code}}`.
+"""OpenAI's error object for every failure: `{"error": {message, type, param, code}}`;
+on the Anthropic routes (`/v1/messages...`), Anthropic's: `{"type": "error", "error":
+{type, message}}` (`APIError.body`).
 
 Domain errors map to 400 (bad input), 404 (unknown model or route), 429 (queue full),
 503 (shutting down);
@@ -50,7 +52,11 @@ class APIError(Exception):
         self.code = code
         self.headers = headers
 
-    def body(self) -> dict[str, Any]:
+    def body(self, path: str = "") -> dict[str, Any]:
+        """The error object of the API that `path` belongs to."""
+        if anthropic(path):
+            kind = ANTHROPIC_TYPES.get(self.status, "api_error" if self.status >= 500 else "")
+            return {"type": "error", "error": {"type": kind or self.type, "message": self.message}}
         return {
             "error": {
                 "message": self.message,
@@ -60,8 +66,25 @@ class APIError(Exception):
             }
         }
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def response(self, path: str = "") -> JSONResponse:
+        return JSONResponse(self.body(path), status_code=self.status, headers=self.headers)
+
+
+def anthropic(path: str) -> bool:
+    """Whether `path` is one of the Anthropic API's routes."""
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
+ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+"""Anthropic's error type for each status (others: `api_error` from 500 on)."""
 
 
 def one_line(text: str) -> str:
@@ -155,7 +178,7 @@ def install(app: FastAPI) -> None:
 
     def answer(request: Request, error: APIError) -> JSONResponse:
         log_fields(request.scope)["error"] = error.message
-        return error.response()
+        return error.response(request.url.path)
 
     @app.exception_handler(APIError)
     async def _api(request: Request, exc: APIError) -> JSONResponse:

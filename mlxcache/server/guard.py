@@ -57,7 +57,7 @@ class Guard:
                 body, refusal = await self._read_body(scope, receive)
             if refusal is not None:
                 fields["error"] = refusal.message
-                await _respond(refusal, send_logged)
+                await _respond(refusal, send_logged, scope["path"])
                 return
             await self.app(scope, _replay(body, receive), send_logged)
         finally:
@@ -80,14 +80,17 @@ class Guard:
         # Bytes against bytes: the header as sent, the key as UTF-8 (what clients send for
         # a non-ASCII key; decoding the header as latin-1 first refused every such key).
         # The scheme is case-insensitive (RFC 9110): "bearer KEY" is the same request.
-        scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
-        if scheme.lower() == b"bearer" and hmac.compare_digest(
-            given.lstrip(b" "), self.api_key.encode()
-        ):
+        # Anthropic's clients send the key as `x-api-key`: either header is checked.
+        headers = dict(scope["headers"])
+        scheme, _, given = headers.get(b"authorization", b"").partition(b" ")
+        key = self.api_key.encode()
+        if scheme.lower() == b"bearer" and hmac.compare_digest(given.lstrip(b" "), key):
+            return None
+        if hmac.compare_digest(headers.get(b"x-api-key", b""), key):
             return None
         return APIError(
             401,
-            "missing or wrong API key (send Authorization: Bearer <key>)",
+            "missing or wrong API key (send Authorization: Bearer <key>, or x-api-key)",
             type="authentication_error",
             code="invalid_api_key",
         )
@@ -130,8 +133,8 @@ def _replay(body: bytes, receive: Receive) -> Receive:
     return replay
 
 
-async def _respond(error: APIError, send: Send) -> None:
-    body = json.dumps(error.body()).encode()
+async def _respond(error: APIError, send: Send, path: str) -> None:
+    body = json.dumps(error.body(path)).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     headers += [(k.lower().encode(), v.encode()) for k, v in (error.headers or {}).items()]
     await send({"type": "http.response.start", "status": error.status, "headers": headers})

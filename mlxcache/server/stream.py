@@ -47,6 +47,8 @@ class Outcome:
     usage: Usage
     ttft_s: float | None
     error: str | None = None
+    stop_sequence: str | None = None
+    """The stop string that ended the reply, if one did."""
 
 
 class Stream:
@@ -118,4 +120,6 @@ class Stream:
         stats = result.stats
         usage = Usage(self._prompt_tokens, stats.generated_tokens, stats.cached_tokens)
         error = result.error if result.finish_reason == "error" else None
-        return Outcome(self.reply.text, result.finish_reason, usage, self._ttft, error)
+        return Outcome(
+            self.reply.text, result.finish_reason, usage, self._ttft, error, result.stop_string
+        )
