@@ -374,3 +374,41 @@ def spec(
     for row in rows[:-1]:
         ui.out_json(row)
     _report(rows[-1])
+
+
+def agent(
+    model: o.Model = None,
+    agents: Annotated[int, typer.Option("--agents", help="Agents at once.", metavar="N")] = 4,
+    turns: Annotated[int, typer.Option("--turns", help="Turns per agent.", metavar="N")] = 8,
+    system_tokens: Annotated[
+        int, typer.Option("--system-tokens", help="The system prompt's length.", metavar="N")
+    ] = 4000,
+    tools: Annotated[int, typer.Option("--tools", help="Tools defined.", metavar="N")] = 12,
+    result_tokens: Annotated[
+        int, typer.Option("--result-tokens", help="Each tool result's length.", metavar="N")
+    ] = 300,
+    tokens: Annotated[
+        int, typer.Option("--tokens", help="Most tokens per reply.", metavar="N")
+    ] = 24,
+    block_size: o.BlockSize = None,
+    no_baseline: Annotated[bool, typer.Option("--no-baseline", help="Skip mlx_lm.server.")] = False,
+) -> None:
+    """An agent's workload through /v1/chat/completions, /v1/messages and /v1/responses, and
+    mlx_lm.server: latency, prompt resumed and prefilled per turn, same bytes everywhere."""
+    from mlxcache.bench import agent_bench
+
+    o.positive(agents=agents, turns=turns, system_tokens=system_tokens, tools=tools)
+    o.positive(result_tokens=result_tokens, tokens=tokens)
+    _report(
+        agent_bench.run(
+            model,
+            agents,
+            turns,
+            system_tokens,
+            tools,
+            result_tokens,
+            tokens,
+            block_size,
+            not no_baseline,
+        )
+    )

@@ -200,6 +200,7 @@ command(bench.reuse, app=bench_app, examples="mlxcache bench reuse --block-size 
 command(bench.startup, app=bench_app, examples="mlxcache bench startup --rounds 5")
 command(bench.distributed, app=bench_app, examples="mlxcache bench distributed --ranks 1,3")
 command(bench.spec, app=bench_app, examples="mlxcache bench spec --lines 30 --tokens 80")
+command(bench.agent, app=bench_app, examples="mlxcache bench agent --agents 2 --turns 4")
 app.add_typer(bench_app, name="bench")
 
 models_app = typer.Typer(help="Converted models and what a model spec loads.", no_args_is_help=True)

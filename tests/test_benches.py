@@ -83,3 +83,24 @@ def test_spec_bench(cache_root: Path, wide_gguf: Path, tmp_path: Path) -> None:
         "same_bytes",
         "auto_not_slower",
     }
+
+
+def test_agent_bench(cache_root: Path, wide_gguf: Path) -> None:
+    from mlxcache.bench import agent_bench
+
+    result = agent_bench.run(
+        str(wide_gguf),
+        agents=2,
+        turns=2,
+        system_tokens=80,
+        tool_count=3,
+        result_tokens=30,
+        tokens=64,
+        block_size=16,
+        baseline=False,
+    )
+    assert result["routes_same_bytes"] is True and result["agent_0_equals_solo_cold"] is True
+    for route in agent_bench.ROUTES:
+        first, second = result[route]["per_turn"]
+        assert first["resumed"] < second["resumed"] and second["prefilled"] > 0
+    assert set(result["goals"]) == {"resumed_from_turn_2", "routes_same_bytes", "equals_solo_cold"}
