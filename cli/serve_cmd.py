@@ -107,6 +107,8 @@ def serve_cmd(
         raise UserInputError("--alias needs a non-empty name")
     if api_key:  # compared as UTF-8 bytes: undecodable argv bytes could never match
         api_key = o.utf8(api_key, "--api-key")
+        if any(c in api_key for c in "\r\n\0"):  # no client can send it in a header
+            raise UserInputError("--api-key must be one line (it holds a line break)")
     defaults = run.sampling()
     engine = run.engine(invariant=True)
     exact = True

@@ -39,6 +39,10 @@ ENV_SERVER = "MLXCACHE_SERVER"
 """A running `mlxcache serve` for one-shot commands (`mlxcache.remote`; `--server`)."""
 ENV_API_KEY = "MLXCACHE_API_KEY"
 """Its API key (`mlxcache serve --api-key`)."""
+ENV_SERVER_TIMEOUT = "MLXCACHE_SERVER_TIMEOUT"
+"""How long a `--server` client waits on a silent server, in seconds (default 120)."""
+ENV_SERVER_DEADLINE = "MLXCACHE_SERVER_DEADLINE"
+"""The most seconds a `--server` request may take in all (default: no limit)."""
 METAL_BLOCK_SIZE = 256
 """Metal wants large prefill chunks; not yet measured on a Mac (`mlxcache bench chunks`)."""
 CPU_BLOCK_SIZE = 16

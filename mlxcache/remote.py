@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-from mlxcache.config import ENV_API_KEY
+from mlxcache.config import ENV_API_KEY, ENV_SERVER_DEADLINE, ENV_SERVER_TIMEOUT
 from mlxcache.errors import (
     GenerationError,
     QueueFullError,
@@ -37,7 +39,33 @@ if TYPE_CHECKING:
     from mlxcache.sampling import SamplingParams
 
 CONNECT_TIMEOUT_S = 10.0
-"""Bound on connecting (a host that drops packets); a reply itself may take any time."""
+"""Bound on connecting (a host that drops packets)."""
+IDLE_TIMEOUT_S = 120.0
+"""Bound on a silence of the server (`$MLXCACHE_SERVER_TIMEOUT`): every reply is streamed,
+and a server of ours sends a keep-alive comment every 10 s while a request waits or
+prefills, so a server silent this long is stuck or is not one of ours."""
+MAX_LINE = 16 << 20
+"""The longest line of a streamed reply read (a server's event: far less)."""
+MAX_BODY = 64 << 20
+"""The largest JSON body read."""
+
+
+def _seconds(name: str, default: float | None) -> float | None:
+    """A positive number of seconds from the environment variable `name`.
+
+    Raises:
+        UserInputError: it is set but is not one.
+    """
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0 or value != value or value == float("inf"):
+        raise UserInputError(f"${name} must be a number of seconds > 0, got {raw!r}")
+    return value
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,16 +128,21 @@ class Server:
     """
 
     def __init__(self, url: str, api_key: str | None = None) -> None:
-        parts = urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise UserInputError(f"--server must be an http://HOST:PORT address, got {url!r}")
-        self.url = url.rstrip("/")
-        self._base = parts.path.rstrip("/")
-        self._key = api_key
         try:
+            parts = urlsplit(url)
             port = parts.port
         except ValueError as exc:
             raise UserInputError(f"--server {url!r}: {exc}") from exc
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise UserInputError(f"--server must be an http://HOST:PORT address, got {url!r}")
+        if api_key is not None and any(c in api_key for c in "\r\n\0"):
+            raise UserInputError(f"${ENV_API_KEY} must be one line (it holds a line break)")
+        self.url = url.rstrip("/")
+        self._base = parts.path.rstrip("/")
+        self._key = api_key
+        self._idle = _seconds(ENV_SERVER_TIMEOUT, IDLE_TIMEOUT_S)
+        self._deadline_s = _seconds(ENV_SERVER_DEADLINE, None)
+        self._until: float | None = None  # the running request's deadline (monotonic)
         kind = (
             http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
         )
@@ -124,21 +157,55 @@ class Server:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def _wait(self) -> None:
+        """Bound the next read: by the idle timeout, and by what is left of the deadline.
+
+        Raises:
+            ServerError: the deadline has passed.
+        """
+        timeout = self._idle
+        if self._until is not None:
+            left = self._until - time.monotonic()
+            if left <= 0:
+                raise self._late()
+            timeout = left if timeout is None else min(timeout, left)
+        if self._conn.sock is not None:
+            self._conn.sock.settimeout(timeout)
+
+    def _late(self) -> ServerError:
+        self._conn.close()
+        return ServerError(
+            f"the server at {self.url} did not finish within ${ENV_SERVER_DEADLINE} "
+            f"({self._deadline_s:g} s)"
+        )
+
+    def _silent(self) -> ServerError:
+        self._conn.close()
+        if self._until is not None and time.monotonic() >= self._until:
+            return self._late()
+        return ServerError(
+            f"the server at {self.url} sent nothing for {self._idle:g} s "
+            f"(${ENV_SERVER_TIMEOUT} sets how long to wait)"
+        )
+
     def _send(self, method: str, path: str, body: dict[str, Any] | None) -> Any:
-        headers = {"Accept": "application/json, text/event-stream"}
+        headers: dict[str, str | bytes] = {"Accept": "application/json, text/event-stream"}
         if self._key:
-            headers["Authorization"] = f"Bearer {self._key}"
+            # As UTF-8 bytes, as the server compares them (http.client would send latin-1).
+            headers["Authorization"] = b"Bearer " + self._key.encode()
         data = None
         if body is not None:
             data = json.dumps(body, ensure_ascii=False).encode()
             headers["Content-Type"] = "application/json"
+        self._until = None if self._deadline_s is None else time.monotonic() + self._deadline_s
         try:
             if self._conn.sock is None:
                 self._conn.connect()
-                assert self._conn.sock is not None
-                self._conn.sock.settimeout(None)  # a long prefill sends nothing for a while
+            self._wait()
             self._conn.request(method, self._base + path, data, headers)
             response = self._conn.getresponse()
+        except TimeoutError as exc:
+            raise self._silent() from exc
         except (OSError, http.client.HTTPException) as exc:
             self._conn.close()
             reason = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
@@ -152,8 +219,10 @@ class Server:
 
     def _refusal(self, response: Any) -> Exception:
         try:
-            message = json.loads(response.read())["error"]["message"]
-        except (OSError, http.client.HTTPException, ValueError, KeyError, TypeError):
+            message = json.loads(self._read(response))["error"]["message"]
+            if not isinstance(message, str):
+                raise TypeError(message)
+        except (ServerError, ValueError, KeyError, TypeError):
             message = f"HTTP {response.status} {response.reason}"
         if response.status == 401:
             return UserInputError(f"the server at {self.url} needs its API key: set ${ENV_API_KEY}")
@@ -163,20 +232,66 @@ class Server:
             return UserInputError(message)
         return GenerationError(message)
 
-    def get(self, path: str) -> Any:
-        """The JSON document at `path`."""
+    def _read(self, response: Any) -> bytes:
+        """A whole body, bounded in size and in silence."""
+        chunks: list[bytes] = []
+        size = 0
+        try:
+            while True:
+                self._wait()
+                chunk = response.read(1 << 16)
+                if not chunk:
+                    return b"".join(chunks)
+                size += len(chunk)
+                if size > MAX_BODY:
+                    self._conn.close()
+                    raise ServerError(
+                        f"the server at {self.url} sent a reply over {MAX_BODY >> 20} MB"
+                    )
+                chunks.append(chunk)
+        except TimeoutError as exc:
+            raise self._silent() from exc
+        except (OSError, http.client.HTTPException) as exc:
+            self._conn.close()
+            raise ServerError(f"the server at {self.url} stopped replying: {exc}") from exc
+
+    def get(self, path: str) -> dict[str, Any]:
+        """The JSON object at `path`."""
         return self._json(self._send("GET", path, None))
 
-    def post(self, path: str, body: dict[str, Any]) -> Any:
-        """The JSON reply to `body` (not streamed)."""
-        return self._json(self._send("POST", path, body))
+    def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """The chat completion that answers `body`, as a non-streamed reply has it. It is
+        streamed (so a silent server is told from a long prefill: `IDLE_TIMEOUT_S`) and put
+        together: the message's content, reasoning and tool calls, finish reason, usage."""
+        message: dict[str, Any] = {"role": "assistant", "content": ""}
+        finish, usage = None, None
+        for event in self.stream(path, {**body, "stream_options": {"include_usage": True}}):
+            for choice in _list(event.get("choices"), self.url, "choices"):
+                delta = _dict(choice.get("delta"), self.url, "a delta")
+                for key in ("content", "reasoning"):
+                    if isinstance(delta.get(key), str):
+                        message[key] = message.get(key, "") + delta[key]
+                for call in _list(delta.get("tool_calls"), self.url, "tool_calls"):
+                    function = _dict(
+                        _dict(call, self.url, "a call").get("function"), self.url, "a call"
+                    )
+                    if not (
+                        isinstance(function.get("name"), str)
+                        and isinstance(function.get("arguments"), str)
+                    ):
+                        raise ServerError(f"the server at {self.url} sent a call in another shape")
+                    message.setdefault("tool_calls", []).append(call)
+                finish = choice.get("finish_reason") or finish
+            usage = event.get("usage") or usage
+        return {"choices": [{"message": message, "finish_reason": finish}], "usage": usage}
 
-    def _json(self, response: Any) -> Any:
+    def _json(self, response: Any) -> dict[str, Any]:
+        raw = self._read(response)
         try:
-            return json.loads(response.read())
-        except (OSError, http.client.HTTPException, ValueError) as exc:
-            self._conn.close()
+            doc = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
             raise ServerError(f"the server at {self.url} sent no JSON reply: {exc}") from exc
+        return _dict(doc, self.url, "its reply")
 
     def stream(self, path: str, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
         """The server-sent events of a streamed reply to `body`, as they come, until
@@ -186,27 +301,54 @@ class Server:
         try:
             while True:
                 try:
-                    line = response.readline()
+                    self._wait()
+                    line = response.readline(MAX_LINE + 1)
                     if line.rstrip(b"\r\n") == b"data: [DONE]":
                         # Read the body to its end: the connection then serves the next
                         # request (a chat's next turn).
-                        response.read()
+                        self._read(response)
                         done = True
                         return
+                except TimeoutError as exc:
+                    raise self._silent() from exc
                 except (OSError, http.client.HTTPException) as exc:
                     raise ServerError(f"the server at {self.url} stopped replying: {exc}") from exc
                 if not line:
                     raise ServerError(f"the server at {self.url} ended the reply early")
-                text = line.decode("utf-8").rstrip("\r\n")
-                if not text.startswith("data: "):
-                    continue  # blank separators and keepalive comments
-                event = json.loads(text[len("data: ") :])
-                if "error" in event:
-                    raise GenerationError(event["error"].get("message") or "the request failed")
-                yield event
+                if len(line) > MAX_LINE:
+                    raise ServerError(
+                        f"the server at {self.url} sent a line over {MAX_LINE >> 20} MB"
+                    )
+                event = self._event(line)
+                if event is not None:
+                    yield event
         finally:
             if not done:  # interrupted or failed: a half-read response cannot be reused
                 self._conn.close()
+
+    def _event(self, line: bytes) -> dict[str, Any] | None:
+        """A `data:` line's event (None for blank lines and comments), checked.
+
+        Raises:
+            GenerationError: an error event (the request failed on the server).
+            ServerError: not an event of ours.
+        """
+        try:
+            text = line.decode("utf-8").rstrip("\r\n")
+        except UnicodeDecodeError as exc:
+            raise ServerError(f"the server at {self.url} sent an event that is not UTF-8") from exc
+        if not text.startswith("data: "):
+            return None  # blank separators and keepalive comments
+        try:
+            event = json.loads(text[len("data: ") :])
+        except ValueError as exc:
+            raise ServerError(f"the server at {self.url} sent an event that is not JSON") from exc
+        event = _dict(event, self.url, "an event")
+        if "error" in event:
+            error = event["error"]
+            message = error.get("message") if isinstance(error, dict) else error
+            raise GenerationError(str(message or "the request failed"))
+        return event
 
     def card(self, model: str | None = None) -> dict[str, Any]:
         """The model card of the server's model, with its identity (`identity`).
@@ -215,7 +357,12 @@ class Server:
             ServerError: the server publishes no identity (not mlxcache, or too old).
         """
         cards = self.get("/v1/models").get("data") or []
-        if len(cards) != 1 or "mlxcache" not in cards[0]:
+        if (
+            not isinstance(cards, list)
+            or len(cards) != 1
+            or not isinstance(cards[0], dict)
+            or not isinstance(cards[0].get("mlxcache"), dict)
+        ):
             raise ServerError(
                 f"the server at {self.url} is not an mlxcache server this version can use"
             )
@@ -230,10 +377,38 @@ def usage_of(usage: dict[str, Any] | None, url: str) -> dict[str, Any]:
     Raises:
         ServerError: the server did not send them.
     """
-    extra = (usage or {}).get("mlxcache")
+    extra = usage.get("mlxcache") if isinstance(usage, dict) else None
     if not isinstance(extra, dict):
         raise ServerError(f"the server at {url} sent no stats for the request")
+    stats, tokens = extra.get("stats"), extra.get("tokens")
+    well_formed = (
+        isinstance(stats, dict)
+        and all(
+            isinstance(stats.get(k), int)
+            for k in ("prompt_tokens", "cached_tokens", "generated_tokens")
+        )
+        and isinstance(tokens, list)
+        and all(isinstance(t, int) for t in tokens)
+        and isinstance(extra.get("text"), str)
+        and isinstance(extra.get("finish_reason"), str)
+    )
+    if not well_formed:
+        raise ServerError(f"the server at {url} sent the request's stats in another shape")
     return extra
+
+
+def _dict(value: Any, url: str, what: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ServerError(f"the server at {url} sent {what} that is not a JSON object")
+    return value
+
+
+def _list(value: Any, url: str, what: str) -> list[Any]:
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise ServerError(f"the server at {url} sent {what} that is not a list")
+    return value
 
 
 class ChatRunner:

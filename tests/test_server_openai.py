@@ -650,3 +650,14 @@ def test_reasoning_effort_and_verbosity_are_accepted_and_named_as_ignored(
             texts = [json.dumps([c["choices"] for c in chunks(r)[1:-1]]) for r in (reply, plain)]
         assert texts[0] == texts[1]
     assert "x-mlxcache-ignored" not in plain.headers
+
+
+def test_a_user_message_without_content_is_400(worker: EngineWorker) -> None:
+    reply = post(
+        app_of(worker),
+        "/v1/chat/completions",
+        model="tiny.gguf",
+        messages=[{"role": "user", "content": None}],
+    )
+    assert reply.status == 400
+    assert reply.json()["error"]["message"] == "messages.0.content: a user message needs content"

@@ -165,6 +165,13 @@ def _plain(messages: list[Message]) -> list[dict[str, Any]]:
                     param=f"messages.{i}.content.{j}",
                     code="unsupported_value",
                 )
+        if m.content is None and m.role != "assistant":  # only a call may come without text
+            raise APIError(
+                400,
+                f"messages.{i}.content: a {m.role} message needs content",
+                param=f"messages.{i}.content",
+                code="invalid_value",
+            )
         msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role}
         msg["content"] = m.text()
         if m.tool_calls:
