@@ -92,6 +92,10 @@ class CacheStoreError(MlxcacheError):
     """The disk tier could not be used (read-only, full, corrupt index)."""
 
 
+class DiskFullError(CacheStoreError):
+    """The file system of the cache directory has no space left."""
+
+
 class CorruptCacheFileError(CacheStoreError):
     """A cache block or checkpoint file that is missing or fails its checksum."""
 

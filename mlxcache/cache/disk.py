@@ -10,8 +10,10 @@ file is reported to the caller (which drops the entry and counts it), never used
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
+import shutil
 import sqlite3
 import time
 from array import array
@@ -23,7 +25,12 @@ from typing import TYPE_CHECKING, Any
 
 import xxhash
 
-from mlxcache.errors import CacheStoreError, CorruptCacheFileError, CorruptIndexError
+from mlxcache.errors import (
+    CacheStoreError,
+    CorruptCacheFileError,
+    CorruptIndexError,
+    DiskFullError,
+)
 
 if TYPE_CHECKING:
     import mlx.core as mx
@@ -114,7 +121,29 @@ def index_error(root: Path, exc: Exception) -> CacheStoreError:
     # any other DatabaseError means the file itself is not a usable index.
     if isinstance(exc, sqlite3.DatabaseError) and not isinstance(exc, sqlite3.OperationalError):
         return CorruptIndexError(f"the cache index {root / INDEX} is damaged ({exc}); {_FIX}")
+    if disk_full(root, exc):
+        return DiskFullError(
+            f"the disk holding {root} is full ({exc}): `mlxcache cache clear` or "
+            "`cache prune --max-size SIZE` frees it"
+        )
     return CacheStoreError(f"cannot use the disk cache at {root}: {exc}")
+
+
+FULL_BELOW = 1 << 20
+"""Free bytes under which a failed write is put down to a full disk."""
+
+
+def disk_full(root: Path, exc: BaseException) -> bool:
+    """Whether `exc` (an SQLite or OS error under `root`) comes from a full disk: SQLite says
+    so ("database or disk is full"), or says "disk I/O error" with next to no space left."""
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+        return True
+    if "full" in str(exc):
+        return True
+    try:
+        return "I/O error" in str(exc) and shutil.disk_usage(root).free < FULL_BELOW
+    except OSError:
+        return False
 
 
 class DiskTier:
@@ -380,9 +409,26 @@ class DiskTier:
         self._db.execute("UPDATE entries SET used_ns = ? WHERE id = ?", (time.time_ns(), entry_id))
 
     def remove_entry(self, entry_id: int) -> None:
-        """Drop an entry and every file no other entry uses."""
+        """Drop an entry and every file no other entry uses. On a full disk, where the
+        index cannot write until space is freed, those files go first (an index row whose
+        file is gone is dropped when read, never served)."""
         with self._writer():
-            self._unlink(self._drop_rows(entry_id))
+            try:
+                self._unlink(self._drop_rows(entry_id))
+            except sqlite3.OperationalError as exc:
+                if not disk_full(self.root, exc):
+                    raise
+                self._unlink(self._own_files(entry_id))
+                self._unlink(self._drop_rows(entry_id))
+
+    def _own_files(self, entry_id: int) -> list[str]:
+        """The files of an entry that no other entry uses (a read: no page written)."""
+        rows = self._db.execute(
+            "SELECT name FROM entry_files WHERE entry = ? AND name NOT IN "
+            "(SELECT name FROM entry_files WHERE entry != ?)",
+            (entry_id, entry_id),
+        )
+        return [r[0] for r in rows]
 
     def _unlink(self, names: list[str]) -> None:
         for name in names:
@@ -406,14 +452,16 @@ class DiskTier:
 
     def clear(self) -> tuple[int, list[str]]:
         """Remove every entry and file; returns how many entries there were and what was
-        left (`remove_files`)."""
+        left (`remove_files`). The files go first: on a full disk the index can only write
+        once they are gone."""
         with self._writer():
+            left = remove_files(self.files)
             with self._tx() as db:
                 n = int(db.execute("SELECT COUNT(*) FROM entries").fetchone()[0])
                 db.execute("DELETE FROM entry_files")
                 db.execute("DELETE FROM entries")
                 db.execute("DELETE FROM files")
-            return n, remove_files(self.files)
+            return n, left
 
 
 def remove_files(folder: Path) -> list[str]:

@@ -16,8 +16,8 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mlxcache.cache.disk import INDEX, DiskEntry, DiskTier, index_error, reset
-from mlxcache.errors import CorruptIndexError
+from mlxcache.cache.disk import INDEX, DiskEntry, DiskTier, index_error, remove_files, reset
+from mlxcache.errors import CorruptIndexError, DiskFullError
 from mlxcache.paths import kv_dir
 
 if TYPE_CHECKING:
@@ -161,11 +161,11 @@ def clear(
     before = _file_bytes(root / "files")
     n, left = 0, list[str]()
     try:
-        with _opened(directory) as disk:
-            if disk:
-                n, left = disk.clear()
-        if not disk and root.exists():
-            left = reset(root)  # block files that no index names
+        try:
+            n, left = _clear(directory, root)
+        except DiskFullError:  # the index cannot even open: make room, then clear it
+            remove_files(root / "files")
+            n, left = _clear(directory, root)
     except CorruptIndexError as exc:
         left = reset(root)
         warn(f"the cache index was damaged ({exc.__cause__}): deleted it and every block file")
@@ -173,6 +173,13 @@ def clear(
         more = f" and {len(left) - 1} more" if len(left) > 1 else ""
         warn(f"left {left[0]}{more} as it is: not a file mlxcache wrote (links are not followed)")
     return {"removed": n, "bytes_freed": max(0, before - _file_bytes(root / "files"))}
+
+
+def _clear(directory: Directory, root: Path) -> tuple[int, list[str]]:
+    with _opened(directory) as disk:
+        if disk:
+            return disk.clear()
+    return 0, reset(root) if root.exists() else []  # block files that no index names
 
 
 def _file_bytes(root: Path) -> int:
