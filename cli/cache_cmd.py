@@ -55,6 +55,9 @@ def ls(cache_dir: o.CacheDir = None, as_json: o.Json = False) -> None:
     if as_json:
         ui.out_json(rows)
         return
+    if not rows:
+        ui.out_text("no cached entries\n")
+        return
     table = Table("model", "block", "tokens", "size", "used", "prompt ends with")
     now = time.time()
     for r in rows:
@@ -70,7 +73,7 @@ def ls(cache_dir: o.CacheDir = None, as_json: o.Json = False) -> None:
     ui.out_table(table)
     total = ui.human_bytes(manage.report(cache_dir)["bytes"])
     ui.out_text(
-        f"{len(rows)} entries, {total} on disk (an entry's size counts every block it resumes; "
+        f"{ui.plural(len(rows), 'entry')}, {total} on disk (an entry's size counts every block it resumes; "
         "entries that share a prefix share its blocks)\n"
     )
 
@@ -84,7 +87,7 @@ def clear(cache_dir: o.CacheDir = None, as_json: o.Json = False) -> None:
         ui.out_json(done)
         return
     ui.out_text(
-        f"removed {done['removed']} entries ({ui.human_bytes(done['bytes_freed'])} freed)\n"
+        f"removed {ui.plural(done['removed'], 'entry')} ({ui.human_bytes(done['bytes_freed'])} freed)\n"
     )
 
 
@@ -113,7 +116,7 @@ def prune(
         ui.out_json(done)
         return
     ui.out_text(
-        f"removed {done['removed']} entries: {ui.human_bytes(done['bytes_before'])} -> "
+        f"removed {ui.plural(done['removed'], 'entry')}: {ui.human_bytes(done['bytes_before'])} -> "
         f"{ui.human_bytes(done['bytes_after'])} of blocks and checkpoints "
         f"(limit {ui.human_bytes(limit)})\n"
     )

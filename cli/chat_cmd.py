@@ -187,7 +187,7 @@ class Repl:
             "load": self._load,
             "sessions": lambda _: ui.info(saved_sessions(self.sessions)),
             "stats": self._stats,
-            "clear": lambda _: self.session.clear(),
+            "clear": lambda _: self._clear(),
             "help": lambda _: ui.info(HELP),
             "exit": lambda _: False,
             "quit": lambda _: False,
@@ -196,6 +196,11 @@ class Repl:
         if handler is None:
             raise UserInputError(f"unknown command /{name} (try /help)")
         return handler(arg.strip()) is not False
+
+    def _clear(self) -> None:
+        n = len(self.session.turns)
+        self.session.clear()
+        ui.info(f"cleared {ui.plural(n, 'turn')}: the next message starts a new conversation")
 
     def _retry(self, arg: str) -> None:
         events = self.session.retry(self.backend.runner)  # checked first: is there a reply to redo?
@@ -298,9 +303,9 @@ class Repl:
             f"max {p.max_tokens} tokens · seed {p.seed}\n"
             f"cache: {cache.get('hits', 0)} hits, {cache.get('misses', 0)} misses · "
             f"{cache.get('cached_tokens', 0)} prompt tokens reused · "
-            f"memory {cache.get('mem_entries', 0)} entries, "
+            f"memory {ui.plural(cache.get('mem_entries', 0), 'entry')}, "
             f"{ui.human_bytes(cache.get('mem_bytes', 0))} · "
-            f"disk {cache.get('disk_entries', 0)} entries, "
+            f"disk {ui.plural(cache.get('disk_entries', 0), 'entry')}, "
             f"{ui.human_bytes(cache.get('disk_bytes', 0))} · "
             f"blocks of {cache.get('block_size', '?')} tokens"
         )

@@ -65,9 +65,26 @@ coerce.install()
 richhelp.install()
 
 
+MLX_LM_FLAGS = {
+    "--prompt": "the prompt is the argument ('-' reads stdin) or --prompt-file",
+    "--system-prompt": "--system",
+    "--num-draft-tokens": "--draft-tokens",
+    "--ignore-chat-template": "--raw",
+    "--max-kv-size": "no cap is needed: the prompt cache keeps KV in --cache-mem",
+    "--temperature": "--temp",
+}
+"""mlx-lm's flags that users bring along, and what says the same here."""
+
+
 def usage_message(exc: click_errors.ClickException) -> str:
-    """Click's message on one line, pointing at the help of the command it came from."""
+    """Click's message on one line, pointing at the help of the command it came from (and,
+    for an mlx-lm flag, at ours)."""
     message = " ".join(exc.format_message().split())
+    if isinstance(exc, click_errors.NoSuchOption) and exc.option_name in MLX_LM_FLAGS:
+        hint = MLX_LM_FLAGS[exc.option_name]
+        message = (
+            f"No such option: {exc.option_name} ({'use ' if hint.startswith('--') else ''}{hint})"
+        )
     ctx = getattr(exc, "ctx", None)
     if isinstance(exc, click_errors.UsageError) and ctx is not None:
         message += f" (see '{ctx.command_path} --help')"
@@ -213,7 +230,7 @@ command(
 command(
     models_cmd.rm,
     app=models_app,
-    examples="mlxcache models rm SmolLM2-135M-Instruct.Q4_1-1dff70ef9e211d0a-v1\n"
+    examples="mlxcache models rm SmolLM2-135M-Instruct.Q4_1-1dff70ef9e211d0a-v2\n"
     "mlxcache models rm ./llama-3.2-1b.Q4_0.gguf",
 )
 command(

@@ -135,7 +135,8 @@ def tools_cmd(
             "content": reply.content,
             **({"reasoning": reply.reasoning} if reply.reasoning is not None else {}),
             "tool_calls": [c.as_dict() for c in reply.calls],
-            "finish_reason": result.finish_reason,
+            # OpenAI's word for a reply that ends in calls (the stop token ended it).
+            "finish_reason": "tool_calls" if reply.calls else result.finish_reason,
         }
         if reply.error is not None:
             doc.update(error=reply.error, text=result.text)  # the raw reply, cut or not

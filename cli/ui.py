@@ -92,6 +92,13 @@ def age(seconds: float) -> str:
     return f"{max(0, int(seconds))}s"
 
 
+def plural(n: int, word: str) -> str:
+    """`1 token`, `2 tokens`, `1 entry`, `3 entries`."""
+    if n == 1:
+        return f"1 {word}"
+    return f"{n} {word[:-1]}ies" if word.endswith("y") else f"{n} {word}s"
+
+
 def preview(text: str, width: int = 60) -> str:
     """One line of at most `width` characters: whitespace folded, the cut marked with …."""
     flat = " ".join(text.split())
@@ -208,7 +215,7 @@ def stats_line(stats: dict[str, Any], rate: PrefillRate | None = None) -> None:
     _shared("err").print(
         f"[cached]{cached}[/cached]/{prompt} prompt tokens cached{why}, "
         f"{stats['prefilled_tokens']} prefilled{saving} · TTFT {stats['ttft_s']:.2f}s · "
-        f"{stats['generated_tokens']} tokens at {stats['decode_tps']:.1f} tok/s",
+        f"{plural(stats['generated_tokens'], 'token')} at {stats['decode_tps']:.1f} tok/s",
         style="stats",
         markup=True,
         highlight=False,

@@ -97,7 +97,7 @@ def test_repl_commands_confirm(cache_root: Path, tmp_path: Path, tiny_gguf: Path
     assert rest[3].split()[:3] == ["mine", "1", "turns"]
     assert rest[4] == f"session mine · 1 turns · model {rest[4].split('model ')[1]}"
     assert rest[5].startswith("sampling: temp 0.0 · top-p 1.0 · top-k 0 ")
-    cache = r"cache: \d+ hits, \d+ misses · \d+ prompt tokens reused · memory 1 entries, "
+    cache = r"cache: \d+ hits, \d+ misses · \d+ prompt tokens reused · memory 1 entry, "
     assert re.fullmatch(cache + r"[\d.]+ KiB · disk 0 entries, 0 B · blocks of 4 tokens", rest[6])
 
 

@@ -67,7 +67,8 @@ def test_same_seed_same_bytes(cache_root: Path) -> None:
         (
             ["generate", "hi", "-m", "/nonexistent/folder"],
             None,
-            "error: model not found: /nonexistent/folder (expected a .gguf file, an mlx-lm folder or a Hub repo id)",
+            "error: model not found: /nonexistent/folder (expected a .gguf file, an mlx-lm "
+            "folder, a Hub repo id or a name of `mlxcache models ls`)",
         ),
         (["generate", ""], None, "error: the prompt is empty"),
         (["generate", "-"], "  \n", "error: the prompt is empty"),

@@ -124,3 +124,24 @@ def test_defaults_have_one_home() -> None:
         assert served[name] == library[name].default == getattr(ServerConfig, name), name
     assert served["max_body"] == "8M" and ServerConfig.max_body == 8 << 20
     assert library["on_listen"].default is inspect.Parameter.empty  # the caller announces
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["generate", "--prompt", "hi"], "No such option: --prompt (the prompt is the argument"),
+        (["generate", "--temperature", "1", "hi"], "No such option: --temperature (use --temp)"),
+        (["generate", "--num-draft-tokens", "2", "hi"], "(use --draft-tokens)"),
+        (["generate", "-m", "20", "hi"], "for a token limit use -n 20 (--max-tokens)"),
+        (["generate", "-m", "smollm2", "hi"], "did you mean smollm2-135m?"),
+    ],
+)
+def test_mlx_lm_habits_point_to_our_flags(args: list[str], message: str) -> None:
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2 and message in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_plurals() -> None:
+    assert [ui.plural(n, "token") for n in (0, 1, 2)] == ["0 tokens", "1 token", "2 tokens"]
+    assert [ui.plural(n, "entry") for n in (1, 3)] == ["1 entry", "3 entries"]

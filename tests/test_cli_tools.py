@@ -191,3 +191,13 @@ def test_a_call_cut_by_the_token_limit_keeps_the_raw_text(
     assert doc["tool_calls"] == [] and doc["text"].startswith("<tool_call>")
     flags = limit.replace("max_tokens", "--max-tokens")  # the CLI's
     assert result.stderr.strip().endswith(f"error: {flags}")
+
+
+def test_json_says_tool_calls_when_the_reply_calls(
+    cache_root: Path, wide_gguf: Path, tools: Path
+) -> None:
+    args = ["tools", "--tools", str(tools), "-m", str(wide_gguf), "--tool-choice", "required"]
+    result = runner.invoke(app, [*args, "Weather in Paris?", "-n", "120", "--json"])
+    assert result.exit_code == 0, result.stderr
+    doc = json.loads(result.stdout)
+    assert doc["tool_calls"] and doc["finish_reason"] == "tool_calls"

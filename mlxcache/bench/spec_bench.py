@@ -112,7 +112,7 @@ class Tally:
         return sum(min(self.times[i : i + n]) for i in range(0, len(self.times), n))
 
     def add(self, result: Result, timed: bool = True) -> None:
-        """A request's result; its later rounds (`timed` only) add their time alone."""
+        """A request's result; its later rounds (`timed` False) add their time alone."""
         s = result.stats
         self.times.append(s.decode_s)
         if not timed:
@@ -207,17 +207,23 @@ def run(
     rows = []
     for name, work in workloads.items():
         tallies = {d: Tally(rounds) for d in engines}
-        for drafter, engine in engines.items():
-            tally = tallies[drafter]
-            if isinstance(work, Path):
+        if isinstance(work, Path):
+            for drafter, engine in engines.items():
                 run_sequential(
-                    lambda _c, e=engine, t=tally: cast(Engine, _Recorder(e, t)),  # type: ignore[misc]
+                    lambda _c, e=engine, t=tallies[drafter]: cast(Engine, _Recorder(e, t)),  # type: ignore[misc]
                     load_suite(work).cases,
                 )
-                continue
-            for req in work(engine):
-                engine.complete(req)  # the prompt is kept: the timed rounds resume it whole
-                _Recorder(engine, tally).complete(req)
+        else:
+            asked = {d: work(e) for d, e in engines.items()}
+            for d, engine in engines.items():  # the prompts are kept: timed rounds resume them
+                for req in asked[d]:
+                    engine.complete(req)
+            # Request by request and round by round, every drafter in turn: noise from
+            # elsewhere on the machine falls on all of them alike.
+            for i in range(len(asked["plain"])):
+                for r in range(rounds):
+                    for d, engine in engines.items():
+                        tallies[d].add(engine.complete(asked[d][i]), timed=r == 0)
         row = _row(name, tallies, found.width, found.cost)
         if name == "code":
             req = _code(engines["plain"], lines, tokens)[0]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
 import json
 import os
@@ -103,6 +104,18 @@ def _converted(gguf: Path, root: Path, progress: Progress | None, warn: Warn) ->
     return out
 
 
+def not_found(spec: str, root: Path) -> ModelNotFoundError:
+    """A model spec that names nothing: what was expected, and a hint where one helps (a
+    near name of `models ls`, or a number: mlx-lm's users type `-m 20` for a token limit)."""
+    message = f"model not found: {spec} (expected a .gguf file, an mlx-lm folder, a Hub repo id"
+    message += " or a name of `mlxcache models ls`)"
+    if spec.isdigit():
+        return ModelNotFoundError(f"{message}; for a token limit use -n {spec} (--max-tokens)")
+    names = [DEFAULT_MODEL, *(r["name"] for r in converted(root))]
+    near = difflib.get_close_matches(spec, names, n=1, cutoff=0.6)
+    return ModelNotFoundError(f"{message}; did you mean {near[0]}?" if near else message)
+
+
 def _discard(folder: Path) -> None:
     """Remove a damaged conversion: renamed aside first, so no process loads half of it."""
     aside = folder.with_name(f".discard-{os.getpid()}-{folder.name}")
@@ -126,10 +139,11 @@ def _resolve(spec: str, root: Path, progress: Progress | None, warn: Warn) -> tu
         return candidate.name, _converted(candidate, root, progress, warn)
     if candidate.is_dir():
         return candidate.name, candidate
+    kept = root / "models" / spec
+    if "/" not in spec and (kept / "config.json").is_file():  # a name `models ls` shows
+        return spec, kept
     if candidate.exists() or spec.startswith((".", "/", "~")) or spec.count("/") != 1:
-        raise ModelNotFoundError(
-            f"model not found: {spec} (expected a .gguf file, an mlx-lm folder or a Hub repo id)"
-        )
+        raise not_found(spec, root)
     # A Hub id: needs the network on first use; the files mlx-lm itself would fetch.
     from huggingface_hub import snapshot_download
     from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
@@ -279,10 +293,12 @@ def set_default(spec: str | None) -> str:
         if not (path.is_dir() or path.is_file()):
             raise ModelNotFoundError(f"model file not found: {path}")
         spec = str(path.resolve())
-    elif spec != DEFAULT_MODEL and (spec.startswith((".", "/", "~")) or spec.count("/") != 1):
-        raise ModelNotFoundError(
-            f"model not found: {spec} (expected a .gguf file, an mlx-lm folder or a Hub repo id)"
-        )
+    elif (
+        spec != DEFAULT_MODEL
+        and (spec.startswith((".", "/", "~")) or spec.count("/") != 1)
+        and not (cache_dir() / "models" / spec / "config.json").is_file()
+    ):
+        raise not_found(spec, cache_dir())
     write_atomic(data_dir() / _SETTINGS, json.dumps({"default_model": spec}) + "\n")
     return spec
 
