@@ -375,10 +375,12 @@ def engine(
     invariant: bool = False,
     split: str | None = None,
     draft: DraftConfig | None = None,
+    quiet: bool = False,
 ) -> Engine:
     """Open the engine (no `model`: the one `mlxcache models default` chose), with a
-    progress bar on stderr if a GGUF needs converting; `invariant`, `split` and `draft`:
-    see `open_engine` (chat and serve ask for `invariant`)."""
+    progress bar on stderr if a GGUF needs converting and a line when the device's
+    exactness is measured (not `quiet`); `invariant`, `split` and `draft`: see
+    `open_engine` (chat and serve ask for `invariant`)."""
     from mlxcache.distributed import SPLITS
     from mlxcache.model.loader import default_spec
     from mlxcache.runtime import open_engine
@@ -392,6 +394,7 @@ def engine(
             config,
             progress=update,
             on_warning=ui.warn,
+            on_note=None if quiet else ui.info,
             invariant=invariant,
             split=split,
             on_rank_lost=_rank_lost,
@@ -581,7 +584,7 @@ class RunOptions:
         )
 
     def engine(self, invariant: bool = False) -> Engine:
-        return engine(self.model, self.cache(), invariant, self.split, self.drafting())
+        return engine(self.model, self.cache(), invariant, self.split, self.drafting(), self.quiet)
 
 
 def _config_default(name: str) -> Any:

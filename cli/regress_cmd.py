@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -102,14 +103,30 @@ def _describe(label: str, diff: dict[str, Any]) -> str:
 
 
 def _load(
-    suite: Path, variants: str | None, block_size: int | None, server: str | None
+    suite: Path,
+    variants: str | None,
+    block_size: int | None,
+    server: str | None,
+    only: list[str] | None = None,
 ) -> tuple[suite_mod.Suite, tuple[str, ...]]:
-    """Check the options and load the suite (before any model loads)."""
+    """Check the options and load the suite (before any model loads); `only`: the cases
+    named by --case."""
+    import dataclasses
+
     from mlxcache.regress import suite as suite_mod
 
     if block_size is not None:
         o.positive(block_size=block_size)
-    return suite_mod.load(suite), _variants(variants, server)
+    loaded = suite_mod.load(suite)
+    if only:
+        names = [c.name for c in loaded.cases]
+        unknown = [n for n in only if n not in names]
+        if unknown:
+            raise UserInputError(
+                f"no case {unknown[0]!r} in {suite} (its cases: {', '.join(names)})"
+            )
+        loaded = dataclasses.replace(loaded, cases=tuple(c for c in loaded.cases if c.name in only))
+    return loaded, _variants(variants, server)
 
 
 def _run(
@@ -192,11 +209,24 @@ def check(
     as_json: o.Json = False,
     quiet: o.Quiet = False,
     server: remote.ServerUrl = None,
+    case: Annotated[
+        list[str] | None,
+        typer.Option("--case", metavar="NAME", help="Check only this case (repeatable)."),
+    ] = None,
 ) -> None:
     """Run SUITE again and compare every variant with GOLDEN byte for byte (exit 1 on a difference)."""
     from mlxcache.regress import golden
 
-    cases, chosen = _load(suite, variants, block_size, server)
+    cases, chosen = _load(suite, variants, block_size, server, case)
     doc = golden.load_golden(golden_file)  # a damaged golden is refused before any work
+    start = time.perf_counter()
     _, report = _run(cases, chosen, block_size, quiet, lambda r, v: golden.check(r, doc, v), server)
-    _show(report, as_json)
+    failed = sum(c["status"] != "ok" for c in report.cases.values())
+    try:
+        _show(report, as_json)
+    finally:  # the last line, whether every case passed or not
+        ui.info(
+            f"{ui.plural(len(report.cases), 'case')} under {ui.plural(len(chosen), 'variant')}: "
+            f"{len(report.cases) - failed} passed, {failed} failed "
+            f"({ui.seconds(time.perf_counter() - start)})"
+        )

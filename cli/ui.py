@@ -264,9 +264,13 @@ def regress_progress(quiet: bool) -> Callable[[str, str, str], None] | None:
         if what == "start":
             started[(variant, case)] = time.monotonic()
             info(f"{name} ...")
-        else:
-            took = time.monotonic() - started.pop((variant, case), time.monotonic())
-            info(f"{name} done ({took:.1f}s)")
+        else:  # cases run side by side (lanes) are not timed one by one
+            begun = started.pop((variant, case), None)
+            info(
+                f"{name} done"
+                if begun is None
+                else f"{name} done ({time.monotonic() - begun:.1f}s)"
+            )
 
     return show
 

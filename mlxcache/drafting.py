@@ -57,6 +57,7 @@ class Drafting:
             run: every rank must make the probe's forwards).
         draft_model: the draft model, when `config.model` names one.
         on_warning: told once when drafting asked for is off, or runs inexact.
+        on_note: told when the probe measures (seconds on a real model, once).
     """
 
     def __init__(
@@ -67,6 +68,7 @@ class Drafting:
         record: Path | None,
         draft_model: DraftModel | None = None,
         on_warning: Callable[[str], None] | None = None,
+        on_note: Callable[[str], None] | None = None,
     ) -> None:
         self.loaded = loaded
         self.config = config
@@ -74,6 +76,7 @@ class Drafting:
         self.record = record
         self.draft_model = draft_model
         self._warn = on_warning or (lambda _msg: None)
+        self._note = on_note
         self._said: set[str] = set()
         self._verify: Verify | None = None
 
@@ -85,7 +88,7 @@ class Drafting:
     def verify(self) -> Verify:
         """What the probe found for the target model on this device (measured once)."""
         if self._verify is None:
-            self._verify = verify_probe(self.loaded, self.block_size, self.record)
+            self._verify = verify_probe(self.loaded, self.block_size, self.record, self._note)
         return self._verify
 
     def plan(self, mode: str | None = None) -> Plan | None:

@@ -157,13 +157,21 @@ def _known(directory: Path, key: str) -> dict[str, Any]:
     return known if isinstance(known, dict) else {}
 
 
-def probe(loaded: LoadedModel, block_size: int, directory: Path) -> dict[str, bool]:
+Note = Callable[[str], None]
+"""Told before a probe measures (it takes seconds on a real model): what is happening."""
+
+
+def probe(
+    loaded: LoadedModel, block_size: int, directory: Path, on_note: Note | None = None
+) -> dict[str, bool]:
     """{"decode": decode KV is canonical, "batch": rows may decode together} for `loaded`
     on this device, from `directory`'s record or measured now (and recorded)."""
     key = _key(loaded, block_size)
     known = _known(directory, key)
     if all(isinstance(known.get(k), bool) for k in ("decode", "batch")):
         return {"decode": known["decode"], "batch": known["batch"]}
+    if on_note is not None:
+        on_note(f"measuring what this device computes exactly for {loaded.name} (once)")
     found = {
         "decode": decode_matches_prefill(loaded.model, block_size),
         "batch": batch_matches_solo(loaded.model),
@@ -185,7 +193,9 @@ class Verify:
     cost: float
 
 
-def verify_probe(loaded: LoadedModel, block_size: int, directory: Path | None) -> Verify:
+def verify_probe(
+    loaded: LoadedModel, block_size: int, directory: Path | None, on_note: Note | None = None
+) -> Verify:
     """`verify_width` and its cost for `loaded` on this device, from `directory`'s record
     or measured now (and recorded; None: measured, not recorded, as in a sharded run where
     every rank must make the same forwards)."""
@@ -194,6 +204,8 @@ def verify_probe(loaded: LoadedModel, block_size: int, directory: Path | None) -
     width, cost = known.get("verify"), known.get("verify_cost")
     if isinstance(width, int) and isinstance(cost, float):
         return Verify(width, cost)
+    if on_note is not None:
+        on_note(f"measuring how exactly this device verifies drafts for {loaded.name} (once)")
     found = Verify(*verify_width(loaded.model, block_size))
     if directory is not None:
         _write(directory, key, {"verify": found.width, "verify_cost": found.cost})

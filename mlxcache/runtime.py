@@ -46,6 +46,7 @@ def open_engine(
     split: str | None = None,
     on_rank_lost: Callable[[str | None], None] | None = None,
     draft: DraftConfig | None = None,
+    on_note: Callable[[str], None] | None = None,
 ) -> Engine:
     """Load `model` (default: the embedded SmolLM2) and attach the prompt cache
     `cache_config` describes.
@@ -69,6 +70,8 @@ def open_engine(
             run did; it must end this process (`distributed.Ranks.watch`). None: not
             watched (a rank may then wait forever for one that is gone).
         draft: speculative decoding's settings (`DraftConfig`); default: never drafts.
+        on_note: told what is happening when the device's exactness is measured (once per
+            model and device: seconds on a real model, with nothing else to show).
 
     Raises:
         RankError: a process of the distributed run stopped or cannot be reached.
@@ -89,14 +92,14 @@ def open_engine(
     else:
         loaded, ranks = _load_shard(model, config, split, args, on_rank_lost)
     prompts = make_cache(loaded, config, on_warning)
-    allowed = measured(loaded, config) if invariant and ranks is None else NOTHING_MEASURED
+    allowed = measured(loaded, config, on_note) if invariant and ranks is None else NOTHING_MEASURED
     # No probe in a sharded run (its forwards are one rank's): the canonical path. A cache
     # that keeps nothing resumes nothing on every rank: nothing to agree on.
     if ranks is not None and not isinstance(prompts, NoCache):
         prompts = distributed.AgreedCache(prompts, ranks, loaded.model)
     drafting = None
     if draft is not None:
-        drafting = _drafting(loaded, config, draft, ranks is not None, args)
+        drafting = _drafting(loaded, config, draft, ranks is not None, {**args, "on_note": on_note})
     return Engine(
         loaded,
         prompts,
@@ -121,7 +124,7 @@ def _drafting(
     record = None if sharded else cache_dir(config.directory)
     helper = None
     if draft.model is not None and draft.mode != "off":
-        small = load(draft.model, cache_root=config.directory, **args)
+        small = load(draft.model, cache_root=config.directory, **_loading(args))
         if not same_vocabulary(small.tokenizer, loaded.tokenizer):
             raise UserInputError(
                 f"draft model {small.name} does not share {loaded.name}'s vocabulary "
@@ -134,7 +137,13 @@ def _drafting(
             )
         own = dataclasses.replace(config, mem_bytes=config.mem_bytes // 4)
         helper = DraftModel(small, make_cache(small, own, args["on_warning"]))
-    return Drafting(loaded, draft, config.block_size, record, helper, args["on_warning"])
+    return Drafting(
+        loaded, draft, config.block_size, record, helper, args["on_warning"], args["on_note"]
+    )
+
+
+def _loading(args: dict[str, Any]) -> dict[str, Any]:
+    return {k: args[k] for k in ("progress", "on_warning")}
 
 
 def _load_shard(
@@ -166,14 +175,16 @@ def _load_shard(
 NOTHING_MEASURED = {"decode": False, "batch": False}
 
 
-def measured(loaded: LoadedModel, config: CacheConfig) -> dict[str, bool]:
+def measured(
+    loaded: LoadedModel, config: CacheConfig, on_note: Callable[[str], None] | None = None
+) -> dict[str, bool]:
     """What the device allows for `loaded` (`invariance.probe`): "decode", a reply's decode
     KV may be kept as canonical; "batch", requests may decode as one batch. Both False
     but for a plain KV model with the prompt cache on (whose directory keeps the record)."""
     layout = Layout.of(new_layers(loaded.model), config.block_size)
     if not config.enabled or layout is None or not layout.plain:
         return NOTHING_MEASURED
-    return probe(loaded, config.block_size, cache_dir(config.directory))
+    return probe(loaded, config.block_size, cache_dir(config.directory), on_note)
 
 
 def batch_anyway(engine: Engine) -> bool:

@@ -98,6 +98,16 @@ def test_tampered_golden_fails_with_the_first_difference(
     )
     assert "ok                     talk" in lines
     assert f"model key changed for 'talk': {'0' * 32} -> " in check.stderr  # type: ignore[attr-defined]
+    last = check.stderr.strip().splitlines()[-1]  # type: ignore[attr-defined]
+    assert last.startswith("4 cases under 2 variants: 3 passed, 1 failed (")
+    # --case runs only the named cases; an unknown name is one line naming the cases.
+    only = regress("check", str(path), str(out), "--variants", "cold", "--case", "talk")
+    assert only.exit_code == 0, only.stderr  # type: ignore[attr-defined]
+    assert only.stdout.splitlines() == ["ok                     talk"]  # type: ignore[attr-defined]
+    assert "1 case under 1 variant: 1 passed, 0 failed" in only.stderr  # type: ignore[attr-defined]
+    unknown = regress("check", str(path), str(out), "--case", "nope")
+    assert unknown.exit_code == 2  # type: ignore[attr-defined]
+    assert "no case 'nope' in" in unknown.stderr and "(its cases: plain, talk" in unknown.stderr  # type: ignore[attr-defined]
 
 
 def test_variant_disagreement_is_reported_as_a_bug(

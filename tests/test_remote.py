@@ -59,8 +59,13 @@ def cli(
 
 
 def notes(stderr: bytes) -> list[str]:
-    """Every stderr line but the stats line (whose timings differ run to run)."""
-    return [line for line in stderr.decode().splitlines() if "prompt tokens cached" not in line]
+    """Every stderr line but the stats line (whose timings differ run to run) and the note
+    of a probe measured in this process (once; a server measures in its own)."""
+    return [
+        line
+        for line in stderr.decode().splitlines()
+        if "prompt tokens cached" not in line and not line.startswith("measuring ")
+    ]
 
 
 def stats_line(stderr: bytes) -> str:
