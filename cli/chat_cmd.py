@@ -127,7 +127,7 @@ class Repl:
 
         text = ""
         stats = None
-        finish = ("", 0)
+        finish: tuple[str, int, str] = ("", 0, "")
         live = Live(Markdown(""), console=ui.out, auto_refresh=False) if self.markdown else None
         bar = ui.PrefillBar(self.quiet)
         try:
@@ -144,7 +144,8 @@ class Repl:
                             ui.out_text(event.text)
                     elif isinstance(event, Done):
                         stats = event.result.stats.as_dict()
-                        finish = (event.result.finish_reason, len(event.result.tokens))
+                        result = event.result
+                        finish = (result.finish_reason, len(result.tokens), result.text)
         except KeyboardInterrupt:
             close = getattr(events, "close", None)
             if close:

@@ -79,4 +79,4 @@ def _print(items: Iterable[str | remote.Finished], as_json: bool) -> None:
             ui.out_text("\n")
         ui.stats_line(stats)
         if not as_json:
-            ui.finish_note(result.finish_reason, len(result.tokens))
+            ui.finish_note(result.finish_reason, len(result.tokens), result.text)

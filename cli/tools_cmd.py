@@ -153,7 +153,7 @@ def tools_cmd(
     if reply.error is not None:
         raise OutputError(reply.error)
     if not as_json:
-        ui.finish_note(result.finish_reason, len(result.tokens))
+        ui.finish_note(result.finish_reason, len(result.tokens), result.text)
     if engine is not None and engine.warm_ahead and run.cache().disk_bytes:
         _warm_ahead(engine, task, messages, reply)
 

@@ -166,10 +166,21 @@ def warn(message: object) -> None:
     )
 
 
-def finish_note(finish_reason: str, tokens: int) -> None:
-    """Say when a plain reply ended at the token limit rather than where the model stopped."""
-    if finish_reason == "length":
-        info(f"stopped at the token limit ({tokens} tokens; -n for more)")
+def finish_note(finish_reason: str, tokens: int, text: str = "") -> None:
+    """Say when a plain reply ended at the token limit rather than where the model stopped,
+    and when it was looping (a small model at greedy decoding): what helps."""
+    if finish_reason != "length":
+        return
+    from mlxcache.modes.repeats import describe_loop
+
+    loop = describe_loop(text)
+    if loop:
+        info(
+            f"stopped at the token limit ({plural(tokens, 'token')}){loop}: "
+            "--repetition-penalty 1.1 or --temp 0.7 can get it out, -n caps it sooner"
+        )
+    else:
+        info(f"stopped at the token limit ({plural(tokens, 'token')}; -n for more)")
 
 
 @dataclass(slots=True)

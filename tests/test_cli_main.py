@@ -145,3 +145,16 @@ def test_mlx_lm_habits_point_to_our_flags(args: list[str], message: str) -> None
 def test_plurals() -> None:
     assert [ui.plural(n, "token") for n in (0, 1, 2)] == ["0 tokens", "1 token", "2 tokens"]
     assert [ui.plural(n, "entry") for n in (1, 3)] == ["1 entry", "3 entries"]
+
+
+def test_a_looping_reply_says_what_helps(cache_root: Path, tiny_gguf: Path) -> None:
+    """The tiny model at greedy decoding ends "hello" in one character, repeated."""
+    result = CliRunner().invoke(
+        app, ["generate", "--raw", "hello", "-m", str(tiny_gguf), "-n", "80"]
+    )
+    assert result.exit_code == 0, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("stopped at the token limit (80 tokens); it was repeating ")
+    assert last.endswith(
+        ": --repetition-penalty 1.1 or --temp 0.7 can get it out, -n caps it sooner"
+    )
