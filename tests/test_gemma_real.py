@@ -264,3 +264,11 @@ def test_drafting_is_refused_where_the_probe_fails(gemma: LoadedModel, tmp_path:
     drafted = engine.complete(Request(request.tokens, request.sampling, draft="lookup"))
     assert drafted.tokens == engine.complete(request).tokens and drafted.stats.draft == ""
     assert len(said) == 1 and said[0].startswith("drafting off:")
+
+
+def test_the_package_name_is_a_model_name(cache_root: Path, gemma: LoadedModel) -> None:
+    """`-m gemma3-270m`: the package's chunks assembled once, converted, loaded."""
+    loaded = load("gemma3-270m", cache_root=cache_root)
+    assert loaded.name == "gemma3-270m" and loaded.key == gemma.key
+    assert (cache_root / "packages" / "gemma-3-270m-q4_k_m.gguf").is_file()
+    assert not list((cache_root / "packages").glob("*.part"))

