@@ -922,3 +922,17 @@ def check_drafted(rig: Rig) -> None:
     for e in engine.run():
         seen.setdefault(e.request_id, []).append(e)
     assert [scored(seen[i]) for i in ids] == [*solo, alone], "a reply depends on its neighbours"
+
+
+def check_probes_apart(rig: Rig) -> None:
+    """Each model's probe answers are its own: a model whose bits depend on the call shapes
+    measured in a cache directory where an exact model's answers are recorded already (the
+    same block size, device and versions) is still refused decode KV, batching and
+    drafting."""
+    from mlxcache.invariance import probe, verify_probe
+
+    plain = load(rig.variant.source)
+    assert probe(plain, B, rig.dir)["decode"] and verify_probe(plain, B, rig.dir).width > 1
+    found = probe(rig.variant.loaded, B, rig.dir)
+    assert not found["decode"] and not found["batch"], "another model's probe answers were read"
+    assert verify_probe(rig.variant.loaded, B, rig.dir).width == 1, "another model's verify width"

@@ -396,6 +396,17 @@ def probe_trusted(patch: Patch) -> None:
     patch(invariance, "decode_matches_prefill", lambda model, block_size: True)
 
 
+def probe_key_without_model(patch: Patch) -> None:
+    """Probe answers recorded per block size, device and versions but not per model: one
+    model reads another's."""
+    key = invariance._key
+    patch(invariance, "_key", lambda loaded, block_size: key(_Unnamed(), block_size))
+
+
+class _Unnamed:
+    key = "any model"
+
+
 def batch_probe_trusted(patch: Patch) -> None:
     """Rows are taken to decode exactly in a batch without running the probe: requests
     decode together on the shape-sensitive model too."""
@@ -530,6 +541,7 @@ MUTANTS: dict[str, Callable[[Patch], None]] = {
         no_capture,
         state_of_the_block_start,
         probe_trusted,
+        probe_key_without_model,
         batch_probe_trusted,
         resume_anywhere_unprobed,
         reply_end_not_fed,

@@ -11,7 +11,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 import pytest
-from guarantees import Rig, Variant, check_drafted, prompt, scored
+from guarantees import Rig, Variant, check_drafted, check_probes_apart, prompt, scored
 from typer.testing import CliRunner
 
 from mlxcache.bench.families import FAMILIES, build
@@ -33,6 +33,10 @@ B = 4
 @pytest.mark.parametrize("name", ["plain", "shaped", "sliding", "recurrent", "checkpointed"])
 def test_drafted_is_plain(name: str, variants: dict[str, Variant], tmp_path: Path) -> None:
     check_drafted(Rig(variants[name], tmp_path))
+
+
+def test_probe_answers_are_per_model(variants: dict[str, Variant], tmp_path: Path) -> None:
+    check_probes_apart(Rig(variants["shaped"], tmp_path))
 
 
 # -- the lookup drafter ---------------------------------------------------------------------

@@ -19,6 +19,7 @@ from guarantees import (
     check_fork,
     check_kept_replies,
     check_lanes,
+    check_probes_apart,
     check_restore_repeatedly,
     check_two_block_sizes,
     check_two_models,
@@ -67,6 +68,7 @@ CAUGHT_BY: dict[str, list[tuple[str, str]]] = {
     "no_capture": [("sliding", "fork"), ("recurrent", "fork")],
     "state_of_the_block_start": [("recurrent", "fork"), ("recurrent", "chat")],
     "probe_trusted": [("shaped", "kept_replies")],
+    "probe_key_without_model": [("shaped", "probes_apart")],
     "batch_probe_trusted": [("shaped", "batched")],
     "resume_anywhere_unprobed": [("shaped", "chat"), ("shaped", "fork")],
     "reply_end_not_fed": [("plain", "kept_replies"), ("plain", "batched")],
@@ -114,6 +116,7 @@ def test_mutant_is_caught(
         "kept_replies": check_kept_replies,
         "batched": check_batched,
         "drafted": check_drafted,
+        "probes_apart": check_probes_apart,
         "two_models": lambda rig: check_two_models(rig, other_variants[rig.variant.name]),
     }
     for i, (variant, check) in enumerate(CAUGHT_BY[mutant]):
