@@ -255,15 +255,14 @@ def stop_reason(answer: Answer, outcome: Outcome) -> str:
 
 def usage(u: Usage) -> dict[str, Any]:
     """Anthropic's usage: `input_tokens` are the prompt tokens not read from the cache."""
-    doc: dict[str, Any] = {
-        "input_tokens": u.prompt_tokens - u.cached_tokens,
-        "cache_read_input_tokens": u.cached_tokens,
-        "cache_creation_input_tokens": 0,
-        "output_tokens": u.completion_tokens,
-    }
-    if u.mlxcache is not None:
-        doc["mlxcache"] = u.mlxcache
-    return doc
+    return u.tagged(
+        {
+            "input_tokens": u.prompt_tokens - u.cached_tokens,
+            "cache_read_input_tokens": u.cached_tokens,
+            "cache_creation_input_tokens": 0,
+            "output_tokens": u.completion_tokens,
+        }
+    )
 
 
 def _blocks(env: Envelope, answer: Answer) -> list[dict[str, Any]]:

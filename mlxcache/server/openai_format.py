@@ -25,9 +25,11 @@ class Usage:
             "total_tokens": self.prompt_tokens + self.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
-        if self.mlxcache is not None:
-            doc["mlxcache"] = self.mlxcache
-        return doc
+        return self.tagged(doc)
+
+    def tagged(self, doc: dict[str, Any]) -> dict[str, Any]:
+        """`doc` (a usage object of any API) with the request's own stats, when asked for."""
+        return doc if self.mlxcache is None else {**doc, "mlxcache": self.mlxcache}
 
 
 def sse(data: dict[str, Any] | str) -> str:

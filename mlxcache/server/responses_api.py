@@ -248,16 +248,16 @@ def call_id(env: Envelope, index: int) -> str:
 
 
 def usage(u: Usage) -> dict[str, Any]:
-    doc: dict[str, Any] = {
-        "input_tokens": u.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": u.cached_tokens},
-        "output_tokens": u.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
-        "total_tokens": u.prompt_tokens + u.completion_tokens,
-    }
-    if u.mlxcache is not None:
-        doc["mlxcache"] = u.mlxcache
-    return doc
+    """The Responses API's usage (`cached_tokens`: what the prompt cache resumed)."""
+    return u.tagged(
+        {
+            "input_tokens": u.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": u.cached_tokens},
+            "output_tokens": u.completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": u.prompt_tokens + u.completion_tokens,
+        }
+    )
 
 
 def _items(env: Envelope, answer: Answer) -> list[dict[str, Any]]:
