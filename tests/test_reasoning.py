@@ -414,3 +414,35 @@ def test_reasoning_effort_turns_a_templates_thinking_off_or_on(wearing: LoadedMo
         assert plan(effort).ignored == ()
         assert plan(effort, verbosity="high").ignored == ("verbosity",)
     assert wearing.tokenizer.decode(plan("none").ids).endswith("<think>\n\n</think>\n\n")
+
+
+@pytest.mark.parametrize("wearing", [ALWAYS_OPENS], indirect=True)
+def test_messages_and_responses_carry_the_thinking_apart(wearing: LoadedModel) -> None:
+    """A thinking section is Anthropic's `thinking` block and a Responses `reasoning` item,
+    streamed or not: the same text as the chat completion's `reasoning`."""
+    from asgi import call
+
+    engine = Engine(wearing, warm_ahead=False)
+    ask = [{"role": "user", "content": "hi"}]
+    cold = engine.complete(Request(engine.encoder.encode_chat(ask), SamplingParams(max_tokens=12)))
+    thought = cold.text.strip()
+    with EngineWorker(engine) as worker:
+        app = create_app(engine, worker, Settings(wearing.name), RequestLog(stream=io.StringIO()))
+        body = {"model": wearing.name, "messages": ask, "max_tokens": 12}
+        message = call(app, "POST", "/v1/messages", body).json()
+        assert message["content"][0] == {"type": "thinking", "thinking": thought, "signature": ""}
+        events = call(app, "POST", "/v1/messages", {**body, "stream": True}).events()
+        deltas = [json.loads(e)["delta"] for e in events if '"content_block_delta"' in e]
+        assert "".join(d.get("thinking", "") for d in deltas) == thought
+        asked = {"model": wearing.name, "input": "hi", "max_output_tokens": 12}
+        response = call(app, "POST", "/v1/responses", asked).json()
+        assert response["output"][0]["summary"] == [{"type": "summary_text", "text": thought}]
+        streamed = call(app, "POST", "/v1/responses", {**asked, "stream": True}).events()
+        final = json.loads(streamed[-1])["response"]
+
+        def shown(doc: dict[str, Any]) -> list[Any]:
+            return [{k: v for k, v in item.items() if k != "id"} for item in doc["output"]]
+
+        assert shown(final) == shown(response) and final["status"] == "incomplete"
+        added = [json.loads(e)["item"] for e in streamed if '"response.output_item.done"' in e]
+        assert added[0]["summary"] == [{"type": "summary_text", "text": thought}]

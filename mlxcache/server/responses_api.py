@@ -310,6 +310,7 @@ def response(
 ) -> dict[str, Any]:
     """A Response object (the fields the SDKs read)."""
     fmt = body.text.format if body.text and body.text.format else None
+    choice = body.tool_choice
     return {
         "id": env.id,
         "object": "response",
@@ -331,9 +332,7 @@ def response(
         "text": {
             "format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}
         },
-        "tool_choice": body.tool_choice
-        if isinstance(body.tool_choice, str)
-        else (body.tool_choice.model_dump() if body.tool_choice else "auto"),
+        "tool_choice": choice.model_dump() if isinstance(choice, NamedTool) else choice or "auto",
         "tools": [t.model_dump(exclude_none=True) for t in body.tools or ()],
         "top_p": body.top_p,
         "truncation": "disabled",
@@ -367,23 +366,40 @@ async def events(
     usage_of: Callable[[Outcome], Usage],
     done: Callable[[Answer], Awaitable[None]],
 ) -> AsyncIterator[str | Outcome]:
-    """response.created, in_progress; the message item with its text deltas as they come;
-    each function call with its arguments; response.completed (or incomplete)."""
+    """response.created, in_progress; a thinking section as a reasoning item (when the
+    answer starts); the message item with its text deltas as they come; each function call
+    with its arguments; response.completed (or incomplete). Output indexes are the final
+    Response's."""
     ev = Events()
     yield ev("response.created", {"response": response(env, body, "in_progress", [])})
     yield ev("response.in_progress", {"response": response(env, body, "in_progress", [])})
     index = -1
-    text = ""
-    opened = False
+    text = reasoning = ""
+    opened = thought = False
     item_id = f"msg_{env.id}"
+
+    def reasoned(final: str) -> list[str]:
+        """The reasoning item, once, when there is one."""
+        nonlocal index, thought
+        if thought or not final:
+            return []
+        index, thought = index + 1, True
+        item = {"type": "reasoning", "id": f"rs_{env.id}", "summary": []}
+        done_item = {**item, "summary": [{"type": "summary_text", "text": final}]}
+        return [
+            ev("response.output_item.added", {"output_index": index, "item": item}),
+            ev("response.output_item.done", {"output_index": index, "item": done_item}),
+        ]
 
     def open_message() -> list[str]:
         nonlocal index, opened
         if opened:
             return []
+        opening = reasoned(reasoning)
         index, opened = index + 1, True
         where = {"item_id": item_id, "output_index": index, "content_index": 0}
         return [
+            *opening,
             ev(
                 "response.output_item.added",
                 {"output_index": index, "item": _message_item(env, "", "in_progress")},
@@ -393,7 +409,8 @@ async def events(
 
     async for kind, delta in stream.deltas():
         if kind != "content":
-            continue  # reasoning comes as its item at the end
+            reasoning += delta  # its item comes whole, before the answer's
+            continue
         for item in open_message():
             yield item
         text += delta
@@ -407,6 +424,8 @@ async def events(
         yield ev("response.failed", {"response": failed})
         return
     answer = plan.answer(outcome.text, outcome.finish_reason)
+    for item in reasoned(answer.reasoning or ""):
+        yield item
     if answer.content or not answer.calls or opened:
         for item in open_message():
             yield item
