@@ -936,3 +936,23 @@ def check_probes_apart(rig: Rig) -> None:
     found = probe(rig.variant.loaded, B, rig.dir)
     assert not found["decode"] and not found["batch"], "another model's probe answers were read"
     assert verify_probe(rig.variant.loaded, B, rig.dir).width == 1, "another model's verify width"
+
+
+def check_foreign_tail(rig: Rig) -> None:
+    """A prompt that starts with the tokens of another conversation's remembered tail (but
+    not with that conversation's own prefix) resumes nothing from it: its tokens, logits and
+    log-probabilities are the cold run's. Where a resume inside a block is allowed
+    (decode KV measured canonical), tails are continued only after their own prefix."""
+    engine, spy = rig.engine()
+    assert isinstance(engine.cache, PromptCache)
+    engine.keep_replies = measured(engine.loaded, engine.cache.config)["decode"]
+    first = prompt(2 * B + 2, seed=50)
+    run(engine, spy, first)  # its tail past two blocks is remembered
+    other = [*first[2 * B :], *prompt(B + 3, seed=51)]  # starts with that tail's tokens
+    got = run(engine, spy, other)
+    cold = rig.cold(other)
+    assert got.tokens == cold.tokens, f"tokens {got.tokens} != cold {cold.tokens}"
+    assert mx.array_equal(got.logits, cold.logits), "last-prompt logits differ from cold"
+    params = SamplingParams(max_tokens=6, temperature=0.9, seed=4)
+    warm = scored(list(engine.generate(Request(other, params, logprobs=2))))
+    assert warm == scored(list(rig._cold.generate(Request(other, params, logprobs=2))))

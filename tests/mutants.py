@@ -27,6 +27,7 @@ from mlxcache.cache.disk import DiskTier, digest_tokens
 from mlxcache.cache.layout import Layout
 from mlxcache.cache.memory import MemoryTier
 from mlxcache.cache.store import PromptCache
+from mlxcache.encoder import common_prefix
 from mlxcache.engine import Engine
 from mlxcache.events import Event, Prefill, Result, Token
 
@@ -407,6 +408,26 @@ class _Unnamed:
     key = "any model"
 
 
+def foreign_tail(patch: Patch) -> None:
+    """A remembered tail continues any prompt that starts with its tokens, whatever came
+    before them (its prefix unchecked)."""
+
+    def partial(self: MemoryTier, tokens: np.ndarray, length: int, limit: int) -> Any:
+        if self.layout is None or not self.layout.plain or limit <= 0:
+            return None
+        best = None
+        for tail in self._tails.values():
+            k = common_prefix(tail.ids, tokens[length:])
+            if k and (best is None or k > best[1]):
+                best = (tail.kv, k)
+        if best is None:
+            return None
+        k = min(best[1], limit)
+        return self.layout.head(best[0], k), k
+
+    patch(MemoryTier, "partial", partial)
+
+
 def batch_probe_trusted(patch: Patch) -> None:
     """Rows are taken to decode exactly in a batch without running the probe: requests
     decode together on the shape-sensitive model too."""
@@ -542,6 +563,7 @@ MUTANTS: dict[str, Callable[[Patch], None]] = {
         state_of_the_block_start,
         probe_trusted,
         probe_key_without_model,
+        foreign_tail,
         batch_probe_trusted,
         resume_anywhere_unprobed,
         reply_end_not_fed,

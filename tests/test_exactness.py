@@ -17,7 +17,9 @@ from guarantees import (
     check_cancelled_decode,
     check_chat,
     check_disk,
+    check_drafted,
     check_follow,
+    check_foreign_tail,
     check_fork,
     check_interrupted,
     check_interrupted_inside_a_chunk,
@@ -72,6 +74,8 @@ CHECKS: list[Callable[[Rig], None]] = [
     check_two_block_sizes,
     check_kept_replies,
     check_batched,
+    check_drafted,
+    check_foreign_tail,
 ]
 
 

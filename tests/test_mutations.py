@@ -16,6 +16,7 @@ from guarantees import (
     check_chat,
     check_drafted,
     check_follow,
+    check_foreign_tail,
     check_fork,
     check_kept_replies,
     check_lanes,
@@ -69,6 +70,7 @@ CAUGHT_BY: dict[str, list[tuple[str, str]]] = {
     "state_of_the_block_start": [("recurrent", "fork"), ("recurrent", "chat")],
     "probe_trusted": [("shaped", "kept_replies")],
     "probe_key_without_model": [("shaped", "probes_apart")],
+    "foreign_tail": [("plain", "foreign_tail")],
     "batch_probe_trusted": [("shaped", "batched")],
     "resume_anywhere_unprobed": [("shaped", "chat"), ("shaped", "fork")],
     "reply_end_not_fed": [("plain", "kept_replies"), ("plain", "batched")],
@@ -117,6 +119,7 @@ def test_mutant_is_caught(
         "batched": check_batched,
         "drafted": check_drafted,
         "probes_apart": check_probes_apart,
+        "foreign_tail": check_foreign_tail,
         "two_models": lambda rig: check_two_models(rig, other_variants[rig.variant.name]),
     }
     for i, (variant, check) in enumerate(CAUGHT_BY[mutant]):
