@@ -956,3 +956,28 @@ def check_foreign_tail(rig: Rig) -> None:
     params = SamplingParams(max_tokens=6, temperature=0.9, seed=4)
     warm = scored(list(engine.generate(Request(other, params, logprobs=2))))
     assert warm == scored(list(rig._cold.generate(Request(other, params, logprobs=2))))
+
+
+def check_sparse_states(rig: Rig) -> None:
+    """Recurrent state kept only every third block (`state_stride` 3, as the measured
+    default may choose), each request on a new PromptCache over the same directory (only
+    the disk tier's states: the ones between strides lived in the previous cache's memory):
+    forks that leave earlier prompts between kept states, and a chat's turns, give the cold
+    run's tokens and log-probabilities."""
+    config = CacheConfig(block_size=B, directory=rig.dir, state_stride=3)
+
+    def fresh() -> Engine:
+        return Engine(
+            rig.variant.loaded,
+            PromptCache(
+                rig.variant.loaded.model, rig.variant.loaded.key, config, root=rig.dir / "kv"
+            ),
+        )
+
+    base = prompt(9 * B + 2, seed=60)
+    asks = [base, base[: 5 * B + 1] + prompt(7, seed=61), base[: 7 * B + 3] + prompt(4, seed=62)]
+    turn = [*base, *prompt(6, seed=63)]
+    for tokens in [*asks, turn, [*turn, *prompt(2 * B, seed=64)]]:
+        request = Request(tokens, CHAT, logprobs=2)
+        got = scored(list(fresh().generate(request)))
+        assert got == scored(list(rig._cold.generate(request))), f"{len(tokens)} tokens: not cold's"

@@ -428,6 +428,18 @@ def foreign_tail(patch: Patch) -> None:
     patch(MemoryTier, "partial", partial)
 
 
+def resume_past_the_state(patch: Patch) -> None:
+    """A recurrent model resumes one block past its last kept state (harmless where every
+    block keeps one: `state_stride` 1, or states between strides in memory)."""
+    resumable = MemoryTier.resumable
+
+    def later(self: MemoryTier, entry: Any, length: int) -> int:
+        found = resumable(self, entry, length)
+        return found if found in (0, length) else min(length, found + self.block_size)
+
+    patch(MemoryTier, "resumable", later)
+
+
 def batch_probe_trusted(patch: Patch) -> None:
     """Rows are taken to decode exactly in a batch without running the probe: requests
     decode together on the shape-sensitive model too."""
@@ -564,6 +576,7 @@ MUTANTS: dict[str, Callable[[Patch], None]] = {
         probe_trusted,
         probe_key_without_model,
         foreign_tail,
+        resume_past_the_state,
         batch_probe_trusted,
         resume_anywhere_unprobed,
         reply_end_not_fed,

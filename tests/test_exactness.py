@@ -27,6 +27,7 @@ from guarantees import (
     check_lanes,
     check_new_process,
     check_restore_repeatedly,
+    check_sparse_states,
     check_two_block_sizes,
     check_two_models,
     check_warm,
@@ -76,6 +77,7 @@ CHECKS: list[Callable[[Rig], None]] = [
     check_batched,
     check_drafted,
     check_foreign_tail,
+    check_sparse_states,
 ]
 
 

@@ -22,6 +22,7 @@ from guarantees import (
     check_lanes,
     check_probes_apart,
     check_restore_repeatedly,
+    check_sparse_states,
     check_two_block_sizes,
     check_two_models,
     check_warm,
@@ -71,6 +72,7 @@ CAUGHT_BY: dict[str, list[tuple[str, str]]] = {
     "probe_trusted": [("shaped", "kept_replies")],
     "probe_key_without_model": [("shaped", "probes_apart")],
     "foreign_tail": [("plain", "foreign_tail")],
+    "resume_past_the_state": [("recurrent", "sparse_states")],
     "batch_probe_trusted": [("shaped", "batched")],
     "resume_anywhere_unprobed": [("shaped", "chat"), ("shaped", "fork")],
     "reply_end_not_fed": [("plain", "kept_replies"), ("plain", "batched")],
@@ -120,6 +122,7 @@ def test_mutant_is_caught(
         "drafted": check_drafted,
         "probes_apart": check_probes_apart,
         "foreign_tail": check_foreign_tail,
+        "sparse_states": check_sparse_states,
         "two_models": lambda rig: check_two_models(rig, other_variants[rig.variant.name]),
     }
     for i, (variant, check) in enumerate(CAUGHT_BY[mutant]):
