@@ -404,3 +404,43 @@ def test_every_call_rank_0_tells_is_one_the_engine_marks_and_followers_replay() 
     assert replay(engine, "cancel_warm").__func__ is Engine.cancel_warm  # type: ignore[attr-defined]
     with pytest.raises(RankError, match="rank 0 asked for engine call 'complete', which no rank"):
         replay(engine, "complete")
+
+
+def test_a_rank_that_found_another_length_makes_every_rank_resume_nothing(
+    tiny: LoadedModel, tmp_path: Path
+) -> None:
+    """`AgreedCache` over collectives played here: rank 0's lookup against a peer's. The
+    same length resumes; another makes this rank resume nothing (its lease released, no
+    entry pinned), at once, with no wait for a peer."""
+    import numpy as np
+
+    from mlxcache.cache.store import PromptCache
+    from mlxcache.config import CacheConfig
+    from mlxcache.distributed import AgreedCache, Ranks
+    from mlxcache.engine import Engine, Request
+    from mlxcache.sampling import SamplingParams
+
+    config = CacheConfig(block_size=4, directory=tmp_path, disk_bytes=0)
+    inner = PromptCache(tiny.model, tiny.key, config)
+    tokens = np.arange(3, 21, dtype=np.int32)
+    Engine(tiny, inner).complete(Request(tokens, SamplingParams(max_tokens=1)))
+
+    def ranks(peer_offset: int) -> Ranks:
+        fake = object.__new__(Ranks)
+        fake.stepping = True
+        # Rank 0 sends its values; the sum counts the ranks whose values differ from them.
+        fake._from_leader = lambda mine, what: mine  # type: ignore[method-assign]
+        fake._sum = lambda differ, what: differ + np.array([int(peer_offset != 0)])  # type: ignore[method-assign]
+        return fake
+
+    longer = np.concatenate([tokens, [50, 51]]).astype(np.int32)  # its 4 full blocks kept
+    agreed = AgreedCache(inner, ranks(0), tiny.model)
+    with agreed.restore(longer) as lease:
+        assert lease.length == 16
+    assert agreed.cached_length(longer) == 16
+    apart = AgreedCache(inner, ranks(4), tiny.model)
+    with apart.restore(longer) as lease:
+        assert lease.length == 0
+        assert inner.report()["open_leases"] == 0  # the lease on what it found: released
+    assert apart.cached_length(longer) == 0
+    assert inner.report()["open_leases"] == 0
