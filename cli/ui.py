@@ -369,10 +369,14 @@ def progress_bar(transient: bool = True) -> Iterator[Callable[[str, int, int], N
     """A stderr progress bar, shown from the first update on; yields `update(stage, done, total)`."""
     bar: Progress | None = None
     tasks: dict[str, TaskID] = {}
+    said: set[str] = set()
 
     def update(stage: str, done: int, total: int) -> None:
         nonlocal bar
-        if not _shared("err").is_terminal:  # a log or a pipe gets no redraw noise
+        if not _shared("err").is_terminal:  # a log or a pipe: one line per stage, no redraws
+            if stage not in said:
+                said.add(stage)
+                info(f"converting the model (once): {stage}, {total} steps...")
             return
         if bar is None:
             bar = _new_bar("{task.description}", "{task.completed}/{task.total}", transient)

@@ -189,3 +189,16 @@ def test_an_interrupt_mid_reply_starts_its_error_on_a_line_of_its_own(
     result = CliRunner().invoke(sub, ["interrupted"])
     assert result.exit_code == 130
     assert result.stdout == "The capital of\n" and result.stderr == "error: interrupted\n"
+
+
+def test_a_conversion_piped_to_a_log_says_what_it_does(tmp_path: Path) -> None:
+    """No terminal: one line per stage of a GGUF conversion, no redraws."""
+    from tinymodel import write_tiny_gguf
+
+    write_tiny_gguf(tmp_path / "fresh.gguf")
+    args = ["generate", "--raw", "hi", "-m", str(tmp_path / "fresh.gguf"), "-n", "1"]
+    result = CliRunner().invoke(app, [*args, "--cache-dir", str(tmp_path / "c")])
+    assert result.exit_code == 0, result.stderr
+    lines = result.stderr.splitlines()
+    assert lines[0].startswith("converting the model (once): weights, ")
+    assert sum(line.startswith("converting the model") for line in lines) == 2  # weights, write
