@@ -388,7 +388,7 @@ def engine(
     if split is not None and split not in SPLITS:
         raise UserInputError(f"--split must be one of {', '.join(SPLITS)}, got {split!r}")
     spec = model or default_spec()
-    with ui.progress_bar() as update:
+    with ui.progress_bar(piped="converting the model (once)") as update:
         return open_engine(
             spec,
             config,

@@ -364,19 +364,27 @@ class PrefillBar:
         self.close()
 
 
+PIPED_MIN_STEPS = 64
+"""A stage this long is said in a log (a real model's conversion: minutes, 200+ tensors);
+a shorter one is over before anyone reads it."""
+
+
 @contextmanager
-def progress_bar(transient: bool = True) -> Iterator[Callable[[str, int, int], None]]:
-    """A stderr progress bar, shown from the first update on; yields `update(stage, done, total)`."""
+def progress_bar(
+    transient: bool = True, piped: str | None = None
+) -> Iterator[Callable[[str, int, int], None]]:
+    """A stderr progress bar, shown from the first update on; yields `update(stage, done,
+    total)`. Not on a terminal: nothing, or with `piped`, one line per stage saying it."""
     bar: Progress | None = None
     tasks: dict[str, TaskID] = {}
     said: set[str] = set()
 
     def update(stage: str, done: int, total: int) -> None:
         nonlocal bar
-        if not _shared("err").is_terminal:  # a log or a pipe: one line per stage, no redraws
-            if stage not in said:
+        if not _shared("err").is_terminal:  # a log or a pipe: no redraw noise
+            if piped is not None and total >= PIPED_MIN_STEPS and stage not in said:
                 said.add(stage)
-                info(f"converting the model (once): {stage}, {total} steps...")
+                info(f"{piped}: {stage}, {total} steps...")
             return
         if bar is None:
             bar = _new_bar("{task.description}", "{task.completed}/{task.total}", transient)

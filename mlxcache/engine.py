@@ -104,7 +104,12 @@ class Engine:
         self._batch = DecodeBatch()
         self._warn = on_warning or (lambda _msg: None)
         self._ids = itertools.count()
-        self._sched: Scheduler[Lane] = Scheduler()
+        block = self.cache.block_size
+        # Waiting for another request's blocks pays only where they are kept whole-block.
+        sharing = self.cache.trimmable and not isinstance(self.cache, NoCache)
+        self._sched: Scheduler[Lane] = Scheduler(
+            waits=(lambda lane, earlier: lanes.waits_for(lane, earlier, block)) if sharing else None
+        )
         self.ranks = ranks
         """The other processes of a sharded run (`distributed`); None when alone."""
         self.drafting = drafting or Drafting.off(loaded, self.cache.block_size)

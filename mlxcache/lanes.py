@@ -133,6 +133,16 @@ def overtaken(lane: Lane, tokens: np.ndarray, block: int) -> tuple[bool, bool]:
     return shared >= block, block <= shared < len(lane.tokens)
 
 
+def waits_for(lane: Lane, earlier: Lane, block: int) -> bool:
+    """Whether a request not started yet (`lane`) waits for an earlier one's prefill: when
+    at least a block of its prompt, and at least half of the earlier prompt, is the same
+    (agents sharing a system prompt and tools, a fork sent beside its original). Then it
+    resumes the earlier one's kept blocks instead of computing them at the same time; a
+    small share is not worth the wait."""
+    shared = common_prefix(lane.tokens, earlier.tokens) // block * block
+    return shared >= block and 2 * shared >= len(earlier.tokens)
+
+
 def advance(
     lane: Lane, rid: int, value: mx.array | None, own: bool, model: Model, batch: DecodeBatch
 ) -> Event | Step | None:

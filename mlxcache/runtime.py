@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from mlx_lm.models.cache import KVCache
 
@@ -22,7 +22,7 @@ from mlxcache.launch import launched_rank
 from mlxcache.model import LoadedModel, load
 from mlxcache.model.gguf import Progress
 from mlxcache.paths import cache_dir, kv_dir
-from mlxcache.types import new_layers
+from mlxcache.types import as_module, new_layers
 
 
 def make_cache(
@@ -137,9 +137,8 @@ def _drafting(
             )
         own = dataclasses.replace(config, mem_bytes=config.mem_bytes // 4)
         helper = DraftModel(small, make_cache(small, own, args["on_warning"]))
-    return Drafting(
-        loaded, draft, config.block_size, record, helper, args["on_warning"], args["on_note"]
-    )
+    note = noted(loaded, args["on_note"])
+    return Drafting(loaded, draft, config.block_size, record, helper, args["on_warning"], note)
 
 
 def _loading(args: dict[str, Any]) -> dict[str, Any]:
@@ -184,7 +183,24 @@ def measured(
     layout = Layout.of(new_layers(loaded.model), config.block_size)
     if not config.enabled or layout is None or not layout.plain:
         return NOTHING_MEASURED
-    return probe(loaded, config.block_size, cache_dir(config.directory), on_note)
+    return probe(loaded, config.block_size, cache_dir(config.directory), noted(loaded, on_note))
+
+
+NOTED_PARAMETERS = 10_000_000
+"""A model this large takes seconds to probe: it is said (a small one is done at once)."""
+
+
+def noted(
+    loaded: LoadedModel, on_note: Callable[[str], None] | None
+) -> Callable[[str], None] | None:
+    """`on_note` for a model whose probes take long enough to be said."""
+    from mlx.utils import tree_flatten
+
+    if on_note is None:
+        return None
+    arrays = cast(list[tuple[str, Any]], tree_flatten(as_module(loaded.model).parameters()))
+    size = sum(int(v.size) for _, v in arrays)
+    return on_note if size >= NOTED_PARAMETERS else None
 
 
 def batch_anyway(engine: Engine) -> bool:

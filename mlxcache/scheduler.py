@@ -8,6 +8,9 @@ generator and tells the scheduler what became of it (`requeue`, `finish`, `cance
   to the back. Requests always take their turn; a follow lane only while no request is
   prefilling (so it never delays a first token) and only when it has work (a block of
   prompt + reply completed, or its request has ended).
+- **waiting on a shared prompt**: a request not started yet whose prompt is mostly an
+  earlier request's still being prefilled (`waits`: the engine's rule) waits for it, and
+  then resumes what it kept instead of computing the same blocks beside it.
 - **the warm queue**: warm-ahead lanes, oldest first. The oldest runs until it ends (one
   restored KV copy at a time), and only when the round has nothing to run.
 
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import enum
 from collections import deque
+from collections.abc import Callable
 from typing import Generic, Protocol, TypeVar
 
 
@@ -111,9 +115,11 @@ L = TypeVar("L", bound=Schedulable)
 
 
 class Scheduler(Generic[L]):
-    """The engine's lanes by id, in their queues (see the module's doc)."""
+    """The engine's lanes by id, in their queues (see the module's doc). `waits(lane,
+    earlier)`: whether a request not started yet waits for an earlier one's prefill."""
 
-    def __init__(self) -> None:
+    def __init__(self, waits: Callable[[L, L], bool] | None = None) -> None:
+        self._waits = waits
         self._lanes: dict[int, L] = {}
         self._round: deque[int] = deque()  # requests and follow lanes, next turn first
         self._warm: deque[int] = deque()  # warm-ahead lanes, oldest first
@@ -154,6 +160,7 @@ class Scheduler(Generic[L]):
                 r
                 for r in self._round
                 if self._may_run(self._lanes[r], background and not prefilling)
+                and not self._waiting(r)
             ),
             None,
         )
@@ -164,6 +171,19 @@ class Scheduler(Generic[L]):
         if rid is None and background and self._warm:
             rid = self._warm[0]
         return rid
+
+    def _waiting(self, rid: int) -> bool:
+        """A request not started yet that waits for an earlier request's prefill."""
+        lane = self._lanes[rid]
+        if self._waits is None or lane.kind is not LaneKind.REQUEST:
+            return False
+        if lane.phase is not Phase.RESTORING:
+            return False
+        return any(
+            r < rid and self._waits(lane, self._lanes[r])
+            for r in self._round
+            if self._prefilling(self._lanes[r])
+        )
 
     @staticmethod
     def _prefilling(lane: Schedulable) -> bool:

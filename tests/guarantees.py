@@ -412,12 +412,19 @@ def check_lanes(rig: Rig) -> None:
         # what the first kept if that chunk reached the first's keep point.
         # A first lane whose first chunk ends its prompt remembers its tail at once.
         first, second = (prompts[i] for i in order)
+        # A second lane whose prompt is mostly the first's waits for the first's prefill
+        # (`lanes.waits_for`) and resumes all it kept.
         expect = [rig.geo.resume(first, engine.cache)]
         reached = min(expect[0] + B, len(first))
-        if reached == rig.geo.keep_at(first):
-            rig.geo.ran(first, expect[0])
-        if reached == len(first):
+        shared = _common_prefix(first, second) // B * B
+        waits = rig.variant.trimmable and shared >= B and 2 * shared >= len(first)
+        if waits and reached < len(first):
             rig.geo.ran(first, expect[0], engine.cache)
+        else:
+            if reached == rig.geo.keep_at(first):
+                rig.geo.ran(first, expect[0])
+            if reached == len(first):
+                rig.geo.ran(first, expect[0], engine.cache)
         expect.append(rig.geo.resume(second, engine.cache))
         spy.reset()
         ids = [engine.submit(Request(prompts[i], params[i])) for i in order]

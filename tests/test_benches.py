@@ -103,4 +103,9 @@ def test_agent_bench(cache_root: Path, wide_gguf: Path) -> None:
     for route in agent_bench.ROUTES:
         first, second = result[route]["per_turn"]
         assert first["resumed"] < second["resumed"] and second["prefilled"] > 0
-    assert set(result["goals"]) == {"resumed_from_turn_2", "routes_same_bytes", "equals_solo_cold"}
+    assert set(result["goals"]) == {
+        "only_new_tokens_prefilled",
+        "routes_same_bytes",
+        "equals_solo_cold",
+    }
+    assert result["goals"]["only_new_tokens_prefilled"] is True

@@ -6,8 +6,9 @@ several agents at once. The transcript is scripted (each turn appends the same c
 result whatever the model answered), so every route and server sees the same prompts. It
 runs through `/v1/chat/completions`, `/v1/messages` and `/v1/responses` of `mlxcache serve`
 (a fresh server and cache each), and through `mlx_lm.server`'s chat completions. Per turn:
-latency (the prompt's prefill and a short forced tool call: prefill is what differs),
-the share of the prompt resumed, the tokens prefilled. Every reply must be the same through
+latency (the prompt's prefill and a short forced tool call; mlx_lm.server is not forced to
+call, and renders tools with its own template), the share of the prompt resumed, the tokens
+prefilled against what the transcript added. Every reply must be the same through
 the three routes and equal agent 0's solo runs on a cold engine.
 """
 
@@ -23,13 +24,13 @@ import time
 from typing import Any
 
 from mlxcache.bench.serve_bench import _together
+from mlxcache.config import default_block_size
 from mlxcache.engine import Engine
 from mlxcache.model import load
 from mlxcache.sampling import SamplingParams
 from mlxcache.server.process import ChildServer, MlxcacheServer, free_port
 
 ROUTES = ("chat", "messages", "responses")
-GOAL_RESUMED = 0.95
 GOAL_VS_MLX_LM = 0.5
 WORDS = [
     "The",
@@ -217,26 +218,31 @@ PATHS = {"chat": "/v1/chat/completions", "messages": "/v1/messages", "responses"
 
 
 def reply_of(route: str, doc: dict[str, Any]) -> list[tuple[str, Any]]:
-    """The reply's calls (name, arguments) and text, whatever the API's shape."""
+    """The reply's text and calls (name, arguments), whatever the API's shape."""
     if route == "messages":
-        return [
-            (b["name"], b["input"]) if b["type"] == "tool_use" else ("text", b.get("text"))
-            for b in doc["content"]
+        blocks = doc["content"]
+        text = "".join(b["text"] for b in blocks if b["type"] == "text")
+        calls = [(b["name"], b["input"]) for b in blocks if b["type"] == "tool_use"]
+    elif route == "responses":
+        items = doc["output"]
+        text = "".join(c["text"] for i in items if i["type"] == "message" for c in i["content"])
+        calls = [
+            (i["name"], json.loads(i["arguments"])) for i in items if i["type"] == "function_call"
         ]
-    if route == "responses":
-        out = []
-        for item in doc["output"]:
-            if item["type"] == "function_call":
-                out.append((item["name"], json.loads(item["arguments"])))
-            elif item["type"] == "message":
-                out.append(("text", "".join(c["text"] for c in item["content"])))
-        return out
-    message = doc["choices"][0]["message"]
-    calls = [
-        (c["function"]["name"], json.loads(c["function"]["arguments"]))
-        for c in message.get("tool_calls") or ()
-    ]
-    return calls or [("text", message.get("content"))]
+    else:
+        message = doc["choices"][0]["message"]
+        text = message.get("content") or ""
+        calls = [
+            (c["function"]["name"], json.loads(c["function"]["arguments"]))
+            for c in message.get("tool_calls") or ()
+        ]
+    return normal(text, calls)
+
+
+def normal(text: str, calls: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """A reply as the routes are compared: its text (when there is any, or no call), then
+    its calls."""
+    return [*([("text", text)] if text or not calls else []), *calls]
 
 
 def prompt_numbers(route: str, doc: dict[str, Any]) -> tuple[int, int]:
@@ -298,6 +304,10 @@ def _summary(runs: list[list[dict[str, Any]]], turns: int) -> dict[str, Any]:
                     sum(r["cached"] for r in rows) / max(sum(r["prompt"] for r in rows), 1), 3
                 ),
                 "prefilled": sum(r["prompt"] - r["cached"] for r in rows),
+                # What the transcript added since the last turn (the last call, its result).
+                "new": None
+                if turn == 0
+                else sum(a[turn]["prompt"] - a[turn - 1]["prompt"] for a in runs),
             }
         )
     later = [r["latency_s"] for agent in runs for r in agent[1:]]
@@ -351,7 +361,7 @@ def run(
         finally:
             theirs.stop()
         result["mlx_lm_chat"] = _summary(runs, turns)
-    return _goals(result, baseline)
+    return _goals(result, baseline, block_size or default_block_size())
 
 
 def _solo(loaded: Any, transcript: Transcript, turns: int, tokens: int) -> list[Any]:
@@ -367,16 +377,22 @@ def _solo(loaded: Any, transcript: Transcript, turns: int, tokens: int) -> list[
         plan = chat(engine, body, SamplingParams(max_tokens=tokens))
         result = engine.complete(plan.request)
         answer = plan.answer(result.text, result.finish_reason)
-        calls: list[tuple[str, Any]] = [(c.name, c.arguments) for c in answer.calls]
-        out.append(calls or [("text", answer.content)])
+        out.append(normal(answer.content, [(c.name, c.arguments) for c in answer.calls]))
         t.advance(turn)
     return out
 
 
-def _goals(result: dict[str, Any], baseline: bool) -> dict[str, Any]:
+def _goals(result: dict[str, Any], baseline: bool, block: int) -> dict[str, Any]:
+    """From turn 2 on, only what the transcript added is prefilled (and what is left of the
+    last partial block, per agent); the routes and the solo cold runs agree; latency
+    against mlx_lm.server's. The share resumed follows from the sizes (the issue's 95%
+    needs its 4k-token system prompt)."""
     later = [row for route in ROUTES for row in result[route]["per_turn"][1:]]
+    agents = result["agents"]
     goals: dict[str, Any] = {
-        "resumed_from_turn_2": all(row["resumed"] >= GOAL_RESUMED for row in later),
+        "only_new_tokens_prefilled": all(
+            row["prefilled"] <= row["new"] + agents * block for row in later
+        ),
         "routes_same_bytes": result["routes_same_bytes"],
         "equals_solo_cold": result["agent_0_equals_solo_cold"],
     }
