@@ -166,3 +166,23 @@ def test_background_lanes_take_one_step_a_turn_whatever_it_gave() -> None:
     assert warm.phase is Phase.PREFILLING and sched.alone(0) and sched.alone(1)
     sched.add(2, request)
     assert turns(sched, 1) == [2]  # a request waiting for its first token: no follow turn
+
+
+@dataclass
+class Prompted(FakeLane):
+    group: int = 0  # lanes of one group share most of their prompt
+
+
+def test_a_request_waits_for_an_earlier_one_prefilling_the_prompt_it_shares() -> None:
+    sched: Scheduler[Prompted] = Scheduler(waits=lambda lane, earlier: lane.group == earlier.group)
+    sched.add(0, Prompted(REQUEST, Phase.PREFILLING, group=1))
+    sched.add(1, Prompted(REQUEST, Phase.RESTORING, group=1))  # waits for 0
+    sched.add(2, Prompted(REQUEST, Phase.RESTORING, group=2))  # shares nothing: runs
+    assert turns(sched, 4) == [0, 2, 0, 2]  # type: ignore[arg-type]
+    sched[0].phase = Phase.DECODING  # 0's prompt is kept: 1 starts, resuming it
+    assert turns(sched, 1) == [1]  # type: ignore[arg-type]
+    # Only requests not started wait (a started one goes on), and only for earlier ones.
+    sched.add(3, Prompted(REQUEST, Phase.PREFILLING, group=3))
+    sched.add(4, Prompted(REQUEST, Phase.PREFILLING, group=3))
+    sched.add(5, Prompted(REQUEST, Phase.RESTORING, group=3))
+    assert {3, 4} <= set(turns(sched, 6)) and 5 not in turns(sched, 6)  # type: ignore[arg-type]
