@@ -160,7 +160,10 @@ def test_bad_suites_and_goldens(cache_root: Path, tmp_path: Path) -> None:
     assert result.exit_code == 2  # type: ignore[attr-defined]
     assert result.stderr.startswith("error: ") and "is not a golden file" in result.stderr  # type: ignore[attr-defined]
     result = regress("record", str(good), "-o", str(tmp_path / "x.json"), "--variants", "hot")
-    assert result.stderr == "error: unknown variant hot: choose from cold, warm, disk, lanes\n"  # type: ignore[attr-defined]
+    assert (
+        result.stderr
+        == "error: unknown variant hot: choose from cold, warm, disk, lanes, drafted\n"
+    )  # type: ignore[attr-defined]
     assert not (tmp_path / "x.json").exists()
 
 
