@@ -126,8 +126,7 @@ def json_cmd(
         o.positive(concurrency=concurrency)
         text = o.read_prompt(prompt, prompt_file)
         instructions = o.text_or_file(instructions, "instructions")
-        doc, content = remote.json_single(server, run, given, compiled.schema, instructions, text)
-        _show(doc, content, as_json)
+        _show(remote.json_single(server, run, given, compiled.schema, instructions, text), as_json)
         return
     from mlxcache.fileio import check_output_dir
     from mlxcache.modes import json_mode
@@ -194,21 +193,21 @@ def _single(
     with o.watch(engine, ids, quiet) as seen:
         result = engine.complete(json_mode.request(engine, ids, task, params), seen)
     reply = replace(json_mode.read_reply(task, result), stats=seen.stats(result.stats))
-    _show(reply.as_dict(), reply.text, as_json)
+    _show(reply, as_json)
 
 
-def _show(doc: dict[str, Any], content: str, as_json: bool) -> None:
-    """One reply, in-process or from a server: `doc` as `JsonReply.as_dict` gives it with
-    --json; else its reasoning on stderr and the document (`content`) on stdout."""
+def _show(reply: json_mode.JsonReply, as_json: bool) -> None:
+    """One reply, in-process or from a server: `JsonReply.as_dict` with --json; else its
+    reasoning on stderr and the document on stdout."""
     if as_json:
-        ui.out_json(doc)
+        ui.out_json(reply.as_dict())
     else:
-        ui.thought(doc.get("reasoning"))
-        if doc.get("error") is None:
-            ui.out_text(content + "\n")
-    ui.stats_line(doc["stats"])
-    if doc.get("error") is not None:
-        raise OutputError(doc["error"])
+        ui.thought(reply.reasoning)
+        if reply.error is None:
+            ui.out_text(reply.text + "\n")
+    ui.stats_line(reply.stats)
+    if reply.error is not None:
+        raise OutputError(reply.error)
 
 
 def _batch(

@@ -17,6 +17,7 @@ from mlxcache.errors import ServerMismatchError, UserInputError
 
 if TYPE_CHECKING:  # the client (http.client, ssl) is imported by the commands that connect
     from mlxcache.events import Result
+    from mlxcache.modes.json_mode import JsonReply
     from mlxcache.modes.tools import Tool, ToolChoice, ToolReply
     from mlxcache.remote import Server, Wanted
     from mlxcache.sampling import SamplingParams
@@ -178,9 +179,10 @@ def json_single(
     schema: Any,
     instructions: str | None,
     text: str,
-) -> tuple[dict[str, Any], str]:
-    """`mlxcache json PROMPT` through the server: the reply as `JsonReply.as_dict` gives
-    it in-process, and the document's text (printed by `json_cmd._show`)."""
+) -> JsonReply:
+    """`mlxcache json PROMPT` through the server: the reply read as `read_reply` reads it
+    in-process (printed by `json_cmd._show`)."""
+    from mlxcache.modes.json_mode import JsonReply
     from mlxcache.modes.schema import read_document
     from mlxcache.remote import usage_of
 
@@ -201,14 +203,10 @@ def json_single(
     message = reply["choices"][0]["message"]
     content = message.get("content") or ""
     generated = extra["stats"]["generated_tokens"]
-    output, error = read_document(content, extra["text"], extra["finish_reason"], generated, schema)
-    doc: dict[str, Any] = {"output": output, "finish_reason": extra["finish_reason"]}
-    if message.get("reasoning") is not None:
-        doc["reasoning"] = message["reasoning"]
-    if error is not None:
-        doc.update(error=error, text=extra["text"])
-    doc["stats"] = extra["stats"]
-    return doc, content
+    finish = extra["finish_reason"]
+    output, error = read_document(content, extra["text"], finish, generated, schema)
+    text = content if error is None else extra["text"]
+    return JsonReply(output, text, finish, extra["stats"], error, message.get("reasoning"))
 
 
 def tools(

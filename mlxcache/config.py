@@ -210,7 +210,7 @@ class CacheConfig:
         disk_bytes: disk tier budget; 0 disables the disk tier.
         max_entries: slot limit of the memory tier (entries kept at once).
         warm_ahead: after a reply, prefill the conversation as its next turn will start, in
-            idle time (`Engine.warm_chat`), so the next turn resumes past the reply.
+            idle time (`modes.chat.warm_next_turn`), so the next turn resumes past the reply.
         state_stride: for models with recurrent layers, keep their state after every
             `state_stride`-th block (and after each kept prompt's last one); None: chosen
             from the first state's size, so that stored states cost at most a quarter of the

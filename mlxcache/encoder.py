@@ -106,6 +106,19 @@ class Encoder:
         """How many tokens a reply to `ids` may have: max_tokens, or less near the context's end."""
         return min(max_tokens, self.context_length - len(ids))
 
+    def prompt(self, tokens: Sequence[int] | np.ndarray) -> np.ndarray:
+        """A request's prompt as int32 ids, validated.
+
+        Raises:
+            UserInputError: empty prompt.
+            ContextLengthError: the prompt leaves no room in the model's context.
+        """
+        ids = np.asarray(tokens, dtype=np.int32).reshape(-1)
+        if ids.size == 0:
+            raise UserInputError("the prompt is empty")
+        self.check_fits(ids, "the prompt")
+        return ids
+
     def check_fits(self, ids: Sequence[int] | np.ndarray, where: str = "the prompt") -> None:
         """Refuse a prompt that leaves no room for a reply in the model's context.
 

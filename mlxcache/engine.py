@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, cast
+from typing import cast
 
 import mlx.core as mx
 import numpy as np
@@ -35,9 +35,9 @@ from mlxcache.config import WARM_AHEAD, default_block_size
 from mlxcache.decode_batch import DecodeBatch
 from mlxcache.drafting import Drafting
 from mlxcache.encoder import Encoder, common_prefix
-from mlxcache.errors import GenerationError, UserInputError
+from mlxcache.errors import GenerationError
 from mlxcache.events import Done, Event, Result, Stats
-from mlxcache.lanes import Follow, Lane, Request
+from mlxcache.lanes import Lane, NextTurn, Request
 from mlxcache.model import LoadedModel
 from mlxcache.peers import Peers, told
 from mlxcache.scheduler import BACKGROUND, BATCH, LaneKind, Scheduler, Step
@@ -65,8 +65,13 @@ class Engine:
         cache: a prefix cache (see `mlxcache.cache.store.PromptCache`); None keeps nothing.
         block_size: the prefill chunk of an engine without a cache (default: the device's
             default block size); given with a cache, it must equal the cache's.
-        warm_ahead: whether `warm_chat` (called by the modes after each reply) queues work;
-            `warm` always does.
+        warm_ahead: whether front ends queue warm-ahead after each reply
+            (`modes.chat.warm_next_turn`); `warm` itself always queues work.
+        keep_replies: keep a reply's own KV as its decode steps computed it; only where
+            the device was measured to compute decode KV bitwise as canonical prefill
+            does (`invariance`), for a plain KV model.
+        batch_decode: requests past their first token decode as one batch; only where the
+            device was measured to give each row the bits it gets alone (`decode_batch`).
 
     Raises:
         ValueError: a block size below 1, or one that differs from the cache's.
@@ -94,26 +99,21 @@ class Engine:
         """Messages and text to token ids (front ends use it, from any thread)."""
         self.cache: PrefixCache = cache or NoCache(loaded.model, block_size or default_block_size())
         self.warm_ahead = warm_ahead
-        # Keep a reply's own KV as its decode steps computed it: only where the device was
-        # measured to compute decode KV bitwise as canonical prefill does (`invariance`),
-        # for a plain KV model. Followed requests then need no follow lane.
         self.keep_replies = keep_replies
-        # Requests past their first token decode as one batch: only where the device was
-        # measured to give each row the bits it gets alone (`invariance`, `decode_batch`).
         self.batch_decode = batch_decode
         self._batch = DecodeBatch()
         self._warn = on_warning or (lambda _msg: None)
         self._ids = itertools.count()
-        block = self.cache.block_size
-        # Waiting for another request's blocks pays only where they are kept whole-block.
-        sharing = self.cache.trimmable and not isinstance(self.cache, NoCache)
-        self._sched: Scheduler[Lane] = Scheduler(
-            waits=(lambda lane, earlier: lanes.waits_for(lane, earlier, block)) if sharing else None
-        )
+        self._sched: Scheduler[Lane] = Scheduler(waits=lanes.waiting_rule(self.cache))
         self.ranks = ranks
         """The other processes of a sharded run (`distributed`); None when alone."""
         self.drafting = drafting or Drafting.off(loaded, self.cache.block_size)
         """Speculative decoding's settings (`drafting.Drafting`): never, by default."""
+
+    @property
+    def next_turn(self) -> NextTurn:
+        """How a conversation's next turn finds this engine's replies kept (`NextTurn`)."""
+        return lanes.next_turn_of(self.cache, self.keep_replies, self.warm_ahead)
 
     @property
     def model(self) -> Model:
@@ -124,7 +124,6 @@ class Engine:
         """What a lane queued now runs on: the model, the cache, the settings as they are."""
         return lanes.Work(
             self.loaded,
-            self.model,
             self.encoder,
             self.cache,
             self.keep_replies,
@@ -132,21 +131,6 @@ class Engine:
             self.ranks,
             self.drafting,
         )
-
-    def check(self, request: Request) -> np.ndarray:
-        """The request's prompt as int32 ids, validated (safe to call from any thread).
-
-        Raises:
-            UserInputError: empty prompt.
-            ContextLengthError: the prompt leaves no room in the model's context.
-        """
-        tokens = np.asarray(request.tokens, dtype=np.int32).reshape(-1)
-        if tokens.size == 0:
-            raise UserInputError("the prompt is empty")
-        self.encoder.check_fits(tokens, "the prompt")
-        return tokens
-
-    # -- lanes ------------------------------------------------------------------------------
 
     @told
     def submit(self, request: Request) -> int:
@@ -159,7 +143,7 @@ class Engine:
             UserInputError: empty prompt.
             ContextLengthError: the prompt leaves no room in the model's context.
         """
-        tokens = self.check(request)
+        tokens = self.encoder.prompt(request.tokens)
         block = self.cache.block_size
         for rid, lane in self._sched.lanes(*BACKGROUND):
             stop, rewarm = lanes.overtaken(lane, tokens, block)
@@ -169,24 +153,16 @@ class Engine:
                 self.warm(lane.tokens)
         plan = self.drafting.plan(request.draft)
         rid = next(self._ids)
-        follow = None
-        if (
-            request.follow
-            and self.cache.trimmable
-            and not self.keep_replies
-            and not isinstance(self.cache, NoCache)
-        ):
-            limit = self.loaded.context_length - 1
-            follow = Follow(tokens, [], len(tokens) // block * block, block, limit)
+        follow = lanes.follow_of(
+            request, tokens, self.next_turn, block, self.loaded.context_length - 1
+        )
         work = self._work()
         gen = lanes.request_lane(work, rid, tokens, request, follow, plan)
         self._sched.add(rid, Lane(gen, tokens, LaneKind.REQUEST, solo=plan is not None))
         if follow is not None:
-            follower = next(self._ids)
-            lane = Lane(
-                lanes.follow_lane(work, follower, follow), tokens, LaneKind.FOLLOW, follow=follow
-            )
-            self._sched.add(follower, lane, follows=rid)
+            fid = next(self._ids)
+            gen = lanes.follow_lane(work, fid, follow)
+            self._sched.add(fid, Lane(gen, tokens, LaneKind.FOLLOW, follow=follow), follows=rid)
         return rid
 
     @told
@@ -197,28 +173,15 @@ class Engine:
         cached costs a lookup. Returns the lane id, or None when there is nothing to do
         (no cache, or shorter than one block).
         """
-        ids = np.asarray(tokens, dtype=np.int32).reshape(-1)
-        block = self.cache.block_size
-        target = min(len(ids), self.loaded.context_length - 1) // block * block
-        if isinstance(self.cache, NoCache) or target == 0:
+        ids = lanes.warm_prefix(tokens, self.cache, self.loaded.context_length - 1)
+        if ids is None:
             return None
-        ids = ids[:target]
         for rid, lane in self._sched.lanes(LaneKind.WARM):
             if common_prefix(lane.tokens, ids) == len(lane.tokens):  # the same or a shorter prefix
                 self.cancel(rid)
         rid = next(self._ids)
         self._sched.add(rid, Lane(lanes.warm_lane(self._work(), rid, ids), ids, LaneKind.WARM))
         return rid
-
-    def warm_chat(self, messages: list[dict[str, Any]], **template_kwargs: Any) -> int | None:
-        """Warm ahead for a conversation whose last message is the reply just given.
-
-        `template_kwargs` must be those the next turn is rendered with (e.g. its tools).
-        Returns None when warm-ahead is off or there is nothing to do.
-        """
-        if not self.warm_ahead:
-            return None
-        return self.warm(self.encoder.encode_next_turn(messages, **template_kwargs))
 
     @property
     def busy(self) -> bool:
@@ -293,15 +256,11 @@ class Engine:
         try:
             logits = self._batch.forward(self.model)
         except Exception as exc:  # every row fails alone, as a lane's own call would
-            if self.ranks is not None:  # ... but the other ranks' did not fail: out of step
-                raise self.ranks.lost(exc) from exc
-            events: list[Event] = []
+            failed = [self._failed(rid, self._sched[rid], exc) for rid in rows]
             for rid in rows:
-                self._batch.drop(rid)
                 self.cancel(rid)
-                events.append(Done(rid, Result("", [], "error", Stats(), error=str(exc))))
-            return events
-        events = []
+            return [e for e in failed if e is not None]
+        events: list[Event] = []
         for i, rid in enumerate(rows):
             self._sched.batch_forward(rid)
             events.extend(self._turn(rid, value=logits[i : i + 1]))
@@ -315,22 +274,27 @@ class Engine:
         or a broken one).
 
         A lane's forwards are its own until the scheduler says otherwise
-        (`Scheduler.alone`), and every forward of a request run `alone`. A broken lane
-        ends alone (its finally released its pin): a request with an error `Done`, a warm
-        or follow lane with a warning (it only cost the blocks it did not keep).
+        (`Scheduler.alone`), and every forward of a request run `alone`.
         """
         try:
             own = alone or self._sched.alone(rid)
             return lanes.advance(lane, rid, value, own, self.model, self._batch)
         except Exception as exc:
-            if self.ranks is not None:  # the other ranks did not fail with it: out of step
-                raise self.ranks.lost(exc) from exc
-            if rid in self._batch:
-                self._batch.drop(rid)
-            if lane.kind is LaneKind.REQUEST:
-                return Done(rid, Result("", [], "error", Stats(), error=str(exc)))
-            self._warn(f"warm-ahead stopped early: {type(exc).__name__}: {exc}")
-            return None
+            return self._failed(rid, lane, exc)
+
+    def _failed(self, rid: int, lane: Lane, exc: Exception) -> Done | None:
+        """A lane's call failed: it ends alone (its finally released its pin), a request
+        with an error `Done`, a warm or follow lane with a warning (it only cost the
+        blocks it did not keep). In a sharded run the other ranks did not fail with it:
+        the run is out of step."""
+        if self.ranks is not None:
+            raise self.ranks.lost(exc) from exc
+        if rid in self._batch:
+            self._batch.drop(rid)
+        if lane.kind is LaneKind.REQUEST:
+            return Done(rid, Result("", [], "error", Stats(), error=str(exc)))
+        self._warn(f"warm-ahead stopped early: {type(exc).__name__}: {exc}")
+        return None
 
     def run(self, warm: bool = False) -> Iterator[Event]:
         """Advance the lanes until every request is done (and, with `warm`, the background

@@ -11,8 +11,9 @@ cache lease and releases the lease however it ends.
 from __future__ import annotations
 
 import contextlib
+import enum
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -45,12 +46,49 @@ class Request:
     stop_strings: tuple[str, ...] = ()
     """Texts that end the reply; the reply's text stops before the first one."""
     follow: bool = False
-    """Keep prompt + reply warm while the reply is generated (see the module's doc)."""
+    """The client may send the next turn the moment this reply ends: the engine keeps the
+    reply for it by its own mechanism (`NextTurn`), a follow lane where that is FOLLOW."""
     logprobs: int | None = None
     """k: every Token carries its log-probability and the k most likely tokens' (`decode`)."""
     draft: str | None = None
     """Speculative decoding: "auto", "lookup", "model" or "off" (`drafting`); None: the
     engine's setting. A drafted reply is the plain one, bit for bit."""
+
+
+class NextTurn(enum.Enum):
+    """How a conversation's next turn finds the reply before it kept: one rule
+    (`next_turn_of`), read from the engine (`Engine.next_turn`) by every front end."""
+
+    OFF = "off"
+    """No cache, or warm-ahead off: the next turn prefills the reply."""
+    KEPT = "kept"
+    """The reply's own decode KV is kept as decoded (measured canonical on this device)."""
+    FOLLOW = "follow"
+    """A follow lane prefills each block of a followed reply as it completes it."""
+    WARM = "warm"
+    """Warm-ahead prefills the reply once it ended (a state that cannot be rewound)."""
+
+
+def next_turn_of(cache: PrefixCache, keep_replies: bool, warm_ahead: bool) -> NextTurn:
+    """The mechanism for a cache and what the device and settings allow: kept replies need
+    nothing more; else a follow lane on trimmable KV, warm-ahead after the reply on
+    states that cannot be trimmed (a follow lane could not rewind them between blocks)."""
+    if isinstance(cache, NoCache):
+        return NextTurn.OFF
+    if keep_replies:
+        return NextTurn.KEPT
+    if not warm_ahead:
+        return NextTurn.OFF
+    return NextTurn.FOLLOW if cache.trimmable else NextTurn.WARM
+
+
+def follow_of(
+    request: Request, tokens: np.ndarray, turn: NextTurn, block: int, limit: int
+) -> Follow | None:
+    """A followed request's follow state, where the engine's mechanism is a follow lane."""
+    if not request.follow or turn is not NextTurn.FOLLOW:
+        return None
+    return Follow(tokens, [], len(tokens) // block * block, block, limit)
 
 
 @dataclass(slots=True)
@@ -96,13 +134,34 @@ class Work:
     a sharded run's picks (`decode.Share`); `drafting`: how replies are drafted."""
 
     loaded: LoadedModel
-    model: Model
     encoder: Encoder
     cache: PrefixCache
     keep_replies: bool
     batch_decode: bool
     share: Share | None
     drafting: Drafting
+
+    @property
+    def model(self) -> Model:
+        return self.loaded.model
+
+
+def warm_prefix(
+    tokens: Sequence[int] | np.ndarray, cache: PrefixCache, limit: int
+) -> np.ndarray | None:
+    """What a warm lane prefills of `tokens`: its full blocks ending by `limit`; None when
+    there is nothing to do (no cache, or shorter than one block)."""
+    ids = np.asarray(tokens, dtype=np.int32).reshape(-1)
+    target = min(len(ids), limit) // cache.block_size * cache.block_size
+    return None if isinstance(cache, NoCache) or target == 0 else ids[:target]
+
+
+def waiting_rule(cache: PrefixCache) -> Callable[[Lane, Lane], bool] | None:
+    """The scheduler's rule for a request waiting on an earlier one's prefill (`waits_for`):
+    it pays only where blocks are kept whole-block (trimmable KV, a real cache)."""
+    if not cache.trimmable or isinstance(cache, NoCache):
+        return None
+    return lambda lane, earlier: waits_for(lane, earlier, cache.block_size)
 
 
 def step_of(got: Event | Step | None) -> Step:

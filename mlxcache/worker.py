@@ -145,7 +145,7 @@ class EngineWorker:
             ContextLengthError: the prompt leaves no room in the model's context.
             QueueFullError: `max_queue` requests are already waiting.
         """
-        self.engine.check(request)
+        self.engine.encoder.prompt(request.tokens)
         with self._lock:
             if self._stopping:
                 raise EngineStoppedError("the engine is shutting down")
@@ -197,11 +197,10 @@ class EngineWorker:
         """Queue warm-ahead of a token prefix (see `Engine.warm`)."""
         self._send(("call", lambda e: e.warm(tokens), None))
 
-    def warm_chat(self, messages: list[dict[str, Any]], **template_kwargs: Any) -> None:
-        """Queue warm-ahead of a conversation ending with the reply just given (see
-        `Engine.warm_chat`); its prefix is encoded here, on the caller's thread."""
-        if self.engine.warm_ahead:  # set once, at construction: safe to read from here
-            self.warm(self.encoder.encode_next_turn(messages, **template_kwargs))
+    @property
+    def warm_ahead(self) -> bool:
+        """The engine's setting (set once, at construction: safe to read from here)."""
+        return self.engine.warm_ahead
 
     def call(self, fn: Callable[[Engine], T]) -> T:
         """Run `fn(engine)` on the worker thread, between two model calls; return its result."""

@@ -143,7 +143,9 @@ def _map_arrays(cache: Any, f: Callable[[mx.array], mx.array]) -> Any:
 
 
 def lanes_batched(patch: Patch) -> None:
-    patch(Engine, "model", property(lambda self: _Batched(self.loaded.model)))
+    batched = property(lambda self: _Batched(self.loaded.model))
+    patch(Engine, "model", batched)  # a lane's own decode forwards
+    patch(lanes_mod.Work, "model", batched)  # its prefill chunks
 
 
 def partial_last_block(patch: Patch) -> None:
@@ -416,7 +418,7 @@ def foreign_tail(patch: Patch) -> None:
         if self.layout is None or not self.layout.plain or limit <= 0:
             return None
         best = None
-        for tail in self._tails.values():
+        for tail in self._tails:
             k = common_prefix(tail.ids, tokens[length:])
             if k and (best is None or k > best[1]):
                 best = (tail.kv, k)

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
+import pty
 import re
+import termios
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from mlxcache.cache.store import PromptCache
@@ -15,6 +20,7 @@ from mlxcache.events import Token
 from mlxcache.model import LoadedModel
 from mlxcache.modes import chat
 from mlxcache.sampling import SamplingParams
+from mlxcache_cli import ui
 from mlxcache_cli.main import app
 
 runner = CliRunner()
@@ -115,3 +121,70 @@ def test_a_turn_stopped_before_its_first_token_is_not_kept(tiny: LoadedModel) ->
     assert isinstance(next(e for e in events if isinstance(e, Token)), Token)
     events.close()  # type: ignore[attr-defined]
     assert [(t.user, t.interrupted) for t in s.turns] == [("hello", True)]
+
+
+def _chat(tmp_path: Path, tiny_gguf: Path, stdin: str, *args: str) -> tuple[int, str, str]:
+    extra = ["-m", str(tiny_gguf), "--cache-dir", str(tmp_path / "cache"), "--block-size", "4"]
+    result = runner.invoke(app, ["chat", "-n", "2", *args, *extra], input=stdin)
+    return result.exit_code, result.stdout, result.stderr
+
+
+def test_retry_at_temperature_0_says_it_is_the_same_reply(
+    cache_root: Path, tiny_gguf: Path, tmp_path: Path
+) -> None:
+    code, out, err = _chat(tmp_path, tiny_gguf, "hi\n/retry\n/retry -t 0.7\n/retry -t x\n")
+    assert code == 2  # the bad /retry
+    notes = [line for line in err.splitlines() if "temperature" in line or "/retry" in line]
+    assert notes == [
+        "temperature 0 picks the most likely reply, the same each time: /retry -t 0.7 "
+        "samples another",
+        "temperature 0.0 -> 0.7 for this session",
+        "error: usage: /retry or /retry -t TEMPERATURE",
+    ]
+    first, second, _third = out.splitlines()
+    assert first == second  # greedy: the same reply, as said
+
+
+def test_no_echo_while_a_reply_renders(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C's ^C, echoed after a full-width line, would push Rich's live display down a
+    line and its last redraw would repeat the reply's first line: no echo meanwhile."""
+    leader, follower = pty.openpty()
+    try:
+        echo = termios.ECHO | termios.ECHOCTL
+        assert termios.tcgetattr(follower)[3] & echo == echo
+        with ui.no_echo(follower):
+            assert termios.tcgetattr(follower)[3] & echo == 0
+        assert termios.tcgetattr(follower)[3] & echo == echo
+        with ui.no_echo(leader + 1000):  # not a terminal: nothing to do
+            pass
+    finally:
+        os.close(leader)
+        os.close(follower)
+
+
+def test_markdown_replies_render_without_echo(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from mlxcache_cli import chat_cmd
+
+    seen: list[bool] = []
+    leader, follower = pty.openpty()
+
+    def events() -> Iterator[Token]:
+        seen.append(termios.tcgetattr(follower)[3] & termios.ECHOCTL == 0)
+        yield Token(0, 1, "# hi")
+
+    class Backend:  # what Repl.reply asks of the backend
+        def prompt_kept(self) -> str:
+            return ""
+
+    stdin = os.fdopen(os.dup(follower))
+    try:
+        monkeypatch.setattr("sys.stdin", stdin)
+        repl = chat_cmd.Repl(Backend(), chat.ChatSession(), [tmp_path], markdown=True)
+        repl.reply(events())
+    finally:
+        stdin.close()
+        os.close(leader)
+        os.close(follower)
+    assert seen == [True]

@@ -5,10 +5,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+from tinymodel import write_tiny_gguf
 from typer.testing import CliRunner
 
+from mlxcache.cache.disk import DiskTier
 from mlxcache.model import load
+from mlxcache_cli import ui
 from mlxcache_cli.main import app
+from mlxcache_cli.main import app as cli
 
 runner = CliRunner()
 
@@ -74,7 +79,6 @@ def test_bad_prune_size(cache_root: Path) -> None:
 def test_prune_across_models_goes_by_last_use(
     cache_root: Path, tiny_gguf: Path, tmp_path: Path
 ) -> None:
-    from tinymodel import write_tiny_gguf
 
     other = tmp_path / "other.gguf"
     write_tiny_gguf(other, seed=7)
@@ -92,3 +96,67 @@ def test_prune_across_models_goes_by_last_use(
     assert cache("prune", "--max-size", str(total - 1), "--cache-dir", d)["removed"] == 1
     (left,) = cache("ls", "--cache-dir", d)
     assert left["used"] == max(r["used"] for r in rows)
+
+
+def run(*args: str, stdin: str | None = None) -> tuple[int, str, str]:
+    result = runner.invoke(cli, list(args), input=stdin)
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exc_info
+    return result.exit_code, result.stdout, result.stderr
+
+
+def cache_with_index(root: Path) -> Path:
+    DiskTier(root / "kv").close()
+    return root / "kv" / "files"
+
+
+def test_cache_clear_leaves_a_stray_directory_with_a_warning(tmp_path: Path) -> None:
+    files = cache_with_index(tmp_path)
+    (files / "x").mkdir()
+    (files / "ours.safetensors").write_bytes(b"block")
+    assert run("cache", "clear", "--cache-dir", str(tmp_path)) == (
+        0,
+        "removed 0 entries (5 B freed)\n",  # ours.safetensors
+        f"warning: left {files / 'x'} as it is: not a file mlxcache wrote (links are not "
+        "followed)\n",
+    )
+    assert [p.name for p in files.iterdir()] == ["x"]
+
+
+@pytest.mark.parametrize("index", [True, False])
+def test_cache_clear_never_follows_a_link_out_of_the_cache(tmp_path: Path, index: bool) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "precious.txt").write_text("keep me")
+    cache = tmp_path / "cache"
+    files = cache_with_index(cache) if index else cache / "kv" / "files"
+    if index:
+        files.rmdir()
+    files.parent.mkdir(parents=True, exist_ok=True)
+    files.symlink_to(outside)
+    assert run("cache", "clear", "--cache-dir", str(cache)) == (
+        0,
+        "removed 0 entries (0 B freed)\n",
+        f"warning: left {files} as it is: not a file mlxcache wrote (links are not followed)\n",
+    )
+    assert (outside / "precious.txt").read_text() == "keep me"
+
+
+def test_cache_ls_explains_its_sizes_and_clear_says_what_it_freed(
+    cache_root: Path, tiny_gguf: Path, tmp_path: Path
+) -> None:
+    d = ["--cache-dir", str(tmp_path)]
+    base = ["generate", "--raw", "-m", str(tiny_gguf), "-n", "2", "--block-size", "4", *d]
+    for text in ("abcdefghijklmnop", "abcdefghijklmnopqrstuvwx"):  # share 3 blocks
+        assert runner.invoke(app, [*base, text]).exit_code == 0
+    stats = json.loads(runner.invoke(app, ["cache", "stats", "--json", *d]).stdout)
+    rows = json.loads(runner.invoke(app, ["cache", "ls", "--json", *d]).stdout)
+    assert sum(r["bytes"] for r in rows) > stats["bytes"]  # shared blocks count twice
+    listing = runner.invoke(app, ["cache", "ls", *d]).stdout.splitlines()
+    header = [cell.strip() for cell in listing[1].strip("┃").split("┃")]
+    assert header == ["model", "block", "tokens", "size", "used", "prompt ends with"]  # no id
+    assert listing[-1] == (
+        f"2 entries, {ui.human_bytes(stats['bytes'])} on disk (an entry's size counts every "
+        "block it resumes; entries that share a prefix share its blocks)"
+    )
+    cleared = runner.invoke(app, ["cache", "clear", *d])
+    assert cleared.stdout == f"removed 2 entries ({ui.human_bytes(stats['bytes'])} freed)\n"

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
 
+from mlxcache_cli import options as o
 from mlxcache_cli.main import app
 
 runner = CliRunner()
@@ -125,3 +127,29 @@ def test_prompt_longer_than_context(cache_root: Path, tiny_gguf: Path) -> None:
     result = runner.invoke(app, ["generate", "--raw", "x" * 300, "-m", str(tiny_gguf)])
     assert result.exit_code == 2 and result.stdout == ""
     assert result.stderr.strip() == "error: the prompt has 300 tokens; the model's context is 256"
+
+
+def dataclass_run(**values: Any) -> o.RunOptions:
+    fields = {name: default for name, _, default in o._RUN_OPTIONS}
+    return o.RunOptions(**{**fields, **values})
+
+
+@pytest.mark.parametrize(
+    ("given", "read"),
+    [
+        ("\\n\\n", "\n\n"),
+        ("a\\tb\\r", "a\tb\r"),
+        ("\\\\n", "\\n"),  # an escaped backslash, then a plain n
+        ("C:\\x", "C:\\x"),  # other backslashes stay
+        ("END", "END"),
+    ],
+)
+def test_stop_reads_escapes(given: str, read: str) -> None:
+    run = dataclass_run(stop=[given])
+    assert run.stop_strings() == (read,)
+
+
+def test_the_generate_help_example_of_stop_works() -> None:
+    help_text = runner.invoke(app, ["generate", "--help"]).stdout
+    assert '--stop "\\n\\n"' in help_text
+    assert dataclass_run(stop=["\\n\\n"]).stop_strings() == ("\n\n",)

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
+import pytest
 from typer.testing import CliRunner
 
+from mlxcache_cli import ui
 from mlxcache_cli.main import app
 from mlxcache_cli.models_cmd import quantization
 
@@ -63,3 +66,47 @@ def test_quantization_as_text() -> None:
         "8-bit, groups of 64, mode affine"
     )
     assert quantization(None) == "none"
+
+
+def _models(*args: str) -> Any:
+    return runner.invoke(app, ["models", *args])
+
+
+def test_models_ls_rm_and_default(
+    cache_root: Path, tiny_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    d = ["--cache-dir", str(tmp_path)]
+    assert _models("info", "-m", str(tiny_gguf), *d).exit_code == 0  # converts it
+    (row,) = json.loads(_models("ls", "--json", *d).stdout)
+    assert row["gguf"] == str(tiny_gguf) and row["current"] and row["name"].startswith("tiny-")
+    listing = _models("ls", *d).stdout.splitlines()
+    assert row["name"] in listing[3] and str(tiny_gguf) in listing[3]  # names are never cut
+    assert listing[-1].startswith("1 converted, ") and listing[-1].endswith(
+        " · default model: smollm2-135m"
+    )
+    # The default model: used without -m, kept by its absolute path.
+    assert _models("default").stdout == "smollm2-135m\n"
+    monkeypatch.chdir(tiny_gguf.parent)
+    chosen = _models("default", tiny_gguf.name)
+    assert chosen.stdout == f"default model: {tiny_gguf}\n"
+    info = _models("info", "--json", *d)
+    assert json.loads(info.stdout)["name"] == "tiny.gguf"
+    assert _models("default", "--reset").stdout == "default model: smollm2-135m\n"
+    bad = _models("default", str(tmp_path / "none.gguf"))
+    assert (bad.exit_code, bad.stderr) == (
+        2,
+        f"error: model file not found: {tmp_path / 'none.gguf'}\n",
+    )
+    # rm by name, then by the GGUF file (all of its conversions).
+    removed = _models("rm", row["name"], *d)
+    assert removed.stdout == f"removed {row['name']} ({ui.human_bytes(row['bytes'])})\n"
+    assert not Path(row["folder"]).exists()
+    missing = _models("rm", row["name"], *d)
+    assert (missing.exit_code, missing.stderr) == (
+        2,
+        f"error: no converted model {row['name']!r} in {tmp_path / 'models'} "
+        "(names: mlxcache models ls)\n",
+    )
+    assert _models("info", "-m", str(tiny_gguf), *d).exit_code == 0
+    assert json.loads(_models("rm", str(tiny_gguf), "--json", *d).stdout)[0]["name"] == row["name"]
+    assert json.loads(_models("ls", "--json", *d).stdout) == []

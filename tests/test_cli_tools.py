@@ -201,3 +201,14 @@ def test_json_says_tool_calls_when_the_reply_calls(
     assert result.exit_code == 0, result.stderr
     doc = json.loads(result.stdout)
     assert doc["tool_calls"] and doc["finish_reason"] == "tool_calls"
+
+
+def test_a_tools_text_reply_cut_at_the_limit_says_so(
+    cache_root: Path, wide_gguf: Path, tmp_path: Path
+) -> None:
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps([{"type": "function", "function": {"name": "f"}}]))
+    args = ["tools", "--tools", str(tools), "--tool-choice", "none", "-n", "2", "hi"]
+    result = runner.invoke(app, [*args, "-m", str(wide_gguf), "--cache-dir", str(tmp_path)])
+    assert result.exit_code == 0, result.stderr
+    assert result.stderr.splitlines()[-1] == "stopped at the token limit (2 tokens; -n for more)"

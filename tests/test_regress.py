@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -11,8 +13,10 @@ from typer.testing import CliRunner
 
 from mlxcache.errors import UserInputError
 from mlxcache.regress import golden, suite
+from mlxcache.regress.golden import first_difference
 from mlxcache.regress.runner import LocalRunner
 from mlxcache_cli.main import app
+from mlxcache_cli.regress_cmd import _describe
 
 pytestmark = pytest.mark.slow  # suites under every variant, one in a new process
 
@@ -231,3 +235,51 @@ def test_size_options_are_checked(cache_root: Path) -> None:
     ]:
         result = runner.invoke(app, args)
         assert (result.exit_code, result.stdout, result.stderr) == (2, "", message)
+
+
+def _out(tokens: list[int], text: str = "ab", finish: str = "stop") -> dict[str, Any]:
+    return {"text": text, "tokens": tokens, "finish_reason": finish}
+
+
+def test_regress_progress_reaches_a_pipe_and_the_disk_variant_reports_its_cases(
+    cache_root: Path, tiny_gguf: Path, tmp_path: Path
+) -> None:
+    doc = {
+        "model": str(tiny_gguf),
+        "defaults": {"max_tokens": 2},
+        "cases": [{"name": "one", "kind": "plain", "prompt": "abc abc abc"}],
+    }
+    (tmp_path / "suite.yaml").write_text(yaml.safe_dump(doc))
+    args = ["regress", "record", str(tmp_path / "suite.yaml"), "-o", str(tmp_path / "g.json")]
+    result = runner.invoke(app, [*args, "--variants", "cold,warm,disk", "--block-size", "4"])
+    assert result.exit_code == 0, result.stderr
+    lines = [re.sub(r"\(\d+\.\ds\)", "(T)", line) for line in result.stderr.splitlines()]
+    progress = [
+        line
+        for v in ("cold", "warm", "disk")  # disk: the new process's cases, relayed
+        for line in (f"{v} ...", f"{v}: one ...", f"{v}: one done (T)", f"{v} done (T)")
+    ]
+    assert lines == [*progress, f"recorded 1 cases to {tmp_path / 'g.json'}"]
+    quiet = runner.invoke(app, [*args, "--variants", "cold", "--block-size", "4", "-q"])
+    assert quiet.stderr == f"recorded 1 cases to {tmp_path / 'g.json'}\n"
+
+
+def test_a_difference_says_what_differs() -> None:
+    same_tokens = first_difference([_out([1, 2])], [_out([1, 2], finish="length")])
+    assert same_tokens is not None and same_tokens["token"] is None
+    assert _describe("golden vs run", same_tokens).splitlines()[0] == (
+        "    golden vs run: output 0, same tokens, different finish reason"
+    )
+    text = first_difference([_out([1, 2], "ab")], [_out([1, 2], "aX")])
+    assert text is not None
+    assert _describe("g", text).splitlines()[0] == "    g: output 0, same tokens, different text"
+    longer = first_difference([_out([1, 2])], [_out([1, 2, 3], "abc")])
+    assert longer is not None
+    assert _describe("g", longer).splitlines()[0] == (
+        "    g: output 0, first different token #2 (end -> 3)"
+    )
+    changed = first_difference([_out([1, 2])], [_out([1, 5])])
+    assert changed is not None
+    assert _describe("g", changed).splitlines()[0] == (
+        "    g: output 0, first different token #1 (2 -> 5)"
+    )

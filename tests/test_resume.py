@@ -15,7 +15,7 @@ from mlxcache.cache.store import PromptCache
 from mlxcache.config import CacheConfig
 from mlxcache.engine import Engine, Request
 from mlxcache.events import Done, Result
-from mlxcache.model import LoadedModel, load
+from mlxcache.model import LoadedModel
 from mlxcache.sampling import SamplingParams
 
 B = 4
@@ -75,76 +75,6 @@ def test_warm_in_memory_equals_fresh(tiny: LoadedModel, tmp_path: Path) -> None:
     assert again.stats.cached_tokens == 23 and again.stats.prefilled_tokens == 0
     assert spy.calls[0] == (23, 1)  # the first call is the first decode step
     assert first.tokens == again.tokens == run(fresh, fspy, p).tokens
-
-
-def test_fork_from_the_middle(tiny: LoadedModel, tmp_path: Path) -> None:
-    cached, spy, fresh, fspy = engine_pair(tiny, tmp_path, disk_bytes=0)
-    base = prompt(30)
-    run(cached, spy, base)
-    fork = base[:17] + prompt(9, seed=5)
-    warm = run(cached, spy, fork)
-    cold = run(fresh, fspy, fork)
-    assert warm.stats.cached_tokens == 16
-    check_same(warm, spy, cold, fspy, len(fork))
-
-
-def test_three_turn_chat_with_turn_three_repeated(tiny: LoadedModel, tmp_path: Path) -> None:
-    cached, spy, fresh, fspy = engine_pair(tiny, tmp_path, disk_bytes=0)
-    history: list[int] = []
-    results = []
-    for turn in range(3):
-        history = history + prompt(7, seed=10 + turn)
-        results.append(run(cached, spy, history))
-        history = history + results[-1].tokens
-    again = run(cached, spy, history[: len(history) - len(results[-1].tokens)])
-    assert again.tokens == results[-1].tokens
-    n3 = len(history) - len(results[-1].tokens)
-    assert again.stats.cached_tokens == n3  # the same prompt again: resumed whole
-    cold = run(fresh, fspy, history[: len(history) - len(results[-1].tokens)])
-    check_same(again, spy, cold, fspy, len(history) - len(results[-1].tokens))
-
-
-def test_two_lanes_equal_solo(tiny: LoadedModel, tmp_path: Path) -> None:
-    cached, spy, fresh, _fspy = engine_pair(tiny, tmp_path, disk_bytes=0)
-    shared = prompt(12)
-    a, b = shared + prompt(5, 1), shared + prompt(9, 2)
-    sampled = SamplingParams(temperature=0.9, seed=3, max_tokens=8)
-    solo = [fresh.complete(Request(p, sampled)) for p in (a, b)]
-    ids = [cached.submit(Request(p, sampled)) for p in (a, b)]
-    done = {e.request_id: e.result for e in cached.run() if isinstance(e, Done)}
-    assert [done[i].tokens for i in ids] == [r.tokens for r in solo]
-    again = [cached.submit(Request(p, sampled)) for p in (b, a)]
-    done = {e.request_id: e.result for e in cached.run() if isinstance(e, Done)}
-    assert [done[i].tokens for i in again] == [solo[1].tokens, solo[0].tokens]
-    assert all(done[i].stats.cached_tokens >= 12 for i in again)
-    assert set(spy.batch_sizes) == {1}  # lanes interleave calls, never batch them
-
-
-def test_disk_tier_in_a_new_cache(tiny: LoadedModel, tmp_path: Path) -> None:
-    cached, spy, fresh, fspy = engine_pair(tiny, tmp_path)
-    p = prompt(26)
-    run(cached, spy, p)
-    reopened, spy2, _, _ = engine_pair(tiny, tmp_path)
-    warm = run(reopened, spy2, p)
-    cold = run(fresh, fspy, p)
-    assert warm.stats.cached_tokens == 24
-    assert reopened.cache.report()["disk_hits"] == 1
-    check_same(warm, spy2, cold, fspy, 26)
-
-
-def test_other_model_never_sees_entries(tiny: LoadedModel, tmp_path: Path, tiny_gguf: Path) -> None:
-    from tinymodel import write_tiny_gguf
-
-    write_tiny_gguf(tmp_path / "other.gguf", seed=9)
-    other = load(str(tmp_path / "other.gguf"), cache_root=tmp_path / "models")
-    p = prompt(20)
-    first, spy, _, _ = engine_pair(tiny, tmp_path)
-    run(first, spy, p)
-    second, spy2, _, _ = engine_pair(other, tmp_path)
-    assert run(second, spy2, p).stats.cached_tokens == 0
-    small = CacheConfig(block_size=8, directory=tmp_path)
-    third = Engine(tiny, PromptCache(tiny.model, tiny.key, small, root=tmp_path / "kv"))
-    assert third.complete(Request(p, GREEDY)).stats.cached_tokens == 0  # another block size
 
 
 def test_corrupt_block_is_dropped_and_counted(tiny: LoadedModel, tmp_path: Path) -> None:

@@ -10,13 +10,16 @@ import jinja2
 import mlx.core as mx
 import numpy as np
 import pytest
+from shapemodel import checkpointed
 from spy import Spy, spied
 
 from mlxcache.cache.store import PromptCache
 from mlxcache.config import CacheConfig, default_block_size
 from mlxcache.engine import Engine, Request
 from mlxcache.events import CANCELLED, Done, Prefill, Result, Token
+from mlxcache.lanes import NextTurn
 from mlxcache.model import LoadedModel
+from mlxcache.modes.chat import warm_next_turn
 from mlxcache.prefill import schedule
 from mlxcache.sampling import SamplingParams
 from mlxcache.scheduler import LaneKind
@@ -95,7 +98,7 @@ def test_turn_two_starts_where_warm_ahead_ended(tiny: LoadedModel) -> None:
     target = len(ahead) // B * B
     assert target > kept_before  # the reply adds blocks to warm
     spy.reset()
-    assert engine.warm_chat(convo) is not None
+    assert warm_next_turn(engine, convo) is not None
     assert list(engine.run()) == []  # run() serves requests only: warm-ahead waits
     assert spy.calls == []
     assert list(engine.run(warm=True)) == []  # warm lanes yield no events
@@ -283,7 +286,7 @@ def test_template_rewriting_earlier_turns(tiny: LoadedModel) -> None:
     nxt = engine.encoder.encode_chat([*convo, {"role": "user", "content": "and 3+3?"}])
     assert nxt[: len(ahead)] == ahead
     assert nxt[: len(naive)] != naive  # rendering the reply as last message would keep reasoning
-    engine.warm_chat(convo)
+    warm_next_turn(engine, convo)
     list(engine.run(warm=True))
     spy.reset()
     result = engine.complete(Request(nxt, GREEDY))
@@ -356,7 +359,7 @@ def test_worker_serves_bitwise_and_cancels(tiny: LoadedModel) -> None:
     with EngineWorker(engine) as worker:
         assert worker.complete(Request(p, GREEDY)).tokens == ref.tokens
         convo = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
-        worker.warm_chat(convo)
+        warm_next_turn(worker, convo)
         again = worker.complete(Request(p, GREEDY))
         assert again.tokens == ref.tokens and again.stats.cached_tokens == 14  # resumed whole
         stream = worker.generate(Request(prompt(40, seed=6), SamplingParams(max_tokens=50)))
@@ -396,7 +399,7 @@ def test_no_warm_ahead_queues_nothing(tiny: LoadedModel) -> None:
     assert config.warm_ahead is False  # what --no-warm-ahead sets
     engine = Engine(tiny, make_cache(tiny, config), warm_ahead=config.warm_ahead)
     convo = [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": "hi!"}]
-    assert engine.warm_chat(convo) is None and not engine.warming
+    assert warm_next_turn(engine, convo) is None and not engine.warming
     assert engine.warm(prompt(9)) is not None  # an explicit warm still works
 
 
@@ -568,3 +571,35 @@ def test_background_lanes_wait_while_requests_wait(tiny: LoadedModel) -> None:
     engine.cancel(a)
     list(engine.run(warm=True))
     assert engine.cache.cached_length([*prompt(12, seed=3), 0]) == 12  # the warm lane ran
+
+
+def test_next_turn_is_one_rule_and_a_followed_request_gets_its_lane_only_under_follow(
+    tiny: LoadedModel, recurrent: LoadedModel
+) -> None:
+    """The engine picks how a next turn finds the reply (`NextTurn`) from its cache and
+    settings; front ends only say a request may be followed."""
+
+    def engine(loaded: LoadedModel, **settings: bool) -> Engine:
+        config = CacheConfig(block_size=B, disk_bytes=0)
+        return Engine(loaded, PromptCache(loaded.model, loaded.key, config), **settings)
+
+    assert Engine(tiny, block_size=B).next_turn is NextTurn.OFF  # no cache: nothing kept
+    assert engine(tiny, warm_ahead=False).next_turn is NextTurn.OFF
+    assert engine(tiny).next_turn is NextTurn.FOLLOW
+    # A reply's decode KV kept needs no more work, warm-ahead on or off.
+    assert engine(tiny, keep_replies=True).next_turn is NextTurn.KEPT
+    assert engine(tiny, keep_replies=True, warm_ahead=False).next_turn is NextTurn.KEPT
+    assert engine(recurrent).next_turn is NextTurn.FOLLOW  # its states kept block by block
+    # A cache kind kept only as whole-state checkpoints cannot be rewound between blocks.
+    assert engine(checkpointed(recurrent)).next_turn is NextTurn.WARM
+    followed = Request(prompt(9), GREEDY, stop_tokens=frozenset(), follow=True)
+    for e, lane_kinds in [
+        (engine(tiny), [LaneKind.REQUEST, LaneKind.FOLLOW]),
+        (engine(tiny, keep_replies=True), [LaneKind.REQUEST]),
+        (engine(tiny, warm_ahead=False), [LaneKind.REQUEST]),
+        (engine(checkpointed(recurrent)), [LaneKind.REQUEST]),
+    ]:
+        e.submit(followed)
+        assert [kind for _rid, kind in e.lanes()] == lane_kinds
+        list(e.run(warm=True))
+        assert held(e) == (0, 0)

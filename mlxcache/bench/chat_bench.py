@@ -24,6 +24,7 @@ from mlxcache.config import CacheConfig
 from mlxcache.encoder import common_prefix
 from mlxcache.engine import Engine, Request
 from mlxcache.model import LoadedModel, load
+from mlxcache.modes.chat import warm_next_turn
 from mlxcache.runtime import make_cache
 from mlxcache.sampling import SamplingParams
 from mlxcache.types import KVLayer, as_module, new_layers
@@ -71,7 +72,7 @@ def _chat(
         replies.append(result.text)
         messages.append({"role": "assistant", "content": result.text})
         ahead = len(runner.engine.encoder.encode_next_turn(messages))
-        runner.warm_chat(messages)
+        warm_next_turn(runner, messages)
         if wait:  # the user reads: warm-ahead runs to its end before the next turn
             runner.call(lambda e: list(e.run(warm=True)))
     return rows, replies

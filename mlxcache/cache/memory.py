@@ -9,15 +9,14 @@ after its prefill chunk (a sliding window's keys, a recurrent state) is captured
 one whole-state checkpoint per entry, taken at a block boundary, and their entries are
 non-trimmable.
 
-The tier also remembers the tails of the last few whole prompts of a trimmable model: the
-KV past the last full block and the last token's logits, as the prompt's own last prefill
-chunk computed them. The same prompt again (a retry, a regression run, a repeated API call)
-then resumes whole, with nothing to prefill; that state is exactly what a fresh prefill
-computes, since the chunk's input (the canonical KV of the full blocks and the same tokens)
-is the same. Tails go first when memory is short, and with the entry whose blocks they
-continue. Where the engine has measured decode KV canonical, a finished reply's own tail
-is kept too (without logits), and a prompt may resume inside a block from a kept block or
-a tail that follows it (`partial`).
+The tier also remembers the tails of the last few whole prompts of a trimmable model
+(`tails.Tails`): the KV past the last full block and the last token's logits, as the
+prompt's own last prefill chunk computed them. The same prompt again (a retry, a regression
+run, a repeated API call) then resumes whole, with nothing to prefill; that state is
+exactly what a fresh prefill computes, since the chunk's input (the canonical KV of the full
+blocks and the same tokens) is the same. Where the engine has measured decode KV canonical,
+a finished reply's own tail is kept too (without logits), and a prompt may resume inside a
+block from a kept block or a tail that follows it (`partial`).
 
 Eviction (`reserve`, `make_room`) follows the index's victim order within the tier's two
 limits, a slot count and a byte budget. `store.PromptCache` coordinates this tier with the
@@ -41,11 +40,10 @@ from mlxcache.cache.index import Entry, Match, PromptIndex
 from mlxcache.cache.layout import Block, Layout
 from mlxcache.cache.layout import nbytes as block_nbytes
 from mlxcache.cache.radix import common_prefix
+from mlxcache.cache.tails import Tail, Tails
 from mlxcache.config import CacheConfig
 from mlxcache.types import LayerCache, Layers
 
-MAX_TAILS = 32
-"""Whole prompts whose tails the memory tier remembers (the most recently used)."""
 EXTRA_STATE_SHARE = 8
 """Recurrent states kept between two strides, in memory only, take at most this fraction
 (1/8) of the memory budget: the newest first, dropped before any entry is evicted."""
@@ -59,23 +57,6 @@ class _Block:
     @property
     def nbytes(self) -> int:
         return block_nbytes(self.data)
-
-
-@dataclass(slots=True)
-class Tail:
-    """A whole prompt's state past its last full block, and its last logits (None for a
-    reply's tail, kept only to resume mid-block: see `partial`)."""
-
-    key: str  # digest of the prompt's tokens
-    base: Entry  # holds the prompt's full blocks; the tail goes with it
-    kv: Block  # positions [last full block end, prompt end) (maybe none), states at the end
-    logits: mx.array | None
-    prefix: str  # digest of the tokens before the tail (the full blocks)
-    ids: np.ndarray  # the tail's own tokens
-
-    @property
-    def nbytes(self) -> int:
-        return block_nbytes(self.kv) + (0 if self.logits is None else int(self.logits.nbytes))
 
 
 @dataclass(slots=True)
@@ -108,13 +89,13 @@ class MemoryTier:
         self.budget = config.mem_bytes
         self.max_entries = config.max_entries
         self.index = PromptIndex(config.block_size)
-        self.nbytes = 0
+        self._nbytes = 0  # blocks and checkpoints; the tails count their own
         self.token_bytes = 0  # KV bytes per token, learned from the first block kept
         self._stats = stats
         self._blocks: dict[str, _Block] = {}
         self._entry_blocks: dict[Entry, list[str]] = {}
         self._checkpoints: dict[Entry, list[Any]] = {}
-        self._tails: OrderedDict[str, Tail] = OrderedDict()  # by prompt digest, oldest first
+        self._tails = Tails()
         # Blocks a lane captured are staged on its lease (`Lease.staged`) until it keeps
         # them; outside the budget, like the lanes' own layers.
         self._stride = config.state_stride
@@ -131,6 +112,11 @@ class MemoryTier:
     def __iter__(self) -> Iterator[Entry]:
         """The entries, oldest first (a snapshot)."""
         return iter(self.index)
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes kept: blocks, checkpoints and tails."""
+        return self._nbytes + self._tails.nbytes
 
     @property
     def tails(self) -> int:
@@ -153,8 +139,7 @@ class MemoryTier:
 
     def tail(self, tokens: np.ndarray) -> Tail | None:
         """The remembered tail of exactly `tokens`, with its logits, if any."""
-        tail = self._tails.get(digest_tokens(tokens)) if self._tails else None
-        return tail if tail is not None and tail.logits is not None else None
+        return self._tails.whole(digest_tokens(tokens)) if len(self._tails) else None
 
     def partial(self, tokens: np.ndarray, length: int, limit: int) -> tuple[Block, int] | None:
         """The KV of `tokens[length:length+k]` (0 < k <= `limit`, k < B) where a kept block
@@ -169,7 +154,7 @@ class MemoryTier:
             entry, k = found
             best = (self._blocks[self._entry_blocks[entry][length // self.block_size]].data, k)
         prefix = None
-        for tail in self._tails.values():
+        for tail in self._tails:
             if tail.prefix and len(tail.ids) and (best is None or len(tail.ids) > best[1]):
                 prefix = prefix or digest_tokens(tokens[:length])
                 if tail.prefix == prefix:
@@ -217,7 +202,7 @@ class MemoryTier:
             # Tails are kept for block layouts only; `tail()` gives those with logits.
             assert self.layout is not None and tail.logits is not None
             self.layout.append(layers, tail.kv)
-            self._tails.move_to_end(tail.key)
+            self._tails.used(tail)
             # A copy: logits processors (the repetition penalty) write into their input.
             length, logits = len(tokens), mx.array(tail.logits)
         self.index.pin(entry)
@@ -351,7 +336,7 @@ class MemoryTier:
         entry = self.index.add(tokens, trimmable=False, nbytes=kv.state_nbytes(checkpoint))
         if entry not in self._checkpoints:
             self._checkpoints[entry] = checkpoint
-            self.nbytes += entry.nbytes
+            self._nbytes += entry.nbytes
         return entry
 
     def add_blocks(self, tokens: np.ndarray, names: list[str], fresh: dict[str, Block]) -> Entry:
@@ -368,7 +353,7 @@ class MemoryTier:
             self._entry_blocks[entry] = names
             for h in names:
                 self._blocks[h].refs += 1
-        self.nbytes += added
+        self._nbytes += added
         return entry
 
     def keep_tail(self, tokens: np.ndarray, layers: Layers, logits: mx.array | None) -> bool:
@@ -387,19 +372,10 @@ class MemoryTier:
         # Evaluated now: a lazy cut keeps the whole arrays it reads alive (after a batched
         # decode, every row's KV), far more than the tail's own bytes, counted in the budget.
         mx.eval(list(tail.values()), logits)
-        key = digest_tokens(tokens)
-        self._drop_tail(key)
         ids = np.array(tokens[at:], dtype=np.int32)
-        self._tails[key] = Tail(key, found.entry, tail, logits, digest_tokens(tokens[:at]), ids)
-        self.nbytes += self._tails[key].nbytes
-        while len(self._tails) > MAX_TAILS:
-            self._drop_tail(next(iter(self._tails)))
+        prefix = digest_tokens(tokens[:at])
+        self._tails.add(Tail(digest_tokens(tokens), found.entry, tail, logits, prefix, ids))
         return True
-
-    def _drop_tail(self, key: str) -> None:
-        tail = self._tails.pop(key, None)
-        if tail is not None:
-            self.nbytes -= tail.nbytes
 
     # -- eviction ---------------------------------------------------------------------------
 
@@ -423,9 +399,9 @@ class MemoryTier:
         oldest first), then entries in the victim order.
         """
         while self.nbytes + n_bytes > self.budget:
-            if self._tails:
-                self._drop_tail(next(iter(self._tails)))
-            elif self._extra:
+            if self._tails.drop_oldest():
+                continue
+            if self._extra:
                 self._drop_extra(next(iter(self._extra)))
             elif not self._evict(self.index.victim(skip=skip, prompt=prompt)):
                 break
@@ -436,18 +412,17 @@ class MemoryTier:
             return False
         self.index.remove(entry)
         self._stats.evictions_mem += 1
-        for key in [k for k, tail in self._tails.items() if tail.base is entry]:
-            self._drop_tail(key)
+        self._tails.drop_of(entry)
         if entry in self._checkpoints:
             del self._checkpoints[entry]
-            self.nbytes -= entry.nbytes
+            self._nbytes -= entry.nbytes
             return True
         for h in self._entry_blocks.pop(entry):
             block = self._blocks[h]
             block.refs -= 1
             if block.refs == 0:
                 del self._blocks[h]
-                self.nbytes -= block.nbytes
+                self._nbytes -= block.nbytes
                 self._extra.pop(h, None)
         return True
 
@@ -455,7 +430,7 @@ class MemoryTier:
         """Forget a state between strides: its entries resume at an earlier kept state."""
         del self._extra[name]
         block = self._blocks.pop(name)
-        self.nbytes -= block.nbytes
+        self._nbytes -= block.nbytes
         for names in self._entry_blocks.values():
             if name in names:
                 names.remove(name)

@@ -44,7 +44,21 @@ class EngineLike(Protocol):
 
     def generate(self, request: Request) -> Iterator[Event]: ...
 
-    def warm_chat(self, messages: list[dict[str, Any]], **template_kwargs: Any) -> object: ...
+    @property
+    def warm_ahead(self) -> bool: ...
+
+    def warm(self, tokens: Any) -> object: ...
+
+
+def warm_next_turn(
+    engine: EngineLike, messages: list[dict[str, Any]], **template_kwargs: Any
+) -> object:
+    """Queue warm-ahead for a conversation whose last message is the reply just given, if
+    the engine warms ahead (its lane id, or None); `template_kwargs`: those the next turn
+    is rendered with (e.g. its tools). The prefix is encoded on the caller's thread."""
+    if not engine.warm_ahead:
+        return None
+    return engine.warm(engine.encoder.encode_next_turn(messages, **template_kwargs))
 
 
 class InProcess:
@@ -68,7 +82,7 @@ class InProcess:
         for event in self.engine.generate(request):
             if isinstance(event, Done) and event.result.finish_reason != CANCELLED:
                 reply = {"role": "assistant", "content": event.result.text}
-                self.engine.warm_chat([*messages, reply])
+                warm_next_turn(self.engine, [*messages, reply])
             yield event
 
 

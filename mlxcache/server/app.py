@@ -66,7 +66,8 @@ class Settings:
 def _cache_report(engine: Engine) -> dict[str, Any]:
     """The cache's counters (`pinned_entries`: pinned by running lanes), whether lanes run,
     and what the device was measured to allow: a reply's decode KV kept ("decode_kv":
-    "kept", else "re-prefilled"), requests decoding as one batch ("batched_decode"); MLX's
+    "kept", else "re-prefilled"), requests decoding as one batch ("batched_decode"); how
+    a conversation's next turn finds its reply ("next_turn": `lanes.NextTurn`); MLX's
     own memory beside the cache's: arrays in use and freed buffers it keeps for reuse
     (given back once no lane runs)."""
     return {
@@ -75,6 +76,7 @@ def _cache_report(engine: Engine) -> dict[str, Any]:
         "warming": engine.warming,
         "decode_kv": "kept" if engine.keep_replies else "re-prefilled",
         "batched_decode": engine.batch_decode,
+        "next_turn": engine.next_turn.value,
         "mlx_active_bytes": mx.get_active_memory(),
         "mlx_buffer_cache_bytes": mx.get_cache_memory(),
     }

@@ -274,7 +274,7 @@ def _chat_plan(
             ids = engine.encoder.encode_chat(messages, **kwargs)
             thinking = reply_thinking(tokenizer, tokenizer.decode(ids[-_PROMPT_END:]))
         # A client may send the next turn as soon as this reply ends: follow it.
-        request = Request(ids, params, stop_strings=body.stops(), follow=engine.warm_ahead)
+        request = Request(ids, params, stop_strings=body.stops(), follow=True)
         return Plan(ids, request, next_turn=_warm(engine, messages, **kwargs), thinking=thinking)
     if fmt.type == "json_schema":
         if fmt.json_schema is None:
@@ -296,7 +296,7 @@ def _chat_plan(
     with tokenizing:
         ids = json_mode.encode(engine, rendered, **task.template_kwargs)
         request = json_mode.request(engine, ids, task, params)
-    request = replace(request, stop_strings=body.stops())
+    request = replace(request, stop_strings=body.stops(), follow=True)
     thinking = task.thinking if task.thinking is not None and task.thinking.in_reply else None
     warm = _warm(engine, rendered, **task.template_kwargs)
     return Plan(ids, request, next_turn=warm, thinking=thinking)
@@ -332,7 +332,7 @@ def _tools_plan(
     with tokenizing:
         ids = task.encode(engine, conversation)
         request = task.request(engine, ids, params)
-    request = replace(request, stop_strings=body.stops(), follow=engine.warm_ahead)
+    request = replace(request, stop_strings=body.stops(), follow=True)
 
     def warm(answer: Answer) -> list[int]:
         return next_turn(task, engine, conversation, ToolReply(answer.content, answer.calls))
