@@ -15,6 +15,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
+import mlxcache.cache.layout as layout_mod
 import mlxcache.decode as decode_mod
 import mlxcache.draft as draft_mod
 import mlxcache.engine as engine_mod
@@ -551,6 +552,18 @@ def pick_with_next_key(patch: Patch) -> None:
     patch(decode_mod, "_drafted", next_key)
 
 
+def ring_one_too_wide(patch: Patch) -> None:
+    """A sliding window restored with one position more than a cold prefill leaves in its
+    ring (the replies stay the same while mlx-lm trims the spare position)."""
+    start = layout_mod._ring_start
+
+    def wider(stop: int, block: int, max_size: int, keep: int) -> tuple[int, int]:
+        kept, first = start(stop, block, max_size, keep)
+        return kept, first - 1 if first > keep else first
+
+    patch(layout_mod, "_ring_start", wider)
+
+
 MUTANTS: dict[str, Callable[[Patch], None]] = {
     f.__name__: f
     for f in (
@@ -587,5 +600,6 @@ MUTANTS: dict[str, Callable[[Patch], None]] = {
         state_not_restored,
         grammar_over_drafts,
         pick_with_next_key,
+        ring_one_too_wide,
     )
 }

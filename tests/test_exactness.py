@@ -26,6 +26,7 @@ from guarantees import (
     check_kept_replies,
     check_lanes,
     check_new_process,
+    check_rebuilt_layers,
     check_restore_repeatedly,
     check_sparse_states,
     check_two_block_sizes,
@@ -78,6 +79,7 @@ CHECKS: list[Callable[[Rig], None]] = [
     check_drafted,
     check_foreign_tail,
     check_sparse_states,
+    check_rebuilt_layers,
 ]
 
 

@@ -21,6 +21,7 @@ from guarantees import (
     check_kept_replies,
     check_lanes,
     check_probes_apart,
+    check_rebuilt_layers,
     check_restore_repeatedly,
     check_sparse_states,
     check_two_block_sizes,
@@ -81,6 +82,7 @@ CAUGHT_BY: dict[str, list[tuple[str, str]]] = {
     "state_not_restored": [("recurrent", "drafted"), ("checkpointed", "drafted")],
     "grammar_over_drafts": [("plain", "drafted")],
     "pick_with_next_key": [("plain", "drafted"), ("recurrent", "drafted")],
+    "ring_one_too_wide": [("sliding", "rebuilt_layers")],
 }
 
 
@@ -123,6 +125,7 @@ def test_mutant_is_caught(
         "probes_apart": check_probes_apart,
         "foreign_tail": check_foreign_tail,
         "sparse_states": check_sparse_states,
+        "rebuilt_layers": check_rebuilt_layers,
         "two_models": lambda rig: check_two_models(rig, other_variants[rig.variant.name]),
     }
     for i, (variant, check) in enumerate(CAUGHT_BY[mutant]):
