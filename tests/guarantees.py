@@ -205,9 +205,11 @@ def run(
     tokens: list[int],
     params: SamplingParams = GREEDY,
     follow: bool = False,
+    stop: frozenset[int] | None = None,
 ) -> Run:
+    """`stop`: the reply's end tokens (None: the tokenizer's)."""
     spy.reset()
-    result = engine.complete(Request(tokens, params, follow=follow))
+    result = engine.complete(Request(tokens, params, stop_tokens=stop, follow=follow))
     whole = result.stats.cached_tokens == len(tokens)
     memo = remembered_logits(engine, tokens) if whole else None
     return _run_of(result, len(tokens), list(range(len(spy.calls))), spy, memo)
@@ -264,8 +266,10 @@ class Rig:
         cache = PromptCache(loaded.model, loaded.key, config, root=self.dir / "kv")
         return Engine(loaded, cache), spy
 
-    def cold(self, tokens: list[int], params: SamplingParams = GREEDY) -> Run:
-        return run(self._cold, self._cold_spy, tokens, params)
+    def cold(
+        self, tokens: list[int], params: SamplingParams = GREEDY, stop: frozenset[int] | None = None
+    ) -> Run:
+        return run(self._cold, self._cold_spy, tokens, params, stop=stop)
 
     def warm(
         self,
@@ -584,30 +588,64 @@ def check_kept_replies(rig: Rig) -> None:
     params = SamplingParams(max_tokens=9)
 
     def turn(tokens: list[int]) -> list[int]:
-        expect = rig.geo.resume(tokens, engine.cache, anywhere=engine.keep_replies and plain)
-        got = run(engine, spy, tokens, params, follow=True)
-        cold = rig.cold(tokens, params)
-        rig.check(
-            got, tokens, expect, fed_to_end(cold) if engine.keep_replies else cold, engine.cache
-        )
-        list(engine.run(warm=True))  # a follow lane, where replies are not kept
-        whole = [*tokens, *got.tokens]
-        if engine.keep_replies:  # one entry: every token drawn, an end token too, was fed
-            fed = [*whole, *([] if got.stop_token is None else [got.stop_token])]
-            if len(fed) // B * B > rig.geo.keep_at(tokens):
-                rig.geo.kept.add(tuple(fed[: len(fed) // B * B]))
-            if plain and len(fed) >= B:
-                rig.geo.replies.setdefault(id(engine.cache), set()).add(tuple(fed))
-        elif rig.variant.trimmable:  # its follow lane keeps each block of the reply
-            for k in range(rig.geo.keep_at(tokens) + B, len(whole) // B * B + 1, B):
-                rig.geo.kept.add(tuple(whole[:k]))
-        rig.entries(engine.cache)
-        return whole
+        got = kept_turn(rig, engine, spy, tokens, params)
+        return [*tokens, *got.tokens]
 
     whole = turn(prompt(10, seed=3))
     whole = turn(whole + prompt(5, seed=4))
     # Another conversation that shares part of the first prompt's second block.
     turn([*whole[: B + 3], *prompt(6, seed=5)])
+
+
+def kept_turn(
+    rig: Rig,
+    engine: Engine,
+    spy: Spy,
+    tokens: list[int],
+    params: SamplingParams,
+    stop: frozenset[int] | None = None,
+) -> Run:
+    """A followed turn on an engine that keeps replies where the probe allowed it: resumed
+    as the geometry says, with the cold run's bits (fed to its end where replies are kept);
+    the geometry then learns what the reply kept: one entry of every token drawn, an end
+    token too (kept replies), or each full block of prompt + reply (a follow lane)."""
+    assert isinstance(engine.cache, PromptCache)
+    plain = engine.cache.layout is not None and engine.cache.layout.plain
+    expect = rig.geo.resume(tokens, engine.cache, anywhere=engine.keep_replies and plain)
+    got = run(engine, spy, tokens, params, follow=True, stop=stop)
+    cold = rig.cold(tokens, params, stop)
+    rig.check(got, tokens, expect, fed_to_end(cold) if engine.keep_replies else cold, engine.cache)
+    list(engine.run(warm=True))  # a follow lane, where replies are not kept
+    whole = [*tokens, *got.tokens]
+    if engine.keep_replies:
+        fed = [*whole, *([] if got.stop_token is None else [got.stop_token])]
+        if len(fed) // B * B > rig.geo.keep_at(tokens):
+            rig.geo.kept.add(tuple(fed[: len(fed) // B * B]))
+        if plain and len(fed) >= B:
+            rig.geo.replies.setdefault(id(engine.cache), set()).add(tuple(fed))
+    elif rig.variant.trimmable:  # its follow lane keeps each block of the reply
+        for k in range(rig.geo.keep_at(tokens) + B, len(whole) // B * B + 1, B):
+            rig.geo.kept.add(tuple(whole[:k]))
+    rig.entries(engine.cache)
+    return got
+
+
+def check_end_token(rig: Rig) -> None:
+    """Replies that end on an end token the model draws (each turn's stop token is one its
+    cold reply draws): the next turn, prompt + reply + end token + a new message, resumes
+    with the cold run's bits, the end token's KV kept with the reply where replies are kept
+    (the probe), its blocks kept by a follow lane elsewhere."""
+    engine, spy = rig.engine()
+    assert isinstance(engine.cache, PromptCache)
+    engine.keep_replies = measured(engine.loaded, engine.cache.config)["decode"]
+    params = SamplingParams(max_tokens=9)
+    tokens = prompt(10, seed=80)
+    for turn in range(3):
+        drawn = rig.cold(tokens, params).tokens
+        stop = frozenset({drawn[min(2 + turn, len(drawn) - 1)]})
+        got = kept_turn(rig, engine, spy, tokens, params, stop)
+        assert got.stop_token in stop, f"turn {turn} ended without its end token"
+        tokens = [*tokens, *got.tokens, got.stop_token, *prompt(5, seed=81 + turn)]
 
 
 def check_batched(rig: Rig) -> None:
