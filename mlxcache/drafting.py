@@ -8,6 +8,11 @@ steps on this device, for this model. Elsewhere drafting is off (said once), unl
 "auto" drafts only where verify is also cheap: on MLX's CPU backend a forward costs the
 same per token whatever its width (`mlxcache bench spec` measures it), so there it is off
 without a probe.
+
+In a sharded run (`mlx.launch`) every rank feeds the verify forward the same rows: lookup
+drafts are the same on every rank (they read the shared picks), and a draft model's are
+rank 0's (`Shared`): the other ranks' copies of it are never run (their chips may compute
+other bits).
 """
 
 from __future__ import annotations
@@ -17,9 +22,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 
 from mlxcache.cache.base import PrefixCache
-from mlxcache.config import DRAFTS, DraftConfig
+from mlxcache.config import DRAFTS, MAX_DRAFT, DraftConfig
+from mlxcache.decode import Share
 from mlxcache.draft import Drafter, Lookup, ModelDrafter
 from mlxcache.errors import UserInputError
 from mlxcache.invariance import Verify, verify_probe
@@ -58,6 +65,8 @@ class Drafting:
         draft_model: the draft model, when `config.model` names one.
         on_warning: told once when drafting asked for is off, or runs inexact.
         on_note: told when the probe measures (seconds on a real model, once).
+        leader: False on the ranks other than 0 of a sharded run, which take rank 0's
+            drafts of the draft model (`Shared`) instead of running their own.
     """
 
     def __init__(
@@ -69,8 +78,10 @@ class Drafting:
         draft_model: DraftModel | None = None,
         on_warning: Callable[[str], None] | None = None,
         on_note: Callable[[str], None] | None = None,
+        leader: bool = True,
     ) -> None:
         self.loaded = loaded
+        self.leader = leader
         self.config = config
         self.block_size = block_size
         self.record = record
@@ -128,13 +139,36 @@ class Drafting:
         )
         return None
 
-    def drafter(self, plan: Plan) -> Drafter:
-        """A new drafter for one reply."""
+    def drafter(self, plan: Plan, share: Share | None = None) -> Drafter:
+        """A new drafter for one reply (`share`: a sharded run's, see `Shared`)."""
         if plan.kind == "model" and self.draft_model is not None:
-            return ModelDrafter(self.draft_model.loaded.model, self.draft_model.cache)
+            own = ModelDrafter(self.draft_model.loaded.model, self.draft_model.cache)
+            return own if share is None else Shared(own if self.leader else None, share)
         return Lookup(self.config.ngram)
 
     def _once(self, message: str) -> None:
         if message not in self._said:
             self._said.add(message)
             self._warn(message)
+
+
+class Shared:
+    """Rank 0's drafts on every rank of a sharded run (`own`: rank 0's drafter, None on the
+    others): sent with the picks' collective (`decode.Share.token`) as a count and up to
+    `MAX_DRAFT` tokens, so every rank's verify forward has the same rows."""
+
+    def __init__(self, own: Drafter | None, share: Share) -> None:
+        self.own = own
+        self.share = share
+
+    def propose(self, tokens: np.ndarray, k: int) -> list[int]:
+        drafts = self.own.propose(tokens, k) if self.own is not None else []
+        sent = np.zeros(MAX_DRAFT + 1, np.uint32)
+        sent[0] = len(drafts)
+        sent[1 : 1 + len(drafts)] = drafts
+        got = np.array(self.share.token(mx.array(sent)))
+        return [int(t) for t in got[1 : 1 + int(got[0])]]
+
+    def close(self) -> None:
+        if self.own is not None:
+            self.own.close()

@@ -289,7 +289,7 @@ def request_lane(
             batched=work.batch_decode and plan is None,
             share=work.share,
             to_end=work.keep_replies,
-            drafter=None if plan is None else work.drafting.drafter(plan),
+            drafter=None if plan is None else work.drafting.drafter(plan, work.share),
             draft=0 if plan is None else plan.k,
         )
         if work.keep_replies:

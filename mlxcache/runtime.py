@@ -76,13 +76,10 @@ def open_engine(
     Raises:
         RankError: a process of the distributed run stopped or cannot be reached.
         UserInputError: a draft model that cannot draft for `model` (another vocabulary,
-            layers other than plain KV, a run under mlx.launch).
+            layers other than plain KV).
     """
     config = cache_config or CacheConfig()
     args: dict[str, Any] = {"progress": progress, "on_warning": on_warning}
-    helper = draft is not None and draft.model is not None and draft.mode != "off"
-    if helper and launched_rank() is not None:  # before any rank waits for another
-        raise UserInputError("a draft model does not run under mlx.launch: use --draft lookup")
     if launched_rank() is None:
         if split is not None and on_warning is not None:
             on_warning(
@@ -99,7 +96,7 @@ def open_engine(
         prompts = distributed.AgreedCache(prompts, ranks, loaded.model)
     drafting = None
     if draft is not None:
-        drafting = _drafting(loaded, config, draft, ranks is not None, {**args, "on_note": on_note})
+        drafting = _drafting(loaded, config, draft, ranks, {**args, "on_note": on_note})
     return Engine(
         loaded,
         prompts,
@@ -116,15 +113,22 @@ def _drafting(
     loaded: LoadedModel,
     config: CacheConfig,
     draft: DraftConfig,
-    sharded: bool,
+    ranks: distributed.Ranks | None,
     args: dict[str, Any],
 ) -> Drafting:
     """The engine's drafting: the draft model loaded and checked, with its own prompt
-    cache (a quarter of the memory budget); probes recorded but in a sharded run."""
-    record = None if sharded else cache_dir(config.directory)
+    cache (a quarter of the memory budget); probes recorded but in a sharded run. There
+    rank 0 alone runs the draft model (`drafting.Shared`): it loads it first (a GGUF is
+    converted once), the others read it lazily, for the same checks, and never run it."""
+    record = None if ranks is not None else cache_dir(config.directory)
+    leader = ranks is None or ranks.leader
     helper = None
     if draft.model is not None and draft.mode != "off":
-        small = load(draft.model, cache_root=config.directory, **_loading(args))
+        if not leader:
+            distributed.sync("rank 0 loading the draft model")
+        small = load(draft.model, cache_root=config.directory, lazy=not leader, **_loading(args))
+        if ranks is not None and leader:
+            distributed.sync("loading the draft model")
         if not same_vocabulary(small.tokenizer, loaded.tokenizer):
             raise UserInputError(
                 f"draft model {small.name} does not share {loaded.name}'s vocabulary "
@@ -136,9 +140,11 @@ def _drafting(
                 "choose a plain transformer to draft with"
             )
         own = dataclasses.replace(config, mem_bytes=config.mem_bytes // 4)
-        helper = DraftModel(small, make_cache(small, own, args["on_warning"]))
+        cache = make_cache(small, own, args["on_warning"]) if leader else NoCache(small.model, 1)
+        helper = DraftModel(small, cache)
     note = noted(loaded, args["on_note"])
-    return Drafting(loaded, draft, config.block_size, record, helper, args["on_warning"], note)
+    warn = args["on_warning"]
+    return Drafting(loaded, draft, config.block_size, record, helper, warn, note, leader)
 
 
 def _loading(args: dict[str, Any]) -> dict[str, Any]:

@@ -135,22 +135,37 @@ def test_tensor_two_ranks_resume_exactly_and_apart_from_one_process(
     assert models == [name, f"{name} (tensor2-rank0)", f"{name} (tensor2-rank1)"]
 
 
-def test_two_ranks_draft_by_lookup_and_reply_as_plain(
+def test_two_ranks_draft_and_reply_as_plain(
     tiny: LoadedModel, tmp_path: Path, ranks: Ranks
 ) -> None:
-    """Every rank drafts the same (lookup over the shared picks) and verifies together; the
-    reply is the plain one. A draft model does not run under mlx.launch: one error line."""
+    """Every rank drafts the same (lookup over the shared picks, or rank 0's draft model's
+    drafts sent to the others) and verifies together; the reply is the plain one, cold and
+    with the draft model's prompt resumed from its cache. A draft model of another
+    vocabulary is one error line on every rank."""
     prompt = "ab ab ab ab ab ab ab"
     args = _generate_args(tiny.path, prompt, "--no-cache", "--max-tokens", "12")
     plain = run(ranks, 2, [*args, "--draft", "off"])
     drafted = run(ranks, 2, [*args, "--draft", "lookup"])
     assert drafted["tokens"] == plain["tokens"] and drafted["text"] == plain["text"]
     assert drafted["stats"]["draft"] == "lookup" and drafted["stats"]["verify_forwards"] > 0
-    refused = finish(ranks(2, [*args, "--draft-model", str(tiny.path)]))
-    assert [code for code, _, _ in refused] == [2, 2]
-    assert (
-        refused[0][2] == "error: a draft model does not run under mlx.launch: use --draft lookup\n"
-    )
+    sampled = run(ranks, 2, [*args, "--draft", "model", "--draft-model", str(tiny.path)])
+    assert sampled["tokens"] == plain["tokens"] and sampled["stats"]["verify_forwards"] > 0
+    # Greedy, so that the tiny model drafting for itself has most drafts accepted.
+    greedy = [*args, "--temp", "0"]
+    plain = run(ranks, 2, [*greedy, "--draft", "off"])
+    cached = [*greedy, "--cache-dir", str(tmp_path / "c"), "--draft", "model"]
+    cached += ["--draft-model", str(tiny.path)]
+    for _ in range(2):  # cold, then the draft model's prompt resumed from its cache
+        by_model = run(ranks, 2, cached)
+        assert by_model["tokens"] == plain["tokens"] and by_model["text"] == plain["text"]
+        stats = by_model["stats"]
+        assert stats["draft"] == "model" and stats["accepted_tokens"] > stats["drafted_tokens"] // 2
+    other = build(tmp_path / "other", tiny.path, FAMILIES["qwen3"], vocab_size=300)
+    tokenizer = other / "tokenizer.json"  # one token spelt otherwise: another vocabulary
+    tokenizer.write_text(tokenizer.read_text().replace('"<|im_end|>"', '"<|im_stop|>"'))
+    refused = finish(ranks(2, [*args, "--draft-model", str(other)]))
+    assert [code for code, _, _ in refused] == [2, 2], refused
+    assert all("does not share" in err and err.startswith("error: ") for _, _, err in refused)
 
 
 def _alone(args: list[str]) -> dict[str, Any]:

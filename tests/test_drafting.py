@@ -16,9 +16,9 @@ from guarantees import Rig, Variant, check_probes_apart, prompt, scored
 from typer.testing import CliRunner
 
 from mlxcache.bench.families import FAMILIES, build
-from mlxcache.config import CacheConfig, DraftConfig, SamplingParams
+from mlxcache.config import MAX_DRAFT, CacheConfig, DraftConfig, SamplingParams
 from mlxcache.draft import Lookup
-from mlxcache.drafting import Drafting
+from mlxcache.drafting import Drafting, Shared
 from mlxcache.engine import Engine, Request
 from mlxcache.errors import SettingError, UserInputError
 from mlxcache.events import Done
@@ -346,3 +346,45 @@ def test_smollm2_drafted_is_plain_cold_and_resumed(smol: LoadedModel, tmp_path: 
     got = list(engine.generate(Request(ids, params, logprobs=1)))
     assert scored(got) == plain
     assert next(e for e in got if isinstance(e, Done)).result.stats.draft == "model"
+
+
+def test_shared_drafts_are_rank_0s_on_every_rank() -> None:
+    """In a sharded run a draft model's drafts go out with the picks' collective: rank 0's
+    drafter proposes, the others propose nothing of their own and get rank 0's tokens (a
+    count, then up to MAX_DRAFT tokens), so every rank verifies the same rows."""
+
+    class Fixed:
+        def __init__(self, drafts: list[int]) -> None:
+            self.drafts, self.closed = drafts, False
+
+        def propose(self, tokens: np.ndarray, k: int) -> list[int]:
+            return self.drafts[:k]
+
+        def close(self) -> None:
+            self.closed = True
+
+    class Collective:
+        """Rank 0's array, whatever this rank sends (as `Ranks.token` sums them)."""
+
+        def __init__(self) -> None:
+            self.sent: list[mx.array] = []
+
+        def token(self, token: mx.array) -> mx.array:
+            self.sent.append(token)
+            return self.sent[0]
+
+        def fail(self) -> None:
+            raise AssertionError("no pick fails here")
+
+    wire = Collective()
+    own = Fixed([7, 261, 0, 5])
+    leader, follower = Shared(own, wire), Shared(None, wire)
+    assert leader.propose(np.arange(3), 3) == [7, 261, 0]
+    assert follower.propose(np.arange(3), 3) == [7, 261, 0]
+    assert np.array(wire.sent[0]).tolist() == [3, 7, 261, 0, 0, 0, 0, 0, 0]
+    assert np.array(wire.sent[1]).tolist() == [0] * (MAX_DRAFT + 1)  # the follower's own: none
+    wire.sent.clear()
+    assert leader.propose(np.arange(3), 0) == [] and follower.propose(np.arange(3), 0) == []
+    leader.close()
+    follower.close()
+    assert own.closed
