@@ -190,6 +190,29 @@ BlockSize = Annotated[
         rich_help_panel=CACHE_PANEL,
     ),
 ]
+KvBits = Annotated[
+    int | None,
+    typer.Option(
+        "--kv-bits",
+        metavar="4|8",
+        help=(
+            "Keep attention keys and values quantized to 4 or 8 bits, from the first token "
+            "and in the prompt cache (2-6x more context and cached prefixes per byte; replies "
+            "differ from full precision, but resumed == cold still holds, in its own cache "
+            "namespace). Sliding-window and recurrent layers stay full precision."
+        ),
+        rich_help_panel=CACHE_PANEL,
+    ),
+]
+KvGroupSize = Annotated[
+    int,
+    typer.Option(
+        "--kv-group-size",
+        metavar="N",
+        help="With --kv-bits: values quantized together along a head (32, 64 or 128).",
+        rich_help_panel=CACHE_PANEL,
+    ),
+]
 StateStride = Annotated[
     int | None,
     typer.Option(
@@ -350,10 +373,14 @@ def cache_config(
     block_size: int | None,
     warm_ahead: bool,
     state_stride: int | None = None,
+    kv_bits: int | None = None,
+    kv_group_size: int | None = None,
 ) -> CacheConfig:
     """Cache settings from options; None keeps `CacheConfig`'s default (one home for it)."""
     try:
-        size = {} if block_size is None else {"block_size": block_size}
+        size: dict[str, int] = {} if block_size is None else {"block_size": block_size}
+        if kv_group_size is not None:
+            size["kv_group_size"] = kv_group_size
         return CacheConfig(
             enabled=not no_cache,
             directory=cache_dir,
@@ -361,6 +388,7 @@ def cache_config(
             disk_bytes=parse_size(disk),
             warm_ahead=warm_ahead,
             state_stride=state_stride,
+            kv_bits=kv_bits,
             **size,
         )
     except SettingError:
@@ -532,6 +560,8 @@ class RunOptions:
     cache_disk: str
     block_size: int | None
     state_stride: int | None
+    kv_bits: int | None
+    kv_group_size: int
     warm_ahead: bool
     split: str | None
     draft: str
@@ -571,6 +601,8 @@ class RunOptions:
             self.block_size,
             self.warm_ahead,
             self.state_stride,
+            self.kv_bits,
+            self.kv_group_size,
         )
 
     def drafting(self) -> DraftConfig:
@@ -616,6 +648,8 @@ _RUN_OPTIONS: list[tuple[str, Any, Any]] = [
     ("cache_disk", CacheDisk, format_size(_config_default("disk_bytes"))),
     ("block_size", BlockSize, None),
     ("state_stride", StateStride, None),
+    ("kv_bits", KvBits, _config_default("kv_bits")),
+    ("kv_group_size", KvGroupSize, _config_default("kv_group_size")),
     ("warm_ahead", WarmAhead, _config_default("warm_ahead")),
     ("split", Split, None),
     # Defaults come from DraftConfig, their one home.

@@ -128,6 +128,8 @@ FLAGS = {
     "frequency_penalty": "--frequency-penalty",
     "block_size": "--block-size",
     "state_stride": "--state-stride",
+    "kv_bits": "--kv-bits",
+    "kv_group_size": "--kv-group-size",
     "think": "--think",
     "think_budget": "--think-budget",
     "tool_choice": "--tool-choice",

@@ -192,6 +192,10 @@ MAX_DRAFT = 8
 """The most tokens a verify forward checks (the probe measures widths up to this + 1)."""
 
 
+KV_BITS = (4, 8)
+"""The KV quantizations offered (`CacheConfig.kv_bits`)."""
+KV_GROUP_SIZES = (32, 64, 128)
+
 WARM_AHEAD = True
 """Warm-ahead's default, for `CacheConfig` and an `Engine` built without one."""
 
@@ -216,6 +220,9 @@ class CacheConfig:
             from the first state's size, so that stored states cost at most a quarter of the
             blocks' KV (the memory tier also keeps states between strides, within an
             eighth of its budget).
+        kv_bits: keep attention keys and values quantized to this many bits (4 or 8), from
+            token 0, in the cache too (`model.kvquant`); None: full precision.
+        kv_group_size: the quantization group along the head dimension (32, 64 or 128).
     """
 
     enabled: bool = True
@@ -226,6 +233,8 @@ class CacheConfig:
     max_entries: int = 256
     warm_ahead: bool = WARM_AHEAD
     state_stride: int | None = None
+    kv_bits: int | None = None
+    kv_group_size: int = 64
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -236,5 +245,11 @@ class CacheConfig:
         if self.state_stride is not None and self.state_stride < 1:
             why = f" must be >= 1, got {self.state_stride}"
             raise SettingError(Worded(Setting("state_stride", "state stride"), why))
+        if self.kv_bits is not None and self.kv_bits not in KV_BITS:
+            why = f" must be one of {', '.join(map(str, KV_BITS))}, got {self.kv_bits}"
+            raise SettingError(Worded(Setting("kv_bits", "KV bits"), why))
+        if self.kv_group_size not in KV_GROUP_SIZES:
+            why = f" must be one of {', '.join(map(str, KV_GROUP_SIZES))}, got {self.kv_group_size}"
+            raise SettingError(Worded(Setting("kv_group_size", "KV group size"), why))
         if self.max_entries < 1:
             raise ValueError(f"max entries must be >= 1, got {self.max_entries}")

@@ -31,6 +31,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import BatchKVCache, KVCache, RotatingKVCache
 
+from mlxcache.cache.layout import kv_tag
 from mlxcache.config import MAX_DRAFT
 from mlxcache.draft import Checkpoint, snapshot
 from mlxcache.fileio import write_atomic
@@ -129,7 +130,9 @@ def _key(loaded: LoadedModel, block_size: int) -> str:
 
     device = str(mx.default_device())
     version = getattr(mx, "__version__", "?")
-    return f"{loaded.key}|{block_size}|{device}|{version}|{mlx_lm.__version__}"
+    quant = kv_tag(new_layers(loaded.model))  # quantized attention: other kernels
+    key = f"{loaded.key}|{block_size}|{device}|{version}|{mlx_lm.__version__}"
+    return f"{key}|{quant}" if quant else key
 
 
 def _read(path: Path) -> dict[str, Any]:

@@ -75,6 +75,8 @@ class Wanted:
     spec: str
     block_size: int
     cache: bool
+    kv: str = "full precision"
+    """The KV quantization (`wire.kv_label`)."""
 
     def identity(self) -> dict[str, Any]:
         from mlxcache import __version__
@@ -83,6 +85,7 @@ class Wanted:
             **published(self.spec),
             "block_size": self.block_size,
             "cache": self.cache,
+            "kv": self.kv,
             "exact": True,
             "version": __version__,
         }
@@ -93,6 +96,7 @@ _WHAT = {
     "stamp": "model files (changed since the server loaded them)",
     "block_size": "block size",
     "cache": "prompt cache on",
+    "kv": "KV quantization (--kv-bits)",
     "exact": "exact replies (not serve --batch-inexact)",
     "version": "mlxcache version",
 }

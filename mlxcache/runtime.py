@@ -10,7 +10,7 @@ from mlx_lm.models.cache import KVCache
 
 from mlxcache import distributed
 from mlxcache.cache.base import NoCache, PrefixCache
-from mlxcache.cache.layout import Layout
+from mlxcache.cache.layout import Layout, kv_tag
 from mlxcache.cache.store import PromptCache
 from mlxcache.config import CacheConfig, DraftConfig
 from mlxcache.draft import same_vocabulary
@@ -21,6 +21,7 @@ from mlxcache.invariance import probe
 from mlxcache.launch import launched_rank
 from mlxcache.model import LoadedModel, load
 from mlxcache.model.gguf import Progress
+from mlxcache.model.kvquant import quantize_kv
 from mlxcache.paths import cache_dir, kv_dir
 from mlxcache.types import as_module, new_layers
 
@@ -32,7 +33,9 @@ def make_cache(
     if not config.enabled:
         return NoCache(loaded.model, config.block_size)
     root = kv_dir(config.directory) if config.disk_bytes > 0 else None
-    name = f"{loaded.name} ({loaded.shard})" if loaded.shard else loaded.name
+    # `cache ls` names a shard's entries and quantized KV's apart (each its own namespace).
+    notes = [n for n in (loaded.shard, kv_tag(new_layers(loaded.model))) if n]
+    name = f"{loaded.name} ({', '.join(notes)})" if notes else loaded.name
     label = (name, str(loaded.path))
     return PromptCache(loaded.model, loaded.key, config, root, on_warning, label)
 
@@ -88,6 +91,8 @@ def open_engine(
         loaded, ranks = load(model, cache_root=config.directory, **args), None
     else:
         loaded, ranks = _load_shard(model, config, split, args, on_rank_lost)
+    if config.kv_bits is not None:
+        loaded = quantize_kv(loaded, config.kv_bits, config.kv_group_size, on_warning)
     prompts = make_cache(loaded, config, on_warning)
     allowed = measured(loaded, config, on_note) if invariant and ranks is None else NOTHING_MEASURED
     # No probe in a sharded run (its forwards are one rank's): the canonical path. A cache

@@ -84,6 +84,7 @@ def identity(spec: str, engine: Engine, cache: CacheConfig, exact: bool) -> dict
         "key": engine.loaded.key,
         "block_size": cache.block_size,
         "cache": cache.enabled,
+        "kv": kv_label(cache),
         "exact": exact,
         "version": __version__,
         # What a regress golden records beside the version (`regress.remote`).
@@ -108,3 +109,11 @@ def worded_from(doc: Any) -> Worded:
             for p in items
         )
     )
+
+
+def kv_label(cache: CacheConfig) -> str:
+    """The KV quantization as the identity names it ("8-bit, groups of 64"): a server
+    quantizing otherwise does not reply as the command would."""
+    if cache.kv_bits is None:
+        return "full precision"
+    return f"{cache.kv_bits}-bit, groups of {cache.kv_group_size}"

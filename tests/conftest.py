@@ -75,13 +75,23 @@ def recurrent(tiny: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> Lo
 
 
 @pytest.fixture(scope="session")
-def variants(tiny: LoadedModel, sliding: LoadedModel, recurrent: LoadedModel) -> dict[str, Variant]:
+def quantizable(tmp_path_factory: pytest.TempPathFactory, cache_root: Path) -> LoadedModel:
+    """The tiny model with two attention heads of 32 (a quantization group fits them)."""
+    path = tmp_path_factory.mktemp("heads") / "heads.gguf"
+    write_tiny_gguf(path, heads=2, kv_heads=1)
+    return load(str(path), cache_root=cache_root)
+
+
+@pytest.fixture(scope="session")
+def variants(
+    tiny: LoadedModel, sliding: LoadedModel, recurrent: LoadedModel, quantizable: LoadedModel
+) -> dict[str, Variant]:
     """The models the exactness checks run on (tests/guarantees.py): the tiny model, its
     sliding-window version, a recurrent hybrid and a checkpoint-only cache kind, each plain
     and shape-sensitive (tests/shapemodel.py)."""
     from guarantees import Variant
 
-    return Variant.all(tiny, sliding, recurrent)
+    return Variant.all(tiny, sliding, recurrent, quantizable)
 
 
 @pytest.fixture(scope="session")
@@ -97,7 +107,9 @@ def other_variants(
 
     sliding = load(str(write_sliding(other.path, folder / "sliding")))
     recurrent = load(str(build(folder / "lfm2", other.path, FAMILIES["lfm2"], seed=9)))
-    return Variant.all(other, sliding, recurrent)
+    write_tiny_gguf(folder / "heads.gguf", seed=9, heads=2, kv_heads=1)
+    quantizable = load(str(folder / "heads.gguf"), cache_root=cache_root)
+    return Variant.all(other, sliding, recurrent, quantizable)
 
 
 @pytest.fixture(autouse=True)

@@ -14,7 +14,13 @@ from mutants import MUTANTS
 def main(spec: dict[str, object]) -> None:
     if spec["mutant"]:
         MUTANTS[str(spec["mutant"])](setattr)
-    variant = load_variant(str(spec["source"]), bool(spec["shaped"]), bool(spec["checkpointed"]))
+    bits = spec["kv_bits"]
+    variant = load_variant(
+        str(spec["source"]),
+        bool(spec["shaped"]),
+        bool(spec["checkpointed"]),
+        None if bits is None else int(str(bits)),
+    )
     engine, spy = Rig(variant, Path(str(spec["dir"]))).engine()
     prompts = spec["prompts"]
     assert isinstance(prompts, list)

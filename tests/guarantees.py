@@ -24,7 +24,12 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import ArraysCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import (
+    ArraysCache,
+    QuantizedKVCache,
+    RotatingKVCache,
+    make_prompt_cache,
+)
 from mlx_lm.sample_utils import make_logits_processors
 from shapemodel import checkpointed, shaped
 from spy import Spy, spied
@@ -32,17 +37,20 @@ from spy import Spy, spied
 from mlxcache.cache.base import NoCache, is_trimmable
 from mlxcache.cache.store import PromptCache
 from mlxcache.config import CacheConfig, DraftConfig
+from mlxcache.decode import Share
 from mlxcache.draft import Drafter
 from mlxcache.drafting import Drafting, Plan
 from mlxcache.engine import Engine, Request
 from mlxcache.events import Done, Event, Result, Token
 from mlxcache.model import LoadedModel, load
+from mlxcache.model.kvquant import quantize_kv
 from mlxcache.prefill import prefill
 from mlxcache.runtime import measured
 from mlxcache.sampling import SamplingParams
 from mlxcache.worker import EngineWorker
 
 B = 4
+KV_GROUP = 32  # the quantized variant's group: its heads are 32 wide
 GREEDY = SamplingParams(max_tokens=6)
 CHILD = Path(__file__).with_name("exact_child.py")
 
@@ -55,40 +63,53 @@ def prompt(n: int, seed: int = 0) -> list[int]:
 class Variant:
     """A model under test: `source` is what `load` takes (a child process loads it too);
     `is_checkpointed`: its first layer's cache has no block layout (whole-state
-    checkpoints)."""
+    checkpoints); `kv_bits`: its KV quantized (`--kv-bits`, groups of `KV_GROUP`)."""
 
     name: str
     source: str
     is_shaped: bool
     is_checkpointed: bool
     loaded: LoadedModel
+    kv_bits: int | None = None
 
     @classmethod
     def of(
-        cls, name: str, plain: LoadedModel, is_shaped: bool, is_checkpointed: bool = False
+        cls,
+        name: str,
+        plain: LoadedModel,
+        is_shaped: bool,
+        is_checkpointed: bool = False,
+        kv_bits: int | None = None,
     ) -> Variant:
-        loaded = checkpointed(plain) if is_checkpointed else plain
+        loaded = plain if kv_bits is None else quantize_kv(plain, kv_bits, KV_GROUP)
+        loaded = checkpointed(loaded) if is_checkpointed else loaded
         loaded = shaped(loaded) if is_shaped else loaded
-        return cls(name, str(plain.path), is_shaped, is_checkpointed, loaded)
+        return cls(name, str(plain.path), is_shaped, is_checkpointed, loaded, kv_bits)
 
     @classmethod
     def all(
-        cls, plain: LoadedModel, sliding: LoadedModel, recurrent: LoadedModel
+        cls,
+        plain: LoadedModel,
+        sliding: LoadedModel,
+        recurrent: LoadedModel,
+        quantizable: LoadedModel,
     ) -> dict[str, Variant]:
         """Each model kind plain and shape-sensitive: full attention, a sliding window
-        (ring buffers), recurrent state (LFM2's convolutions), and the recurrent model with
-        a first-layer cache kind kept only as whole-state checkpoints."""
+        (ring buffers), recurrent state (LFM2's convolutions), the recurrent model with
+        a first-layer cache kind kept only as whole-state checkpoints, and full attention
+        with 8-bit quantized KV (`quantizable`: heads a quantization group fits)."""
         kinds = [
-            ("plain", plain, False),
-            ("sliding", sliding, False),
-            ("recurrent", recurrent, False),
-            ("checkpointed", recurrent, True),
+            ("plain", plain, False, None),
+            ("sliding", sliding, False, None),
+            ("recurrent", recurrent, False, None),
+            ("checkpointed", recurrent, True, None),
+            ("quantized", quantizable, False, 8),
         ]
         out = {}
-        for name, base, is_checkpointed in kinds:
-            out[name] = cls.of(name, base, False, is_checkpointed)
+        for name, base, is_checkpointed, bits in kinds:
+            out[name] = cls.of(name, base, False, is_checkpointed, bits)
             shaped_name = "shaped" if name == "plain" else f"shaped-{name}"
-            out[shaped_name] = cls.of(shaped_name, base, True, is_checkpointed)
+            out[shaped_name] = cls.of(shaped_name, base, True, is_checkpointed, bits)
         return out
 
     @property
@@ -310,6 +331,7 @@ class Rig:
             "source": self.variant.source,
             "shaped": self.variant.is_shaped,
             "checkpointed": self.variant.is_checkpointed,
+            "kv_bits": self.variant.kv_bits,
             "dir": str(self.dir),
             "prompts": prompts,
             "mutant": self.mutant,
@@ -834,10 +856,12 @@ def check_two_models(rig: Rig, other: Variant) -> None:
     rig.warm(engine, spy, p)  # the first model's own entries are intact
 
 
-def load_variant(source: str, is_shaped: bool, is_checkpointed: bool) -> Variant:
+def load_variant(
+    source: str, is_shaped: bool, is_checkpointed: bool, kv_bits: int | None
+) -> Variant:
     """A variant as a child process loads it."""
     plain = load(source)
-    return Variant.of("child", plain, is_shaped, is_checkpointed)
+    return Variant.of("child", plain, is_shaped, is_checkpointed, kv_bits)
 
 
 class Oracle:
@@ -868,7 +892,7 @@ class OracleDrafting(Drafting):
         super().__init__(loaded, DraftConfig(mode="lookup", tokens=4), B, directory)
         self.oracle = oracle
 
-    def drafter(self, plan: Plan) -> Drafter:
+    def drafter(self, plan: Plan, share: Share | None = None) -> Drafter:
         return self.oracle
 
 
@@ -1064,6 +1088,9 @@ def _held(c: Any) -> list[Any]:
         return [c.keys, c.values, c.offset, c.keep, c.max_size, c._idx]
     if isinstance(c, ArraysCache):
         return list(c.cache)
+    if isinstance(c, QuantizedKVCache):  # packed values, scales, biases
+        held = [x[..., : c.offset, :] for x in (*c.keys, *c.values)]
+        return [*held, c.offset, c.group_size, c.bits]
     return [c.keys[..., : c.offset, :], c.values[..., : c.offset, :], c.offset]
 
 
@@ -1072,3 +1099,22 @@ def _is(a: Any, b: Any) -> bool:
     arrays = isinstance(a, mx.array), isinstance(b, mx.array)
     assert arrays[0] == arrays[1], f"{type(a).__name__} against {type(b).__name__}"
     return arrays[0]
+
+
+def check_kv_apart(rig: Rig) -> None:
+    """A quantized variant's entries are its own: the same model at full precision and at
+    the other bit width, on the same directory, resume nothing of them."""
+    assert rig.variant.kv_bits is not None, "a check of quantized variants"
+    engine, spy = rig.engine()
+    tokens = prompt(5 * B + 2, seed=90)
+    run(engine, spy, tokens)
+    base = load(rig.variant.source)
+    other_bits = 4 if rig.variant.kv_bits == 8 else 8
+    config = CacheConfig(block_size=B, directory=rig.dir, state_stride=1)
+    for other in (base, quantize_kv(base, other_bits, KV_GROUP)):
+        cache = PromptCache(other.model, other.key, config, root=rig.dir / "kv")
+        try:
+            got = Engine(other, cache).complete(Request(tokens, GREEDY))
+        except Exception as exc:  # blocks of another precision read as its own
+            raise AssertionError(f"another KV precision's entries were read: {exc}") from exc
+        assert got.stats.cached_tokens == 0, "another KV precision's entries were read"

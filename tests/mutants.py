@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Generator
+from dataclasses import replace
 from typing import Any
 
 import mlx.core as mx
@@ -404,11 +405,10 @@ def probe_key_without_model(patch: Patch) -> None:
     """Probe answers recorded per block size, device and versions but not per model: one
     model reads another's."""
     key = invariance._key
-    patch(invariance, "_key", lambda loaded, block_size: key(_Unnamed(), block_size))
-
-
-class _Unnamed:
-    key = "any model"
+    unnamed = "any model"
+    patch(
+        invariance, "_key", lambda loaded, block_size: key(replace(loaded, key=unnamed), block_size)
+    )
 
 
 def foreign_tail(patch: Patch) -> None:
@@ -564,6 +564,11 @@ def ring_one_too_wide(patch: Patch) -> None:
     patch(layout_mod, "_ring_start", wider)
 
 
+def kv_namespace_without_bits(patch: Patch) -> None:
+    """Quantized blocks filed without their bit width: 4-bit and 8-bit KV share entries."""
+    patch(Layout, "name", property(lambda self: "" if self.plain else "layout-v1"))
+
+
 MUTANTS: dict[str, Callable[[Patch], None]] = {
     f.__name__: f
     for f in (
@@ -601,5 +606,6 @@ MUTANTS: dict[str, Callable[[Patch], None]] = {
         grammar_over_drafts,
         pick_with_next_key,
         ring_one_too_wide,
+        kv_namespace_without_bits,
     )
 }

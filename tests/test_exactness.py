@@ -57,6 +57,8 @@ VARIANTS = [
     "shaped-recurrent",
     "checkpointed",
     "shaped-checkpointed",
+    "quantized",
+    "shaped-quantized",
 ]
 CHECKS: list[Callable[[Rig], None]] = [
     check_warm,

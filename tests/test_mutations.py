@@ -20,6 +20,7 @@ from guarantees import (
     check_foreign_tail,
     check_fork,
     check_kept_replies,
+    check_kv_apart,
     check_lanes,
     check_probes_apart,
     check_rebuilt_layers,
@@ -84,6 +85,7 @@ CAUGHT_BY: dict[str, list[tuple[str, str]]] = {
     "grammar_over_drafts": [("plain", "drafted")],
     "pick_with_next_key": [("plain", "drafted"), ("recurrent", "drafted")],
     "ring_one_too_wide": [("sliding", "rebuilt_layers")],
+    "kv_namespace_without_bits": [("quantized", "kv_apart")],
 }
 
 
@@ -128,6 +130,7 @@ def test_mutant_is_caught(
         "foreign_tail": check_foreign_tail,
         "sparse_states": check_sparse_states,
         "rebuilt_layers": check_rebuilt_layers,
+        "kv_apart": check_kv_apart,
         "two_models": lambda rig: check_two_models(rig, other_variants[rig.variant.name]),
     }
     for i, (variant, check) in enumerate(CAUGHT_BY[mutant]):

@@ -11,6 +11,8 @@ of a prefix it shares with a kept one:
   after the chunk that computed them (the ring buffer drops them later). Restored at
   block k, the ring holds exactly what a cold canonical prefill leaves there: the same
   positions, in the same order, at the same size (`_ring_start`);
+- quantized KV layers (`QuantizedKVCache`, `--kv-bits`): the block's packed keys and values
+  with their scales and biases, as they were quantized (each position on its own);
 - recurrent layers (`ArraysCache`: SSM, gated delta, conv states): their state after the
   block, which cannot be rebuilt from anything else. The store keeps it apart from the
   block (`split`), at some block boundaries only: a resume needs just the state where it
@@ -24,12 +26,14 @@ from __future__ import annotations
 from typing import Any, cast
 
 import mlx.core as mx
-from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
 
 from mlxcache.cache import blocks as kv
 from mlxcache.types import KVLayer, LayerCache, Layers
 
 Block = dict[str, mx.array]
+_QPARTS = ("", ".s", ".b")
+"""A quantized layer's arrays in a block: packed values, scales, biases (keys, values)."""
 
 
 def _kind(cache: Any) -> str | None:
@@ -37,6 +41,8 @@ def _kind(cache: Any) -> str | None:
         return "kv"
     if type(cache) is RotatingKVCache:
         return "ring"
+    if type(cache) is QuantizedKVCache:
+        return "qkv"
     if isinstance(cache, ArraysCache):
         return "state"
     return None
@@ -58,6 +64,11 @@ class Layout:
         self.kinds = kinds
         self.n_layers = len(kinds)
         self.plain = all(k == "kv" for k in kinds)
+        # Blocks that stay in the layers as computed may be cut when kept; the others are
+        # captured right after their chunk (`needs_capture`).
+        self._cut_late = all(k in ("kv", "qkv") for k in kinds)
+        quantized = {i: cast(QuantizedKVCache, c) for i, c in enumerate(fresh) if kinds[i] == "qkv"}
+        self._quant = {i: (int(c.group_size), int(c.bits)) for i, c in quantized.items()}
         rings = {i: cast(RotatingKVCache, c) for i, c in enumerate(fresh) if kinds[i] == "ring"}
         self._rings = {i: (int(c.max_size), int(c.keep)) for i, c in rings.items()}
         slots = {i: cast(ArraysCache, c) for i, c in enumerate(fresh) if kinds[i] == "state"}
@@ -74,6 +85,15 @@ class Layout:
         return cls(fresh, [str(k) for k in kinds])
 
     @property
+    def name(self) -> str:
+        """How blocks are laid out, for the cache namespace: "" for plain stacked KV, else
+        "layout-v1", with the KV quantization when some layer has one ("layout-v1-q8g64")."""
+        if self.plain:
+            return ""
+        quant = "".join(sorted({f"-q{bits}g{group}" for group, bits in self._quant.values()}))
+        return "layout-v1" + quant
+
+    @property
     def has_state(self) -> bool:
         """Whether some layer is recurrent (its state is kept apart from the blocks)."""
         return bool(self._slots)
@@ -87,7 +107,7 @@ class Layout:
     def needs_capture(self) -> bool:
         """Whether a block must be cut right after the chunk that computed it (sliding and
         recurrent layers do not hold it, or its state, later); plain KV is cut at keep time."""
-        return not self.plain
+        return not self._cut_late
 
     def cut(self, layers: Layers, start: int, stop: int) -> Block:
         """Positions [start, stop) of every attention layer, and every recurrent layer's
@@ -101,6 +121,12 @@ class Layout:
                 for j, value in enumerate(cast(ArraysCache, c).cache):
                     if value is not None:
                         out[f"s.{i}.{j}"] = mx.array(value)
+                continue
+            if kind == "qkv":
+                q = cast(Any, c)
+                for p, parts in (("k", q.keys), ("v", q.values)):
+                    for suffix, part in zip(_QPARTS, parts, strict=True):
+                        out[f"{p}.{i}{suffix}"] = mx.array(part[0, :, start:stop, :])
                 continue
             keys, values = cast(KVLayer, c).keys, cast(KVLayer, c).values
             if kind == "ring":  # the ring in time order ends at position stop - 1
@@ -124,9 +150,17 @@ class Layout:
         """Whether a block read back from disk has every attention array this layout needs."""
         if self.plain and set(block) == {"kv"}:
             return True
-        return {f"{p}.{i}" for i, k in enumerate(self.kinds) if k != "state" for p in "kv"} <= set(
-            block
-        )
+        return self._names() <= set(block)
+
+    def _names(self) -> set[str]:
+        """Every attention array name a block of this layout holds."""
+        return {
+            f"{p}.{i}{suffix}"
+            for i, k in enumerate(self.kinds)
+            if k != "state"
+            for p in "kv"
+            for suffix in (_QPARTS if k == "qkv" else ("",))
+        }
 
     def check_state(self, state: Block) -> bool:
         """Whether a state read back from disk has a state for every recurrent layer."""
@@ -163,16 +197,25 @@ class Layout:
     def _attention(self, i: int, blocks: list[Block], block_size: int) -> Any:
         stop = len(blocks) * block_size
 
-        def positions(first: int, last: int) -> list[mx.array]:
+        def positions(first: int, last: int, suffix: str = "") -> list[mx.array]:
             parts = blocks[first // block_size : -(-last // block_size)]
             at = first // block_size * block_size
             return [
-                mx.concatenate([b[f"{p}.{i}"] for b in parts], axis=1)[None][
+                mx.concatenate([b[f"{p}.{i}{suffix}"] for b in parts], axis=1)[None][
                     ..., first - at : last - at, :
                 ]
                 for p in "kv"
             ]
 
+        if self.kinds[i] == "qkv":
+            group, bits = self._quant[i]
+            q: Any = QuantizedKVCache(group_size=group, bits=bits)
+            parts = [positions(0, stop, suffix) for suffix in _QPARTS]
+            # New array objects: a live cache's in-place updates never reach a stored block.
+            q.keys = tuple(mx.array(p[0]) for p in parts)
+            q.values = tuple(mx.array(p[1]) for p in parts)
+            q.offset = stop
+            return q
         if self.kinds[i] == "kv":
             c: Any = KVCache()
             keys, values = positions(0, stop)
@@ -206,6 +249,8 @@ class Layout:
         for i, (kind, c) in enumerate(zip(self.kinds, layers, strict=True)):
             if kind == "state":
                 self._set_state(i, cast(ArraysCache, c), tail)
+            elif kind == "qkv":
+                _extend(c, [tail[f"{p}.{i}{s}"] for p in "kv" for s in _QPARTS])
             elif tail[f"k.{i}"].shape[1]:
                 cast(KVLayer, c).update_and_fetch(tail[f"k.{i}"][None], tail[f"v.{i}"][None])
         mx.eval([c.state for c in layers])
@@ -214,3 +259,25 @@ class Layout:
 def nbytes(block: Block) -> int:
     """Bytes of a block's arrays."""
     return sum(int(v.nbytes) for v in block.values())
+
+
+def _extend(q: Any, parts: list[mx.array]) -> None:
+    """Append positions already quantized (keys' packed, scales, biases, then values') to
+    `q` (a `QuantizedKVCache`), as a prefill chunk's `update_and_fetch` would store them."""
+    n = int(parts[0].shape[1])
+    if n == 0:
+        return
+    if q.keys is None:
+        joined = [p[None] for p in parts]
+    else:
+        held = [x[..., : q.offset, :] for x in (*q.keys, *q.values)]
+        joined = [mx.concatenate([h, p[None]], axis=2) for h, p in zip(held, parts, strict=True)]
+    q.keys, q.values = tuple(joined[:3]), tuple(joined[3:])
+    q.offset += n
+
+
+def kv_tag(layers: Layers) -> str:
+    """What quantized KV `layers` hold, as cache namespaces and probe records name it
+    ("q8g64"); "" for full precision."""
+    tags = {f"q{c.bits}g{c.group_size}" for c in layers if isinstance(c, QuantizedKVCache)}
+    return "".join(sorted(tags))

@@ -290,7 +290,7 @@ class MemoryTier:
             (j for j, h in enumerate(names) if h not in self._blocks and j not in staged),
             len(names),
         )
-        if layout.plain:  # plain KV: cut out of any state
+        if not layout.needs_capture:  # (quantized) plain KV: cut out of any state
             n = len(names)
         fresh: dict[str, Block] = {}
         states: list[str] = []

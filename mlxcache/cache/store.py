@@ -30,7 +30,7 @@ from mlxcache.cache.disk import (
     index_error,
 )
 from mlxcache.cache.index import Entry, Match, PromptIndex
-from mlxcache.cache.layout import Layout
+from mlxcache.cache.layout import Layout, kv_tag
 from mlxcache.cache.layout import nbytes as block_nbytes
 from mlxcache.cache.memory import Kept, MemoryTier, state_name
 from mlxcache.config import CacheConfig
@@ -64,10 +64,12 @@ class PromptCache:
     ) -> None:
         self._model = model
         self.block_size = config.block_size
-        self.layout = Layout.of(new_layers(model), config.block_size)
+        fresh = new_layers(model)
+        self.layout = Layout.of(fresh, config.block_size)
         self.trimmable = self.layout is not None
-        mixed = self.layout is not None and not self.layout.plain
-        self.ns = kv.namespace(model_key, config.block_size, "layout-v1" if mixed else "")
+        # Whole-state checkpoints name their KV quantization alone (a layout names it too).
+        shape = self.layout.name if self.layout is not None else kv_tag(fresh)
+        self.ns = kv.namespace(model_key, config.block_size, shape)
         self.config = config
         self.stats = CacheStats()
         self._open: set[Lease] = set()  # restored and not yet released: none while idle
