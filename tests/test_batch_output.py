@@ -6,17 +6,7 @@ import fcntl
 import json
 from pathlib import Path
 
-from typer.testing import CliRunner
-
-from mlxcache_cli.main import app as cli
-
-runner = CliRunner()
-
-
-def run(*args: str, stdin: str | None = None) -> tuple[int, str, str]:
-    result = runner.invoke(cli, list(args), input=stdin)
-    assert result.exception is None or isinstance(result.exception, SystemExit), result.exc_info
-    return result.exit_code, result.stdout, result.stderr
+from cli_run import run
 
 
 def test_a_second_batch_on_one_output_is_refused_and_nothing_is_written_twice(

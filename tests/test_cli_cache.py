@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+from cli_run import run
 from tinymodel import write_tiny_gguf
 from typer.testing import CliRunner
 
@@ -13,7 +14,6 @@ from mlxcache.cache.disk import DiskTier
 from mlxcache.model import load
 from mlxcache_cli import ui
 from mlxcache_cli.main import app
-from mlxcache_cli.main import app as cli
 
 runner = CliRunner()
 
@@ -96,12 +96,6 @@ def test_prune_across_models_goes_by_last_use(
     assert cache("prune", "--max-size", str(total - 1), "--cache-dir", d)["removed"] == 1
     (left,) = cache("ls", "--cache-dir", d)
     assert left["used"] == max(r["used"] for r in rows)
-
-
-def run(*args: str, stdin: str | None = None) -> tuple[int, str, str]:
-    result = runner.invoke(cli, list(args), input=stdin)
-    assert result.exception is None or isinstance(result.exception, SystemExit), result.exc_info
-    return result.exit_code, result.stdout, result.stderr
 
 
 def cache_with_index(root: Path) -> Path:

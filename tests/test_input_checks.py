@@ -10,30 +10,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from typer.testing import CliRunner
+from cli_run import refused, run
 
 from mlxcache import __version__
 from mlxcache.modes import chat
 from mlxcache.modes.schema import MAX_SCHEMA_OBJECTS
 from mlxcache.sampling import SamplingParams
-from mlxcache_cli.main import app as cli
-
-runner = CliRunner()
-
 
 LONG_WAIT_S = 300
 """How long a test waits for what must happen at once (only reached when it fails)."""
-
-
-def run(*args: str, stdin: str | None = None) -> tuple[int, str, str]:
-    result = runner.invoke(cli, list(args), input=stdin)
-    assert result.exception is None or isinstance(result.exception, SystemExit), result.exc_info
-    return result.exit_code, result.stdout, result.stderr
-
-
-def refused(line: str) -> tuple[int, str, str]:
-    """What a bad input gives: exit 2, nothing on stdout, one error line."""
-    return 2, "", f"error: {line}\n"
 
 
 def wide_schema(properties: int) -> dict[str, Any]:

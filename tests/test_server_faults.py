@@ -173,3 +173,16 @@ def test_an_api_key_with_non_ascii_characters_is_compared_as_utf8(
     assert (status, doc["data"][0]["id"]) == (200, tiny.name)
     for wrong in ("Bearer clé-ünïcod".encode(), "Bearer clé-ünïcode".encode("latin-1")):
         assert client("/v1/models", authorization=wrong)[0] == 401
+
+
+def test_a_tiny_temperature_in_the_server_is_greedy(
+    tiny: LoadedModel, engine: tuple[Engine, EngineWorker]
+) -> None:
+    client = serve(tiny, engine)
+    replies = [
+        client("/v1/chat/completions", chat_body(tiny, temperature=t, seed=1, max_tokens=12))
+        for t in (0, 1e-310, 1e-39)
+    ]
+    assert all(status == 200 for status, _ in replies)
+    texts = {doc["choices"][0]["message"]["content"] for _, doc in replies}
+    assert len(texts) == 1 and texts != {""}

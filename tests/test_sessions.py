@@ -6,25 +6,14 @@ import json
 from pathlib import Path
 
 import pytest
+from cli_run import refused, run
 from tinymodel import write_tiny_gguf
 from typer.testing import CliRunner
 
 from mlxcache.modes import chat
 from mlxcache_cli.main import app
-from mlxcache_cli.main import app as cli
 
 runner = CliRunner()
-
-
-def run(*args: str, stdin: str | None = None) -> tuple[int, str, str]:
-    result = runner.invoke(cli, list(args), input=stdin)
-    assert result.exception is None or isinstance(result.exception, SystemExit), result.exc_info
-    return result.exit_code, result.stdout, result.stderr
-
-
-def refused(line: str) -> tuple[int, str, str]:
-    """What a bad input gives: exit 2, nothing on stdout, one error line."""
-    return 2, "", f"error: {line}\n"
 
 
 @pytest.fixture(scope="module")
