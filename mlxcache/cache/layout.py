@@ -90,8 +90,8 @@ class Layout:
         "layout-v1", with the KV quantization when some layer has one ("layout-v1-q8g64")."""
         if self.plain:
             return ""
-        quant = "".join(sorted({f"-q{bits}g{group}" for group, bits in self._quant.values()}))
-        return "layout-v1" + quant
+        quant = "".join(sorted({_quant_name(bits, group) for group, bits in self._quant.values()}))
+        return "layout-v1" + (f"-{quant}" if quant else "")
 
     @property
     def has_state(self) -> bool:
@@ -279,5 +279,9 @@ def _extend(q: Any, parts: list[mx.array]) -> None:
 def kv_tag(layers: Layers) -> str:
     """What quantized KV `layers` hold, as cache namespaces and probe records name it
     ("q8g64"); "" for full precision."""
-    tags = {f"q{c.bits}g{c.group_size}" for c in layers if isinstance(c, QuantizedKVCache)}
+    tags = {_quant_name(c.bits, c.group_size) for c in layers if isinstance(c, QuantizedKVCache)}
     return "".join(sorted(tags))
+
+
+def _quant_name(bits: int, group_size: int) -> str:
+    return f"q{bits}g{group_size}"

@@ -5,8 +5,8 @@ Exact by construction: a position's quantized keys and values depend only on its
 and values (the groups run along the head dimension), and they are quantized from token 0,
 as each prefill chunk or decode step computes them (never "from token N of this request",
 as mlx-lm's `--quantized-kv-start`): a resumed prompt and a cold one hold the same bits,
-and the prompt cache keeps quantized blocks (`cache.layout`: 2-4x the prefixes per byte,
-in their own namespace). Layers mlx-lm has no quantized form for (sliding windows,
+and the prompt cache keeps quantized blocks (`cache.layout`: on SmolLM2's float32 KV,
+3.5x the prefixes per byte at 8 bits and 6.4x at 4; in their own namespace). Layers mlx-lm has no quantized form for (sliding windows,
 recurrent states) stay in full precision, said once.
 """
 
@@ -18,6 +18,7 @@ from typing import Any
 
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
+from mlxcache.config import KV_GROUP_SIZES
 from mlxcache.errors import UserInputError
 from mlxcache.model.loader import LoadedModel
 from mlxcache.types import new_layers
@@ -65,7 +66,7 @@ def quantize_kv(
     heads = int(config.get("num_attention_heads") or 1)
     head_dim = int(config.get("head_dim") or int(config.get("hidden_size") or 0) // heads)
     if head_dim % group_size:
-        fits = [g for g in (32, 64, 128) if head_dim % g == 0]
+        fits = [g for g in KV_GROUP_SIZES if head_dim % g == 0]
         hint = f": try --kv-group-size {fits[-1]}" if fits else ""
         raise UserInputError(
             f"--kv-group-size {group_size} does not divide {loaded.name}'s attention head "
