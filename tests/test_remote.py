@@ -376,6 +376,7 @@ def test_identity_is_on_the_model_card(server: MlxcacheServer, model: Path) -> N
         "family": "llama",
         "block_size": BLOCK,
         "cache": True,
+        "kv": "full precision",
         "exact": True,
         "version": __version__,
         "mlx": getattr(mx, "__version__", "?"),
