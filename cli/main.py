@@ -13,10 +13,12 @@ from typer.core import TyperGroup, TyperOption
 
 from mlxcache import __version__
 from mlxcache.errors import MlxcacheError, UserInputError
+from mlxcache.launch import following
 from mlxcache_cli import bench, cache_cmd, coerce, models_cmd, regress_cmd, richhelp, ui
 from mlxcache_cli.chat_cmd import chat_cmd
 from mlxcache_cli.generate import generate
 from mlxcache_cli.json_cmd import json_cmd
+from mlxcache_cli.options import run_options
 from mlxcache_cli.serve_cmd import serve_cmd
 from mlxcache_cli.tools_cmd import tools_cmd
 
@@ -132,12 +134,20 @@ def exit_code(exc: MlxcacheError) -> int:
 def command(
     fn: Callable[..., None], name: str | None = None, app: typer.Typer = app, examples: str = ""
 ) -> None:
-    """Register `fn` with its examples, turning domain errors into one red line and an exit code."""
+    """Register `fn` with its examples, turning domain errors into one red line and an exit
+    code. On a rank other than 0 of an `mlx.launch` run, a model-running command's body is
+    rank 0's alone: this rank opens the same engine and makes rank 0's engine calls."""
+    runs_model = getattr(fn, "runs_model", False)
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> None:
         try:
-            fn(*args, **kwargs)
+            if runs_model and following():
+                from mlxcache.distributed import follow
+
+                follow(run_options(kwargs).engine())
+            else:
+                fn(*args, **kwargs)
         except MlxcacheError as exc:
             if _state["debug"]:
                 raise

@@ -663,11 +663,9 @@ _RUN_OPTIONS: list[tuple[str, Any, Any]] = [
 F = TypeVar("F", bound=Callable[..., None])
 
 
-def _following() -> bool:
-    """A rank other than 0 of a run started by `mlx.launch` (read without importing MLX)."""
-    from mlxcache.launch import launched_rank
-
-    return launched_rank() not in (None, 0)
+def run_options(kwargs: dict[str, Any]) -> RunOptions:
+    """The shared options taken out of a command's keyword arguments."""
+    return RunOptions(**{name: kwargs.pop(name) for name, _, _ in _RUN_OPTIONS})
 
 
 def with_run_options(max_tokens: int = _SAMPLING.max_tokens) -> Callable[[F], F]:
@@ -694,17 +692,12 @@ def with_run_options(max_tokens: int = _SAMPLING.max_tokens) -> Callable[[F], F]
 
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> None:
-            run = RunOptions(**{name: kwargs.pop(name) for name, _, _ in _RUN_OPTIONS})
-            if _following():
-                from mlxcache.distributed import follow
-
-                follow(run.engine())  # rank 0 runs the command; this rank its engine calls
-                return
-            fn(*args, run=run, **kwargs)
+            fn(*args, run=run_options(kwargs), **kwargs)
 
         params = [*own, *shared]
         wrapper.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
         wrapper.__annotations__ = {p.name: p.annotation for p in params}
+        wrapper.runs_model = True  # type: ignore[attr-defined]
         return wrapper  # type: ignore[return-value]
 
     return decorate

@@ -1,6 +1,6 @@
 """Launched ranks: whether a launcher (`mlx.launch`, `mpirun`) started this process (read
-from the environment without importing MLX: the CLI asks before every model-running
-command), and local ranks started as `mlx.launch` would (tests and `bench distributed`)."""
+from the environment without importing MLX: the CLI asks as it registers its
+commands), and local ranks started as `mlx.launch` would (tests and `bench distributed`)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,11 @@ def launched_rank() -> int | None:
         if value.isdigit():
             return int(value)
     return None
+
+
+def following() -> bool:
+    """A rank other than 0 of a launched run (rank 0 runs the command; this rank follows)."""
+    return launched_rank() not in (None, 0)
 
 
 def local_ranks(
