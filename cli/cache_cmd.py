@@ -2,28 +2,36 @@
 
 from __future__ import annotations
 
+import os
 import time
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
-from mlxcache.config import parse_size
+from mlxcache.config import ENV_API_KEY, parse_size
 from mlxcache.errors import UserInputError
 from mlxcache_cli import options as o
 from mlxcache_cli import ui
+from mlxcache_cli.remote import ServerUrl, in_process_only
 
 
 def stats(
     cache_dir: o.CacheDir = None,
     check: Annotated[bool, typer.Option("--check", help="Verify every file's checksum.")] = False,
     as_json: o.Json = False,
+    server: ServerUrl = None,
 ) -> None:
-    """Entries, bytes and models in the disk cache; with --check, exit 1 on any problem."""
+    """Entries, bytes and models in the disk cache; with --check, exit 1 on any problem.
+    With --server: the running server's cache, its process's memory and budget."""
     from rich.table import Table
 
     from mlxcache.cache import manage
 
-    info = manage.report(cache_dir, check=check)
+    if server is not None:
+        in_process_only(check=check)
+        info = _served(server)
+    else:
+        info = manage.report(cache_dir, check=check)
     if as_json:
         ui.out_json(info)
     else:
@@ -31,13 +39,23 @@ def stats(
         for key, value in info.items():
             if isinstance(value, list):
                 value = "\n".join(value) or "none"
-            elif key == "bytes":
+            elif value is None:
+                value = "none"
+            elif isinstance(value, int) and (key == "bytes" or key.endswith("_bytes")):
                 value = ui.human_bytes(value)
             table.add_row(key, str(value))
         ui.out_table(table)
     if info.get("problems"):
         ui.error(f"the check found {len(info['problems'])} problem(s), listed on stdout")
         raise typer.Exit(1)
+
+
+def _served(url: str) -> dict[str, Any]:
+    """The server's `/v1/cache` report."""
+    from mlxcache.remote import Server
+
+    with Server(url, os.environ.get(ENV_API_KEY) or None) as client:
+        return client.get("/v1/cache")
 
 
 def ls(cache_dir: o.CacheDir = None, as_json: o.Json = False) -> None:

@@ -213,6 +213,19 @@ KvGroupSize = Annotated[
         rich_help_panel=CACHE_PANEL,
     ),
 ]
+MemLimit = Annotated[
+    str | None,
+    typer.Option(
+        "--mem-limit",
+        metavar="SIZE",
+        help=(
+            "Keep the process's memory under SIZE, e.g. 4G: the model, the memory tier "
+            "(fitted inside it), running requests and MLX's buffers. A request that would "
+            "pass it waits for room or is refused (serve: 429 with Retry-After)."
+        ),
+        rich_help_panel=CACHE_PANEL,
+    ),
+]
 StateStride = Annotated[
     int | None,
     typer.Option(
@@ -375,6 +388,7 @@ def cache_config(
     state_stride: int | None = None,
     kv_bits: int | None = None,
     kv_group_size: int | None = None,
+    mem_limit: str | None = None,
 ) -> CacheConfig:
     """Cache settings from options; None keeps `CacheConfig`'s default (one home for it)."""
     try:
@@ -389,6 +403,7 @@ def cache_config(
             warm_ahead=warm_ahead,
             state_stride=state_stride,
             kv_bits=kv_bits,
+            mem_limit=0 if mem_limit is None else parse_size(mem_limit),
             **size,
         )
     except SettingError:
@@ -562,6 +577,7 @@ class RunOptions:
     state_stride: int | None
     kv_bits: int | None
     kv_group_size: int
+    mem_limit: str | None
     warm_ahead: bool
     split: str | None
     draft: str
@@ -603,6 +619,7 @@ class RunOptions:
             self.state_stride,
             self.kv_bits,
             self.kv_group_size,
+            self.mem_limit,
         )
 
     def drafting(self) -> DraftConfig:
@@ -650,6 +667,7 @@ _RUN_OPTIONS: list[tuple[str, Any, Any]] = [
     ("state_stride", StateStride, None),
     ("kv_bits", KvBits, _config_default("kv_bits")),
     ("kv_group_size", KvGroupSize, _config_default("kv_group_size")),
+    ("mem_limit", MemLimit, None),
     ("warm_ahead", WarmAhead, _config_default("warm_ahead")),
     ("split", Split, None),
     # Defaults come from DraftConfig, their one home.

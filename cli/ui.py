@@ -10,6 +10,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from mlxcache.config import human_bytes as human_bytes  # the CLI's sizes, as the library says them
 from mlxcache.errors import worded
 
 if TYPE_CHECKING:  # imported where used: `--version` or `json --check` draw nothing
@@ -83,18 +84,6 @@ def out_table(table: Any) -> None:
         console(file=sys.stdout, width=10_000).print(table)
 
 
-def human_bytes(n: int) -> str:
-    """A size the way people read it: 2.8 MiB, 512 B."""
-    if n < 1024:
-        return f"{n} B"
-    size, unit = n / 1024, "KiB"
-    for bigger in ("MiB", "GiB", "TiB"):
-        if size < 1024:
-            break
-        size, unit = size / 1024, bigger
-    return f"{size:.1f} {unit}"
-
-
 def age(seconds: float) -> str:
     """How long ago, coarsely: 45s, 12m, 3h, 2d."""
     for unit, length in (("d", 86400), ("h", 3600), ("m", 60)):
@@ -130,6 +119,7 @@ FLAGS = {
     "state_stride": "--state-stride",
     "kv_bits": "--kv-bits",
     "kv_group_size": "--kv-group-size",
+    "mem_limit": "--mem-limit",
     "think": "--think",
     "think_budget": "--think-budget",
     "tool_choice": "--tool-choice",

@@ -14,6 +14,18 @@ from mlxcache.errors import Setting, SettingError, UserInputError, Worded
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
+def human_bytes(n: int) -> str:
+    """A size the way people read it: 2.8 MiB, 512 B."""
+    if n < 1024:
+        return f"{n} B"
+    size, unit = n / 1024, "KiB"
+    for bigger in ("MiB", "GiB", "TiB"):
+        if size < 1024:
+            break
+        size, unit = size / 1024, bigger
+    return f"{size:.1f} {unit}"
+
+
 def format_size(n: int) -> str:
     """The shortest exact `parse_size` form of `n` bytes (2 << 30 -> "2G")."""
     for unit in "TGMK":
@@ -223,6 +235,9 @@ class CacheConfig:
         kv_bits: keep attention keys and values quantized to this many bits (4 or 8), from
             token 0, in the cache too (`model.kvquant`); None: full precision.
         kv_group_size: the quantization group along the head dimension (32, 64 or 128).
+        mem_limit: the process's memory budget in bytes (`membudget`): requests that would
+            pass it wait for room or are refused, and the memory tier is fitted inside it;
+            0: none.
     """
 
     enabled: bool = True
@@ -235,12 +250,13 @@ class CacheConfig:
     state_stride: int | None = None
     kv_bits: int | None = None
     kv_group_size: int = 64
+    mem_limit: int = 0
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
             why = f" must be >= 1, got {self.block_size}"
             raise SettingError(Worded(Setting("block_size", "block size"), why))
-        if self.mem_bytes < 0 or self.disk_bytes < 0:
+        if self.mem_bytes < 0 or self.disk_bytes < 0 or self.mem_limit < 0:
             raise ValueError("cache budgets must be >= 0")
         if self.state_stride is not None and self.state_stride < 1:
             why = f" must be >= 1, got {self.state_stride}"

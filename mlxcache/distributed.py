@@ -416,3 +416,9 @@ class AgreedCache:
 
     def report(self) -> dict[str, Any]:
         return self.inner.report() | {"topology": self._ranks.topology.tag}
+
+    def held(self) -> int:
+        return self.inner.held()
+
+    def shed(self, n_bytes: int) -> int:
+        return self.inner.shed(n_bytes)

@@ -38,6 +38,7 @@ from mlxcache.encoder import Encoder, common_prefix
 from mlxcache.errors import GenerationError
 from mlxcache.events import Done, Event, Result, Stats
 from mlxcache.lanes import Lane, NextTurn, Request
+from mlxcache.membudget import MemoryBudget
 from mlxcache.model import LoadedModel
 from mlxcache.peers import Peers, told
 from mlxcache.scheduler import BACKGROUND, BATCH, LaneKind, Scheduler, Step
@@ -72,6 +73,7 @@ class Engine:
             does (`invariance`), for a plain KV model.
         batch_decode: requests past their first token decode as one batch; only where the
             device was measured to give each row the bits it gets alone (`decode_batch`).
+        budget: the process's memory budget (`membudget.MemoryBudget`); None: no limit.
 
     Raises:
         ValueError: a block size below 1, or one that differs from the cache's.
@@ -89,6 +91,7 @@ class Engine:
         on_warning: Callable[[str], None] | None = None,
         ranks: Peers | None = None,
         drafting: Drafting | None = None,
+        budget: MemoryBudget | None = None,
     ) -> None:
         if block_size is not None and block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -109,6 +112,7 @@ class Engine:
         """The other processes of a sharded run (`distributed`); None when alone."""
         self.drafting = drafting or Drafting.off(loaded, self.cache.block_size)
         """Speculative decoding's settings (`drafting.Drafting`): never, by default."""
+        self.budget = budget
 
     @property
     def next_turn(self) -> NextTurn:
@@ -130,6 +134,7 @@ class Engine:
             self.batch_decode,
             self.ranks,
             self.drafting,
+            self.budget,
         )
 
     @told
@@ -142,8 +147,11 @@ class Engine:
         Raises:
             UserInputError: empty prompt.
             ContextLengthError: the prompt leaves no room in the model's context.
+            MemoryLimitError: it would not fit the memory budget even alone.
         """
         tokens = self.encoder.prompt(request.tokens)
+        if self.budget is not None:
+            self.budget.check(request, self.cache, now=False)
         block = self.cache.block_size
         for rid, lane in self._sched.lanes(*BACKGROUND):
             stop, rewarm = lanes.overtaken(lane, tokens, block)
@@ -190,13 +198,11 @@ class Engine:
 
     @property
     def warming(self) -> bool:
-        """Whether background work is queued: warm-ahead lanes and follow lanes (a follow
-        lane may outlive its request, to keep the reply's last block)."""
+        """Whether warm-ahead or follow lanes (which may outlive their request) are queued."""
         return self._sched.count(*BACKGROUND) > 0
 
     def lanes(self) -> list[tuple[int, LaneKind]]:
-        """Every live lane's id and kind: warm-ahead lanes oldest first, then requests and
-        follow lanes in the order of their next turns (`scheduler.Scheduler.lanes`)."""
+        """Every live lane's id and kind, in `scheduler.Scheduler.lanes`'s order."""
         return [(rid, lane.kind) for rid, lane in self._sched.lanes()]
 
     @told
@@ -297,8 +303,7 @@ class Engine:
         return None
 
     def run(self, warm: bool = False) -> Iterator[Event]:
-        """Advance the lanes until every request is done (and, with `warm`, the background
-        lanes too: warm-ahead and follow)."""
+        """Advance the lanes until every request (`warm`: every lane) is done."""
         while self.busy or (warm and self.warming):
             yield from self.step()
         self.release_memory()
@@ -351,9 +356,5 @@ class Engine:
 
     def complete(self, request: Request, on_event: Callable[[Event], None] | None = None) -> Result:
         """Run one request to the end and return its result; `on_event` sees every event
-        (e.g. prefill progress).
-
-        Raises:
-            GenerationError: the request failed (e.g. its grammar allowed no token).
-        """
+        (e.g. prefill progress). Raises GenerationError: the request failed."""
         return final_result(self.generate(request), on_event)

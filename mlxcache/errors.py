@@ -135,6 +135,14 @@ class QueueFullError(MlxcacheError):
     """Too many requests are waiting for the engine; try again later."""
 
 
+class MemoryBusyError(QueueFullError):
+    """The memory budget (`--mem-limit`) is held by running requests; try again later."""
+
+
+class MemoryLimitError(UserInputError):
+    """A request that does not fit the memory budget (`--mem-limit`) even alone."""
+
+
 class EngineStoppedError(MlxcacheError):
     """The engine is shutting down or has stopped: it takes nothing more."""
 

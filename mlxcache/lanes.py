@@ -27,6 +27,7 @@ from mlxcache.drafting import Drafting, Plan
 from mlxcache.encoder import Encoder, common_prefix
 from mlxcache.errors import GenerationError
 from mlxcache.events import Done, Event, Prefill, Result, Stats, Token
+from mlxcache.membudget import MemoryBudget
 from mlxcache.model import LoadedModel
 from mlxcache.prefill import prefill
 from mlxcache.sampling import LogitsProcessor, SamplingParams
@@ -140,6 +141,7 @@ class Work:
     batch_decode: bool
     share: Share | None
     drafting: Drafting
+    budget: MemoryBudget | None = None
 
     @property
     def model(self) -> Model:
@@ -244,12 +246,16 @@ def request_lane(
     req: Request,
     follow: Follow | None,
     plan: Plan | None = None,
-) -> Generator[Event | Forward | Leave, Any, None]:
+) -> Generator[Event | Forward | Leave | Step, Any, None]:
     n = int(tokens.size)
     stats = Stats(prompt_tokens=n)
     start = time.perf_counter()
     lease = None
     try:
+        while work.budget and not work.budget.admit(
+            rid, n, req.sampling.max_tokens, work.cache.shed
+        ):
+            yield Step.CHUNK  # running requests hold the room: a turn without work
         lease = work.cache.restore(tokens, anywhere=work.keep_replies)
         stats.cached_tokens = lease.length
         stats.prefilled_tokens = n - lease.length
@@ -301,6 +307,8 @@ def request_lane(
     finally:
         if lease is not None:
             lease.release()
+        if work.budget is not None:
+            work.budget.release(rid)
         if follow is not None:  # however the request ended: its follow lane may finish
             follow.closed = True
     yield Done(rid, result)  # after the release: a finished request holds no pin

@@ -19,6 +19,7 @@ from mlxcache.engine import Engine
 from mlxcache.errors import Setting, UserInputError, Worded
 from mlxcache.invariance import probe
 from mlxcache.launch import launched_rank
+from mlxcache.membudget import budgeted
 from mlxcache.model import LoadedModel, load
 from mlxcache.model.gguf import Progress
 from mlxcache.model.kvquant import quantize_kv
@@ -93,6 +94,9 @@ def open_engine(
         loaded, ranks = _load_shard(model, config, split, args, on_rank_lost)
     if config.kv_bits is not None:
         loaded = quantize_kv(loaded, config.kv_bits, config.kv_group_size, on_warning)
+    budget = None
+    if config.mem_limit and ranks is None:  # sharded: each rank's memory is its own
+        config, budget = budgeted(loaded, config)
     prompts = make_cache(loaded, config, on_warning)
     allowed = measured(loaded, config, on_note) if invariant and ranks is None else NOTHING_MEASURED
     # No probe in a sharded run (its forwards are one rank's): the canonical path. A cache
@@ -111,6 +115,7 @@ def open_engine(
         on_warning=on_warning,
         ranks=ranks,
         drafting=drafting,
+        budget=budget,
     )
 
 

@@ -144,8 +144,12 @@ class EngineWorker:
             EngineStoppedError: the worker is shutting down or has stopped.
             ContextLengthError: the prompt leaves no room in the model's context.
             QueueFullError: `max_queue` requests are already waiting.
+            MemoryLimitError, MemoryBusyError: the memory budget cannot take it, or not
+                beside the running requests (`MemoryBudget.check`).
         """
         self.engine.encoder.prompt(request.tokens)
+        if self.engine.budget is not None:
+            self.engine.budget.check(request, self.engine.cache)
         with self._lock:
             if self._stopping:
                 raise EngineStoppedError("the engine is shutting down")

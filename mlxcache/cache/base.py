@@ -132,6 +132,14 @@ class PrefixCache(Protocol):
         """Counters and sizes, JSON-able."""
         ...
 
+    def held(self) -> int:
+        """The bytes kept in memory (what `shed` may free, but for pinned entries)."""
+        ...
+
+    def shed(self, n_bytes: int) -> int:
+        """Free about `n_bytes` of what is kept in memory; returns the bytes freed."""
+        ...
+
 
 def with_probe(tokens: Any) -> np.ndarray:
     """`tokens` and one id past them that matches nothing: the index's lookups leave a
@@ -168,6 +176,12 @@ class NoCache:
 
     def report(self) -> dict[str, Any]:
         return {"pinned_entries": 0}
+
+    def held(self) -> int:
+        return 0
+
+    def shed(self, n_bytes: int) -> int:
+        return 0
 
 
 class _Nothing:

@@ -398,7 +398,19 @@ class MemoryTier:
         Remembered tails go first (the oldest first), then states between strides (the
         oldest first), then entries in the victim order.
         """
-        while self.nbytes + n_bytes > self.budget:
+        self._evict_to(self.budget - n_bytes, skip, prompt)
+
+    def shed(self, n_bytes: int) -> int:
+        """Evict (in `reserve`'s order) until `n_bytes` are freed or only pinned entries
+        are left; returns the bytes freed."""
+        before = self.nbytes
+        self._evict_to(before - n_bytes)
+        return before - self.nbytes
+
+    def _evict_to(
+        self, n_bytes: int, skip: Entry | None = None, prompt: np.ndarray | None = None
+    ) -> None:
+        while self.nbytes > n_bytes:
             if self._tails.drop_oldest():
                 continue
             if self._extra:

@@ -208,6 +208,15 @@ class PromptCache:
             "disk_bytes": disk_bytes,
         }
 
+    def held(self) -> int:
+        """The bytes the memory tier holds."""
+        return self.mem.nbytes
+
+    def shed(self, n_bytes: int) -> int:
+        """Free about `n_bytes` of the memory tier (its copies on disk stay resumable);
+        returns the bytes freed."""
+        return self.mem.shed(n_bytes)
+
     def report(self) -> dict[str, Any]:
         """Counters and sizes as one JSON-able dict."""
         return {

@@ -21,6 +21,7 @@ from mlxcache.config import ServerConfig
 from mlxcache.engine import Engine
 from mlxcache.engine import Request as EngineRequest
 from mlxcache.events import Done, Event
+from mlxcache.membudget import resident_bytes
 from mlxcache.sampling import SamplingParams
 from mlxcache.server import anthropic_api, errors, prepare, responses_api
 from mlxcache.server.errors import APIError
@@ -69,7 +70,8 @@ def _cache_report(engine: Engine) -> dict[str, Any]:
     "kept", else "re-prefilled"), requests decoding as one batch ("batched_decode"); how
     a conversation's next turn finds its reply ("next_turn": `lanes.NextTurn`); MLX's
     own memory beside the cache's: arrays in use and freed buffers it keeps for reuse
-    (given back once no lane runs)."""
+    (given back once no lane runs); the process's resident memory and its budget
+    (`--mem-limit`, null: none)."""
     return {
         **engine.cache.report(),
         "busy": engine.busy,
@@ -79,6 +81,8 @@ def _cache_report(engine: Engine) -> dict[str, Any]:
         "next_turn": engine.next_turn.value,
         "mlx_active_bytes": mx.get_active_memory(),
         "mlx_buffer_cache_bytes": mx.get_cache_memory(),
+        "resident_bytes": resident_bytes(),
+        "mem_limit_bytes": None if engine.budget is None else engine.budget.limit,
     }
 
 

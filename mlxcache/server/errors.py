@@ -20,6 +20,8 @@ from starlette.exceptions import HTTPException
 from mlxcache.errors import (
     ContextLengthError,
     EngineStoppedError,
+    MemoryBusyError,
+    MemoryLimitError,
     MlxcacheError,
     QueueFullError,
     UserInputError,
@@ -105,6 +107,10 @@ error's `param`. Messages keep the library's words, which are the API's."""
 
 def from_domain(exc: MlxcacheError) -> APIError:
     """The HTTP error of a library error raised while preparing or running a request."""
+    if isinstance(exc, MemoryLimitError):
+        return APIError(400, one_line(str(exc)), code="memory_limit")
+    if isinstance(exc, MemoryBusyError):
+        return queue_full(one_line(str(exc)), code="memory_busy")
     if isinstance(exc, ContextLengthError):
         return APIError(400, one_line(str(exc)), param="messages", code="context_length_exceeded")
     if isinstance(exc, UserInputError):
@@ -117,12 +123,12 @@ def from_domain(exc: MlxcacheError) -> APIError:
     return APIError(500, one_line(str(exc)), type="server_error")
 
 
-def queue_full(message: str) -> APIError:
+def queue_full(message: str, code: str = "queue_full") -> APIError:
     return APIError(
         429,
         message or "too many requests are waiting; retry later",
         type="rate_limit_error",
-        code="queue_full",
+        code=code,
         headers={"Retry-After": str(RETRY_AFTER_S)},
     )
 

@@ -2,7 +2,7 @@
 
 Requests by route and status (counted by `Guard`, which sees every answer, refusals
 included), prompt and generated tokens of finished completions, the prompt cache's own
-counters and sizes, and the queue depth.
+counters and sizes, the queue depth, and the process's memory and its budget.
 """
 
 from __future__ import annotations
@@ -90,4 +90,17 @@ class Metrics:
             ("", waiting),
         )
         metric("busy", "gauge", "1 while a request is queued or running.", ("", int(busy)))
+        metric(
+            "resident_bytes",
+            "gauge",
+            "The process's resident memory.",
+            ("", cache["resident_bytes"]),
+        )
+        if cache.get("mem_limit_bytes"):
+            metric(
+                "mem_limit_bytes",
+                "gauge",
+                "The process's memory budget (--mem-limit).",
+                ("", cache["mem_limit_bytes"]),
+            )
         return "\n".join(out) + "\n"
