@@ -412,3 +412,101 @@ def agent(
             not no_baseline,
         )
     )
+
+
+def memory(
+    model: o.Model = None,
+    only: Annotated[
+        str,
+        typer.Option(
+            "--only", metavar="PARTS", help="Parts to run, comma-separated: soak,context,quality."
+        ),
+    ] = "soak,context,quality",
+    minutes: Annotated[
+        float, typer.Option("--minutes", help="The soak's length.", metavar="M")
+    ] = 20.0,
+    hours: Annotated[
+        float | None,
+        typer.Option("--hours", help="A real soak's length (instead of --minutes).", metavar="H"),
+    ] = None,
+    conversations: Annotated[
+        int, typer.Option("--conversations", help="Growing conversations.", metavar="N")
+    ] = 12,
+    concurrency: Annotated[
+        int, typer.Option("--concurrency", help="Conversations at once.", metavar="N")
+    ] = 4,
+    turns: Annotated[
+        int, typer.Option("--turns", help="Turns before a conversation starts over.", metavar="N")
+    ] = 6,
+    tokens: Annotated[
+        int, typer.Option("--tokens", help="Most tokens per reply.", metavar="N")
+    ] = 16,
+    mem_limit: Annotated[
+        str | None,
+        typer.Option(
+            "--mem-limit",
+            metavar="SIZE",
+            help="The soak server's budget [default: the idle server plus a third of the "
+            "conversations' KV, at least 96 MiB].",
+        ),
+    ] = None,
+    interval: Annotated[
+        float, typer.Option("--interval", help="Seconds between memory samples.", metavar="S")
+    ] = 10.0,
+    context_tokens: Annotated[
+        int, typer.Option("--context-tokens", help="The context part's prompt.", metavar="N")
+    ] = 512,
+    cache_mem: Annotated[
+        str, typer.Option("--cache-mem", help="The context part's memory tier.", metavar="SIZE")
+    ] = "256M",
+    document_tokens: Annotated[
+        int, typer.Option("--document-tokens", help="The quality part's document.", metavar="N")
+    ] = 2000,
+    suite: Annotated[
+        Path | None,
+        typer.Option(
+            "--suite",
+            metavar="FILE",
+            help="A regress suite whose replies the quality part compares "
+            "(default: examples/smoke.yaml, if here).",
+        ),
+    ] = None,
+) -> None:
+    """Memory over a soak against `serve --mem-limit`, the longest context and tokens per MB
+    at each --kv-bits, and what quantized KV costs in log-probabilities."""
+    from mlxcache.bench import memory_bench
+    from mlxcache.config import parse_size
+
+    parts = tuple(p.strip() for p in only.split(",") if p.strip())
+    unknown = [p for p in parts if p not in memory_bench.PARTS]
+    if unknown or not parts:
+        raise UserInputError(f"--only takes {','.join(memory_bench.PARTS)}, got {only!r}")
+    o.positive(conversations=conversations, concurrency=concurrency, turns=turns, tokens=tokens)
+    o.positive(context_tokens=context_tokens, document_tokens=document_tokens)
+    length = 60 * hours if hours is not None else minutes
+    if length <= 0 or interval <= 0:
+        raise UserInputError("--minutes, --hours and --interval must be > 0")
+    if suite is None and Path("examples/smoke.yaml").is_file():
+        suite = Path("examples/smoke.yaml")
+    try:
+        limit = None if mem_limit is None else parse_size(mem_limit)
+        mem = parse_size(cache_mem)
+    except ValueError as exc:
+        raise UserInputError(str(exc)) from exc
+    _report(
+        memory_bench.run(
+            model,
+            parts,
+            minutes=length,
+            conversations=conversations,
+            concurrency=concurrency,
+            turns=turns,
+            tokens=tokens,
+            limit=limit,
+            interval=interval,
+            context_tokens=context_tokens,
+            cache_mem=mem,
+            document_tokens=document_tokens,
+            suite=suite,
+        )
+    )

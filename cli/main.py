@@ -229,6 +229,11 @@ command(bench.startup, app=bench_app, examples="mlxcache bench startup --rounds 
 command(bench.distributed, app=bench_app, examples="mlxcache bench distributed --ranks 1,3")
 command(bench.spec, app=bench_app, examples="mlxcache bench spec --lines 30 --tokens 80")
 command(bench.agent, app=bench_app, examples="mlxcache bench agent --agents 2 --turns 4")
+command(
+    bench.memory,
+    app=bench_app,
+    examples="mlxcache bench memory --minutes 5\nmlxcache bench memory --hours 4 --only soak",
+)
 app.add_typer(bench_app, name="bench")
 
 models_app = typer.Typer(help="Converted models and what a model spec loads.", no_args_is_help=True)

@@ -25,7 +25,7 @@ from mlxcache.decode import Forward, Leave, Share, decode
 from mlxcache.decode_batch import DecodeBatch
 from mlxcache.drafting import Drafting, Plan
 from mlxcache.encoder import Encoder, common_prefix
-from mlxcache.errors import GenerationError
+from mlxcache.errors import GenerationError, MemoryLimitError
 from mlxcache.events import Done, Event, Prefill, Result, Stats, Token
 from mlxcache.membudget import MemoryBudget
 from mlxcache.model import LoadedModel
@@ -330,9 +330,26 @@ def warm_lane(work: Work, rid: int, tokens: np.ndarray) -> Generator[Event, None
     # No logits needed: every full block. Warm work is not a request: not counted.
     # Where decode KV is canonical, it resumes from the reply's own tail: only the
     # next turn's new tokens are prefilled.
-    with work.cache.restore(tokens, count=False, anywhere=work.keep_replies, whole=True) as lease:
-        if lease.length < len(tokens):
-            yield from prefill_blocks(work, rid, tokens, lease, lease.length, len(tokens))
+    if not _room_now(work, rid, len(tokens)):
+        return
+    try:
+        with work.cache.restore(
+            tokens, count=False, anywhere=work.keep_replies, whole=True
+        ) as lease:
+            if lease.length < len(tokens):
+                yield from prefill_blocks(work, rid, tokens, lease, lease.length, len(tokens))
+    finally:
+        if work.budget is not None:
+            work.budget.release(rid)
+
+
+def _room_now(work: Work, rid: int, n: int) -> bool:
+    """Whether the memory budget (if any) takes background work of `n` tokens now: it is
+    only ever a head start, so it never waits for room."""
+    try:
+        return work.budget is None or work.budget.admit(rid, n, 0, work.cache.shed)
+    except MemoryLimitError:
+        return False
 
 
 def follow_lane(work: Work, rid: int, f: Follow) -> Generator[Event, None, None]:

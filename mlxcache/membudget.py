@@ -39,6 +39,12 @@ if TYPE_CHECKING:
 
 Shed = Callable[[int], int]
 
+COPIES = 4
+"""A prompt's KV exists up to this many more times while its request runs: the copy
+restored from the cache, the blocks staged as its prefill completes them, the copy the
+memory tier keeps, and room for the rest (measured on SmolLM2: a request's peak resident
+growth beyond its own caches is 3.3-3.6 times its prompt's KV)."""
+
 POOL_SHARE = 8
 """MLX's buffer pool is kept to an eighth of the budget (its default: the device's memory)."""
 
@@ -97,20 +103,28 @@ class Footprint:
         heads = int(text.get("num_attention_heads") or 0)
         return cls(tuple(layers), 4 * words, heads)
 
-    def kv(self, tokens: int) -> int:
-        """The bytes a request's caches hold at `tokens` positions."""
+    def kv(self, tokens: int, allocated: bool = True) -> int:
+        """The bytes a request's caches hold at `tokens` positions (`allocated`: as mlx-lm
+        allocates them, in steps; else the positions alone)."""
         total = 0
         for layer in self.layers:
             kept = tokens if layer.cap is None else min(tokens, layer.cap)
-            allocated = -(-kept // layer.step) * layer.step
-            total += layer.fixed + layer.per_token * allocated
+            if allocated:
+                kept = -(-kept // layer.step) * layer.step
+            total += layer.fixed + layer.per_token * kept
         return total
 
     def need(self, prompt: int, max_tokens: int, chunk: int) -> int:
-        """A request's most: its KV at the end of its reply, and a prefill chunk's
-        activations at the end of the prompt (attention scores as float32)."""
+        """A request's most: its caches at the end of its reply, its prompt's KV `COPIES`
+        times more, and a prefill chunk's activations at the end of the prompt (attention
+        scores as float32)."""
         rows = min(chunk, prompt)
-        return self.kv(prompt + max_tokens) + rows * (self.row_bytes + 4 * self.heads * prompt)
+        copies = COPIES * self.kv(prompt, allocated=False)
+        return (
+            self.kv(prompt + max_tokens)
+            + copies
+            + rows * (self.row_bytes + 4 * self.heads * prompt)
+        )
 
 
 @dataclass(slots=True)

@@ -109,3 +109,49 @@ def test_agent_bench(cache_root: Path, wide_gguf: Path) -> None:
         "equals_solo_cold",
     }
     assert result["goals"]["only_new_tokens_prefilled"] is True
+
+
+def test_memory_bench(cache_root: Path, tmp_path: Path) -> None:
+    from tinymodel import write_tiny_gguf
+
+    from mlxcache.bench import memory_bench
+
+    model = tmp_path / "heads.gguf"  # heads of 32: a quantization group fits them
+    write_tiny_gguf(model, heads=2, kv_heads=1, context=4096)
+    suite = Path(__file__).parent.parent / "examples" / "smoke.yaml"
+    result = memory_bench.run(
+        str(model),
+        memory_bench.PARTS,
+        minutes=0.2,
+        conversations=3,
+        concurrency=2,
+        turns=2,
+        tokens=4,
+        limit=None,
+        interval=0.5,
+        context_tokens=80,
+        cache_mem=16 << 20,
+        document_tokens=120,
+        suite=suite,
+    )
+    soak = result["soak"]
+    assert soak["errors"] == 0 and soak["replies"] > 0 and soak["samples"] >= 2
+    assert soak["replies_checked_cold"] >= 1 and soak["goals"]["replies_equal_cold"] is True
+    assert set(soak["goals"]) == {
+        "peak_within_limit",
+        "flat_once_full",
+        "no_errors",
+        "replies_equal_cold",
+    }
+    context = result["context"]
+    for width in ("full", "q8", "q4"):
+        row = context[width]
+        assert row["resumed_from_memory"] == 80 and row["resumed_from_disk"] == 80, width
+    assert context["q8"]["kv_bytes_per_token"] < context["full"]["kv_bytes_per_token"]
+    assert context["q4"]["kv_bytes_per_token"] < context["q8"]["kv_bytes_per_token"]
+    quality = result["quality"]
+    assert quality["document_tokens"] == 120
+    for width in ("q8", "q4"):
+        assert 0 <= quality[width]["greedy_changed_share"] <= 1
+        assert 0 <= quality[width]["suite_tokens_changed_share"] <= 1
+    assert quality["q8"]["mean_abs_logprob_diff"] <= quality["q4"]["mean_abs_logprob_diff"]

@@ -28,6 +28,7 @@ from mlxcache.events import Done, Token
 from mlxcache.membudget import Footprint, MemoryBudget
 from mlxcache.model import LoadedModel
 from mlxcache.prefill import prefill
+from mlxcache.runtime import make_cache
 from mlxcache.sampling import SamplingParams
 from mlxcache.server.app import Settings, create_app
 from mlxcache.server.log import RequestLog
@@ -210,3 +211,17 @@ def test_cache_stats_shows_a_servers_memory() -> None:
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_warm_ahead_runs_only_where_the_budget_has_room_now(
+    tiny: LoadedModel, held: list[int], tmp_path: Path
+) -> None:
+    ids = [(5 * i + 1) % 200 + 1 for i in range(40)]
+    for room, kept in ((MiB, 32), (0, 0)):
+        b = budget(tiny, BASE + room)
+        cache = make_cache(tiny, CacheConfig(directory=tmp_path / str(room), block_size=16))
+        engine = Engine(tiny, cache, budget=b)
+        assert engine.warm(ids) is not None
+        list(engine.run(warm=True))
+        assert cache.cached_length(np.asarray(ids, np.int32), whole=True) == kept
+        assert not b._reserved  # released when the lane ended
