@@ -25,11 +25,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import BatchKVCache, KVCache, RotatingKVCache
+from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache, RotatingKVCache
 
 from mlxcache.cache.layout import kv_tag
 from mlxcache.config import MAX_DRAFT
@@ -44,9 +44,9 @@ PROBES = "probes.json"
 
 def decode_matches_prefill(model: Model, block_size: int) -> bool:
     """True when decoding tokens one by one leaves bitwise the KV and logits that prefilling
-    them in chunks of `block_size` (and of 3) leaves, on every layer. Only plain KV models
-    are probed (their blocks are cut out of decode KV as it stands)."""
-    if not _plain(model):
+    them in chunks of `block_size` (and of 3) leaves, on every layer. Only models of plain
+    or quantized KV are probed (their blocks are cut out of decode KV as it stands)."""
+    if not _attention(model):
         return False
     n = block_size + 1
     ids = (mx.arange(n, dtype=mx.int32) * 7 + 3) % 97 + 1  # any ids: the weights decide
@@ -61,16 +61,23 @@ def decode_matches_prefill(model: Model, block_size: int) -> bool:
             if not mx.array_equal(out, logits[stop - 1]).item():
                 return False
         for a, b in zip(decoded, chunked, strict=True):
-            for x, y in ((a.keys, b.keys), (a.values, b.values)):
+            for x, y in zip(_parts(a), _parts(b), strict=True):
                 if not mx.array_equal(x[..., :n, :], y[..., :n, :]).item():
                     return False
     return True
 
 
+def _parts(c: KVLayer) -> list[mx.array]:
+    """A layer's keys and values, each quantized one as its three arrays."""
+    keys, values = c.keys, c.values
+    return [*keys, *values] if isinstance(keys, tuple) else [keys, values]
+
+
 def batch_matches_solo(model: Model) -> bool:
     """True when rows decoded together (left-padded, one leaving and one joining midway)
-    give bitwise the logits each gives decoded alone. Plain KV models only."""
-    if not _plain(model):
+    give bitwise the logits each gives decoded alone. Plain KV models only (mlx-lm
+    batches no other cache)."""
+    if not all(type(c) is KVCache for c in new_layers(model)):
         return False
     prompts = [[(7 * i + 3 * r) % 97 + 1 for i in range(n)] for r, n in enumerate((3, 6, 8, 4))]
     steps = 3
@@ -115,14 +122,14 @@ def batch_matches_solo(model: Model) -> bool:
     return True
 
 
-def _plain(model: Model) -> bool:
-    """Whether every layer of `model` keeps plain KV (the only caches probed)."""
-    return all(type(c) is KVCache for c in new_layers(model))
+def _attention(model: Model) -> bool:
+    """Whether every layer of `model` keeps plain or quantized KV (the caches probed)."""
+    return all(type(c) in (KVCache, QuantizedKVCache) for c in new_layers(model))
 
 
 def _kv_layers(model: Model) -> list[KVLayer]:
-    """Fresh caches of a model that `_plain` found plain KV."""
-    return [c for c in new_layers(model) if isinstance(c, KVCache)]
+    """Fresh caches of a model that `_attention` found plain or quantized KV."""
+    return [cast(KVLayer, c) for c in new_layers(model)]
 
 
 def _key(loaded: LoadedModel, block_size: int) -> str:

@@ -195,9 +195,10 @@ def measured(
 ) -> dict[str, bool]:
     """What the device allows for `loaded` (`invariance.probe`): "decode", a reply's decode
     KV may be kept as canonical; "batch", requests may decode as one batch. Both False
-    but for a plain KV model with the prompt cache on (whose directory keeps the record)."""
+    but for a model of plain or quantized KV with the prompt cache on (whose directory
+    keeps the record); "batch" False for quantized KV (mlx-lm batches plain KV only)."""
     layout = Layout.of(new_layers(loaded.model), config.block_size)
-    if not config.enabled or layout is None or not layout.plain:
+    if not config.enabled or layout is None or not layout.attention_only:
         return NOTHING_MEASURED
     return probe(loaded, config.block_size, cache_dir(config.directory), noted(loaded, on_note))
 

@@ -126,9 +126,9 @@ class Geometry:
     resumes only from an entry that is a whole prefix of the prompt, shorter than it.
     A trimmable model's cache also remembers, in memory, the tail of each prompt of at
     least one block that it prefilled: the same prompt on the same cache resumes whole.
-    Where decode KV is canonical (`anywhere`: plain KV on a shape-invariant device), it
-    also keeps each reply's own tail, and a prompt resumes as far as anything held in
-    memory follows it, inside a block too, one token short of its end.
+    Where decode KV is canonical (`anywhere`: plain or quantized KV on a shape-invariant
+    device), it also keeps each reply's own tail, and a prompt resumes as far as anything
+    held in memory follows it, inside a block too, one token short of its end.
     """
 
     def __init__(self, trimmable: bool) -> None:
@@ -596,16 +596,16 @@ def check_follow(rig: Rig) -> None:
 
 
 def check_kept_replies(rig: Rig) -> None:
-    """Where the probe finds decode KV canonical (a plain KV model on MLX's CPU backend), a
+    """Where the probe finds decode KV canonical (plain or quantized KV on MLX's CPU backend), a
     reply's own KV is kept as it stands, without a follow lane; the next turn resumes past
     the reply with the cold run's bits. The shape-sensitive model must fail the probe."""
     engine, spy = rig.engine()
     assert isinstance(engine.cache, PromptCache)
     engine.keep_replies = measured(engine.loaded, engine.cache.config)["decode"]
-    plain = engine.cache.layout is not None and engine.cache.layout.plain
+    attention = engine.cache.layout is not None and engine.cache.layout.attention_only
     if rig.variant.is_shaped:
         assert not engine.keep_replies, "the probe trusted a shape-sensitive model"
-    elif plain and mx.default_device() == mx.cpu:
+    elif attention and mx.default_device() == mx.cpu:
         assert engine.keep_replies, "decode KV is canonical on MLX's CPU backend"
     params = SamplingParams(max_tokens=9)
 
@@ -632,8 +632,8 @@ def kept_turn(
     the geometry then learns what the reply kept: one entry of every token drawn, an end
     token too (kept replies), or each full block of prompt + reply (a follow lane)."""
     assert isinstance(engine.cache, PromptCache)
-    plain = engine.cache.layout is not None and engine.cache.layout.plain
-    expect = rig.geo.resume(tokens, engine.cache, anywhere=engine.keep_replies and plain)
+    attention = engine.cache.layout is not None and engine.cache.layout.attention_only
+    expect = rig.geo.resume(tokens, engine.cache, anywhere=engine.keep_replies and attention)
     got = run(engine, spy, tokens, params, follow=True, stop=stop)
     cold = rig.cold(tokens, params, stop)
     rig.check(got, tokens, expect, fed_to_end(cold) if engine.keep_replies else cold, engine.cache)
@@ -643,7 +643,7 @@ def kept_turn(
         fed = [*whole, *([] if got.stop_token is None else [got.stop_token])]
         if len(fed) // B * B > rig.geo.keep_at(tokens):
             rig.geo.kept.add(tuple(fed[: len(fed) // B * B]))
-        if plain and len(fed) >= B:
+        if attention and len(fed) >= B:
             rig.geo.replies.setdefault(id(engine.cache), set()).add(tuple(fed))
     elif rig.variant.trimmable:  # its follow lane keeps each block of the reply
         for k in range(rig.geo.keep_at(tokens) + B, len(whole) // B * B + 1, B):
@@ -722,7 +722,8 @@ def check_batched(rig: Rig) -> None:
     got = engine.complete(Request(nxt, first.sampling))
     assert got.tokens == cold.complete(Request(nxt, first.sampling)).tokens
     fed = len(first.tokens) + len(reply)  # the reply's last token was fed too
-    if engine.keep_replies and plain:  # as far as the reply's KV goes, inside a block too
+    attention = engine.cache.layout is not None and engine.cache.layout.attention_only
+    if engine.keep_replies and attention:  # as far as the reply's KV goes, inside a block too
         assert got.stats.cached_tokens == fed, f"resumed {got.stats.cached_tokens}, fed {fed}"
     elif engine.keep_replies:
         assert got.stats.cached_tokens == fed // B * B, f"resumed {got.stats.cached_tokens}"

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
 import pytest
 from guarantees import GREEDY, KV_GROUP, Rig, Variant, check_kv_apart, prompt
@@ -136,3 +137,18 @@ def test_the_cli_quantizes_resumes_and_refuses_bad_settings(
         result = runner.invoke(app, [*args, *extra])
         assert (result.exit_code, result.stdout, result.stderr) == (2, "", line)
     assert np.asarray(docs[0]["tokens"]).size == 6
+
+
+@pytest.mark.skipif(mx.default_device() != mx.cpu, reason="measured on MLX's CPU backend")
+@pytest.mark.parametrize("bits", [8, 4])
+def test_the_probe_measures_quantized_attention(quantizable: LoadedModel, bits: int) -> None:
+    """Quantized decode KV equals chunked prefill's on this CPU (kept replies then hold),
+    a shape-sensitive model's does not, and quantized rows never decode as one batch."""
+    from shapemodel import shaped
+
+    from mlxcache.invariance import batch_matches_solo, decode_matches_prefill
+
+    quantized = quantize_kv(quantizable, bits, KV_GROUP)
+    assert decode_matches_prefill(quantized.model, 16)
+    assert not decode_matches_prefill(shaped(quantized).model, 16)
+    assert not batch_matches_solo(quantized.model)

@@ -64,9 +64,10 @@ class Layout:
         self.kinds = kinds
         self.n_layers = len(kinds)
         self.plain = all(k == "kv" for k in kinds)
-        # Blocks that stay in the layers as computed may be cut when kept; the others are
-        # captured right after their chunk (`needs_capture`).
-        self._cut_late = all(k in ("kv", "qkv") for k in kinds)
+        self.attention_only = all(k in ("kv", "qkv") for k in kinds)
+        """Plain or quantized KV only: blocks stay in the layers as computed, so they may be
+        cut when kept (the others are captured right after their chunk: `needs_capture`),
+        and a block's first positions are those positions' KV (`head`)."""
         quantized = {i: cast(QuantizedKVCache, c) for i, c in enumerate(fresh) if kinds[i] == "qkv"}
         self._quant = {i: (int(c.group_size), int(c.bits)) for i, c in quantized.items()}
         rings = {i: cast(RotatingKVCache, c) for i, c in enumerate(fresh) if kinds[i] == "ring"}
@@ -107,7 +108,7 @@ class Layout:
     def needs_capture(self) -> bool:
         """Whether a block must be cut right after the chunk that computed it (sliding and
         recurrent layers do not hold it, or its state, later); plain KV is cut at keep time."""
-        return not self._cut_late
+        return not self.attention_only
 
     def cut(self, layers: Layers, start: int, stop: int) -> Block:
         """Positions [start, stop) of every attention layer, and every recurrent layer's
@@ -236,8 +237,9 @@ class Layout:
         return c
 
     def head(self, block: Block, k: int) -> Block:
-        """The first `k` positions of a plain layout's block or tail (as `cut` cuts them)."""
-        assert self.plain  # a recurrent state or a ring cannot be cut inside a block
+        """The first `k` positions of an attention-only layout's block or tail (as `cut`
+        cuts them: positions on the second-to-last axis, quantized parts too)."""
+        assert self.attention_only  # a recurrent state or a ring cannot be cut inside a block
         return {name: a[..., :k, :] for name, a in block.items()}
 
     def append(self, layers: Layers, tail: Block) -> None:

@@ -144,9 +144,9 @@ class MemoryTier:
     def partial(self, tokens: np.ndarray, length: int, limit: int) -> tuple[Block, int] | None:
         """The KV of `tokens[length:length+k]` (0 < k <= `limit`, k < B) where a kept block
         or a remembered tail continues `tokens`' first `length` tokens (whole blocks):
-        what a device on which a token's KV does not depend on its chunk (plain KV layers
-        only) may resume mid-block from. The longest such run; None if there is none."""
-        if self.layout is None or not self.layout.plain or limit <= 0:
+        what a device on which a token's KV does not depend on its chunk (plain or quantized
+        KV layers only) may resume mid-block from. The longest such run; None if none."""
+        if self.layout is None or not self.layout.attention_only or limit <= 0:
             return None
         best: tuple[Block, int] | None = None
         found = self.index.continuation(tokens, length)
