@@ -908,6 +908,16 @@ def _grammar(loaded: LoadedModel) -> list[Any]:
     return [processor_for(loaded, grammar_from_lark(r"start: /[a-z]{2,6}( [a-z]{1,5}){1,9}\./"))]
 
 
+def _thinking_budget(loaded: LoadedModel) -> list[Any]:
+    """A prompt that ends inside a thinking section, held to 3 tokens: the end tag's
+    tokens are then forced one per step (a stateful processor: it must see only accepted
+    tokens)."""
+    from mlxcache.modes.reasoning import Thinking, ThinkingBudget
+
+    thinking = Thinking("<think>", "</think>", enabled=True, opened=True)
+    return [ThinkingBudget(thinking, loaded.tokenizer, 3)]
+
+
 DRAFT_CASES: list[tuple[str, SamplingParams, Callable[[LoadedModel], list[Any]]]] = [
     ("greedy", SamplingParams(max_tokens=12), lambda _l: []),
     ("seeded", SamplingParams(max_tokens=12, temperature=0.8, top_k=40, seed=5), lambda _l: []),
@@ -929,6 +939,7 @@ DRAFT_CASES: list[tuple[str, SamplingParams, Callable[[LoadedModel], list[Any]]]
         lambda _l: make_logits_processors(logit_bias={5: 4.0, 83: -3.0}),
     ),
     ("grammar", SamplingParams(max_tokens=12, temperature=0.6, seed=1), _grammar),
+    ("thinking", SamplingParams(max_tokens=12, temperature=0.7, seed=4), _thinking_budget),
 ]
 """Sampling and processors a drafted reply must follow exactly (a grammar and penalties
 advance only over accepted tokens; each pick draws with plain decoding's key)."""
@@ -936,7 +947,8 @@ advance only over accepted tokens; each pick draws with plain decoding's key).""
 
 def check_drafted(rig: Rig) -> None:
     """A drafted reply is the plain one, bit for bit (tokens and log-probabilities), for
-    greedy and seeded sampling, penalties, a logit bias and a grammar, with drafts accepted
+    greedy and seeded sampling, penalties, a logit bias, a grammar and a thinking budget,
+    with drafts accepted
     and rejected at every row of a round: where the verify probe passes. The shape-sensitive
     model must fail the probe and decode plainly. A drafted reply's KV is kept as a plain
     one's (the next turn resumes past it with the cold run's bits), and a drafted request
