@@ -70,7 +70,7 @@ class Engine:
             (`modes.chat.warm_next_turn`); `warm` itself always queues work.
         keep_replies: keep a reply's own KV as its decode steps computed it; only where
             the device was measured to compute decode KV bitwise as canonical prefill
-            does (`invariance`), for a plain KV model.
+            does (`invariance`), for a model of plain or quantized KV.
         batch_decode: requests past their first token decode as one batch; only where the
             device was measured to give each row the bits it gets alone (`decode_batch`).
         budget: the process's memory budget (`membudget.MemoryBudget`); None: no limit.

@@ -7,9 +7,9 @@ estimated (`Footprint`: its prompt's and reply's KV at the model's measured byte
 token, and one prefill chunk's activations); if what the process holds plus that growth
 (plus what running requests reserved) would pass the limit, room is made: MLX's buffer
 pool first, then the memory tier's entries in its eviction order (with a disk tier they
-stay resumable from disk). A request that still does not fit is refused before any
-forward: `MemoryBusyError` when running requests hold the room (retry later: 429 on the
-server), `MemoryLimitError` when it cannot fit even alone.
+stay resumable from disk). A request that still does not fit waits, before any forward,
+for running requests to end (the server refuses it up front instead, `MemoryBusyError`:
+429, retry later), and one that cannot fit even alone is refused (`MemoryLimitError`).
 
 The estimate is an upper bound on a request's own memory (KV capacity is counted in
 mlx-lm's allocation steps, every prefill row's logits are counted), so a budget that

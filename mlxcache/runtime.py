@@ -95,8 +95,12 @@ def open_engine(
     if config.kv_bits is not None:
         loaded = quantize_kv(loaded, config.kv_bits, config.kv_group_size, on_warning)
     budget = None
-    if config.mem_limit and ranks is None:  # sharded: each rank's memory is its own
+    if config.mem_limit and ranks is None:
         config, budget = budgeted(loaded, config)
+    elif config.mem_limit and on_warning is not None:  # the ranks would admit apart
+        on_warning(
+            Worded("a memory limit (", Setting("mem_limit"), ") is ignored under mlx.launch")
+        )
     prompts = make_cache(loaded, config, on_warning)
     allowed = measured(loaded, config, on_note) if invariant and ranks is None else NOTHING_MEASURED
     # No probe in a sharded run (its forwards are one rank's): the canonical path. A cache
