@@ -493,17 +493,14 @@ def memory(
         mem = parse_size(cache_mem)
     except ValueError as exc:
         raise UserInputError(str(exc)) from exc
+    settings = memory_bench.SoakSettings(
+        length, conversations, concurrency, turns, tokens, limit, interval
+    )
     _report(
         memory_bench.run(
             model,
             parts,
-            minutes=length,
-            conversations=conversations,
-            concurrency=concurrency,
-            turns=turns,
-            tokens=tokens,
-            limit=limit,
-            interval=interval,
+            settings,
             context_tokens=context_tokens,
             cache_mem=mem,
             document_tokens=document_tokens,

@@ -119,16 +119,11 @@ def test_memory_bench(cache_root: Path, tmp_path: Path) -> None:
     model = tmp_path / "heads.gguf"  # heads of 32: a quantization group fits them
     write_tiny_gguf(model, heads=2, kv_heads=1, context=4096)
     suite = Path(__file__).parent.parent / "examples" / "smoke.yaml"
+    settings = memory_bench.SoakSettings(0.2, 3, 2, 2, 4, None, 0.5)
     result = memory_bench.run(
         str(model),
         memory_bench.PARTS,
-        minutes=0.2,
-        conversations=3,
-        concurrency=2,
-        turns=2,
-        tokens=4,
-        limit=None,
-        interval=0.5,
+        settings,
         context_tokens=80,
         cache_mem=16 << 20,
         document_tokens=120,
@@ -155,3 +150,18 @@ def test_memory_bench(cache_root: Path, tmp_path: Path) -> None:
         assert 0 <= quality[width]["greedy_changed_share"] <= 1
         assert 0 <= quality[width]["suite_tokens_changed_share"] <= 1
     assert quality["q8"]["mean_abs_logprob_diff"] <= quality["q4"]["mean_abs_logprob_diff"]
+
+
+def test_reuse_bench_measures_turns_to_the_token(cache_root: Path) -> None:
+    from mlxcache.bench import reuse_bench
+    from mlxcache.bench.families import FAMILIES
+
+    *rows, summary = reuse_bench.run(None, 16)
+    assert [r["family"] for r in rows] == list(FAMILIES)
+    assert all(r["equal_to_no_cache"] for r in rows)
+    full = next(r for r in rows if r["family"] == reuse_bench.REFERENCE)
+    assert full["reprefilled_per_turn"] == [0, 0, 0]  # its replies' own KV is kept
+    for row in rows:
+        assert len(row["reprefilled_per_turn"]) == 3 and row["cold_ttft_vs_mlx_lm"] > 0
+        if sum(row["reprefilled_per_turn"]):  # a reply's partial block prefilled again
+            assert any(f.startswith(f"{row['family']}: re-prefilled") for f in summary["failures"])

@@ -30,6 +30,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -59,17 +60,24 @@ SAMPLED_REPLIES = 6
 TOPICS = ("rivers", "mountains", "deserts", "forests", "oceans", "glaciers", "islands", "caves")
 
 
+@dataclass(frozen=True, slots=True)
+class SoakSettings:
+    """The soak's workload (see the module's doc); `limit` None: chosen (`_auto_limit`)."""
+
+    minutes: float = 20.0
+    conversations: int = 12
+    concurrency: int = 4
+    turns: int = 6
+    tokens: int = 16
+    limit: int | None = None
+    interval: float = 10.0
+
+
 def run(
     model: str | None,
     parts: tuple[str, ...],
+    settings: SoakSettings,
     *,
-    minutes: float,
-    conversations: int,
-    concurrency: int,
-    turns: int,
-    tokens: int,
-    limit: int | None,
-    interval: float,
     context_tokens: int,
     cache_mem: int,
     document_tokens: int,
@@ -78,9 +86,7 @@ def run(
     loaded = load(model)
     result: dict[str, Any] = {"bench": "memory", "model": loaded.name}
     if "soak" in parts:
-        result["soak"] = soak(
-            loaded, model, minutes, conversations, concurrency, turns, tokens, limit, interval
-        )
+        result["soak"] = soak(loaded, model, settings)
     if "context" in parts:
         result["context"] = context(loaded, context_tokens, cache_mem)
     if "quality" in parts:
@@ -114,7 +120,7 @@ def _question(conversation: int, turn: int) -> str:
     return f"Conversation {conversation}, question {turn}: name one fact about {topic}, briefly."
 
 
-class _Soak:
+class _Clients:
     """The clients of a soak and what they saw."""
 
     def __init__(self, url: str, model: str, turns: int, tokens: int, until: float) -> None:
@@ -180,29 +186,25 @@ def _growth(samples: list[tuple[float, int]]) -> float:
     return slope * float(t[-1] - t[0])
 
 
-def soak(
-    loaded: LoadedModel,
-    model: str | None,
-    minutes: float,
-    conversations: int,
-    concurrency: int,
-    turns: int,
-    tokens: int,
-    limit: int | None,
-    interval: float,
-) -> dict[str, Any]:
+def soak(loaded: LoadedModel, model: str | None, settings: SoakSettings) -> dict[str, Any]:
     spec = [] if model is None else ["--model", model]
     with tempfile.TemporaryDirectory() as tmp:
-        common = [*spec, "--cache-dir", tmp, "--max-lanes", str(concurrency)]
-        if limit is None:
-            limit = _auto_limit(loaded, common, conversations, turns, tokens)
+        common = [*spec, "--cache-dir", tmp, "--max-lanes", str(settings.concurrency)]
+        limit = settings.limit or _auto_limit(loaded, common, settings)
         server = MlxcacheServer([*common, "--mem-limit", str(limit)])
         try:
             process = psutil.Process(server.proc.pid)
-            clients = _Soak(
-                server.url, server.model, turns, tokens, time.monotonic() + 60 * minutes
+            clients = _Clients(
+                server.url,
+                server.model,
+                settings.turns,
+                settings.tokens,
+                time.monotonic() + 60 * settings.minutes,
             )
-            owned = [list(range(w, conversations, concurrency)) for w in range(concurrency)]
+            owned = [
+                list(range(w, settings.conversations, settings.concurrency))
+                for w in range(settings.concurrency)
+            ]
             threads = [threading.Thread(target=clients.client, args=(o,)) for o in owned if o]
             start = time.monotonic()
             for thread in threads:
@@ -211,23 +213,25 @@ def soak(
             while any(t.is_alive() for t in threads):
                 samples.append((time.monotonic() - start, process.memory_info().rss))
                 for thread in threads:
-                    thread.join(timeout=interval / len(threads))
+                    thread.join(timeout=settings.interval / len(threads))
             samples.append((time.monotonic() - start, process.memory_info().rss))
             report = _get(f"{server.url}/v1/cache")
         finally:
             server.stop()
     cold = Engine(loaded)
     equal = [
-        cold.complete(Request(cold.encoder.encode_chat(m), SamplingParams(max_tokens=tokens))).text
+        cold.complete(
+            Request(cold.encoder.encode_chat(m), SamplingParams(max_tokens=settings.tokens))
+        ).text
         == text
         for m, text in clients.sampled
     ]
     peak = max(rss for _, rss in samples)
     growth = _growth(samples)
     return {
-        "minutes": minutes,
-        "conversations": conversations,
-        "concurrency": concurrency,
+        "minutes": settings.minutes,
+        "conversations": settings.conversations,
+        "concurrency": settings.concurrency,
         "mem_limit_mb": round(limit / MiB, 1),
         "peak_rss_mb": round(peak / MiB, 1),
         "peak_over_limit": round(peak / limit, 3),
@@ -248,9 +252,7 @@ def soak(
     }
 
 
-def _auto_limit(
-    loaded: LoadedModel, common: list[str], conversations: int, turns: int, tokens: int
-) -> int:
+def _auto_limit(loaded: LoadedModel, common: list[str], settings: SoakSettings) -> int:
     """The idle server's resident size plus a third of the conversations' KV at full
     length: a budget well under the working set, so the memory tier must evict."""
     server = MlxcacheServer(common)
@@ -258,9 +260,9 @@ def _auto_limit(
         idle = int(_get(f"{server.url}/v1/cache")["resident_bytes"])
     finally:
         server.stop()
-    per_turn = len(loaded.tokenizer.encode(_question(99, 9))) + tokens + 16  # + template
+    per_turn = len(loaded.tokenizer.encode(_question(99, 9))) + settings.tokens + 16  # template
     footprint = Footprint.of(loaded.model, loaded.config)
-    working = conversations * footprint.kv(turns * per_turn)
+    working = settings.conversations * footprint.kv(settings.turns * per_turn)
     return idle + max(working // 3, 96 * MiB)
 
 
