@@ -532,7 +532,10 @@ def cached_worker(tiny: LoadedModel, tmp_path: Path) -> Iterator[EngineWorker]:
         yield running
 
 
-def test_metrics_count_requests_tokens_and_the_cache(cached_worker: EngineWorker) -> None:
+def test_metrics_count_requests_tokens_and_the_cache(
+    cached_worker: EngineWorker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("mlxcache.server.app.resident_bytes", lambda: 123_456_789)
     app = app_of(cached_worker, api_key="k")
     key = {"Authorization": "Bearer k"}
     body = {"model": "tiny.gguf", "messages": MESSAGES, "max_tokens": 3}
@@ -602,6 +605,9 @@ mlxcache_requests_waiting 0
 # HELP mlxcache_busy 1 while a request is queued or running.
 # TYPE mlxcache_busy gauge
 mlxcache_busy 0
+# HELP mlxcache_resident_bytes The process's resident memory.
+# TYPE mlxcache_resident_bytes gauge
+mlxcache_resident_bytes 123456789
 """
 
 
