@@ -34,7 +34,7 @@ from mlxcache.server.app import Settings, create_app
 from mlxcache.server.log import RequestLog
 from mlxcache.types import new_layers
 from mlxcache.worker import EngineWorker
-from tests.cli_run import run
+from tests.cli_run import refused, run
 
 MiB = 1 << 20
 BASE = 100 * MiB
@@ -225,3 +225,16 @@ def test_warm_ahead_runs_only_where_the_budget_has_room_now(
         list(engine.run(warm=True))
         assert cache.cached_length(np.asarray(ids, np.int32), whole=True) == kept
         assert not b._reserved  # released when the lane ended
+
+
+@pytest.mark.parametrize(
+    ("args", "line"),
+    [
+        (["--only", "nonsense"], "--only takes soak,context,quality, got 'nonsense'"),
+        (["--minutes", "0"], "--minutes, --hours and --interval must be > 0"),
+        (["--mem-limit", "lots"], "not a size: 'lots' (try 512M or 2G)"),
+        (["--cache-mem", "x"], "not a size: 'x' (try 512M or 2G)"),
+    ],
+)
+def test_bench_memory_refuses_bad_options_in_one_line(args: list[str], line: str) -> None:
+    assert run("bench", "memory", *args) == refused(line)
