@@ -486,8 +486,6 @@ def memory(
     length = 60 * hours if hours is not None else minutes
     if length <= 0 or interval <= 0:
         raise UserInputError("--minutes, --hours and --interval must be > 0")
-    if suite is None and Path("examples/smoke.yaml").is_file():
-        suite = Path("examples/smoke.yaml")
     try:
         limit = None if mem_limit is None else parse_size(mem_limit)
         mem = parse_size(cache_mem)

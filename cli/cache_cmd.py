@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Annotated, Any
 
 import typer
 
-from mlxcache.config import ENV_API_KEY, parse_size
+from mlxcache.config import parse_size
 from mlxcache.errors import UserInputError
 from mlxcache_cli import options as o
 from mlxcache_cli import ui
-from mlxcache_cli.remote import ServerUrl, in_process_only
+from mlxcache_cli.remote import ServerUrl, client, in_process_only
 
 
 def stats(
@@ -52,10 +51,8 @@ def stats(
 
 def _served(url: str) -> dict[str, Any]:
     """The server's `/v1/cache` report."""
-    from mlxcache.remote import Server
-
-    with Server(url, os.environ.get(ENV_API_KEY) or None) as client:
-        return client.get("/v1/cache")
+    with client(url) as server:
+        return server.get("/v1/cache")
 
 
 def ls(cache_dir: o.CacheDir = None, as_json: o.Json = False) -> None:

@@ -75,9 +75,9 @@ def checked(
         ServerMismatchError: it runs another model, block size, cache setting or version.
         ServerError: it cannot be reached.
     """
-    from mlxcache.remote import Server, differences
+    from mlxcache.remote import differences
 
-    server = Server(url, os.environ.get(ENV_API_KEY) or None)
+    server = client(url)
     try:
         card = server.card()
         for wanted in wants(card["mlxcache"]):
@@ -91,6 +91,13 @@ def checked(
         server.close()
         raise
     return server, card
+
+
+def client(url: str) -> Server:
+    """A client of the server at `url`, with $MLXCACHE_API_KEY as its key if set."""
+    from mlxcache.remote import Server
+
+    return Server(url, os.environ.get(ENV_API_KEY) or None)
 
 
 def in_process_only(**given: object) -> None:

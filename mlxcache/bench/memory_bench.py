@@ -17,7 +17,8 @@ Three parts (`--only` picks some):
 - **quality**: quantized KV against full precision, teacher-forced over a document (this
   package's own source text): the mean absolute difference of each next token's
   log-probability and the share of positions whose greedy token changes; and, given a
-  regress suite, the share of its greedy reply tokens that change. Reported, no goal.
+  regress suite (default: the smoke suite, if here), the share of its greedy reply tokens
+  that change. Reported, no goal.
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
-import psutil
 
+from mlxcache.bench import suite_or_smoke
+from mlxcache.bench.serve_bench import idle_report, rss_bytes
 from mlxcache.config import CacheConfig
 from mlxcache.engine import Engine, Request
 from mlxcache.errors import UserInputError
@@ -90,7 +92,7 @@ def run(
     if "context" in parts:
         result["context"] = context(loaded, context_tokens, cache_mem)
     if "quality" in parts:
-        result["quality"] = quality(loaded, document_tokens, suite)
+        result["quality"] = quality(loaded, document_tokens, suite_or_smoke(suite))
     return result
 
 
@@ -108,11 +110,6 @@ def _post(url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any], float]:
     except urllib.error.HTTPError as exc:
         wait = float(exc.headers.get("Retry-After") or 1)
         return exc.code, json.loads(exc.read() or b"{}"), wait
-
-
-def _get(url: str) -> dict[str, Any]:
-    with urllib.request.urlopen(url, timeout=60) as response:
-        return dict(json.loads(response.read()))
 
 
 def _question(conversation: int, turn: int) -> str:
@@ -193,7 +190,6 @@ def soak(loaded: LoadedModel, model: str | None, settings: SoakSettings) -> dict
         limit = settings.limit or _auto_limit(loaded, common, settings)
         server = MlxcacheServer([*common, "--mem-limit", str(limit)])
         try:
-            process = psutil.Process(server.proc.pid)
             clients = _Clients(
                 server.url,
                 server.model,
@@ -211,11 +207,11 @@ def soak(loaded: LoadedModel, model: str | None, settings: SoakSettings) -> dict
                 thread.start()
             samples = []
             while any(t.is_alive() for t in threads):
-                samples.append((time.monotonic() - start, process.memory_info().rss))
+                samples.append((time.monotonic() - start, rss_bytes(server.proc.pid)))
                 for thread in threads:
                     thread.join(timeout=settings.interval / len(threads))
-            samples.append((time.monotonic() - start, process.memory_info().rss))
-            report = _get(f"{server.url}/v1/cache")
+            samples.append((time.monotonic() - start, rss_bytes(server.proc.pid)))
+            report = idle_report(server.url)
         finally:
             server.stop()
     cold = Engine(loaded)
@@ -257,7 +253,7 @@ def _auto_limit(loaded: LoadedModel, common: list[str], settings: SoakSettings) 
     length: a budget well under the working set, so the memory tier must evict."""
     server = MlxcacheServer(common)
     try:
-        idle = int(_get(f"{server.url}/v1/cache")["resident_bytes"])
+        idle = int(idle_report(server.url)["resident_bytes"])
     finally:
         server.stop()
     per_turn = len(loaded.tokenizer.encode(_question(99, 9))) + settings.tokens + 16  # template

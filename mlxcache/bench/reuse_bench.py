@@ -105,10 +105,9 @@ def _back_to_back(
     open it (what the probe allows). Turns of 21 tokens and replies of 8 end mid-block, as
     real ones do. Returns the tokens re-prefilled on turns 2-4 beyond the ones each turn
     added, and the share of those turns' prompts resumed."""
-    config = CacheConfig(block_size=block_size, directory=directory)
-    cache = PromptCache(loaded.model, loaded.key, config, root=directory / "kv")
-    allowed = measured(loaded, config)
-    engine = Engine(loaded, cache, keep_replies=allowed["decode"], batch_decode=allowed["batch"])
+    pair = _Pair(loaded, directory, block_size)
+    engine, allowed = pair.engine, measured(loaded, pair.cache.config)
+    engine.keep_replies, engine.batch_decode = allowed["decode"], allowed["batch"]
     history = [int(t) for t in rng.integers(100, vocab, size=48)]
     again, resumed, prompts = [], 0, 0
     for turn in range(4):

@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -31,6 +30,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
+
+import psutil
 
 from mlxcache.config import parse_size
 from mlxcache.model import load
@@ -199,7 +200,7 @@ def _settled(pid: int | None, held: Callable[[], int] | None) -> tuple[int, int]
     server too, alike)."""
     cached = held() if held else 0
     time.sleep(2 * IDLE_RELEASE_S)
-    return cached, _rss_bytes(pid) if pid else 0
+    return cached, rss_bytes(pid) if pid else 0
 
 
 def _held_bytes(url: str) -> int:
@@ -207,9 +208,12 @@ def _held_bytes(url: str) -> int:
     return int(idle_report(url)["mem_bytes"])
 
 
-def _rss_bytes(pid: int) -> int:
-    out = subprocess.run(["ps", "-o", "rss=", "-p", str(pid)], capture_output=True, text=True)
-    return int(out.stdout.strip() or 0) * 1024
+def rss_bytes(pid: int) -> int:
+    """The resident size of process `pid` (0 once it has ended)."""
+    try:
+        return int(psutil.Process(pid).memory_info().rss)
+    except psutil.NoSuchProcess:
+        return 0
 
 
 def idle_report(url: str, limit_s: float = 600.0) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
+from mlxcache.bench import suite_or_smoke
 from mlxcache.config import CacheConfig, DraftConfig
 from mlxcache.drafting import Drafting, DraftModel
 from mlxcache.engine import Engine, Request
@@ -33,7 +34,6 @@ GOAL_FORWARDS = 0.5
 """Prompt lookup on the code and JSON workloads: at most this many forwards per token."""
 GOAL_AUTO = 1.02
 """--draft auto against plain decoding: decode time at most this ratio."""
-SMOKE = Path("examples/smoke.yaml")
 
 
 def code_file(lines: int) -> str:
@@ -196,7 +196,7 @@ def run(
     }
     engines = {name: _engine(loaded, config, d) for name, d in drafters.items()}
     found = cast(Drafting, drafters["lookup"]).verify()
-    suite_path = suite if suite is not None else (SMOKE if SMOKE.is_file() else None)
+    suite_path = suite_or_smoke(suite)
     workloads: dict[str, Callable[[Engine], list[Request]] | Path] = {
         "code": lambda e: _code(e, lines, tokens),
         "json": lambda e: _json(e, tokens),
