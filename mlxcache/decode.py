@@ -17,7 +17,7 @@ from mlxcache.errors import GenerationError
 from mlxcache.events import Result, Stats, Token
 from mlxcache.sampling import LogitsProcessor, SamplingParams, make_processors, make_sampler
 from mlxcache.stops import StopScanner
-from mlxcache.types import KVLayer, Layers, Model, Tokenizer
+from mlxcache.types import Layers, Model, Tokenizer
 
 FAILED = 2**32 - 1
 """A shared token that says rank 0's pick failed (`Share.fail`)."""
@@ -39,7 +39,7 @@ class Forward:
     within a batch of lanes) and sends back its logits, shaped (1, vocab)."""
 
     y: mx.array
-    layers: list[KVLayer]
+    layers: Layers
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +47,15 @@ class Leave:
     """Batched decode: the reply needs no more forwards; the engine puts its KV back
     into `layers` (from the batch) before the lane goes on."""
 
-    layers: list[KVLayer]
+    layers: Layers
+
+
+@dataclass(frozen=True, slots=True)
+class Sync:
+    """Batched decode: the engine copies the reply's caches as the batch holds them into
+    `layers` (it stays in the batch), for a block to be captured from them."""
+
+    layers: Layers
 
 
 class _Reply:
@@ -147,7 +155,8 @@ def decode(
     to_end: bool = False,
     drafter: Drafter | None = None,
     draft: int = 0,
-) -> Generator[Token | Forward | Leave, Any, Result]:
+    capture: Capture | None = None,
+) -> Generator[Token | Forward | Leave | Sync, Any, Result]:
     """Generate up to `budget` tokens after `prompt`, whose last logits are `logits`.
 
     Yields one `Token` per generated token (its text may be empty while a character or a
@@ -162,10 +171,11 @@ def decode(
     token too) included, as mlx-lm's do: where decode KV is kept, the next turn resumes
     after the whole reply instead of prefilling its last token in its own TTFT.
     `drafter` with `draft` k >= 1: speculative decoding (`_drafted`), never batched.
+    `capture` (decode KV kept): told each time a one-token step leaves the
+    layers holding a whole number of blocks (`Capture`); a verify forward that passes a
+    boundary does not stop there, so a drafted reply's blocks are not captured.
     """
     sampler = make_sampler(sampling)
-    # Only plain KV models decode as one batch (the engine checks their layout).
-    kv = cast(list[KVLayer], layers)
     # Sampling's own processors (penalties) first, then the request's (bias, grammar).
     procs = [*make_processors(sampling, prompt.size), *processors]
     reply = _Reply(
@@ -196,37 +206,58 @@ def decode(
             reply.drawn_from.append(logp)
         return sampler(logp) if share is None else share.token(sampler(logp))
 
-    def feed(y: mx.array) -> Generator[Forward, Any, mx.array]:
+    held = int(prompt.size)  # positions the layers hold
+
+    def feed(y: mx.array) -> Generator[Forward | Sync, Any, mx.array]:
         """`y` into the layers; its logits, lazy (batched: the engine runs the forward)."""
+        nonlocal held
         if batched:
-            return (yield Forward(y, kv))
-        return model(y.reshape(1, 1), cache=layers)[:, -1, :]
+            logits = yield Forward(y, layers)
+        else:
+            logits = model(y.reshape(1, 1), cache=layers)[:, -1, :]
+        held += 1
+        if capture is not None and held % capture.block == 0:
+            if batched:
+                yield Sync(layers)
+            capture.at(held)
+        return cast(mx.array, logits)
 
     if drafter is not None and draft > 0:
+        capture = None  # its count of positions starts at the prompt's: see above
         last = yield from _drafted(
             model, layers, logits, reply, pick, drafter, draft, budget, stats, start
         )
-        held = False
+        fed = False
     else:
-        last, held = yield from _plain(feed, pick, logits, reply, bool(procs), budget, stats, start)
+        last, fed = yield from _plain(feed, pick, logits, reply, bool(procs), budget, stats, start)
     tail = reply.tail()
     if tail is not None:
         yield tail
     stats.generated_tokens = len(out)
-    if to_end and not held:  # after every piece of text: the client has it all already
+    if to_end and not fed:  # after every piece of text: the client has it all already
         yield from feed(last)  # its logits are not needed
         if not batched:
             mx.eval([c.state for c in layers])  # the KV only: no LM head
     if batched:
-        yield Leave(kv)
+        yield Leave(layers)
     return reply.result(stats)
 
 
 Pick = Callable[[mx.array], mx.array]
 
 
+@dataclass(frozen=True, slots=True)
+class Capture:
+    """Where a kept reply's blocks must be noted as decode reaches them (sliding windows
+    and recurrent state keep no block for later): `at(n)` when the layers hold exactly n
+    tokens, n a multiple of `block` (`Lease.capture`)."""
+
+    block: int
+    at: Callable[[int], None]
+
+
 def _plain(
-    feed: Callable[[mx.array], Generator[Forward, Any, mx.array]],
+    feed: Callable[[mx.array], Generator[Forward | Sync, Any, mx.array]],
     pick: Pick,
     logits: mx.array,
     reply: _Reply,
@@ -234,11 +265,11 @@ def _plain(
     budget: int,
     stats: Stats,
     start: float,
-) -> Generator[Token | Forward, Any, tuple[mx.array, bool]]:
+) -> Generator[Token | Forward | Sync, Any, tuple[mx.array, bool]]:
     """One token per forward. Returns the last token drawn and whether the layers hold it."""
     out = reply.out
 
-    def forward(y: mx.array) -> Generator[Forward, Any, mx.array]:
+    def forward(y: mx.array) -> Generator[Forward | Sync, Any, mx.array]:
         """The next forward, queued. Without processors the sampling is queued too; a
         processor (grammar) must see the token first."""
         nxt = yield from feed(y)

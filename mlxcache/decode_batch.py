@@ -1,20 +1,34 @@
 """Requests that take their decode steps as one batch (where the device allows it exactly).
 
-Each decoding request's KV moves into one left-padded mlx-lm `BatchKVCache` per layer
-when it joins, and back into its own caches when it leaves; every step is then one
-forward for all of them. This runs only where `invariance.batch_matches_solo` measured
-that a row decoded in such a batch gets bitwise the logits it gets alone (rows joining and
-leaving on the way included): a reply still does not depend on who else is running.
+Each decoding request's caches move into one batched cache per layer when it joins (the
+cache class's own `merge`: mlx-lm's left-padded `BatchKVCache` for plain KV, `ArraysCache`
+rows for recurrent state, `ring.TimeBatchRing` for sliding windows kept in time order), and
+back into its own caches when it leaves; every step is then one forward for all of them.
+This runs only where `invariance.batch_matches_solo` measured that a row decoded in such a
+batch gets bitwise the logits it gets alone (rows joining and leaving on the way included):
+a reply still does not depend on who else is running.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache
+from mlx_lm.models.cache import ArraysCache, KVCache
 
-from mlxcache.types import KVLayer, Model
+from mlxcache.ring import TimeRing
+from mlxcache.types import LayerCache, Model
+
+
+def batchable(layers: Sequence[LayerCache]) -> bool:
+    """Whether every layer's cache has a batched form whose rows step as they would alone:
+    plain KV, recurrent state, sliding windows kept in time order (`ring.TimeBatchRing`;
+    without kept first positions, which mlx-lm's batched ring has no room for)."""
+    return all(
+        type(c) is KVCache or isinstance(c, ArraysCache) or (type(c) is TimeRing and c.keep == 0)
+        for c in layers
+    )
 
 
 class DecodeBatch:
@@ -23,7 +37,7 @@ class DecodeBatch:
     def __init__(self) -> None:
         self.rows: list[int] = []
         self._inputs: dict[int, mx.array] = {}
-        self._cache: list[BatchKVCache] = []
+        self._cache: list[Any] = []
 
     def __contains__(self, rid: object) -> bool:
         return rid in self.rows
@@ -31,9 +45,9 @@ class DecodeBatch:
     def __len__(self) -> int:
         return len(self.rows)
 
-    def join(self, rid: int, layers: Sequence[KVLayer], y: mx.array) -> None:
+    def join(self, rid: int, layers: Sequence[LayerCache], y: mx.array) -> None:
         """Add a request whose caches are `layers` and whose next input token is `y`."""
-        merged = [BatchKVCache.merge([c]) for c in layers]
+        merged = [type(c).merge([c]) for c in layers]  # type: ignore[attr-defined]
         if not self.rows:
             self._cache = merged
         else:
@@ -51,13 +65,19 @@ class DecodeBatch:
         """A row's next input token."""
         self._inputs[rid] = y
 
-    def leave(self, rid: int, layers: Sequence[KVLayer]) -> None:
-        """Put the row's KV back into its own caches `layers`, and drop it."""
+    def sync(self, rid: int, layers: Sequence[LayerCache]) -> None:
+        """Copy the row's caches out of the batch into its own `layers` (it stays in it)."""
+        self._copy_out(rid, layers)
+
+    def leave(self, rid: int, layers: Sequence[LayerCache]) -> None:
+        """Put the row's caches back into its own `layers`, and drop it."""
+        self._copy_out(rid, layers)
+        self.drop(rid)
+
+    def _copy_out(self, rid: int, layers: Sequence[LayerCache]) -> None:
         i = self.rows.index(rid)
         for batch, own in zip(self._cache, layers, strict=True):
-            row = batch.extract(i)
-            own.keys, own.values, own.offset = row.keys, row.values, row.offset
-        self.drop(rid)
+            own.state = batch.extract(i).state
 
     def drop(self, rid: int) -> None:
         """Forget a row (cancelled, failed or left)."""

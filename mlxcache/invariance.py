@@ -25,65 +25,129 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache, RotatingKVCache
 
-from mlxcache.cache.layout import kv_tag
+from mlxcache.cache.layout import Layout, kv_tag
 from mlxcache.config import MAX_DRAFT
+from mlxcache.decode_batch import DecodeBatch, batchable
 from mlxcache.draft import Checkpoint, snapshot
 from mlxcache.fileio import write_atomic
 from mlxcache.model import LoadedModel
 from mlxcache.prefill import prefill
-from mlxcache.types import KVLayer, LayerCache, Model, new_layers
+from mlxcache.ring import TimeRing
+from mlxcache.types import LayerCache, Model, new_layers
 
 PROBES = "probes.json"
+PROBE_VERSION = "p2"
+"""What the probes measure, in their records' keys: "p2" probes every block layout (sliding
+windows kept in time order, recurrent state); records of the first probes are not read."""
 
 
 def decode_matches_prefill(model: Model, block_size: int) -> bool:
-    """True when decoding tokens one by one leaves bitwise the KV and logits that prefilling
-    them in chunks of `block_size` (and of 3) leaves, on every layer. Only models of plain
-    or quantized KV are probed (their blocks are cut out of decode KV as it stands)."""
-    if not _attention(model):
+    """True when decoding tokens one by one gives bitwise the logits, and leaves bitwise the
+    blocks and state, that prefilling them in chunks of `block_size` (and of 3) gives, for
+    any model whose layers the store keeps block by block (`Layout`): plain, quantized and
+    sliding-window KV, recurrent state. Compared: every position's logits, every block
+    as the store cuts it right after the step that completes it, and the last partial
+    block with the recurrent state at the end (what a kept reply's tail holds).
+
+    With sliding windows, the run starts from a canonical prefix shortly before the
+    smallest window and runs a few blocks past it: the steps where a window is full and
+    drops a position are the ones a ring buffer's layout could change."""
+    layout = Layout.of(new_layers(model), block_size)
+    if layout is None:
         return False
-    n = block_size + 1
-    ids = (mx.arange(n, dtype=mx.int32) * 7 + 3) % 97 + 1  # any ids: the weights decide
-    decoded = _kv_layers(model)
-    logits = [model(ids[None, i : i + 1], cache=decoded)[0, -1] for i in range(n)]
-    mx.eval(logits, [c.state for c in decoded])
+    window = min(layout.windows, default=0)
+    start = max(0, ((window - 1) // block_size - 1) * block_size) if window else 0
+    n = start + (3 if window else 1) * block_size + 1
+    ids = [(7 * i + 3) % 97 + 1 for i in range(n)]  # any ids: the weights decide
+    at_prefix = _prefixed(model, ids[:start], block_size)
+    decoded = _run(model, layout, at_prefix(), ids, start, 1, block_size)
     for chunk in sorted({block_size, 3}):
-        chunked = _kv_layers(model)
-        for start in range(0, n, chunk):
-            stop = min(start + chunk, n)
-            out = model(ids[None, start:stop], cache=chunked)[0, -1]
-            if not mx.array_equal(out, logits[stop - 1]).item():
-                return False
-        for a, b in zip(decoded, chunked, strict=True):
-            for x, y in zip(_parts(a), _parts(b), strict=True):
-                if not mx.array_equal(x[..., :n, :], y[..., :n, :]).item():
-                    return False
+        chunked = _run(model, layout, at_prefix(), ids, start, chunk, block_size)
+        if not _same_run(decoded, chunked):
+            return False
     return True
 
 
-def _parts(c: KVLayer) -> list[mx.array]:
-    """A layer's keys and values, each quantized one as its three arrays."""
-    keys, values = c.keys, c.values
-    return [*keys, *values] if isinstance(keys, tuple) else [keys, values]
+_Blocks = dict[int, dict[str, mx.array]]
 
 
-def batch_matches_solo(model: Model) -> bool:
-    """True when rows decoded together (left-padded, one leaving and one joining midway)
-    give bitwise the logits each gives decoded alone. Plain KV models only (mlx-lm
-    batches no other cache)."""
-    if not all(type(c) is KVCache for c in new_layers(model)):
+def _run(
+    model: Model,
+    layout: Layout,
+    layers: list[LayerCache],
+    ids: list[int],
+    start: int,
+    chunk: int,
+    block: int,
+) -> tuple[dict[int, mx.array], _Blocks]:
+    """Logits by position of ids[start:] fed in chunks of `chunk`, and the blocks cut where
+    a chunk ends on a block boundary, with the last partial block (keyed -1)."""
+    logits: dict[int, mx.array] = {}
+    blocks: _Blocks = {}
+    n = len(ids)
+    for s in range(start, n, chunk):
+        e = min(s + chunk, n)
+        out = model(mx.array([ids[s:e]]), cache=layers)[0]
+        mx.eval(out)
+        logits.update({i: out[i - s] for i in range(s, e)})
+        if e % block == 0:
+            blocks[e] = layout.cut(layers, e - block, e)
+    blocks[-1] = layout.cut(layers, n // block * block, n)
+    return logits, blocks
+
+
+def _same_run(
+    a: tuple[dict[int, mx.array], _Blocks], b: tuple[dict[int, mx.array], _Blocks]
+) -> bool:
+    """Whether two runs' logits agree bit for bit, and the blocks both cut."""
+    if not all(mx.array_equal(a[0][i], b[0][i]).item() for i in a[0]):
         return False
+    for k in a[1].keys() & b[1].keys():
+        x, y = a[1][k], b[1][k]
+        if x.keys() != y.keys() or not all(mx.array_equal(x[m], y[m]).item() for m in x):
+            return False
+    return True
+
+
+def _prefixed(model: Model, prefix: list[int], block_size: int) -> Callable[[], list[LayerCache]]:
+    """A maker of fresh layers holding `prefix`, prefilled once, canonically."""
+    if not prefix:
+        return lambda: new_layers(model)
+    layers = new_layers(model)
+    for _ in prefill(model, layers, np.asarray(prefix, np.int32), 0, block_size):
+        pass
+    saved = [snapshot(c.state) for c in layers]
+
+    def at_prefix() -> list[LayerCache]:
+        fresh = new_layers(model)
+        for c, state in zip(fresh, saved, strict=True):
+            c.state = snapshot(state)
+        return fresh
+
+    return at_prefix
+
+
+def batch_matches_solo(model: Model, block_size: int) -> bool:
+    """True when rows decoded together in a `DecodeBatch` (left-padded, one leaving and one
+    joining midway, one going on alone after it leaves) give bitwise the logits each gives
+    decoded alone. Models whose caches batch (`decode_batch.batchable`) only; with sliding
+    windows every row starts past the smallest window (a shared prefix that fills it,
+    prefilled in chunks of `block_size`)."""
+    fresh = new_layers(model)
+    if not batchable(fresh):
+        return False
+    window = min((int(c.max_size) for c in fresh if isinstance(c, TimeRing)), default=0)
+    at_prefix = _prefixed(model, [(5 * i + 1) % 97 + 1 for i in range(window)], block_size)
     prompts = [[(7 * i + 3 * r) % 97 + 1 for i in range(n)] for r, n in enumerate((3, 6, 8, 4))]
     steps = 3
 
     def prefilled(p: list[int]) -> tuple[list[LayerCache], int]:
-        layers = new_layers(model)
+        layers = at_prefix()
         first = model(mx.array([p]), cache=layers)[0, -1]
         return layers, int(mx.argmax(first).item())  # type: ignore[arg-type]
 
@@ -91,45 +155,33 @@ def batch_matches_solo(model: Model) -> bool:
     for p in prompts:
         layers, y = prefilled(p)
         seen = []
-        for _ in range(steps):
+        for _ in range(steps + 1):
             out = model(mx.array([[y]]), cache=layers)[0, -1]
             seen.append((y, out))
             y = int(mx.argmax(out).item())  # type: ignore[arg-type]
         solo.append(seen)
-    rows = [0, 1, 2]
-    batch = [
-        BatchKVCache.merge(list(layers))
-        for layers in zip(*(prefilled(prompts[r])[0] for r in rows), strict=True)
-    ]
-    at = dict.fromkeys(rows, 0)
-    for step in range(steps + 2):
+    batch, own, at = DecodeBatch(), {}, {}
+
+    def join(r: int) -> None:
+        own[r], at[r] = prefilled(prompts[r])[0], 0
+        batch.join(r, own[r], mx.array([solo[r][0][0]]))
+
+    for r in (0, 1, 2):
+        join(r)
+    for step in range(steps):
         if step == 1:  # row 0 leaves, row 3 joins
-            for c in batch:
-                c.filter([1, 2])
-            joined = prefilled(prompts[3])[0]
-            for c, j in zip(batch, joined, strict=True):
-                c.extend(BatchKVCache.merge([j]))
-            rows, at[3] = [1, 2, 3], 0
-        live = [r for r in rows if at[r] < steps]
-        if len(live) < len(rows):
-            break
-        ys = mx.array([[solo[r][at[r]][0]] for r in rows])
-        out = model(ys, cache=batch)[:, -1]
-        for i, r in enumerate(rows):
+            batch.drop(0)
+            join(3)
+        out = batch.forward(model)
+        for i, r in enumerate(batch.rows):
             if not mx.array_equal(out[i], solo[r][at[r]][1]).item():
                 return False
             at[r] += 1
-    return True
-
-
-def _attention(model: Model) -> bool:
-    """Whether every layer of `model` keeps plain or quantized KV (the caches probed)."""
-    return all(type(c) in (KVCache, QuantizedKVCache) for c in new_layers(model))
-
-
-def _kv_layers(model: Model) -> list[KVLayer]:
-    """Fresh caches of a model that `_attention` found plain or quantized KV."""
-    return [cast(KVLayer, c) for c in new_layers(model)]
+            batch.wait(r, mx.array([solo[r][at[r]][0]]))
+    r = batch.rows[0]  # leaves, and goes on alone from its own caches
+    batch.leave(r, own[r])
+    out = model(mx.array([[solo[r][at[r]][0]]]), cache=own[r])[0, -1]
+    return bool(mx.array_equal(out, solo[r][at[r]][1]).item())
 
 
 def _key(loaded: LoadedModel, block_size: int) -> str:
@@ -138,7 +190,7 @@ def _key(loaded: LoadedModel, block_size: int) -> str:
     device = str(mx.default_device())
     version = getattr(mx, "__version__", "?")
     quant = kv_tag(new_layers(loaded.model))  # quantized attention: other kernels
-    key = f"{loaded.key}|{block_size}|{device}|{version}|{mlx_lm.__version__}"
+    key = f"{loaded.key}|{block_size}|{device}|{version}|{mlx_lm.__version__}|{PROBE_VERSION}"
     return f"{key}|{quant}" if quant else key
 
 
@@ -184,7 +236,7 @@ def probe(
         on_note(f"measuring what this device computes exactly for {loaded.name} (once)")
     found = {
         "decode": decode_matches_prefill(loaded.model, block_size),
-        "batch": batch_matches_solo(loaded.model),
+        "batch": batch_matches_solo(loaded.model, block_size),
     }
     _write(directory, key, found)
     return found
@@ -233,21 +285,12 @@ def verify_width(model: Model, block_size: int) -> tuple[int, float]:
     steps over the same tokens from the same prefix. Any family: plain KV is trimmed, other
     caches are restored from a copy and fed again, as decode does.
     """
-    fresh = new_layers(model)
-    window = max((int(c.max_size) for c in fresh if isinstance(c, RotatingKVCache)), default=0)
+    layout = Layout.of(new_layers(model), block_size)
+    window = max(layout.windows if layout else [], default=0)
     start = (window // block_size + 1) * block_size + 3  # mid-block, as decode mostly is
     widest = max(VERIFY_WIDTHS)
     ids = [(7 * i + 3) % 97 + 1 for i in range(start + 4 * widest)]
-    prefix = new_layers(model)
-    for _ in prefill(model, prefix, np.asarray(ids[:start], np.int32), 0, block_size):
-        pass
-    saved = [snapshot(c.state) for c in prefix]
-
-    def at_prefix() -> list[LayerCache]:
-        layers = new_layers(model)
-        for c, state in zip(layers, saved, strict=True):
-            c.state = snapshot(state)
-        return layers
+    at_prefix = _prefixed(model, ids[:start], block_size)
 
     layers = at_prefix()
     plain = [model(mx.array([[t]]), cache=layers)[0, -1] for t in ids[start:]]

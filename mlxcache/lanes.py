@@ -4,7 +4,7 @@ step, over the model and cache of a `Work`. Whose turn it is, and what a lane's 
 becomes after a step, is the scheduler's (`scheduler.py`); the engine drives.
 
 A lane generator yields events (`Prefill`, `Token`, `Done`) and, in a batched decode, asks
-for its forwards (`decode.Forward`, `decode.Leave`); it keeps what it computed through its
+for its forwards (`decode.Forward`, `decode.Sync`, `decode.Leave`); it keeps what it computed through its
 cache lease and releases the lease however it ends.
 """
 
@@ -21,7 +21,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlxcache.cache.base import Lease, NoCache, PrefixCache
-from mlxcache.decode import Forward, Leave, Share, decode
+from mlxcache.decode import Capture, Forward, Leave, Share, Sync, decode
 from mlxcache.decode_batch import DecodeBatch
 from mlxcache.drafting import Drafting, Plan
 from mlxcache.encoder import Encoder, common_prefix
@@ -32,7 +32,7 @@ from mlxcache.model import LoadedModel
 from mlxcache.prefill import prefill
 from mlxcache.sampling import LogitsProcessor, SamplingParams
 from mlxcache.scheduler import LaneKind, Phase, Step
-from mlxcache.types import KVLayer, Model
+from mlxcache.types import Model, held
 
 
 @dataclass(slots=True)
@@ -115,7 +115,7 @@ class Follow:
 class Lane:
     """A lane: its generator, and what the scheduler reads and sets (`scheduler.Schedulable`)."""
 
-    gen: Generator[Any, Any, None]  # Events, and a batched decode's Forward / Leave
+    gen: Generator[Any, Any, None]  # Events, and a batched decode's Forward / Sync / Leave
     tokens: np.ndarray
     kind: LaneKind
     phase: Phase = Phase.RESTORING  # moved on by the scheduler (`Scheduler.advanced`)
@@ -212,10 +212,10 @@ def advance(
     this returns `Step.JOINED`; None once it has ended. Its errors propagate."""
     try:
         step = lane.gen.send(value)
-        while isinstance(step, Forward | Leave):
-            if isinstance(step, Leave):
-                if rid in batch:
-                    batch.leave(rid, step.layers)
+        while isinstance(step, Forward | Leave | Sync):
+            if isinstance(step, Leave | Sync):
+                if rid in batch:  # else its own forwards left them current
+                    (batch.leave if isinstance(step, Leave) else batch.sync)(rid, step.layers)
                 step = lane.gen.send(None)
             elif own:
                 step = lane.gen.send(model(step.y.reshape(1, 1), cache=step.layers)[:, -1, :])
@@ -246,7 +246,7 @@ def request_lane(
     req: Request,
     follow: Follow | None,
     plan: Plan | None = None,
-) -> Generator[Event | Forward | Leave | Step, Any, None]:
+) -> Generator[Event | Forward | Leave | Sync | Step, Any, None]:
     n = int(tokens.size)
     stats = Stats(prompt_tokens=n)
     start = time.perf_counter()
@@ -297,6 +297,7 @@ def request_lane(
             to_end=work.keep_replies,
             drafter=None if plan is None else work.drafting.drafter(plan, work.share),
             draft=0 if plan is None else plan.k,
+            capture=Capture(block, lease.capture) if work.keep_replies else None,
         )
         if work.keep_replies:
             ended = [] if result.stop_token is None else [result.stop_token]
@@ -319,10 +320,10 @@ def keep_reply(work: Work, prompt: np.ndarray, reply: list[int], lease: Lease) -
     layers hold past the prompt's own, and the rest as a tail to resume mid-block from
     (decode KV, canonical on this device: see `keep_replies`)."""
     block = work.cache.block_size
-    held = min(cast(KVLayer, lease.layers[0]).offset, prompt.size + len(reply))
-    ids = np.concatenate([prompt, np.asarray(reply, np.int32)])[:held]
-    if held // block > prompt.size // block:
-        lease.keep(ids[: held // block * block])
+    ids = np.concatenate([prompt, np.asarray(reply, np.int32)])
+    ids = ids[: held(lease.layers, len(ids))]
+    if len(ids) // block > prompt.size // block:
+        lease.keep(ids[: len(ids) // block * block])
     lease.keep_tail(ids, None)
 
 
@@ -404,7 +405,7 @@ def prefill_blocks(
         for stop, out in chunks:
             done, logits, at_chunk_end = stop, out, True
             if stop % block == 0 and stop <= keep_at:
-                lease.capture(tokens[:stop])
+                lease.capture(stop)
             if stop == keep_at and keep_at > start:
                 kept = keep_at  # tried once: not again while unwinding if it fails
                 lease.keep(tokens[:keep_at])

@@ -13,6 +13,7 @@ from mlxcache.cache.base import NoCache, PrefixCache
 from mlxcache.cache.layout import Layout, kv_tag
 from mlxcache.cache.store import PromptCache
 from mlxcache.config import CacheConfig, DraftConfig
+from mlxcache.decode_batch import batchable
 from mlxcache.draft import same_vocabulary
 from mlxcache.drafting import Drafting, DraftModel
 from mlxcache.engine import Engine
@@ -199,10 +200,10 @@ def measured(
 ) -> dict[str, bool]:
     """What the device allows for `loaded` (`invariance.probe`): "decode", a reply's decode
     KV may be kept as canonical; "batch", requests may decode as one batch. Both False
-    but for a model of plain or quantized KV with the prompt cache on (whose directory
-    keeps the record); "batch" False for quantized KV (mlx-lm batches plain KV only)."""
+    but for a model the store keeps block by block (`Layout`) with the prompt cache on
+    (whose directory keeps the record)."""
     layout = Layout.of(new_layers(loaded.model), config.block_size)
-    if not config.enabled or layout is None or not layout.attention_only:
+    if not config.enabled or layout is None:
         return NOTHING_MEASURED
     return probe(loaded, config.block_size, cache_dir(config.directory), noted(loaded, on_note))
 
@@ -228,9 +229,8 @@ def batch_anyway(engine: Engine) -> bool:
     """Let `engine`'s requests decode as one batch even where this device was not measured
     to give each the bits it gets alone: its replies then depend on the requests running
     beside it (as mlx_lm.server's do); the caller says so to its user. False when the
-    model's caches cannot be batched (other than plain KV)."""
-    layout = Layout.of(new_layers(engine.model), engine.cache.block_size)
-    if layout is None or not layout.plain:
+    model's caches cannot be batched (`decode_batch.batchable`)."""
+    if not batchable(new_layers(engine.model)):
         return False
     engine.batch_decode = True
     return True

@@ -106,7 +106,17 @@ def as_wrapper(tokenizer: Tokenizer) -> TokenizerWrapper:
 
 
 def new_layers(model: Model) -> list[LayerCache]:
-    """Fresh, empty caches for `model`, one per layer (mlx-lm's `make_prompt_cache`)."""
+    """Fresh, empty caches for `model`, one per layer (mlx-lm's `make_prompt_cache`), its
+    sliding windows kept in time order (`ring.TimeRing`)."""
     from mlx_lm.models.cache import make_prompt_cache  # mlx_lm imports transformers
 
-    return list(make_prompt_cache(as_module(model)))
+    from mlxcache.ring import time_ordered
+
+    return time_ordered(list(make_prompt_cache(as_module(model))))
+
+
+def held(layers: Layers, most: int) -> int:
+    """How many positions `layers` hold, at most `most`: their attention layers' count (a
+    model of recurrent layers only holds every token fed to it)."""
+    counts = [getattr(c, "offset", None) for c in layers]
+    return min([*(n for n in counts if isinstance(n, int)), most])

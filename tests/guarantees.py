@@ -38,6 +38,7 @@ from mlxcache.cache.base import NoCache, is_trimmable
 from mlxcache.cache.store import PromptCache
 from mlxcache.config import CacheConfig, DraftConfig
 from mlxcache.decode import Share
+from mlxcache.decode_batch import batchable
 from mlxcache.draft import Drafter
 from mlxcache.drafting import Drafting, Plan
 from mlxcache.engine import Engine, Request
@@ -47,6 +48,7 @@ from mlxcache.model.kvquant import quantize_kv
 from mlxcache.prefill import prefill
 from mlxcache.runtime import measured
 from mlxcache.sampling import SamplingParams
+from mlxcache.types import new_layers
 from mlxcache.worker import EngineWorker
 
 B = 4
@@ -126,9 +128,10 @@ class Geometry:
     resumes only from an entry that is a whole prefix of the prompt, shorter than it.
     A trimmable model's cache also remembers, in memory, the tail of each prompt of at
     least one block that it prefilled: the same prompt on the same cache resumes whole.
-    Where decode KV is canonical (`anywhere`: plain or quantized KV on a shape-invariant
-    device), it also keeps each reply's own tail, and a prompt resumes as far as anything
-    held in memory follows it, inside a block too, one token short of its end.
+    Where decode KV is canonical (`anywhere`: a shape-invariant device), it also keeps
+    each reply's own tail, and a prompt resumes as far as anything held in memory follows
+    it, inside a block too, one token short of its end; with recurrent layers (`state`)
+    only to the end of a whole tail that continues the blocks it resumed.
     """
 
     def __init__(self, trimmable: bool) -> None:
@@ -137,7 +140,13 @@ class Geometry:
         self.tails: dict[int, set[tuple[int, ...]]] = {}  # by id() of the cache
         self.replies: dict[int, set[tuple[int, ...]]] = {}  # reply tails, by id() of the cache
 
-    def resume(self, tokens: Sequence[int], cache: object = None, anywhere: bool = False) -> int:
+    def resume(
+        self,
+        tokens: Sequence[int],
+        cache: object = None,
+        anywhere: bool = False,
+        state: bool = False,
+    ) -> int:
         """Where `tokens` resume on `cache` (None: a cache with nothing in memory);
         `anywhere`: every kept entry is in `cache`'s memory (one cache ran them all)."""
         if tuple(tokens) in self.tails.get(id(cache), set()):
@@ -151,6 +160,15 @@ class Geometry:
                 best = max(best, len(entry))
         if anywhere:
             held = self.kept | self.tails.get(id(cache), set()) | self.replies.get(id(cache), set())
+            if state:
+                whole = [
+                    len(h)
+                    for h in held
+                    if len(h) < n
+                    and len(h) // B * B == best
+                    and _common_prefix(h, tokens) == len(h)
+                ]
+                return max([best, *whole])
             best = max([best, *(min(_common_prefix(h, tokens), n - 1) for h in held)])
         return best
 
@@ -596,16 +614,16 @@ def check_follow(rig: Rig) -> None:
 
 
 def check_kept_replies(rig: Rig) -> None:
-    """Where the probe finds decode KV canonical (plain or quantized KV on MLX's CPU backend), a
-    reply's own KV is kept as it stands, without a follow lane; the next turn resumes past
+    """Where the probe finds decode KV canonical (every block layout on MLX's CPU backend:
+    plain, quantized and sliding-window KV, recurrent state), a reply's own KV and state
+    are kept as decode computed them, without a follow lane; the next turn resumes past
     the reply with the cold run's bits. The shape-sensitive model must fail the probe."""
     engine, spy = rig.engine()
     assert isinstance(engine.cache, PromptCache)
     engine.keep_replies = measured(engine.loaded, engine.cache.config)["decode"]
-    attention = engine.cache.layout is not None and engine.cache.layout.attention_only
     if rig.variant.is_shaped:
         assert not engine.keep_replies, "the probe trusted a shape-sensitive model"
-    elif attention and mx.default_device() == mx.cpu:
+    elif engine.cache.layout is not None and mx.default_device() == mx.cpu:
         assert engine.keep_replies, "decode KV is canonical on MLX's CPU backend"
     params = SamplingParams(max_tokens=9)
 
@@ -632,8 +650,9 @@ def kept_turn(
     the geometry then learns what the reply kept: one entry of every token drawn, an end
     token too (kept replies), or each full block of prompt + reply (a follow lane)."""
     assert isinstance(engine.cache, PromptCache)
-    attention = engine.cache.layout is not None and engine.cache.layout.attention_only
-    expect = rig.geo.resume(tokens, engine.cache, anywhere=engine.keep_replies and attention)
+    layout = engine.cache.layout
+    state = layout is not None and layout.has_state
+    expect = rig.geo.resume(tokens, engine.cache, anywhere=engine.keep_replies, state=state)
     got = run(engine, spy, tokens, params, follow=True, stop=stop)
     cold = rig.cold(tokens, params, stop)
     rig.check(got, tokens, expect, fed_to_end(cold) if engine.keep_replies else cold, engine.cache)
@@ -643,7 +662,7 @@ def kept_turn(
         fed = [*whole, *([] if got.stop_token is None else [got.stop_token])]
         if len(fed) // B * B > rig.geo.keep_at(tokens):
             rig.geo.kept.add(tuple(fed[: len(fed) // B * B]))
-        if attention and len(fed) >= B:
+        if len(fed) >= B:
             rig.geo.replies.setdefault(id(engine.cache), set()).add(tuple(fed))
     elif rig.variant.trimmable:  # its follow lane keeps each block of the reply
         for k in range(rig.geo.keep_at(tokens) + B, len(whole) // B * B + 1, B):
@@ -680,10 +699,9 @@ def check_batched(rig: Rig) -> None:
     assert isinstance(engine.cache, PromptCache)
     allowed = measured(engine.loaded, engine.cache.config)
     engine.batch_decode, engine.keep_replies = allowed["batch"], allowed["decode"]
-    plain = engine.cache.layout is not None and engine.cache.layout.plain
     if rig.variant.is_shaped:
         assert not engine.batch_decode, "the probe trusted a shape-sensitive model"
-    elif plain and mx.default_device() == mx.cpu:
+    elif batchable(new_layers(engine.model)) and mx.default_device() == mx.cpu:
         assert engine.batch_decode, "batched rows are exact on MLX's CPU backend"
     requests = [
         Request(
@@ -722,11 +740,8 @@ def check_batched(rig: Rig) -> None:
     got = engine.complete(Request(nxt, first.sampling))
     assert got.tokens == cold.complete(Request(nxt, first.sampling)).tokens
     fed = len(first.tokens) + len(reply)  # the reply's last token was fed too
-    attention = engine.cache.layout is not None and engine.cache.layout.attention_only
-    if engine.keep_replies and attention:  # as far as the reply's KV goes, inside a block too
+    if engine.keep_replies:  # as far as the reply's KV goes, inside a block too
         assert got.stats.cached_tokens == fed, f"resumed {got.stats.cached_tokens}, fed {fed}"
-    elif engine.keep_replies:
-        assert got.stats.cached_tokens == fed // B * B, f"resumed {got.stats.cached_tokens}"
 
 
 def check_disk(rig: Rig) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import BatchRotatingKVCache, KVCache, RotatingKVCache
 
 import mlxcache.cache.layout as layout_mod
 import mlxcache.decode as decode_mod
@@ -27,11 +27,13 @@ import mlxcache.sampling as sampling_mod
 from mlxcache.cache import blocks
 from mlxcache.cache.disk import DiskTier, digest_tokens
 from mlxcache.cache.layout import Layout
-from mlxcache.cache.memory import MemoryTier
+from mlxcache.cache.memory import MemoryTier, state_name
 from mlxcache.cache.store import PromptCache
+from mlxcache.decode_batch import DecodeBatch
 from mlxcache.encoder import common_prefix
 from mlxcache.engine import Engine
 from mlxcache.events import Event, Prefill, Result, Token
+from mlxcache.ring import TimeBatchRing, TimeRing
 
 Patch = Callable[[Any, str, Any], None]
 
@@ -375,7 +377,7 @@ def snapshot_shares_state(patch: Patch) -> None:
 def no_capture(patch: Patch) -> None:
     """Blocks are not noted right after their chunk: keep cuts them out of the layers
     later, which no longer hold a sliding window's old positions or a block's state."""
-    patch(PromptCache, "capture", lambda self, tokens, lease: None)
+    patch(PromptCache, "capture", lambda self, n, lease: None)
 
 
 def state_of_the_block_start(patch: Patch) -> None:
@@ -446,7 +448,7 @@ def resume_past_the_state(patch: Patch) -> None:
 def batch_probe_trusted(patch: Patch) -> None:
     """Rows are taken to decode exactly in a batch without running the probe: requests
     decode together on the shape-sensitive model too."""
-    patch(invariance, "batch_matches_solo", lambda model: True)
+    patch(invariance, "batch_matches_solo", lambda model, block_size: True)
 
 
 def resume_anywhere_unprobed(patch: Patch) -> None:
@@ -564,6 +566,57 @@ def ring_one_too_wide(patch: Patch) -> None:
     patch(layout_mod, "_ring_start", wider)
 
 
+def ring_rotated(patch: Patch) -> None:
+    """Sliding windows decode as mlx-lm's ring does: once full, a step writes over the
+    oldest slot and attends over the window rotated, other bits than a chunk's (the probe
+    then refuses kept replies: every turn prefills its reply again)."""
+    patch(TimeRing, "update_and_fetch", RotatingKVCache.update_and_fetch)
+
+
+def batched_ring_rotated(patch: Patch) -> None:
+    """Sliding windows decode in a batch as mlx-lm's batched ring does: once full, a step
+    writes over the oldest slot and attends over the window rotated (the batch probe then
+    refuses batching for them)."""
+    patch(TimeBatchRing, "update_and_fetch", BatchRotatingKVCache.update_and_fetch)
+    patch(TimeBatchRing, "make_mask", BatchRotatingKVCache.make_mask)
+
+
+def capture_without_sync(patch: Patch) -> None:
+    """A batched reply's blocks are captured from its own caches as they were when it
+    joined the batch, not as the batch holds them."""
+    patch(DecodeBatch, "sync", lambda self, rid, layers: None)
+
+
+def reply_blocks_not_captured(patch: Patch) -> None:
+    """A kept reply's blocks are not noted as decode reaches them: on sliding-window and
+    recurrent models the reply keeps nothing past the prompt's blocks."""
+    decode: Callable[..., Generator[Event, None, Result]] = lanes_mod.decode
+
+    def uncaptured(*args: Any, **kwargs: Any) -> Generator[Event, None, Result]:
+        return (yield from decode(*args, **{**kwargs, "capture": None}))
+
+    patch(lanes_mod, "decode", uncaptured)
+
+
+def state_inside_a_block(patch: Patch) -> None:
+    """A recurrent model resumes inside a kept block as attention layers do, its recurrent
+    state taken from the block's end."""
+    partial = MemoryTier.partial
+
+    def inside(self: MemoryTier, tokens: np.ndarray, length: int, limit: int) -> Any:
+        found = self.index.continuation(tokens, length) if limit > 0 else None
+        if self.layout is None or not self.layout.has_state or found is None:
+            return partial(self, tokens, length, limit)
+        name = self._entry_blocks[found[0]][length // self.block_size]
+        state = self._blocks.get(state_name(name))
+        if state is None:
+            return partial(self, tokens, length, limit)
+        k = min(found[1], limit)
+        return {**{n: a[..., :k, :] for n, a in self._blocks[name].data.items()}, **state.data}, k
+
+    patch(MemoryTier, "partial", inside)
+
+
 def kv_namespace_without_bits(patch: Patch) -> None:
     """Quantized blocks filed without their bit width: 4-bit and 8-bit KV share entries."""
     patch(Layout, "name", property(lambda self: "" if self.plain else "layout-v1"))
@@ -607,5 +660,10 @@ MUTANTS: dict[str, Callable[[Patch], None]] = {
         pick_with_next_key,
         ring_one_too_wide,
         kv_namespace_without_bits,
+        ring_rotated,
+        batched_ring_rotated,
+        capture_without_sync,
+        reply_blocks_not_captured,
+        state_inside_a_block,
     )
 }

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 
 from mlxcache.bench import decode_bench, json_bench, resume_bench
@@ -161,7 +162,15 @@ def test_reuse_bench_measures_turns_to_the_token(cache_root: Path) -> None:
     assert all(r["equal_to_no_cache"] for r in rows)
     full = next(r for r in rows if r["family"] == reuse_bench.REFERENCE)
     assert full["reprefilled_per_turn"] == [0, 0, 0]  # its replies' own KV is kept
+    kept = {r["family"] for r in rows if r["decode_kv"] == "kept"}
+    if mx.default_device() == mx.cpu:  # measured on MLX's CPU backend
+        # Sliding windows and the recurrent hybrids whose decode is canonical here keep
+        # their replies as full attention does; MLA and Mamba 2 decode otherwise.
+        assert kept == set(FAMILIES) - {"deepseek_v3", "nemotron_h"}
     for row in rows:
         assert len(row["reprefilled_per_turn"]) == 3 and row["cold_ttft_vs_mlx_lm"] > 0
-        if sum(row["reprefilled_per_turn"]):  # a reply's partial block prefilled again
-            assert any(f.startswith(f"{row['family']}: re-prefilled") for f in summary["failures"])
+        if row["family"] in kept:
+            assert row["reprefilled_per_turn"] == [0, 0, 0], row
+        else:  # each reply's last partial block, prefilled again: within the goal
+            assert 0 < max(row["reprefilled_per_turn"]) < 16, row
+    assert summary["pass"], summary["failures"]

@@ -4,18 +4,22 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import pytest
-from shapemodel import shaped
+from mlx_lm.models.cache import BatchRotatingKVCache, RotatingKVCache
+from shapemodel import checkpointed, shaped
 from spy import spied
 
 import mlxcache.invariance as invariance
+from mlxcache.bench.families import FAMILIES, build
 from mlxcache.cache.base import NoCache
 from mlxcache.cache.store import PromptCache
 from mlxcache.config import CacheConfig
 from mlxcache.engine import Engine, Request
-from mlxcache.model import LoadedModel
+from mlxcache.model import LoadedModel, load
+from mlxcache.ring import TimeBatchRing, TimeRing
 from mlxcache.runtime import batch_anyway, open_engine
 from mlxcache.sampling import SamplingParams
 
@@ -27,8 +31,60 @@ def test_decode_is_canonical_on_cpu_and_not_for_a_shape_sensitive_model(tiny: Lo
     assert not invariance.decode_matches_prefill(shaped(tiny).model, 4)
 
 
-def test_models_with_other_layers_are_not_probed(sliding: LoadedModel) -> None:
-    assert not invariance.decode_matches_prefill(sliding.model, 4)
+CANONICAL_DECODE = {"qwen3", "qwen3_moe", "gemma3_text", "gpt_oss", "qwen3_next", "lfm2"}
+"""The families whose decode steps this CPU computes as chunked prefill, measured: MLA's
+one-row path is another computation than its multi-row one (absorbed projections), Mamba
+2's scan differs by length."""
+
+
+@pytest.fixture(scope="module")
+def families(tiny: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("probe-families")
+    return {name: load(str(build(root / name, tiny.path, c))) for name, c in FAMILIES.items()}
+
+
+@pytest.mark.skipif(mx.default_device() != mx.cpu, reason="measured on MLX's CPU backend")
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_block_layout_is_probed(family: str, families: dict[str, LoadedModel]) -> None:
+    """Sliding windows (past their size) and recurrent states are measured like plain KV:
+    canonical where this CPU computes them so (the shape-sensitive sliding and recurrent
+    models fail it: `guarantees.check_kept_replies`)."""
+    loaded = families[family]
+    assert invariance.decode_matches_prefill(loaded.model, 4) == (family in CANONICAL_DECODE)
+
+
+@pytest.mark.skipif(mx.default_device() != mx.cpu, reason="measured on MLX's CPU backend")
+def test_a_ring_decoded_in_place_fails_the_probe(
+    families: dict[str, LoadedModel], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """mlx-lm's own ring writes a decode step over the oldest slot once the window is full:
+    the probe runs past the window and sees those steps differ from chunked prefill."""
+    monkeypatch.setattr(TimeRing, "update_and_fetch", RotatingKVCache.update_and_fetch)
+    assert not invariance.decode_matches_prefill(families["gemma3_text"].model, 4)
+    assert not invariance.decode_matches_prefill(families["gemma3_text"].model, 3)
+
+
+@pytest.mark.skipif(mx.default_device() != mx.cpu, reason="measured on MLX's CPU backend")
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_family_batches_exactly(family: str, families: dict[str, LoadedModel]) -> None:
+    """Plain KV, recurrent state and sliding windows (past the window, kept in time order)
+    decode as one batch with each row's bits its own: the batch probe passes for all."""
+    assert invariance.batch_matches_solo(families[family].model, 4)
+
+
+@pytest.mark.skipif(mx.default_device() != mx.cpu, reason="measured on MLX's CPU backend")
+def test_a_batched_ring_decoded_in_place_fails_the_batch_probe(
+    families: dict[str, LoadedModel], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(TimeBatchRing, "update_and_fetch", BatchRotatingKVCache.update_and_fetch)
+    monkeypatch.setattr(TimeBatchRing, "make_mask", BatchRotatingKVCache.make_mask)
+    assert not invariance.batch_matches_solo(families["gemma3_text"].model, 4)
+    assert invariance.batch_matches_solo(families["qwen3"].model, 4)  # no ring: unchanged
+
+
+def test_models_without_a_block_layout_are_not_probed(recurrent: LoadedModel) -> None:
+    assert not invariance.decode_matches_prefill(checkpointed(recurrent).model, 4)
+    assert not invariance.batch_matches_solo(checkpointed(recurrent).model, 4)
 
 
 def test_the_answers_are_recorded_per_model_and_block_size(
@@ -41,7 +97,7 @@ def test_the_answers_are_recorded_per_model_and_block_size(
         return block_size == 4
 
     monkeypatch.setattr(invariance, "decode_matches_prefill", probe)
-    monkeypatch.setattr(invariance, "batch_matches_solo", lambda model: False)
+    monkeypatch.setattr(invariance, "batch_matches_solo", lambda model, block_size: False)
     assert invariance.probe(tiny, 4, tmp_path) == {"decode": True, "batch": False}
     assert invariance.probe(tiny, 4, tmp_path)["decode"]  # read back, not probed again
     assert not invariance.probe(tiny, 8, tmp_path)["decode"]
@@ -68,13 +124,13 @@ def test_open_engine_uses_the_probe_only_when_asked(tiny_gguf: Path, tmp_path: P
 def test_batched_rows_are_exact_on_cpu_and_not_for_a_shape_sensitive_model(
     tiny: LoadedModel,
 ) -> None:
-    assert invariance.batch_matches_solo(tiny.model)
-    assert not invariance.batch_matches_solo(shaped(tiny).model)
+    assert invariance.batch_matches_solo(tiny.model, 4)
+    assert not invariance.batch_matches_solo(shaped(tiny).model, 4)
 
 
-def test_batching_anyway_is_what_a_user_asks_for(tiny: LoadedModel, sliding: LoadedModel) -> None:
+def test_batching_anyway_is_what_a_user_asks_for(tiny: LoadedModel, recurrent: LoadedModel) -> None:
     """`serve --batch-inexact`: a model the probe refuses (the shape-sensitive one) decodes
-    as one batch all the same; a model whose caches are not plain KV cannot."""
+    as one batch all the same; a model whose caches have no batched form cannot."""
     engine = Engine(shaped(tiny), block_size=4)
     assert not engine.batch_decode and batch_anyway(engine) and engine.batch_decode
     loaded, spy = spied(engine.loaded)
@@ -84,7 +140,7 @@ def test_batching_anyway_is_what_a_user_asks_for(tiny: LoadedModel, sliding: Loa
         engine.submit(Request([5 + seed, 6, 7], params, stop_tokens=frozenset()))
     list(engine.run())
     assert max(spy.batch_sizes) == 3
-    assert not batch_anyway(Engine(sliding, block_size=4))
+    assert not batch_anyway(Engine(checkpointed(recurrent), block_size=4))
 
 
 @pytest.mark.parametrize(("end", "at"), [("length", 7), ("length", 1), ("stop", 3), ("stop", 0)])

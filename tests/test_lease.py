@@ -29,7 +29,7 @@ def prefilled(cache: PromptCache, ids: np.ndarray, model: LoadedModel) -> Prompt
         for stop in range(lease.length + B, len(ids) + 1, B):
             start = stop - B
             model.model(mx.array(ids[None, start:stop]), cache=lease.layers)
-            lease.capture(ids[:stop])
+            lease.capture(stop)
         lease.keep(ids[: len(ids) // B * B])
     return cache
 
@@ -41,7 +41,7 @@ def test_a_lease_is_released_exactly_once(sliding: LoadedModel) -> None:
     assert lease.length == 12 and held(cache) == (1, 1)  # its entry pinned while it runs
     lease.release()
     assert held(cache) == (0, 0)
-    for use in (lease.release, lambda: lease.keep(tokens(8)), lambda: lease.capture(tokens(4))):
+    for use in (lease.release, lambda: lease.keep(tokens(8)), lambda: lease.capture(4)):
         with pytest.raises(LeaseError, match="released already"):
             use()
     with pytest.raises(ValueError), cache.restore(tokens(13)):
@@ -60,7 +60,7 @@ def test_what_a_lease_staged_is_its_own(sliding: LoadedModel) -> None:
     for stop in range(B, 17, B):
         for lease, ids in ((first, a), (second, b)):
             sliding.model(mx.array(ids[None, stop - B : stop]), cache=lease.layers)
-            lease.capture(ids[:stop])
+            lease.capture(stop)
     first.release()  # staged, never kept: gone with its lease
     assert first.staged == {}
     second.keep(b)

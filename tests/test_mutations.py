@@ -86,6 +86,11 @@ CAUGHT_BY: dict[str, list[tuple[str, str]]] = {
     "pick_with_next_key": [("plain", "drafted"), ("recurrent", "drafted")],
     "ring_one_too_wide": [("sliding", "rebuilt_layers")],
     "kv_namespace_without_bits": [("quantized", "kv_apart")],
+    "ring_rotated": [("sliding", "kept_replies")],
+    "batched_ring_rotated": [("sliding", "batched")],
+    "capture_without_sync": [("sliding", "batched"), ("recurrent", "batched")],
+    "reply_blocks_not_captured": [("sliding", "kept_replies"), ("recurrent", "kept_replies")],
+    "state_inside_a_block": [("recurrent", "kept_replies")],
 }
 
 

@@ -126,10 +126,8 @@ def write_tiny_gguf(
 
 
 def write_sliding(model_dir: Path, dest: Path, window: int = 8) -> Path:
-    """A copy of an mlx-lm model folder whose first layer is sliding-window attention.
-
-    Its rotating cache cannot be rewound: the store keeps whole-state checkpoints for it.
-    """
+    """A copy of an mlx-lm model folder whose first layer is sliding-window attention (a
+    ring buffer: blocks are captured right after the chunk or step that computed them)."""
     shutil.copytree(model_dir, dest)
     config = json.loads((dest / "config.json").read_text())
     config |= {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": window}

@@ -29,7 +29,7 @@ class CacheStats:
 class Keeper(Protocol):
     """What a `Lease` hands its calls to: the cache that restored it."""
 
-    def capture(self, tokens: np.ndarray, lease: Lease) -> None: ...
+    def capture(self, n: int, lease: Lease) -> None: ...
 
     def keep(self, tokens: np.ndarray, lease: Lease) -> None: ...
 
@@ -71,12 +71,12 @@ class Lease:
     """Staged blocks whose recurrent states are extras (memory only), oldest first."""
     released: bool = False
 
-    def capture(self, tokens: np.ndarray) -> None:
-        """`layers` hold exactly `tokens` (whole blocks), right after the canonical chunk
-        that ended them: note the last block now if only this moment shows it (sliding
-        windows drop it later, recurrent state moves on); `keep` stores it."""
+    def capture(self, n: int) -> None:
+        """`layers` hold exactly `n` tokens (whole blocks), right after the canonical chunk
+        or decode step that ended them: note the last block now if only this moment shows
+        it (sliding windows drop it later, recurrent state moves on); `keep` stores it."""
         self._check()
-        self.keeper.capture(tokens, self)
+        self.keeper.capture(n, self)
 
     def keep(self, tokens: np.ndarray) -> None:
         """Store the first len(tokens) positions of `layers` (a whole number of blocks)."""
@@ -187,7 +187,7 @@ class NoCache:
 class _Nothing:
     """The keeper of a cache that keeps nothing."""
 
-    def capture(self, tokens: np.ndarray, lease: Lease) -> None:
+    def capture(self, n: int, lease: Lease) -> None:
         return None
 
     def keep(self, tokens: np.ndarray, lease: Lease) -> None:

@@ -29,6 +29,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
 
 from mlxcache.cache import blocks as kv
+from mlxcache.ring import TimeRing
 from mlxcache.types import KVLayer, LayerCache, Layers
 
 Block = dict[str, mx.array]
@@ -39,7 +40,7 @@ _QPARTS = ("", ".s", ".b")
 def _kind(cache: Any) -> str | None:
     if type(cache) is KVCache:
         return "kv"
-    if type(cache) is RotatingKVCache:
+    if type(cache) in (RotatingKVCache, TimeRing):
         return "ring"
     if type(cache) is QuantizedKVCache:
         return "qkv"
@@ -66,8 +67,8 @@ class Layout:
         self.plain = all(k == "kv" for k in kinds)
         self.attention_only = all(k in ("kv", "qkv") for k in kinds)
         """Plain or quantized KV only: blocks stay in the layers as computed, so they may be
-        cut when kept (the others are captured right after their chunk: `needs_capture`),
-        and a block's first positions are those positions' KV (`head`)."""
+        cut when kept (the others are captured right after their chunk or decode step:
+        `needs_capture`)."""
         quantized = {i: cast(QuantizedKVCache, c) for i, c in enumerate(fresh) if kinds[i] == "qkv"}
         self._quant = {i: (int(c.group_size), int(c.bits)) for i, c in quantized.items()}
         rings = {i: cast(RotatingKVCache, c) for i, c in enumerate(fresh) if kinds[i] == "ring"}
@@ -93,6 +94,11 @@ class Layout:
             return ""
         quant = "".join(sorted({_quant_name(bits, group) for group, bits in self._quant.values()}))
         return "layout-v1" + (f"-{quant}" if quant else "")
+
+    @property
+    def windows(self) -> list[int]:
+        """The sliding windows' sizes (none: no sliding layer)."""
+        return [size for size, _ in self._rings.values()]
 
     @property
     def has_state(self) -> bool:
@@ -222,7 +228,7 @@ class Layout:
             keys, values = positions(0, stop)
         else:
             max_size, keep = self._rings[i]
-            c = RotatingKVCache(max_size=max_size, keep=keep)
+            c = TimeRing(max_size=max_size, keep=keep)
             kept, first = _ring_start(stop, block_size, max_size, keep)
             keys, values = positions(first, stop)
             if kept:  # the `keep` first positions stay in front
@@ -237,9 +243,9 @@ class Layout:
         return c
 
     def head(self, block: Block, k: int) -> Block:
-        """The first `k` positions of an attention-only layout's block or tail (as `cut`
-        cuts them: positions on the second-to-last axis, quantized parts too)."""
-        assert self.attention_only  # a recurrent state or a ring cannot be cut inside a block
+        """The first `k` positions of a block or tail of attention layers (as `cut` cuts
+        them: positions on the second-to-last axis, quantized parts too)."""
+        assert not self.has_state  # a recurrent state cannot be cut inside a block
         return {name: a[..., :k, :] for name, a in block.items()}
 
     def append(self, layers: Layers, tail: Block) -> None:

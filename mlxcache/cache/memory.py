@@ -144,12 +144,15 @@ class MemoryTier:
     def partial(self, tokens: np.ndarray, length: int, limit: int) -> tuple[Block, int] | None:
         """The KV of `tokens[length:length+k]` (0 < k <= `limit`, k < B) where a kept block
         or a remembered tail continues `tokens`' first `length` tokens (whole blocks):
-        what a device on which a token's KV does not depend on its chunk (plain or quantized
-        KV layers only) may resume mid-block from. The longest such run; None if none."""
-        if self.layout is None or not self.layout.attention_only or limit <= 0:
+        what a device on which a token's KV does not depend on its chunk may resume
+        mid-block from. The longest such run; None if none. Attention layers keep KV per
+        position, so any run of a block or tail will do; a recurrent state is known only at
+        a tail's end, so with recurrent layers only a whole tail does."""
+        if self.layout is None or limit <= 0:
             return None
+        per_position = not self.layout.has_state
         best: tuple[Block, int] | None = None
-        found = self.index.continuation(tokens, length)
+        found = self.index.continuation(tokens, length) if per_position else None
         if found is not None:
             entry, k = found
             best = (self._blocks[self._entry_blocks[entry][length // self.block_size]].data, k)
@@ -159,13 +162,13 @@ class MemoryTier:
                 prefix = prefix or digest_tokens(tokens[:length])
                 if tail.prefix == prefix:
                     k = common_prefix(tail.ids, tokens[length:])
-                    if k and (best is None or k > best[1]):
+                    whole = k == len(tail.ids) <= limit
+                    if k and (per_position or whole) and (best is None or k > best[1]):
                         best = (tail.kv, k)
         if best is None:
             return None
         block, k = best
-        k = min(k, limit)
-        return self.layout.head(block, k), k
+        return (self.layout.head(block, min(k, limit)) if per_position else block), min(k, limit)
 
     def resumable(self, entry: Entry, length: int) -> int:
         """The longest resume point up to `length` in `entry` whose recurrent state is kept
@@ -227,15 +230,16 @@ class MemoryTier:
 
     # -- keeping ------------------------------------------------------------------------------
 
-    def capture(self, tokens: np.ndarray, lease: Lease) -> None:
-        """Note the last block of the lease's layers (holding exactly `tokens`, right after
-        its chunk) when the layout cannot cut it later; `keep` of this lease stores it."""
+    def capture(self, n: int, lease: Lease) -> None:
+        """Note the last block of the lease's layers (holding exactly `n` tokens, right
+        after its chunk or step) when the layout cannot cut it later; `keep` of this lease
+        stores it."""
         if self.layout is None or not self.layout.needs_capture:
             return
-        j = len(tokens) // self.block_size - 1
+        j = n // self.block_size - 1
         start = j * self.block_size
         staged = lease.staged
-        staged[j] = self.layout.cut(lease.layers, start, len(tokens))
+        staged[j] = self.layout.cut(lease.layers, start, n)
         # The block before is no longer the last: unless `keep` keeps its state on disk too
         # (`_fresh_blocks`), it is an extra, staged within the extras' budget; past it the
         # oldest staged extra lets go of its state (else a long prefill of a large-state

@@ -166,10 +166,10 @@ class PromptCache:
         self._write_disk(kept)
         self._fit(skip=kept.entry, prompt=kept.tokens)
 
-    def capture(self, tokens: np.ndarray, lease: Lease) -> None:
-        """Note the last block of the lease's layers (holding exactly `tokens`, right after
-        its chunk) when the layout cannot cut it later; `keep` stores it."""
-        self.mem.capture(tokens, lease)
+    def capture(self, n: int, lease: Lease) -> None:
+        """Note the last block of the lease's layers (holding exactly `n` tokens, right
+        after its chunk or step) when the layout cannot cut it later; `keep` stores it."""
+        self.mem.capture(n, lease)
 
     def keep_tail(self, tokens: np.ndarray, lease: Lease, logits: mx.array | None) -> None:
         """Remember `tokens`' tail in the lease's layers (past its last full block) and its
