@@ -252,9 +252,7 @@ def request_lane(
     start = time.perf_counter()
     lease = None
     try:
-        while work.budget and not work.budget.admit(
-            rid, n, req.sampling.max_tokens, work.cache.shed
-        ):
+        while work.budget and not work.budget.admit(rid, n, req.sampling.max_tokens, work.cache):
             yield Step.CHUNK  # running requests hold the room: a turn without work
         lease = work.cache.restore(tokens, anywhere=work.keep_replies)
         stats.cached_tokens = lease.length
@@ -348,7 +346,7 @@ def _room_now(work: Work, rid: int, n: int) -> bool:
     """Whether the memory budget (if any) takes background work of `n` tokens now: it is
     only ever a head start, so it never waits for room."""
     try:
-        return work.budget is None or work.budget.admit(rid, n, 0, work.cache.shed)
+        return work.budget is None or work.budget.admit(rid, n, 0, work.cache)
     except MemoryLimitError:
         return False
 

@@ -19,7 +19,6 @@ is measured, not estimated.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -36,8 +35,6 @@ from mlxcache.types import Model, as_module, new_layers
 
 if TYPE_CHECKING:
     from mlxcache.lanes import Request
-
-Shed = Callable[[int], int]
 
 COPIES = 4
 """A prompt's KV exists up to this many more times while its request runs: the copy
@@ -166,10 +163,12 @@ class MemoryBudget:
                 f"(this one needs about {human_bytes(need)})"
             )
 
-    def admit(self, rid: int, prompt: int, max_tokens: int, shed: Shed) -> bool:
-        """Make room for request `rid` before its first forward (`shed(n)` frees about n
-        bytes of the memory tier) and reserve its estimate until `release`; False when it
-        must wait for running requests to end.
+    def admit(self, rid: int, prompt: int, max_tokens: int, cache: PrefixCache) -> bool:
+        """Make room for request `rid` before its first forward (from what `cache` holds in
+        memory, and MLX's pool) and reserve its estimate until `release`; False when it
+        must wait for running requests to end. While others run, the memory tier is shed
+        only when that and the pool can make the room: else the wait is for them, and the
+        tier keeps what it holds (a request waiting its turn polls again and again).
 
         Raises:
             MemoryLimitError: no request runs, and it still does not fit.
@@ -180,7 +179,9 @@ class MemoryBudget:
         def over() -> int:
             return resident_bytes() + need + others - self.limit
 
-        if over() > 0 and (shed(over()) or not others):  # the pool too, once worth it
+        excess = over()
+        if excess > 0 and (not others or excess <= cache.held() + mx.get_cache_memory()):
+            cache.shed(excess)
             release_unused()
         if over() <= 0:
             self._reserved[rid] = need

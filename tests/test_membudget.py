@@ -85,6 +85,25 @@ def test_the_footprint_is_what_the_caches_hold(name: str, request: pytest.Fixtur
             assert footprint.kv(n) == allocated(layers), n
 
 
+class Tier:
+    """A memory tier holding `bytes` of what the process holds (`held[0]`): shedding gives
+    them back."""
+
+    def __init__(self, held: list[int], nbytes: int) -> None:
+        self._held, self.nbytes = held, nbytes
+        self.shed_calls: list[int] = []
+
+    def held(self) -> int:
+        return self.nbytes
+
+    def shed(self, n: int) -> int:
+        self.shed_calls.append(n)
+        freed = min(n, self.nbytes)
+        self.nbytes -= freed
+        self._held[0] -= freed
+        return freed
+
+
 def budget(tiny: LoadedModel, limit: int, floor: int = BASE) -> MemoryBudget:
     return MemoryBudget(limit, floor, Footprint.of(tiny.model, tiny.config), 16)
 
@@ -93,25 +112,39 @@ def test_a_request_makes_room_waits_or_is_refused(tiny: LoadedModel, held: list[
     b = budget(tiny, BASE + 3 * MiB)
     need = b.need(20, 10)
     assert 0 < need < MiB
-    shed: list[int] = []
-
-    def shedding(n: int) -> int:
-        shed.append(n)
-        held[0] -= n  # the memory tier gave it back
-        return n
-
-    assert b.admit(1, 20, 10, shedding) and shed == []
+    tier = Tier(held, 3 * MiB)
+    assert b.admit(1, 20, 10, tier) and tier.shed_calls == []
     held[0] = BASE + 3 * MiB  # the memory tier filled the budget
-    assert b.admit(2, 20, 10, shedding)  # room made: exactly what it was over by
-    assert shed == [need + need]
+    assert b.admit(2, 20, 10, tier)  # room made: exactly what it was over by
+    assert tier.shed_calls == [need + need]
     held[0] = BASE + 3 * MiB
-    assert not b.admit(3, 20, 10, lambda n: 0)  # 1 and 2 hold the room: 3 waits
+    assert not b.admit(3, 20, 10, Tier(held, 0))  # 1 and 2 hold the room: 3 waits
     b.release(1)
     b.release(2)
     with pytest.raises(MemoryLimitError) as refused:  # alone now, and still over
-        b.admit(3, 20, 10, lambda n: 0)
+        b.admit(3, 20, 10, Tier(held, 0))
     message = str(refused.value)
     assert "\n" not in message and "the memory limit 103.0 MiB leaves 3.0 MiB" in message
+
+
+def test_a_waiting_request_keeps_the_tier_when_shedding_cannot_make_room(
+    tiny: LoadedModel, held: list[int]
+) -> None:
+    """While others run, shedding the memory tier is only worth it where that can make the
+    room: a request that waits for them anyway polls without emptying the tier."""
+    mx.clear_cache()  # MLX's pool (counted as freeable too) is empty: only the tier counts
+    assert mx.get_cache_memory() == 0
+    b = budget(tiny, BASE + 3 * MiB)
+    need = b.need(20, 10)
+    assert b.admit(1, 20, 10, Tier(held, 0))
+    held[0] = BASE + 3 * MiB + 2 * need  # over by more than the tier (need) holds
+    small = Tier(held, need)
+    for _ in range(3):
+        assert not b.admit(2, 20, 10, small)
+    assert small.shed_calls == []
+    held[0] = BASE + 3 * MiB  # over by 2 * need: within what this tier holds
+    enough = Tier(held, 3 * need)
+    assert b.admit(2, 20, 10, enough) and enough.shed_calls == [2 * need]
 
 
 def test_what_never_fits_is_refused_at_once(tiny: LoadedModel, held: list[int]) -> None:
