@@ -223,7 +223,7 @@ def decode(
         return cast(mx.array, logits)
 
     if drafter is not None and draft > 0:
-        capture = None  # its count of positions starts at the prompt's: see above
+        capture = None  # verify forwards pass block boundaries: nothing to note
         last = yield from _drafted(
             model, layers, logits, reply, pick, drafter, draft, budget, stats, start
         )

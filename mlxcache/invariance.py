@@ -8,13 +8,15 @@ re-prefill of the reply (follow lanes) for the next turn to resume past it. Meta
 kernels differ by call shape (GEMV for one row, GEMM for several), so there the probe
 fails and the canonical path runs.
 
-The probe compares, bit for bit, every layer's keys and values and the logits of a decode
-run against chunked prefills of the same tokens at several chunk sizes. A second probe
-decodes rows of different lengths as one batch (mlx-lm's left-padded `BatchKVCache`, with
-a row leaving and one joining on the way) against each row decoded alone: where the bits
-agree, lanes may decode together and a reply still does not depend on who else runs.
-The answers are kept per (model key, block size, device, MLX and mlx-lm versions) in
-`<cache dir>/probes.json`.
+The probe compares, bit for bit, the logits and the blocks as the store cuts them (every
+layer's keys and values, a sliding window's positions, a recurrent state) of a decode run
+against chunked prefills of the same tokens at several chunk sizes, past any sliding
+window. A second probe decodes rows of different lengths as one batch (`DecodeBatch`,
+with a row leaving, one joining and one going on alone on the way) against each row
+decoded alone: where the bits agree, lanes may decode together and a reply still does not
+depend on who else runs. A third (`verify_width`) measures drafting's verify forwards.
+The answers are kept per (model key, block size, device, MLX and mlx-lm versions, KV
+quantization, probe version) in `<cache dir>/probes.json`.
 """
 
 from __future__ import annotations
