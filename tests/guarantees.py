@@ -690,11 +690,12 @@ def check_end_token(rig: Rig) -> None:
 
 
 def check_batched(rig: Rig) -> None:
-    """Where the probe finds batched rows exact (MLX's CPU backend, a plain KV model),
-    requests past their first token decode as one batch: each reply equals its solo run,
-    token for token and log-probability for log-probability, with rows of different
-    lengths joining and leaving on the way. The shape-sensitive model fails the probe
-    and decodes alone."""
+    """Where the probe finds batched rows exact (MLX's CPU backend: plain KV, sliding
+    windows in time order, recurrent state), requests past their first token decode as
+    one batch: each reply equals its solo run, token for token and log-probability for
+    log-probability, with rows of different lengths joining and leaving on the way, and
+    a reply decoded in the batch is kept (its blocks captured from the batch) for its next
+    turn. The shape-sensitive model fails the probe and decodes alone."""
     engine, spy = rig.engine()
     assert isinstance(engine.cache, PromptCache)
     allowed = measured(engine.loaded, engine.cache.config)
