@@ -4,8 +4,8 @@ step, over the model and cache of a `Work`. Whose turn it is, and what a lane's 
 becomes after a step, is the scheduler's (`scheduler.py`); the engine drives.
 
 A lane generator yields events (`Prefill`, `Token`, `Done`) and, in a batched decode, asks
-for its forwards (`decode.Forward`, `decode.Sync`, `decode.Leave`); it keeps what it computed through its
-cache lease and releases the lease however it ends.
+for its forwards (`decode.Forward`, `decode.Sync`, `decode.Leave`); it keeps what it
+computed through its cache lease and releases the lease however it ends.
 """
 
 from __future__ import annotations

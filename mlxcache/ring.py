@@ -32,9 +32,9 @@ class TimeRing(RotatingKVCache):
         the positions before the window are the first ones here, not a rotated run."""
         if N > 1 or window_size is None or self.max_size <= window_size:
             return super().make_mask(N, window_size, return_array)
-        size = min(self.offset, self.max_size - 1) + 1  # what the update leaves to attend
         if self.offset < window_size:
             return None
+        size = min(self.offset, self.max_size - 1) + 1  # what the update leaves to attend
         return mx.arange(size) >= size - window_size
 
     @classmethod

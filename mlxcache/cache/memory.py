@@ -167,8 +167,8 @@ class MemoryTier:
                         best = (tail.kv, k)
         if best is None:
             return None
-        block, k = best
-        return (self.layout.head(block, min(k, limit)) if per_position else block), min(k, limit)
+        block, k = best[0], min(best[1], limit)  # a whole tail is within the limit already
+        return (self.layout.head(block, k) if per_position else block), k
 
     def resumable(self, entry: Entry, length: int) -> int:
         """The longest resume point up to `length` in `entry` whose recurrent state is kept
