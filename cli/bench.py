@@ -394,7 +394,8 @@ def agent(
     no_baseline: Annotated[bool, typer.Option("--no-baseline", help="Skip mlx_lm.server.")] = False,
 ) -> None:
     """An agent's workload through /v1/chat/completions, /v1/messages and /v1/responses, and
-    mlx_lm.server: latency, prompt resumed and prefilled per turn, same bytes everywhere."""
+    mlx_lm.server: time to the first of the reply, latency, prompt resumed and prefilled per
+    turn, same bytes everywhere."""
     from mlxcache.bench import agent_bench
 
     o.positive(agents=agents, turns=turns, system_tokens=system_tokens, tools=tools)

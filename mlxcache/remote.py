@@ -32,6 +32,7 @@ from mlxcache.errors import (
     Worded,
 )
 from mlxcache.events import Done, Event, Result, Stats, Token
+from mlxcache.modes.tools import ToolCall, call_arguments
 from mlxcache.wire import USAGE_FIELD, model_source, published
 
 if TYPE_CHECKING:
@@ -269,6 +270,7 @@ class Server:
         together: the message's content, reasoning and tool calls, finish reason, usage."""
         message: dict[str, Any] = {"role": "assistant", "content": ""}
         finish, usage = None, None
+        calls: dict[int, dict[str, Any]] = {}
         for event in self.stream(path, {**body, "stream_options": {"include_usage": True}}):
             for choice in _list(event.get("choices"), self.url, "choices"):
                 delta = _dict(choice.get("delta"), self.url, "a delta")
@@ -276,18 +278,31 @@ class Server:
                     if isinstance(delta.get(key), str):
                         message[key] = message.get(key, "") + delta[key]
                 for call in _list(delta.get("tool_calls"), self.url, "tool_calls"):
-                    function = _dict(
-                        _dict(call, self.url, "a call").get("function"), self.url, "a call"
-                    )
-                    if not (
-                        isinstance(function.get("name"), str)
-                        and isinstance(function.get("arguments"), str)
-                    ):
-                        raise ServerError(f"the server at {self.url} sent a call in another shape")
-                    message.setdefault("tool_calls", []).append(call)
+                    self._add_call(calls, _dict(call, self.url, "a call"))
                 finish = choice.get("finish_reason") or finish
             usage = event.get("usage") or usage
+        if calls:
+            if not all(c["function"]["name"] for c in calls.values()):
+                raise ServerError(f"the server at {self.url} sent a call without a name")
+            message["tool_calls"] = [calls[i] for i in sorted(calls)]
         return {"choices": [{"message": message, "finish_reason": finish}], "usage": usage}
+
+    def _add_call(self, calls: dict[int, dict[str, Any]], call: dict[str, Any]) -> None:
+        """One `tool_calls` entry of a delta into the calls so far: a call's id and name
+        come first and its arguments in pieces (OpenAI's streaming), or all at once; an
+        entry without an index is the next call."""
+        function = _dict(call.get("function"), self.url, "a call")
+        index = call.get("index", len(calls))
+        pieces = [function.get(k) for k in ("name", "arguments")]
+        if not isinstance(index, int) or not all(p is None or isinstance(p, str) for p in pieces):
+            raise ServerError(f"the server at {self.url} sent a call in another shape")
+        got = calls.setdefault(
+            index, {"id": None, "type": "function", "function": {"name": "", "arguments": ""}}
+        )
+        if isinstance(call.get("id"), str):
+            got["id"] = call["id"]
+        for key, piece in zip(("name", "arguments"), pieces, strict=True):
+            got["function"][key] += piece or ""
 
     def _json(self, response: Any) -> dict[str, Any]:
         raw = self._read(response)
@@ -372,6 +387,18 @@ class Server:
             )
         card: dict[str, Any] = cards[0]
         return card
+
+
+def read_call(call: dict[str, Any], url: str) -> ToolCall:
+    """A call of a reply `Server.post` put together, its arguments read as an object.
+
+    Raises:
+        ServerError: its arguments are not a JSON object.
+    """
+    args = call_arguments(call["function"]["arguments"])
+    if isinstance(args, str):
+        raise ServerError(f"the server at {url} sent a call whose {args}")
+    return ToolCall(call["function"]["name"], args)
 
 
 def usage_of(usage: dict[str, Any] | None, url: str) -> dict[str, Any]:

@@ -104,6 +104,8 @@ def test_agent_bench(cache_root: Path, wide_gguf: Path) -> None:
     for route in agent_bench.ROUTES:
         first, second = result[route]["per_turn"]
         assert first["resumed"] < second["resumed"] and second["prefilled"] > 0
+        # The first of the reply (a call begun) comes before the reply ends.
+        assert 0 < second["ttft_p50_s"] <= second["latency_p50_s"]
     assert set(result["goals"]) == {
         "only_new_tokens_prefilled",
         "routes_same_bytes",

@@ -134,6 +134,8 @@ def tool_files(tmp_path_factory: pytest.TempPathFactory) -> Path:
         ["--tool-choice", "required", "-n", "100", "--json", "x"],
         ["--tool-choice", "required", "-n", "12", "x"],  # cut off: exit 1, the flag named
         ["--tool-choice", "required", "-n", "12", "--json", "x"],  # the library's words
+        # Cut off inside the arguments: the stream began the call, the reply has none.
+        ["--tool-choice", "required", "-n", "60", "--json", "x"],
         ["--tool-choice", "none", "-n", "6", "x"],  # text and the token limit note
         ["--tool-choice", "get_weather", "-n", "100", "--system", "Be brief.", "x"],
         ["--messages", "conv.json", "--tool-result", "get_weather=sunny", "-n", "6", "--json"],

@@ -16,7 +16,7 @@ import pytest
 from typer.testing import CliRunner
 
 from mlxcache.errors import GenerationError, ServerError, UserInputError
-from mlxcache.remote import Server, Wanted, usage_of
+from mlxcache.remote import Server, Wanted, read_call, usage_of
 from mlxcache_cli.main import app
 
 runner = CliRunner()
@@ -221,6 +221,44 @@ def test_events_of_another_shape(
 ) -> None:
     with pytest.raises(error, match=message):
         Server(fake(streams(*lines))).post("/v1/chat/completions", {})
+
+
+def delta_event(*calls: dict) -> bytes:
+    event = {"choices": [{"delta": {"tool_calls": list(calls)}}]}
+    return b"data: " + json.dumps(event).encode() + b"\n\n"
+
+
+def test_calls_streamed_in_pieces_or_whole_are_put_together(
+    fake: Callable[[Handler], str],
+) -> None:
+    """OpenAI's streaming (id and name first, the arguments in pieces, by index) and a
+    server sending each call whole without an index give the same message."""
+    first = {"index": 0, "id": "c0", "type": "function", "function": {"name": "f", "arguments": ""}}
+    pieces = (
+        delta_event(first),
+        delta_event({"index": 0, "function": {"arguments": '{"a": '}}),
+        delta_event({"index": 1, "id": "c1", "function": {"name": "g", "arguments": "{}"}}),
+        delta_event({"index": 0, "function": {"arguments": "1}"}}),
+        b"data: [DONE]\n\n",
+    )
+    whole = (
+        delta_event({"id": "c0", "function": {"name": "f", "arguments": '{"a": 1}'}}),
+        delta_event({"id": "c1", "function": {"name": "g", "arguments": "{}"}}),
+        b"data: [DONE]\n\n",
+    )
+    want = [
+        {"id": "c0", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}},
+        {"id": "c1", "type": "function", "function": {"name": "g", "arguments": "{}"}},
+    ]
+    for lines in (pieces, whole):
+        got = Server(fake(streams(*lines))).post("/v1/chat/completions", {})
+        assert got["choices"][0]["message"]["tool_calls"] == want
+    nameless = (delta_event({"index": 0, "function": {"arguments": "{}"}}), b"data: [DONE]\n\n")
+    with pytest.raises(ServerError, match="a call without a name"):
+        Server(fake(streams(*nameless))).post("/v1/chat/completions", {})
+    call = {"function": {"name": "f", "arguments": '{"a": '}}
+    with pytest.raises(ServerError, match="sent a call whose arguments are not JSON"):
+        read_call(call, "http://x")
 
 
 @pytest.mark.parametrize(

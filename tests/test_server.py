@@ -289,6 +289,15 @@ def test_tool_calls_equal_tools_mode(server: ServerProcess, ref: Engine) -> None
             (c.name, c.arguments) for c in expected.calls
         ]
         assert [(n, a) for _, n, a in streamed_calls(chunks)] == [(n, a) for _, n, a in got]
+        # The arguments came as they were written, a few tokens a chunk.
+        pieces = [
+            d.function.arguments
+            for ch in chunks
+            if ch.choices
+            for d in ch.choices[0].delta.tool_calls or ()
+            if d.function.arguments
+        ]
+        assert len(pieces) > 3 if got else pieces == []
         assert all(i.startswith("call_") for i, _, _ in got + streamed_calls(chunks))
         assert (msg.content or "") == streamed_text == expected.content
 

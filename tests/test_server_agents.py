@@ -144,13 +144,17 @@ def test_messages_tool_use_round_trip(server: MlxcacheServer) -> None:
     )
     text = "".join(b.text for b in after.content if b.type == "text")
     assert text == (plain.choices[0].message.content or "")
-    # Streamed, the call comes as a tool_use block with its input as JSON deltas.
+    # Streamed, the call comes as a tool_use block with its input as JSON deltas, sent as
+    # it is written; they join to the input as JSON writes it.
     with client.messages.stream(
         model=ALIASES[0], messages=ask, tools=tools, tool_choice={"type": "any"}, max_tokens=120
     ) as stream:
+        kinds = [(e.type, getattr(e, "delta", None)) for e in stream]
         final = stream.get_final_message()
     streamed = next(b for b in final.content if b.type == "tool_use")
     assert (streamed.name, streamed.input) == (use.name, use.input)
+    partial = [d.partial_json for k, d in kinds if k == "content_block_delta"]
+    assert len(partial) > 3 and "".join(partial) == json.dumps(use.input, ensure_ascii=False)
 
 
 def test_messages_errors_are_anthropic_s(server: MlxcacheServer) -> None:
@@ -242,6 +246,20 @@ def test_responses_function_call_and_previous_response(server: MlxcacheServer) -
     )
     call = next(item for item in first.output if item.type == "function_call")
     assert call.name == "get_weather" and "city" in json.loads(call.arguments)
+    # Streamed: the call's arguments in deltas as they are written, the same call at the end.
+    with client.responses.stream(
+        model=ALIASES[1],
+        input="Weather in Paris?",
+        tools=[tool],
+        tool_choice="required",
+        max_output_tokens=120,
+    ) as stream:
+        seen = [(e.type, getattr(e, "delta", None)) for e in stream]
+        done = stream.get_final_response()
+    deltas = [d for k, d in seen if k == "response.function_call_arguments.delta"]
+    assert len(deltas) > 3 and "".join(deltas) == call.arguments
+    [again] = [item for item in done.output if item.type == "function_call"]
+    assert (again.name, again.arguments) == (call.name, call.arguments)
     # The follow-up sends only the tool's output; the conversation is the stored one.
     second = client.responses.create(
         model=ALIASES[1],

@@ -18,6 +18,7 @@ from mlxcache.errors import (
     Worded,
 )
 from mlxcache.modes import reasoning as reasoning_module
+from mlxcache.modes.call_stream import CallDelta, CallsSent
 from mlxcache.modes.reasoning import Thinking, split_reply
 from mlxcache.modes.tools import ToolCall
 from mlxcache.sampling import SamplingParams
@@ -89,10 +90,11 @@ def test_sse_and_chat_objects() -> None:
             "prompt_tokens_details": {"cached_tokens": 8},
         },
     }
-    [delta] = env.call_deltas(calls)
-    assert delta["choices"][0]["delta"] == {
-        "tool_calls": [{"index": 0, **body["choices"][0]["message"]["tool_calls"][0]}]
-    }
+    # A call sent whole (one the reply's format cannot stream): its entry, as in the reply.
+    [whole] = CallsSent().rest(calls)
+    assert env.call_delta(whole) == {"index": 0, **body["choices"][0]["message"]["tool_calls"][0]}
+    more = CallDelta(0, None, ', "y": 2}')
+    assert env.call_delta(more) == {"index": 0, "function": {"arguments": ', "y": 2}'}}
     assert sse({"a": "é"}) == 'data: {"a": "é"}\n\n'
     assert SSE_DONE == "data: [DONE]\n\n"
 

@@ -6,10 +6,11 @@ several agents at once. The transcript is scripted (each turn appends the same c
 result whatever the model answered), so every route and server sees the same prompts. It
 runs through `/v1/chat/completions`, `/v1/messages` and `/v1/responses` of `mlxcache serve`
 (a fresh server and cache each), and through `mlx_lm.server`'s chat completions. Per turn:
-latency (the prompt's prefill and a short forced tool call; mlx_lm.server is not forced to
-call, and renders tools with its own template), the share of the prompt resumed, the tokens
-prefilled against what the transcript added. Every reply must be the same through
-the three routes and equal agent 0's solo runs on a cold engine.
+latency (the prompt's prefill and a short forced tool call; mlx_lm.server gets the same
+prompt, its reply not forced into a call), time to the first of the reply (text, or a
+call begun: calls stream as they are written), the share of the prompt resumed, the tokens
+prefilled against what the transcript added. Every request is streamed. Every reply must
+be the same through the three routes and equal agent 0's solo runs on a cold engine.
 """
 
 from __future__ import annotations
@@ -21,12 +22,15 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from mlxcache.bench.serve_bench import _together
 from mlxcache.config import default_block_size
 from mlxcache.engine import Engine
 from mlxcache.model import load
+from mlxcache.modes.tool_chat import hermes_messages, tool_style
+from mlxcache.modes.tools import ToolChoice, parse_tools
 from mlxcache.sampling import SamplingParams
 from mlxcache.server.process import ChildServer, MlxcacheServer, free_port
 
@@ -122,6 +126,24 @@ class Transcript:
     def _args(self, i: int) -> dict[str, str]:
         return {"path": f"p{self.agent}/m{i}.py"}
 
+    def baseline_body(self, model: str, tokens: int, native: bool) -> dict[str, Any]:
+        """The chat completion sent to mlx_lm.server: the same prompt as ours. A model
+        without a tool format of its own gets the tools and calls as mlxcache writes them
+        for it (`hermes_messages`), since mlx_lm.server's template would leave them out;
+        its reply is not forced into a call."""
+        body = self.body("chat", model, tokens)
+        if native:
+            return {k: v for k, v in body.items() if k != "tool_choice"}
+        msgs: list[dict[str, Any]] = [{"role": "user", "content": self.task}]
+        for i, (_, name, result) in enumerate(self.turns):
+            call = {"name": name, "arguments": self._args(i)}
+            msgs += [
+                {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "name": name, "content": result},
+            ]
+        rendered = hermes_messages(msgs, parse_tools(self.tools), self.system)
+        return {"model": model, "messages": rendered, "max_tokens": tokens, "temperature": 0}
+
     def body(self, route: str, model: str, tokens: int) -> dict[str, Any]:
         if route == "messages":
             msgs: list[dict[str, Any]] = [{"role": "user", "content": self.task}]
@@ -201,7 +223,8 @@ class Transcript:
         }
 
 
-def _post(url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+def _events(url: str, path: str, body: dict[str, Any]) -> Iterator[tuple[float, dict[str, Any]]]:
+    """The streamed reply's events as they come, each with the time it came."""
     import urllib.request
 
     req = urllib.request.Request(
@@ -210,11 +233,70 @@ def _post(url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
         {"Content-Type": "application/json", "x-api-key": "bench", "Authorization": "Bearer bench"},
     )
     with urllib.request.urlopen(req, timeout=3600) as resp:
-        doc: dict[str, Any] = json.loads(resp.read())
-        return doc
+        for line in resp:
+            data = line.decode().strip().removeprefix("data:").strip()
+            if line.startswith(b"data:") and data != "[DONE]":
+                yield time.perf_counter(), json.loads(data)
 
 
 PATHS = {"chat": "/v1/chat/completions", "messages": "/v1/messages", "responses": "/v1/responses"}
+
+
+def streamed(url: str, route: str, body: dict[str, Any]) -> tuple[float | None, dict[str, Any]]:
+    """Send `body` streamed; (when the first of the reply came: text or a call begun, from
+    the request's start; the reply as the route's non-streamed document has it)."""
+    start, first = time.perf_counter(), None
+    chat: dict[str, Any] = {"content": "", "calls": {}}
+    blocks: list[dict[str, Any]] = []
+    doc: dict[str, Any] = {}
+    usage = {"stream_options": {"include_usage": True}} if route == "chat" else {}
+    for at, event in _events(url, PATHS[route], {**body, "stream": True, **usage}):
+        kind = event.get("type")
+        if route == "chat":
+            doc["usage"] = event.get("usage") or doc.get("usage")
+            for choice in event.get("choices") or ():
+                delta = choice["delta"]
+                chat["content"] += delta.get("content") or ""
+                for call in delta.get("tool_calls") or ():
+                    got = chat["calls"].setdefault(call["index"], ["", ""])
+                    got[0] += call["function"].get("name") or ""
+                    got[1] += call["function"].get("arguments") or ""
+                if delta.get("content") or delta.get("tool_calls"):
+                    first = first or at
+                chat["finish"] = choice.get("finish_reason") or chat.get("finish")
+        elif route == "messages":
+            if kind == "content_block_start":
+                blocks.append({**event["content_block"], "partial": ""})
+                first = first or (at if blocks[-1]["type"] == "tool_use" else None)
+            elif kind == "content_block_delta":
+                text = event["delta"].get("text") or event["delta"].get("partial_json") or ""
+                blocks[-1]["partial"] += text
+                first = first or (at if text else None)
+            elif kind == "message_delta":
+                doc["usage"], doc["stop"] = event["usage"], event["delta"]["stop_reason"]
+        elif kind in ("response.output_text.delta", "response.output_item.added"):
+            if kind.endswith("delta") or event["item"]["type"] == "function_call":
+                first = first or at
+        elif kind in ("response.completed", "response.incomplete"):
+            doc = event["response"]
+    # Calls streamed before the token limit cut the reply off were begun, not made: the
+    # reply (as the non-streamed one has it) has none.
+    if route == "chat":
+        calls = [
+            {"function": {"name": n, "arguments": a}}
+            for n, a in (chat["calls"][i] for i in sorted(chat["calls"]))
+            if chat.get("finish") != "length"
+        ]
+        doc["choices"] = [{"message": {"content": chat["content"], "tool_calls": calls}}]
+    elif route == "messages":
+        doc["content"] = [
+            {"type": "text", "text": b["partial"]}
+            if b["type"] == "text"
+            else {**b, "input": json.loads(b["partial"] or "{}")}
+            for b in blocks
+            if b["type"] == "text" or doc.get("stop") != "max_tokens"
+        ]
+    return (None if first is None else first - start), doc
 
 
 def reply_of(route: str, doc: dict[str, Any]) -> list[tuple[str, Any]]:
@@ -261,20 +343,26 @@ def prompt_numbers(route: str, doc: dict[str, Any]) -> tuple[int, int]:
 
 
 def _agents(
-    url: str, model: str, route: str, transcripts: list[Transcript], turns: int, tokens: int
+    url: str,
+    route: str,
+    transcripts: list[Transcript],
+    turns: int,
+    make: Callable[[Transcript], dict[str, Any]],
 ) -> list[list[dict[str, Any]]]:
-    """Every agent's turns, the agents at once; per turn: latency, prompt, resumed, reply."""
+    """Every agent's turns (each request's body made by `make`), the agents at once; per
+    turn: time to the first of the reply, latency, prompt, resumed, reply."""
 
     def agent(t: Transcript) -> list[dict[str, Any]]:
         rows = []
         for turn in range(turns):
             start = time.perf_counter()
-            doc = _post(url, PATHS[route], t.body(route, model, tokens))
+            ttft, doc = streamed(url, route, make(t))
             latency = time.perf_counter() - start
             prompt, cached = prompt_numbers(route, doc)
             rows.append(
                 {
                     "latency_s": latency,
+                    "ttft_s": latency if ttft is None else ttft,
                     "prompt": prompt,
                     "cached": cached,
                     "reply": reply_of(route, doc),
@@ -293,13 +381,14 @@ def _summary(runs: list[list[dict[str, Any]]], turns: int) -> dict[str, Any]:
     for turn in range(turns):
         rows = [agent[turn] for agent in runs]
         lat = [r["latency_s"] for r in rows]
+        ttft = [r["ttft_s"] for r in rows]
         per_turn.append(
             {
                 "turn": turn + 1,
+                "ttft_p50_s": round(statistics.median(ttft), 3),
+                "ttft_p95_s": _p95(ttft),
                 "latency_p50_s": round(statistics.median(lat), 3),
-                "latency_p95_s": round(
-                    max(lat) if len(lat) < 20 else sorted(lat)[int(0.95 * len(lat))], 3
-                ),
+                "latency_p95_s": _p95(lat),
                 "resumed": round(
                     sum(r["cached"] for r in rows) / max(sum(r["prompt"] for r in rows), 1), 3
                 ),
@@ -310,11 +399,21 @@ def _summary(runs: list[list[dict[str, Any]]], turns: int) -> dict[str, Any]:
                 else sum(a[turn]["prompt"] - a[turn - 1]["prompt"] for a in runs),
             }
         )
-    later = [r["latency_s"] for agent in runs for r in agent[1:]]
+    later = [r for agent in runs for r in agent[1:]]
     return {
         "per_turn": per_turn,
-        "latency_p50_after_turn_1_s": round(statistics.median(later), 3) if later else None,
+        "ttft_p50_after_turn_1_s": _p50(r["ttft_s"] for r in later),
+        "latency_p50_after_turn_1_s": _p50(r["latency_s"] for r in later),
     }
+
+
+def _p50(values: Iterable[float]) -> float | None:
+    got = list(values)
+    return round(statistics.median(got), 3) if got else None
+
+
+def _p95(values: list[float]) -> float:
+    return round(max(values) if len(values) < 20 else sorted(values)[int(0.95 * len(values))], 3)
 
 
 def run(
@@ -340,7 +439,15 @@ def run(
             args += [] if block_size is None else ["--block-size", str(block_size)]
             server = MlxcacheServer(args)
             try:
-                runs = _agents(server.url, server.model, route, transcripts, turns, tokens)
+                runs = _agents(
+                    server.url,
+                    route,
+                    transcripts,
+                    turns,
+                    functools.partial(
+                        Transcript.body, route=route, model=server.model, tokens=tokens
+                    ),
+                )
             finally:
                 server.stop()
         replies[route] = [[r["reply"] for r in agent] for agent in runs]
@@ -355,9 +462,13 @@ def run(
         argv += ["--host", "127.0.0.1", "--port", str(port), "--max-tokens", str(tokens)]
         theirs = ChildServer(argv, re.compile(r"Starting httpd"))
         try:
-            runs = _agents(
-                f"http://127.0.0.1:{port}", "default_model", "chat", transcripts, turns, tokens
+            native = tool_style(
+                loaded.tokenizer, parse_tools(tool_list), ToolChoice("required")
+            ).native
+            make = functools.partial(
+                Transcript.baseline_body, model="default_model", tokens=tokens, native=native
             )
+            runs = _agents(f"http://127.0.0.1:{port}", "chat", transcripts, turns, make)
         finally:
             theirs.stop()
         result["mlx_lm_chat"] = _summary(runs, turns)
@@ -396,11 +507,12 @@ def _goals(result: dict[str, Any], baseline: bool, block: int) -> dict[str, Any]
         "routes_same_bytes": result["routes_same_bytes"],
         "equals_solo_cold": result["agent_0_equals_solo_cold"],
     }
-    if baseline and result["chat"]["latency_p50_after_turn_1_s"] is not None:
-        ratio = result["chat"]["latency_p50_after_turn_1_s"] / max(
-            result["mlx_lm_chat"]["latency_p50_after_turn_1_s"], 1e-9
-        )
-        result["latency_vs_mlx_lm"] = round(ratio, 3)
-        goals["latency_vs_mlx_lm"] = ratio <= GOAL_VS_MLX_LM
+    if baseline and result["chat"]["ttft_p50_after_turn_1_s"] is not None:
+        for what in ("ttft", "latency"):
+            ratio = result["chat"][f"{what}_p50_after_turn_1_s"] / max(
+                result["mlx_lm_chat"][f"{what}_p50_after_turn_1_s"], 1e-9
+            )
+            result[f"{what}_vs_mlx_lm"] = round(ratio, 3)
+        goals["ttft_vs_mlx_lm"] = result["ttft_vs_mlx_lm"] <= GOAL_VS_MLX_LM
     result["goals"] = goals
     return result

@@ -21,6 +21,7 @@ from mlxcache.constrain import processor_for
 from mlxcache.encoder import next_turn_prefix
 from mlxcache.errors import Setting, UserInputError, Worded
 from mlxcache.events import Result
+from mlxcache.modes.call_stream import CallStream
 from mlxcache.modes.reasoning import Thinking, budget_processors, split_reply, thinking_for
 from mlxcache.modes.repeats import describe_loop
 from mlxcache.modes.tool_formats import HERMES, ToolFormat, format_for
@@ -268,6 +269,14 @@ class ToolsTask:
     def call_start(self) -> str:
         """The text that opens a call in replies (after `encode`; Hermes before)."""
         return (self.style.fmt if self.style else HERMES).start
+
+    def call_stream(self) -> CallStream | None:
+        """Reads a reply's calls as it is written (after `encode`), where the grammar holds
+        them to a format whose arguments are JSON; None: they are read once it ends."""
+        style = self.style
+        if style is None or style.grammar is None or not CallStream.supports(style.fmt):
+            return None
+        return CallStream(style.fmt)
 
     def encode(self, engine: Engine, messages: list[dict[str, Any]]) -> list[int]:
         """Token ids of the conversation with the tools described, ready for the reply."""

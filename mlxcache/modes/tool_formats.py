@@ -119,6 +119,9 @@ class ToolFormat:
     close: str = ""
     list_sep: str | None = None
     block_sep: str = ""
+    json_head: tuple[str, str] | None = None
+    """When a call's arguments are JSON: the text its call writes before the name and
+    between the name and the arguments (`call_stream` reads calls by them as they come)."""
 
     def parse(self, segment: str, tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The calls in one block's inner text as mlx-lm's parser reads them.
@@ -144,8 +147,12 @@ def _alternatives(exprs: list[str]) -> str:
 # -- one call, per family -----------------------------------------------------------------
 
 
+JSON_HEAD = ('{"name": "', '", "arguments": ')
+MISTRAL_HEAD = ("", "[ARGS]")
+
+
 def _json_call(prefix: str, decoding: dict[str, Any], name: str) -> tuple[str, Rules]:
-    head = lark_string(f'{{"name": "{name}", "arguments": ')
+    head = lark_string(JSON_HEAD[0] + name + JSON_HEAD[1])
     return prefix, [f"{prefix}: {head} {lark_json(decoding)} {lark_string('}')}"]
 
 
@@ -206,10 +213,13 @@ def _xml_call(prefix: str, decoding: dict[str, Any], name: str) -> tuple[str, Ru
 
 
 def _mistral_args_call(prefix: str, decoding: dict[str, Any], name: str) -> tuple[str, Rules]:
-    return prefix, [f"{prefix}: {lark_string(name + '[ARGS]')} {lark_json(decoding)}"]
+    head = lark_string(MISTRAL_HEAD[0] + name + MISTRAL_HEAD[1])
+    return prefix, [f"{prefix}: {head} {lark_json(decoding)}"]
 
 
-HERMES = ToolFormat("json_tools", "<tool_call>", "</tool_call>", _json_call, "\n", "\n", None, "\n")
+HERMES = ToolFormat(
+    "json_tools", "<tool_call>", "</tool_call>", _json_call, "\n", "\n", None, "\n", JSON_HEAD
+)
 FORMATS: dict[str, ToolFormat] = {
     "json_tools": HERMES,
     "qwen3_coder": ToolFormat(
@@ -222,9 +232,13 @@ FORMATS: dict[str, ToolFormat] = {
     "function_gemma": ToolFormat(
         "function_gemma", "<start_function_call>", "<end_function_call>", _key_value("<escape>")
     ),
-    "mistral": ToolFormat("mistral", "[TOOL_CALLS]", "", _mistral_args_call, list_sep=""),
+    "mistral": ToolFormat(
+        "mistral", "[TOOL_CALLS]", "", _mistral_args_call, list_sep="", json_head=MISTRAL_HEAD
+    ),
 }
-MISTRAL_JSON = ToolFormat("mistral", "[TOOL_CALLS]", "", _json_call, "[", "]", ", ")
+MISTRAL_JSON = ToolFormat(
+    "mistral", "[TOOL_CALLS]", "", _json_call, "[", "]", ", ", json_head=JSON_HEAD
+)
 """Mistral's older list form, for templates without [ARGS]."""
 
 

@@ -15,6 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from mlxcache.modes.call_stream import CallDelta, CallsSent
 from mlxcache.server import errors
 from mlxcache.server.errors import APIError
 from mlxcache.server.front import Routes, chat_request, parsed
@@ -347,9 +348,34 @@ async def events(
         )
         return event("content_block_delta", {"index": index, "delta": body})
 
-    async for kind, text in stream.deltas():
-        for item in opened(kind):
-            yield item
+    def tool(call: CallDelta) -> list[str]:
+        """A call's block opened when it begins (closing the open one), its arguments'
+        deltas into it while it is open."""
+        nonlocal index, open_kind
+        out: list[str] = []
+        if call.name is not None:
+            if open_kind:
+                out.append(event("content_block_stop", {"index": index}))
+            index, open_kind = index + 1, f"tool {call.index}"
+            use = {"type": "tool_use", "id": tool_use_id(env, call.index), "name": call.name}
+            out.append(
+                event("content_block_start", {"index": index, "content_block": use | {"input": {}}})
+            )
+        if call.arguments and open_kind == f"tool {call.index}":
+            partial = {"type": "input_json_delta", "partial_json": call.arguments}
+            out.append(event("content_block_delta", {"index": index, "delta": partial}))
+        return out
+
+    calls = CallsSent()
+    async for piece in stream.deltas():
+        if isinstance(piece, CallDelta):
+            calls.add(piece)
+            for line in tool(piece):
+                yield line
+            continue
+        kind, text = piece
+        for line in opened(kind):
+            yield line
         yield delta(kind, text)
     outcome = stream.outcome()
     yield outcome
@@ -365,15 +391,9 @@ async def events(
                 yield item
             if rest:
                 yield delta(kind, rest)
-    for i, call in enumerate(answer.calls):
-        if open_kind:
-            yield event("content_block_stop", {"index": index})
-        index, open_kind = index + 1, "tool"
-        use = {"type": "tool_use", "id": tool_use_id(env, i), "name": call.name, "input": {}}
-        yield event("content_block_start", {"index": index, "content_block": use})
-        arguments = json.dumps(call.arguments, ensure_ascii=False)
-        partial = {"type": "input_json_delta", "partial_json": arguments}
-        yield event("content_block_delta", {"index": index, "delta": partial})
+    for call in calls.rest(answer.calls):
+        for line in tool(call):
+            yield line
     if open_kind:
         yield event("content_block_stop", {"index": index})
     reason = {"stop_reason": stop_reason(answer, outcome), "stop_sequence": outcome.stop_sequence}

@@ -22,6 +22,7 @@ from mlxcache.engine import Engine
 from mlxcache.engine import Request as EngineRequest
 from mlxcache.events import Done, Event
 from mlxcache.membudget import resident_bytes
+from mlxcache.modes.call_stream import CallDelta, CallsSent
 from mlxcache.sampling import SamplingParams
 from mlxcache.server import anthropic_api, errors, prepare, responses_api
 from mlxcache.server.errors import APIError
@@ -294,18 +295,20 @@ class _Tap:
         if self._done is None:
             return outcome.usage
         result = self._done.result
-        extra = {
+        extra: dict[str, Any] = {
             "stats": result.stats.as_dict(),
             "tokens": result.tokens,
             "text": result.text,
             "finish_reason": result.finish_reason,  # before tool calls are read from it
         }
         if self._plan.tools is not None:
-            # A call the reply left unreadable or cut off: the answer has no calls, but a
+            # A call the reply left unreadable or cut off: the answer leaves it out (a
+            # stream may have begun it: "tool_calls" says how many are the answer's), and a
             # command fails on it as in-process (`wire.worded_doc`).
-            error = self._plan.tools.read(result).error
-            if error is not None:
-                extra["tool_error"] = worded_doc(error)
+            read = self._plan.tools.read(result)
+            extra["tool_calls"] = len(read.calls)
+            if read.error is not None:
+                extra["tool_error"] = worded_doc(read.error)
         return replace(outcome.usage, mlxcache=extra)
 
 
@@ -425,7 +428,13 @@ async def _chat_events(
 
     yield chunk({"role": "assistant", "content": ""})
     sent = {"reasoning": "", "content": ""}
-    async for key, delta in stream.deltas():
+    calls = CallsSent()
+    async for piece in stream.deltas():
+        if isinstance(piece, CallDelta):
+            calls.add(piece)
+            yield chunk({"tool_calls": [env.call_delta(piece)]})
+            continue
+        key, delta = piece
         sent[key] += delta
         yield chunk({key: delta})
     outcome = stream.outcome()
@@ -438,8 +447,8 @@ async def _chat_events(
     for key, final in (("reasoning", answer.reasoning or ""), ("content", answer.content)):
         if final[len(sent[key]) :]:
             yield chunk({key: final[len(sent[key]) :]})
-    for call in env.call_deltas(answer.calls):
-        yield sse(call)
+    for call in calls.rest(answer.calls):
+        yield chunk({"tool_calls": [env.call_delta(call)]})
     yield chunk({}, answer.finish_reason)
     if usage is not None:
         yield sse(env.usage_chunk(usage(outcome)))
@@ -453,8 +462,9 @@ async def _completion_events(
     def chunk(text: str, finish: str | None = None) -> str:
         return sse(env.completion_chunk(text, finish, _new_logprobs(stream, logprobs_of)))
 
-    async for _, delta in stream.deltas():  # no chat template: all of it is content
-        yield chunk(delta)
+    async for piece in stream.deltas():  # no chat template: all of it is content
+        if not isinstance(piece, CallDelta):
+            yield chunk(piece[1])
     outcome = stream.outcome()
     for item in _outcome_events(outcome):
         yield item

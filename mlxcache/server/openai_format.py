@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from mlxcache.modes.call_stream import CallDelta
 from mlxcache.modes.tools import ToolCall
 
 
@@ -100,12 +101,14 @@ class Envelope:
         choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         return {**self._head("chat.completion.chunk"), "choices": [choice]}
 
-    def call_deltas(self, calls: tuple[ToolCall, ...]) -> list[dict[str, Any]]:
-        """One chunk per call, as OpenAI streams them (index, id, name and whole arguments)."""
-        return [
-            self.chat_chunk({"tool_calls": [{"index": i, **call}]})
-            for i, call in enumerate(tool_calls(self.id, calls))
-        ]
+    def call_delta(self, delta: CallDelta) -> dict[str, Any]:
+        """A `tool_calls` entry of a chunk, as OpenAI streams calls: the call's index, id,
+        type and name first, then more of its arguments."""
+        if delta.name is None:
+            return {"index": delta.index, "function": {"arguments": delta.arguments}}
+        function = {"name": delta.name, "arguments": delta.arguments}
+        call_ = {"id": call_id(self.id, delta.index), "type": "function", "function": function}
+        return {"index": delta.index, **call_}
 
     def usage_chunk(self, usage: Usage, obj: str = "chat.completion.chunk") -> dict[str, Any]:
         return {**self._head(obj), "choices": [], "usage": usage.as_dict()}

@@ -88,7 +88,7 @@ class Plan:
     def reply_text(self) -> ReplyText:
         if self.tools is None or self.tools.choice.mode == "none":
             return ReplyText(strip=self.tools is not None, thinking=self.thinking)
-        return ReplyText(self.tools.call_start, strip=True)
+        return ReplyText(self.tools.call_start, strip=True, calls=self.tools.call_stream())
 
     def answer(self, text: str, finish_reason: str) -> Answer:
         """The final content and calls of a reply whose text is `text`."""

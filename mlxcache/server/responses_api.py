@@ -22,6 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from mlxcache.modes.call_stream import CallDelta, CallsSent
 from mlxcache.server import errors
 from mlxcache.server.errors import APIError
 from mlxcache.server.front import Routes, chat_request, parsed
@@ -368,15 +369,18 @@ async def events(
 ) -> AsyncIterator[str | Outcome]:
     """response.created, in_progress; a thinking section as a reasoning item (when the
     answer starts); the message item with its text deltas as they come; each function call
-    with its arguments; response.completed (or incomplete). Output indexes are the final
-    Response's."""
+    as it is written, its arguments' deltas as they come; response.completed (or
+    incomplete). Output indexes are the final Response's."""
     ev = Events()
     yield ev("response.created", {"response": response(env, body, "in_progress", [])})
     yield ev("response.in_progress", {"response": response(env, body, "in_progress", [])})
-    index = -1
+    index = msg_at = -1
     text = reasoning = ""
-    opened = thought = False
+    thought = False
+    message = "unopened"  # -> "open" -> "done"
     item_id = f"msg_{env.id}"
+    calls = CallsSent()
+    call_at: dict[int, int] = {}  # a call's output index
 
     def reasoned(final: str) -> list[str]:
         """The reasoning item, once, when there is one."""
@@ -391,31 +395,66 @@ async def events(
             ev("response.output_item.done", {"output_index": index, "item": done_item}),
         ]
 
+    def where() -> dict[str, Any]:
+        return {"item_id": item_id, "output_index": msg_at, "content_index": 0}
+
     def open_message() -> list[str]:
-        nonlocal index, opened
-        if opened:
+        nonlocal index, msg_at, message
+        if message != "unopened":
             return []
         opening = reasoned(reasoning)
-        index, opened = index + 1, True
-        where = {"item_id": item_id, "output_index": index, "content_index": 0}
+        index = msg_at = index + 1
+        message = "open"
+        added = {"output_index": index, "item": _message_item(env, "", "in_progress")}
         return [
             *opening,
-            ev(
-                "response.output_item.added",
-                {"output_index": index, "item": _message_item(env, "", "in_progress")},
-            ),
-            ev("response.content_part.added", {**where, "part": _text_part("")}),
+            ev("response.output_item.added", added),
+            ev("response.content_part.added", {**where(), "part": _text_part("")}),
         ]
 
-    async for kind, delta in stream.deltas():
+    def close_message(final: str) -> list[str]:
+        nonlocal message
+        if message != "open":
+            return []
+        message = "done"
+        done_item = _message_item(env, final, "completed")
+        return [
+            ev("response.output_text.done", {**where(), "text": final}),
+            ev("response.content_part.done", {**where(), "part": _text_part(final)}),
+            ev("response.output_item.done", {"output_index": msg_at, "item": done_item}),
+        ]
+
+    def called(call: CallDelta) -> list[str]:
+        """A function call item added when the call begins (the message before it done),
+        then its arguments' deltas."""
+        nonlocal index
+        out: list[str] = []
+        if call.name is not None:
+            out += close_message(text)
+            index = call_at[call.index] = index + 1
+            item = _call_item(env, call.index, call.name, "", "in_progress")
+            out.append(ev("response.output_item.added", {"output_index": index, "item": item}))
+        if call.arguments:
+            at = {"item_id": f"fc_{env.id}_{call.index}", "output_index": call_at[call.index]}
+            out.append(
+                ev("response.function_call_arguments.delta", {**at, "delta": call.arguments})
+            )
+        return out
+
+    async for piece in stream.deltas():
+        if isinstance(piece, CallDelta):
+            calls.add(piece)
+            for line in called(piece):
+                yield line
+            continue
+        kind, delta = piece
         if kind != "content":
             reasoning += delta  # its item comes whole, before the answer's
             continue
-        for item in open_message():
-            yield item
+        for line in open_message():
+            yield line
         text += delta
-        where = {"item_id": item_id, "output_index": index, "content_index": 0}
-        yield ev("response.output_text.delta", {**where, "delta": delta})
+        yield ev("response.output_text.delta", {**where(), "delta": delta})
     outcome = stream.outcome()
     yield outcome
     if outcome.error is not None:
@@ -424,30 +463,30 @@ async def events(
         yield ev("response.failed", {"response": failed})
         return
     answer = plan.answer(outcome.text, outcome.finish_reason)
-    for item in reasoned(answer.reasoning or ""):
-        yield item
-    if answer.content or not answer.calls or opened:
-        for item in open_message():
-            yield item
-        where = {"item_id": item_id, "output_index": index, "content_index": 0}
+    for line in reasoned(answer.reasoning or ""):
+        yield line
+    if (answer.content or not answer.calls) and message != "done":
+        for line in open_message():
+            yield line
         if answer.content[len(text) :]:
-            yield ev("response.output_text.delta", {**where, "delta": answer.content[len(text) :]})
-        yield ev("response.output_text.done", {**where, "text": answer.content})
-        yield ev("response.content_part.done", {**where, "part": _text_part(answer.content)})
-        done_item = _message_item(env, answer.content, "completed")
-        yield ev("response.output_item.done", {"output_index": index, "item": done_item})
-    for i, c in enumerate(answer.calls):
-        index += 1
-        arguments = json.dumps(c.arguments, ensure_ascii=False)
-        started = _call_item(env, i, c.name, "", "in_progress")
-        yield ev("response.output_item.added", {"output_index": index, "item": started})
-        where = {"item_id": started["id"], "output_index": index}
-        yield ev("response.function_call_arguments.delta", {**where, "delta": arguments})
-        yield ev("response.function_call_arguments.done", {**where, "arguments": arguments})
-        yield ev(
-            "response.output_item.done",
-            {"output_index": index, "item": _call_item(env, i, c.name, arguments)},
-        )
+            yield ev(
+                "response.output_text.delta", {**where(), "delta": answer.content[len(text) :]}
+            )
+        for line in close_message(answer.content):
+            yield line
+    for call in calls.rest(answer.calls):
+        calls.add(call)
+        for line in called(call):
+            yield line
+    for i in range(calls.begun):
+        whole = i < len(answer.calls)  # else cut off, or unreadable
+        name, arguments = calls.name(i), calls.arguments(i)
+        at = {"item_id": f"fc_{env.id}_{i}", "output_index": call_at[i]}
+        if whole:
+            yield ev("response.function_call_arguments.done", {**at, "arguments": arguments})
+        status = "completed" if whole else "incomplete"
+        item = _call_item(env, i, name, arguments, status)
+        yield ev("response.output_item.done", {"output_index": call_at[i], "item": item})
     status, why = finished(answer)
     final = response(env, body, status, _items(env, answer), usage_of(outcome), why)
     yield ev(

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 from mlxcache.engine import Engine, Request
 from mlxcache.events import Done, Event, Token
+from mlxcache.modes.call_stream import CallDelta
 from mlxcache.server.logprobs import Scored
 from mlxcache.server.openai_format import Usage
 from mlxcache.server.text import ReplyText
@@ -79,9 +80,10 @@ class Stream:
         self._taken = len(self.scored)
         return new
 
-    async def deltas(self) -> AsyncIterator[tuple[str, str]]:
+    async def deltas(self) -> AsyncIterator[tuple[str, str] | CallDelta]:
         """(field, new text) as the reply's reasoning and content become final, reasoning
-        first; ends when the request is done.
+        first, then the calls' deltas (with `Plan.reply_text`'s call stream); ends when the
+        request is done.
 
         Leaving early (the consumer is cancelled or closes) cancels the request.
         """
@@ -102,6 +104,8 @@ class Stream:
                     yield "reasoning", reasoning
                 if content:
                     yield "content", content
+                for call in self.reply.new_calls():
+                    yield call
         finally:
             if self._done is None:
                 self.handle.cancel()

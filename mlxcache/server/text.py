@@ -11,6 +11,7 @@ here.)
 
 from __future__ import annotations
 
+from mlxcache.modes.call_stream import CallDelta, CallStream
 from mlxcache.modes.reasoning import Thinking
 from mlxcache.stops import held
 
@@ -75,10 +76,16 @@ class ReplyText:
             None for a reply whose whole text is content.
         strip: the final content is stripped (tool replies), so stream it stripped too.
         thinking: the model's thinking section, its text streamed as reasoning.
+        calls: reads the calls from the call tag on as they come (`new_calls`); None:
+            the calls are known once the reply ends.
     """
 
     def __init__(
-        self, call_tag: str | None = None, strip: bool = False, thinking: Thinking | None = None
+        self,
+        call_tag: str | None = None,
+        strip: bool = False,
+        thinking: Thinking | None = None,
+        calls: CallStream | None = None,
     ) -> None:
         self.call_tag = call_tag
         self.strip = strip
@@ -93,6 +100,8 @@ class ReplyText:
         self._tidy_reasoning = _Strip(lead=True, trail=True)
         self._after_section: _Strip | None = None  # the answer after a section is lstripped
         self._calls = _Until(call_tag) if call_tag is not None else None
+        self._call_stream = calls
+        self._new_calls: list[CallDelta] = []
         self._tidy = _Strip(lead=strip, trail=strip)
 
     @property
@@ -111,6 +120,11 @@ class ReplyText:
         if content:
             self._content.append(content)
         return reasoning, content
+
+    def new_calls(self) -> list[CallDelta]:
+        """The calls' deltas that became final since the last call."""
+        new, self._new_calls = self._new_calls, []
+        return new
 
     def safe_reasoning(self) -> str:
         """The reasoning that no later piece can change."""
@@ -148,6 +162,13 @@ class ReplyText:
             content = self._after_section(content)
         if self._calls is not None:
             if self._calls.found:
+                self._read_calls(content)
                 return ""
-            content = self._calls(content)[0]
+            content, after = self._calls(content)
+            if after is not None:
+                self._read_calls(after)
         return self._tidy(content) if content else ""
+
+    def _read_calls(self, text: str) -> None:
+        if self._call_stream is not None:
+            self._new_calls += self._call_stream.feed(text)

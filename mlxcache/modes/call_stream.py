@@ -1,0 +1,297 @@
+"""Tool calls read while the reply is written, so a client sees a call's name and its
+arguments grow token by token (OpenAI's `tool_calls` deltas, Anthropic's
+`input_json_delta`, the Responses API's `function_call_arguments.delta`).
+
+What is streamed is a prefix of what the finished reply says: a call's arguments go out
+as `json.dumps(arguments, ensure_ascii=False)` writes them, the model's own JSON re-laid
+out as it arrives (`JsonRelayout`). That holds for the formats whose arguments are JSON
+(`ToolFormat.json_head`: Hermes, Qwen, Mistral); the others' calls are sent whole once the
+reply ends.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from mlxcache.modes.tool_formats import ToolFormat
+from mlxcache.modes.tools import ToolCall
+from mlxcache.stops import held
+
+_ESCAPES = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
+_SPACE = " \t\n\r"
+_NUMBER = set("-+0123456789.eE")
+_WORDS = ("true", "false", "null")
+_HEX = set("0123456789abcdefABCDEF")
+_MAX_NAME = 256
+"""A name longer than this is not a tool's (the call is then sent at the end)."""
+
+
+def _written(char: str) -> str:
+    """One character as `json.dumps(..., ensure_ascii=False)` writes it inside a string."""
+    return json.dumps(char, ensure_ascii=False)[1:-1]
+
+
+class JsonRelayout:
+    """One JSON object's text, as it arrives, written as `json.dumps(json.loads(text),
+    ensure_ascii=False)` writes it: whitespace normalized, separators `", "` and `": "`,
+    strings re-escaped, numbers as Python prints them. Each character is looked at once
+    (a number or a word is held until it ends).
+
+    `failed` turns true at the first character `json.loads` would refuse (or `NaN`,
+    which it accepts and this does not follow); nothing is written after that. Duplicate
+    keys are written as they come (`json.loads` keeps the last value), so the text still
+    reads back as the same object.
+    """
+
+    def __init__(self) -> None:
+        self.done = False
+        self.failed = False
+        self._stack: list[str] = []  # the open containers, "{" or "["
+        self._expect = "object"  # what may come next (see `_structure`)
+        self._in_string = False
+        self._key = False  # the string being read is a key
+        self._escape: str | None = None  # the escape being read, after its backslash
+        self._high = ""  # a high surrogate waiting for its low half
+        self._held = ""  # a number or a word, until it ends
+
+    def feed(self, text: str) -> tuple[str, int]:
+        """Take `text`; returns (what became final, how many characters were used: all
+        of them unless the object ended inside `text`)."""
+        out: list[str] = []
+        for i, char in enumerate(text):
+            if self.done or self.failed:
+                return "".join(out), i
+            out.append(self._char(char))
+        return "".join(out), len(text)
+
+    def _fail(self) -> str:
+        self.failed = True
+        return ""
+
+    def _char(self, char: str) -> str:
+        if self._in_string:
+            return self._string_char(char)
+        if self._held:
+            if char in _NUMBER if self._held[0] not in "tfn" else char.isalpha():
+                self._held += char
+                return ""
+            return self._flush_held() + ("" if self.failed else self._structure(char))
+        return self._structure(char)
+
+    def _flush_held(self) -> str:
+        held_text, self._held = self._held, ""
+        if held_text[0] in "tfn":
+            return held_text + self._value_done() if held_text in _WORDS else self._fail()
+        try:
+            value = json.loads(held_text)
+        except ValueError:  # not a JSON number (or too many digits for Python)
+            return self._fail()
+        return json.dumps(value) + self._value_done()
+
+    def _value_done(self) -> str:
+        if not self._stack:
+            self.done = True
+        self._expect = "comma_or_end"
+        return ""
+
+    def _structure(self, char: str) -> str:
+        if char in _SPACE:
+            return ""
+        expect = self._expect
+        if expect == "object":  # the arguments: an object, nothing else
+            return self._open(char) if char == "{" else self._fail()
+        if expect in ("key", "key_or_end"):
+            if char == '"':
+                self._in_string, self._key = True, True
+                return '"'
+            return self._close(char) if expect == "key_or_end" else self._fail()
+        if expect == "colon":
+            if char != ":":
+                return self._fail()
+            self._expect = "value"
+            return ": "
+        if expect == "comma_or_end":
+            if char == ",":
+                self._expect = "key" if self._stack[-1] == "{" else "value"
+                return ", "
+            return self._close(char)
+        # a value (or, just inside "[", the end)
+        if char in "{[":
+            return self._open(char)
+        if char == '"':
+            self._in_string, self._key = True, False
+            return '"'
+        if char in "-0123456789" or char in "tfn":
+            self._held = char
+            return ""
+        return self._close(char) if expect == "value_or_end" else self._fail()
+
+    def _open(self, char: str) -> str:
+        self._stack.append(char)
+        self._expect = "key_or_end" if char == "{" else "value_or_end"
+        return char
+
+    def _close(self, char: str) -> str:
+        if not self._stack or char != {"{": "}", "[": "]"}[self._stack[-1]]:
+            return self._fail()
+        self._stack.pop()
+        return char + self._value_done()
+
+    def _string_char(self, char: str) -> str:
+        if self._escape is not None:
+            self._escape += char
+            code = self._escape
+            if code[0] == "u":
+                if len(code) < 5:
+                    return ""
+                self._escape = None
+                if not all(c in _HEX for c in code[1:]):  # int() would also take spaces, signs
+                    return self._fail()
+                return self._text(chr(int(code[1:], 16)))
+            self._escape = None
+            return self._text(_ESCAPES[code]) if code in _ESCAPES else self._fail()
+        if char == "\\":
+            self._escape = ""
+            return ""
+        if char == '"':
+            self._in_string = False
+            tail, self._high = _written(self._high) + '"', ""
+            if self._key:
+                self._expect = "colon"
+                return tail
+            return tail + self._value_done()
+        if ord(char) < 0x20:  # json.loads (strict) refuses control characters in strings
+            return self._fail()
+        return self._text(char)
+
+    def _text(self, char: str) -> str:
+        """A decoded character of a string, surrogate pairs joined as `json.loads` joins
+        them (a lone high surrogate is held until the next character shows it is one)."""
+        code = ord(char)
+        lone, self._high = self._high, ""
+        if lone and 0xDC00 <= code < 0xE000:
+            return _written(chr(0x10000 + ((ord(lone) - 0xD800) << 10) + (code - 0xDC00)))
+        if 0xD800 <= code < 0xDC00:
+            self._high = char
+            return _written(lone)
+        return _written(lone) + _written(char)
+
+
+@dataclass(frozen=True, slots=True)
+class CallDelta:
+    """More of the reply's `index`th call: its name on the call's first delta (else
+    None), and more of its arguments as `json.dumps` writes them."""
+
+    index: int
+    name: str | None
+    arguments: str
+
+
+class CallStream:
+    """Reads the calls in the text from a call tag on, as it arrives: each call's name
+    once it is whole, then its arguments as they become final.
+
+    A call is found by the text its format writes before the name and between the name and
+    the arguments (`ToolFormat.json_head`); what lies between calls (closing and opening
+    tags, list separators) is skipped. Text that does not read as a call ends the
+    streaming: the finished reply then says the rest.
+    """
+
+    def __init__(self, fmt: ToolFormat) -> None:
+        if fmt.json_head is None:
+            raise ValueError(f"the {fmt.parser} format's arguments are not JSON")
+        self._before, self._after = fmt.json_head
+        self._index = -1
+        self._state = "seek"
+        self._text = ""  # text not yet placed: a head being matched, a name being read
+        self._args: JsonRelayout | None = None
+        self.stopped = False
+
+    @staticmethod
+    def supports(fmt: ToolFormat) -> bool:
+        return fmt.json_head is not None
+
+    def feed(self, text: str) -> list[CallDelta]:
+        """The deltas that `text` (the next piece of the reply) made final."""
+        out: list[CallDelta] = []
+        while text and not self.stopped:
+            text = self._step(text, out)
+        return out
+
+    def _step(self, text: str, out: list[CallDelta]) -> str:
+        """Use what it can of `text`; returns the rest."""
+        if self._state == "args":
+            assert self._args is not None
+            written, used = self._args.feed(text)
+            if written:
+                out.append(CallDelta(self._index, None, written))
+            if self._args.failed:
+                self.stopped = True
+            elif self._args.done:
+                self._state = "seek"
+            return text[used:]
+        self._text += text
+        if self._state == "seek":
+            at = self._text.find(self._before)
+            if at < 0:
+                self._text = self._text[len(self._text) - held(self._text, self._before) :]
+                return ""
+            self._state, self._text = "name", self._text[at + len(self._before) :]
+            text, self._text = self._text, ""
+            return text
+        at = self._text.find(self._after)
+        if at < 0:
+            if len(self._text) > _MAX_NAME:
+                self.stopped = True
+            return ""
+        name, rest = self._text[:at], self._text[at + len(self._after) :]
+        self._index += 1
+        out.append(CallDelta(self._index, name, ""))
+        self._state, self._text, self._args = "args", "", JsonRelayout()
+        return rest
+
+
+class CallsSent:
+    """What a stream has sent of each call, and what then finishes the reply's calls."""
+
+    def __init__(self) -> None:
+        self._names: list[str] = []
+        self._arguments: list[str] = []
+
+    def add(self, delta: CallDelta) -> None:
+        if delta.name is not None:
+            self._names.append(delta.name)
+            self._arguments.append("")
+        self._arguments[delta.index] += delta.arguments
+
+    @property
+    def begun(self) -> int:
+        """How many calls were begun."""
+        return len(self._names)
+
+    def name(self, index: int) -> str:
+        return self._names[index]
+
+    def arguments(self, index: int) -> str:
+        """The arguments sent of call `index` so far."""
+        return self._arguments[index]
+
+    def rest(self, calls: Sequence[ToolCall]) -> list[CallDelta]:
+        """The deltas that finish `calls` (the finished reply's): the rest of each call
+        begun, then each call not begun, whole.
+
+        A call begun is finished as `json.dumps` writes its arguments, which the text sent
+        is a prefix of; one whose arguments were sent whole needs nothing more (with
+        duplicate keys the text sent differs, but reads back as the same object). Calls
+        begun beyond `calls` (one cut off, or unreadable) stay as they were sent.
+        """
+        out: list[CallDelta] = []
+        for i, call in enumerate(calls):
+            whole = json.dumps(call.arguments, ensure_ascii=False)
+            if i >= len(self._names):
+                out.append(CallDelta(i, call.name, whole))
+            elif whole.startswith(self._arguments[i]) and whole != self._arguments[i]:
+                out.append(CallDelta(i, None, whole[len(self._arguments[i]) :]))
+        return out

@@ -1,0 +1,237 @@
+"""Tool calls streamed as they are written: what goes out is a prefix of what the finished
+reply says, piece by piece, and joins to exactly it (checked against mlx-lm's own parsers
+through `parse_reply`, and against `json.loads`/`json.dumps` for the JSON itself)."""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mlxcache.modes.call_stream import CallDelta, CallsSent, CallStream, JsonRelayout
+from mlxcache.modes.tool_formats import FORMATS, HERMES, MISTRAL_JSON, ToolFormat
+from mlxcache.modes.tools import ToolCall, parse_reply, parse_tools
+from mlxcache.server.text import ReplyText
+
+TEXT = st.text(st.characters(codec="utf-8"), max_size=6)  # controls, quotes, astral chars
+SCALARS = (
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(10**30), max_value=10**30)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | TEXT
+)
+VALUES = st.recursive(
+    SCALARS,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(TEXT, inner, max_size=3),
+    max_leaves=8,
+)
+OBJECTS = st.dictionaries(TEXT, VALUES, max_size=4)
+LAYOUTS = st.sampled_from(
+    [
+        {},
+        {"separators": (",", ":")},
+        {"indent": 1},
+        {"indent": "\t", "separators": (" ,", " : ")},
+        {"ensure_ascii": True},
+    ]
+)
+
+
+PIECE_SIZES = (1, 1, 2, 3, 5, 8)
+
+
+def pieces(text: str, rng: random.Random) -> list[str]:
+    """`text` cut at random places (single characters to whole words)."""
+    out, i = [], 0
+    while i < len(text):
+        n = rng.choice(PIECE_SIZES)
+        out.append(text[i : i + n])
+        i += n
+    return out
+
+
+def relayout(text: str, rng: random.Random) -> tuple[str, JsonRelayout, int]:
+    """What a relayout writes of `text` fed in random pieces, and how much it used."""
+    r, out, used = JsonRelayout(), [], 0
+    for piece in pieces(text, rng):
+        written, n = r.feed(piece)
+        out.append(written)
+        used += n
+    return "".join(out), r, used
+
+
+@settings(max_examples=300, deadline=None)
+@given(OBJECTS, LAYOUTS, st.randoms(use_true_random=False))
+def test_an_object_is_written_as_json_dumps_writes_it(
+    obj: dict[str, Any], layout: dict[str, Any], rng: random.Random
+) -> None:
+    text = json.dumps(obj, **layout)
+    written, r, used = relayout(text, rng)
+    assert written == json.dumps(obj, ensure_ascii=False)
+    assert r.done and not r.failed and used == len(text)
+
+
+@settings(max_examples=300, deadline=None)
+@given(OBJECTS, st.randoms(use_true_random=False), st.data())
+def test_a_cut_or_damaged_text_writes_a_prefix_or_stops(
+    obj: dict[str, Any], rng: random.Random, data: st.DataObject
+) -> None:
+    """Whatever the text, a relayout that finishes agrees with `json.loads` about it;
+    one cut short has written a prefix of the whole object's text."""
+    text = json.dumps(obj)
+    cut = data.draw(st.integers(0, len(text)))
+    written, r, _ = relayout(text[:cut], rng)
+    assert json.dumps(obj, ensure_ascii=False).startswith(written)
+    # One character changed: a finished relayout means json.loads reads the same object.
+    at = data.draw(st.integers(0, len(text) - 1))
+    damaged = text[:at] + data.draw(st.sampled_from('{}[]",: \\x0-.e\n')) + text[at + 1 :]
+    written, r, used = relayout(damaged, rng)
+    try:
+        loaded = json.loads(damaged, parse_constant=lambda c: pytest.fail(c))
+    except (ValueError, pytest.fail.Exception):
+        loaded = None
+    accepted = r.done and not r.failed and not damaged[used:].strip()
+    assert accepted == isinstance(loaded, dict)
+    if accepted:
+        assert json.loads(written) == loaded
+
+
+@pytest.mark.parametrize(
+    ("text", "written"),
+    [
+        ('{"a": NaN}', '{"a": '),  # json.loads takes NaN; a tool's arguments never hold one
+        ('{"a": 01}', '{"a": '),
+        ('{"a": "x\ny"}', '{"a": "x'),  # a raw control character: json.loads refuses it
+        ('{"a": tru}', '{"a": '),
+        ("[1]", ""),  # arguments are an object
+        ('{"a": 1,}', '{"a": 1, '),
+    ],
+)
+def test_what_json_loads_refuses_stops_the_relayout(text: str, written: str) -> None:
+    got, r, _ = relayout(text, random.Random(0))
+    assert (got, r.failed, r.done) == (written, True, False)
+
+
+def test_surrogate_pairs_join_and_a_lone_one_is_written_when_known() -> None:
+    text = '{"s": "\\ud83d\\ude00 \\ud800x"}'
+    got, r, _ = relayout(text, random.Random(0))
+    assert got == json.dumps(json.loads(text), ensure_ascii=False) and r.done
+
+
+def test_duplicate_keys_read_back_as_json_loads_reads_them() -> None:
+    got, r, _ = relayout('{"a": 1, "a": 2}', random.Random(0))
+    assert r.done and got == '{"a": 1, "a": 2}' and json.loads(got) == {"a": 2}
+
+
+# -- calls in each format whose arguments are JSON ------------------------------------------
+
+TOOLS = parse_tools(
+    [
+        {"name": "get_weather", "parameters": {"type": "object"}},
+        {"name": "add-2", "parameters": {"type": "object"}},
+    ]
+)
+NAMES = st.sampled_from([t.name for t in TOOLS])
+
+
+def written(fmt: ToolFormat, calls: list[tuple[str, dict[str, Any]]], layout: dict) -> str:
+    """The calls as a model writes them in `fmt` (JSON laid out as `layout` says)."""
+
+    def body(name: str, args: dict[str, Any]) -> str:
+        if fmt.json_head == FORMATS["mistral"].json_head:
+            return f"{name}[ARGS]{json.dumps(args, **layout)}"
+        return json.dumps({"name": name, "arguments": args}, **layout)
+
+    inner = [body(n, a) for n, a in calls]
+    if fmt is HERMES:
+        return "\n".join(f"<tool_call>\n{b}\n</tool_call>" for b in inner)
+    if fmt is MISTRAL_JSON:
+        return "[TOOL_CALLS][" + ", ".join(inner) + "]"
+    return "[TOOL_CALLS]" + "".join(inner)
+
+
+def streamed(fmt: ToolFormat, text: str, rng: random.Random) -> tuple[str, list[CallDelta]]:
+    """The content and the call deltas a stream of `text` sends, in random pieces."""
+    reply = ReplyText(fmt.start, strip=True, calls=CallStream(fmt))
+    deltas: list[CallDelta] = []
+    for piece in pieces(text, rng):
+        reply.add(piece)
+        deltas += reply.new_calls()
+    return reply.safe(), deltas
+
+
+def joined(deltas: list[CallDelta]) -> list[tuple[str, str]]:
+    sent = CallsSent()
+    for d in deltas:
+        sent.add(d)
+    return [(sent.name(i), sent.arguments(i)) for i in range(sent.begun)]
+
+
+JSON_FORMATS = {"json_tools": HERMES, "mistral_json": MISTRAL_JSON, "mistral": FORMATS["mistral"]}
+
+
+@pytest.mark.parametrize("fmt", JSON_FORMATS.values(), ids=list(JSON_FORMATS))
+@settings(max_examples=120, deadline=None)
+@given(
+    st.lists(st.tuples(NAMES, OBJECTS), min_size=1, max_size=3),
+    st.sampled_from(["", "Let me check. "]),
+    st.randoms(use_true_random=False),
+)
+def test_calls_stream_as_the_finished_reply_reads_them(
+    fmt: ToolFormat, calls: list[tuple[str, dict[str, Any]]], before: str, rng: random.Random
+) -> None:
+    text = before + written(fmt, calls, {})
+    content, deltas = streamed(fmt, text, rng)
+    reply = parse_reply(text, TOOLS, fmt)  # mlx-lm's parser for the format
+    assert reply.error is None
+    final = [(c.name, json.dumps(c.arguments, ensure_ascii=False)) for c in reply.calls]
+    assert joined(deltas) == final
+    assert content == reply.content
+    assert [d.index for d in deltas if d.name is not None] == list(range(len(calls)))
+    # Sent as they came: arguments longer than a piece in several deltas, after the name.
+    for i, (_, args) in enumerate(calls):
+        if len(json.dumps(args)) > max(PIECE_SIZES):
+            assert sum(d.index == i and d.name is None for d in deltas) > 1
+    sent = CallsSent()
+    for d in deltas:
+        sent.add(d)
+    assert sent.rest(reply.calls) == []
+
+
+@pytest.mark.parametrize("fmt", JSON_FORMATS.values(), ids=list(JSON_FORMATS))
+def test_a_call_cut_off_has_sent_a_prefix_of_its_arguments(fmt: ToolFormat) -> None:
+    calls = [("get_weather", {"city": "Paris", "days": [1, 2]}), ("add-2", {"a": 1.5})]
+    text = written(fmt, calls, {})
+    whole = [(n, json.dumps(a, ensure_ascii=False)) for n, a in calls]
+    for cut in range(len(text) + 1):
+        got = joined(streamed(fmt, text[:cut], random.Random(cut))[1])
+        assert all(n == whole[i][0] and whole[i][1].startswith(a) for i, (n, a) in enumerate(got))
+
+
+def test_a_layout_the_stream_cannot_read_leaves_the_calls_to_the_end() -> None:
+    """JSON laid out otherwise than the grammar writes it (no space after the colon): no
+    call is found while it streams, and the finished reply's calls go out whole."""
+    text = written(HERMES, [("get_weather", {"city": "Paris"})], {"separators": (",", ":")})
+    _, deltas = streamed(HERMES, text, random.Random(0))
+    assert deltas == []
+    reply = parse_reply(text, TOOLS, HERMES)
+    assert CallsSent().rest(reply.calls) == [CallDelta(0, "get_weather", '{"city": "Paris"}')]
+
+
+def test_the_rest_of_a_call_begun_is_sent_after_what_was() -> None:
+    sent = CallsSent()
+    sent.add(CallDelta(0, "f", '{"a": '))
+    calls = (ToolCall("f", {"a": 1}), ToolCall("g", {}))
+    assert sent.rest(calls) == [CallDelta(0, None, "1}"), CallDelta(1, "g", "{}")]
+
+
+@pytest.mark.parametrize("name", ["pythonic", "qwen3_coder", "gemma4", "function_gemma"])
+def test_formats_whose_arguments_are_not_json_are_read_at_the_end(name: str) -> None:
+    assert not CallStream.supports(FORMATS[name])
+    with pytest.raises(ValueError, match="not JSON"):
+        CallStream(FORMATS[name])
