@@ -416,6 +416,46 @@ def test_reasoning_effort_turns_a_templates_thinking_off_or_on(wearing: LoadedMo
     assert wearing.tokenizer.decode(plan("none").ids).endswith("<think>\n\n</think>\n\n")
 
 
+@pytest.mark.parametrize("wearing", [OPENS], indirect=True)
+def test_a_tool_reply_s_thinking_is_its_reasoning_streamed_or_not(wearing: LoadedModel) -> None:
+    """Tools with thinking on (`reasoning_effort`): the section is the reply's `reasoning`,
+    streamed apart from the content, and the call streams after it; the streamed pieces
+    join to the unstreamed reply."""
+    ping = {
+        "name": "ping",
+        "parameters": {"type": "object", "properties": {"n": {"type": "integer"}}},
+    }
+    # This random model pads with whitespace wherever the grammar lets it; where the grammar
+    # asks for whitespace, it is the only token left and is written anyway.
+    blank = [wearing.tokenizer.encode(c, add_special_tokens=False)[0] for c in " \t\n"]
+    body = {
+        "model": wearing.name,
+        "messages": [{"role": "user", "content": "ping?"}],
+        "tools": [{"type": "function", "function": ping}],
+        "tool_choice": "required",
+        "reasoning_effort": "high",
+        "max_tokens": 160,  # the section's budget: 80 tokens; the call after it
+        "logit_bias": {str(t): -100 for t in blank},
+    }
+    engine = Engine(wearing, warm_ahead=False)
+    with EngineWorker(engine) as worker:
+        app = create_app(engine, worker, Settings(wearing.name), RequestLog(stream=io.StringIO()))
+        plain = json.loads(post(app, body))["choices"][0]
+        deltas = [
+            json.loads(line.removeprefix("data: "))["choices"][0]["delta"]
+            for line in post(app, {**body, "stream": True}).decode().splitlines()
+            if line.startswith("data: {")
+        ]
+    message = plain["message"]
+    assert plain["finish_reason"] == "tool_calls" and message["reasoning"]
+    assert "</think>" not in message["reasoning"] and message["content"] is None
+    assert "".join(d.get("reasoning", "") for d in deltas) == message["reasoning"]
+    assert "".join(d.get("content", "") for d in deltas) == ""
+    [call] = message["tool_calls"]
+    pieces = [c["function"]["arguments"] for d in deltas for c in d.get("tool_calls", ())]
+    assert "".join(pieces) == call["function"]["arguments"] and len(pieces) > 2
+
+
 @pytest.mark.parametrize("wearing", [ALWAYS_OPENS], indirect=True)
 def test_messages_and_responses_carry_the_thinking_apart(wearing: LoadedModel) -> None:
     """A thinking section is Anthropic's `thinking` block and a Responses `reasoning` item,

@@ -88,7 +88,8 @@ class Plan:
     def reply_text(self) -> ReplyText:
         if self.tools is None or self.tools.choice.mode == "none":
             return ReplyText(strip=self.tools is not None, thinking=self.thinking)
-        return ReplyText(self.tools.call_start, strip=True, calls=self.tools.call_stream())
+        thinking = self.tools.style.thinking if self.tools.style else None
+        return ReplyText(self.tools.call_start, True, thinking, self.tools.call_stream())
 
     def answer(self, text: str, finish_reason: str) -> Answer:
         """The final content and calls of a reply whose text is `text`."""
@@ -96,7 +97,8 @@ class Plan:
             reasoning, content = split_reply(self.thinking, text)
             return Answer(content, (), finish_reason, reasoning)
         reply = self.tools.read(Result(text, [], finish_reason, Stats()))
-        return Answer(reply.content, reply.calls, "tool_calls" if reply.calls else finish_reason)
+        finish = "tool_calls" if reply.calls else finish_reason
+        return Answer(reply.content, reply.calls, finish, reply.reasoning)
 
 
 def sampling(
