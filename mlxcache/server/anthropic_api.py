@@ -15,7 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from mlxcache.modes.call_stream import CallDelta, CallsSent
+from mlxcache.modes.call_stream import CallDelta
 from mlxcache.server import errors
 from mlxcache.server.errors import APIError
 from mlxcache.server.front import Routes, chat_request, parsed
@@ -358,25 +358,17 @@ async def events(
                 out.append(event("content_block_stop", {"index": index}))
             index, open_kind = index + 1, f"tool {call.index}"
             use = {"type": "tool_use", "id": tool_use_id(env, call.index), "name": call.name}
-            out.append(
-                event("content_block_start", {"index": index, "content_block": use | {"input": {}}})
-            )
+            block = {"index": index, "content_block": {**use, "input": {}}}
+            out.append(event("content_block_start", block))
         if call.arguments and open_kind == f"tool {call.index}":
             partial = {"type": "input_json_delta", "partial_json": call.arguments}
             out.append(event("content_block_delta", {"index": index, "delta": partial}))
         return out
 
-    calls = CallsSent()
     async for piece in stream.deltas():
-        if isinstance(piece, CallDelta):
-            calls.add(piece)
-            for line in tool(piece):
-                yield line
-            continue
-        kind, text = piece
-        for line in opened(kind):
+        lines = tool(piece) if isinstance(piece, CallDelta) else [*opened(piece[0]), delta(*piece)]
+        for line in lines:
             yield line
-        yield delta(kind, text)
     outcome = stream.outcome()
     yield outcome
     if outcome.error is not None:
@@ -391,7 +383,7 @@ async def events(
                 yield item
             if rest:
                 yield delta(kind, rest)
-    for call in calls.rest(answer.calls):
+    for call in stream.calls.rest(answer.calls):
         for line in tool(call):
             yield line
     if open_kind:

@@ -22,7 +22,7 @@ from mlxcache.engine import Engine
 from mlxcache.engine import Request as EngineRequest
 from mlxcache.events import Done, Event
 from mlxcache.membudget import resident_bytes
-from mlxcache.modes.call_stream import CallDelta, CallsSent
+from mlxcache.modes.call_stream import CallDelta
 from mlxcache.sampling import SamplingParams
 from mlxcache.server import anthropic_api, errors, prepare, responses_api
 from mlxcache.server.errors import APIError
@@ -428,10 +428,8 @@ async def _chat_events(
 
     yield chunk({"role": "assistant", "content": ""})
     sent = {"reasoning": "", "content": ""}
-    calls = CallsSent()
     async for piece in stream.deltas():
         if isinstance(piece, CallDelta):
-            calls.add(piece)
             yield chunk({"tool_calls": [env.call_delta(piece)]})
             continue
         key, delta = piece
@@ -447,7 +445,7 @@ async def _chat_events(
     for key, final in (("reasoning", answer.reasoning or ""), ("content", answer.content)):
         if final[len(sent[key]) :]:
             yield chunk({key: final[len(sent[key]) :]})
-    for call in calls.rest(answer.calls):
+    for call in stream.calls.rest(answer.calls):
         yield chunk({"tool_calls": [env.call_delta(call)]})
     yield chunk({}, answer.finish_reason)
     if usage is not None:

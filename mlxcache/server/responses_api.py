@@ -22,7 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from mlxcache.modes.call_stream import CallDelta, CallsSent
+from mlxcache.modes.call_stream import CallDelta
 from mlxcache.server import errors
 from mlxcache.server.errors import APIError
 from mlxcache.server.front import Routes, chat_request, parsed
@@ -379,7 +379,7 @@ async def events(
     thought = False
     message = "unopened"  # -> "open" -> "done"
     item_id = f"msg_{env.id}"
-    calls = CallsSent()
+    calls = stream.calls
     call_at: dict[int, int] = {}  # a call's output index
 
     def reasoned(final: str) -> list[str]:
@@ -443,7 +443,6 @@ async def events(
 
     async for piece in stream.deltas():
         if isinstance(piece, CallDelta):
-            calls.add(piece)
             for line in called(piece):
                 yield line
             continue
@@ -474,7 +473,7 @@ async def events(
             )
         for line in close_message(answer.content):
             yield line
-    for call in calls.rest(answer.calls):
+    for call in stream.calls.rest(answer.calls):
         calls.add(call)
         for line in called(call):
             yield line

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 from mlxcache.engine import Engine, Request
 from mlxcache.events import Done, Event, Token
-from mlxcache.modes.call_stream import CallDelta
+from mlxcache.modes.call_stream import CallDelta, CallsSent
 from mlxcache.server.logprobs import Scored
 from mlxcache.server.openai_format import Usage
 from mlxcache.server.text import ReplyText
@@ -72,6 +72,8 @@ class Stream:
         self.scored: list[Scored] = []
         """Each generated token's log-probabilities (with `Request.logprobs`), as they come."""
         self._taken = 0
+        self.calls = CallsSent()
+        """What was streamed of each call (`deltas`)."""
         self.handle = worker.submit(request, sink)
 
     def new_scores(self) -> list[Scored]:
@@ -105,6 +107,7 @@ class Stream:
                 if content:
                     yield "content", content
                 for call in self.reply.new_calls():
+                    self.calls.add(call)
                     yield call
         finally:
             if self._done is None:
