@@ -230,7 +230,7 @@ def tools(
     """`mlxcache tools` through the server: the reply read as `ToolsTask.read` reads it (a
     call cut off or unreadable is its `error`, from the usage), the raw result, its stats."""
     from mlxcache.modes.tools import ToolReply
-    from mlxcache.remote import read_call, tool_choice_field, usage_of
+    from mlxcache.remote import reply_calls, tool_choice_field, usage_of
     from mlxcache.wire import worded_from
 
     head = [{"role": "system", "content": system}] if system is not None else []
@@ -247,9 +247,7 @@ def tools(
         reply = server.post("/v1/chat/completions", body)
         extra = usage_of(reply.get("usage"), server.url)
     message = reply["choices"][0]["message"]
-    # Calls the stream began beyond the answer's (cut off, unreadable) are not the reply's.
-    sent = message.get("tool_calls") or []
-    calls = tuple(read_call(c, server.url) for c in sent[: extra.get("tool_calls", len(sent))])
+    calls = reply_calls(message, extra, server.url)
     error = extra.get("tool_error")
     read = ToolReply(
         message.get("content") or "", calls, None if error is None else worded_from(error)

@@ -389,16 +389,23 @@ class Server:
         return card
 
 
-def read_call(call: dict[str, Any], url: str) -> ToolCall:
-    """A call of a reply `Server.post` put together, its arguments read as an object.
+def reply_calls(message: dict[str, Any], extra: dict[str, Any], url: str) -> tuple[ToolCall, ...]:
+    """The calls of a reply `Server.post` put together, each read as a `ToolCall`: the
+    first `tool_calls` of them, as the request's usage (`usage_of`) counts the answer's;
+    calls the stream began beyond those (cut off, unreadable) are not the reply's.
 
     Raises:
-        ServerError: its arguments are not a JSON object.
+        ServerError: a call's arguments are not a JSON object.
     """
-    args = call_arguments(call["function"]["arguments"])
-    if isinstance(args, str):
-        raise ServerError(f"the server at {url} sent a call whose {args}")
-    return ToolCall(call["function"]["name"], args)
+    sent = message.get("tool_calls") or []
+    kept = extra.get("tool_calls")
+    out = []
+    for call in sent[: kept if isinstance(kept, int) else len(sent)]:
+        args = call_arguments(call["function"]["arguments"])
+        if isinstance(args, str):
+            raise ServerError(f"the server at {url} sent a call whose {args}")
+        out.append(ToolCall(call["function"]["name"], args))
+    return tuple(out)
 
 
 def usage_of(usage: dict[str, Any] | None, url: str) -> dict[str, Any]:

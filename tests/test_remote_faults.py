@@ -16,7 +16,8 @@ import pytest
 from typer.testing import CliRunner
 
 from mlxcache.errors import GenerationError, ServerError, UserInputError
-from mlxcache.remote import Server, Wanted, read_call, usage_of
+from mlxcache.modes.tools import ToolCall
+from mlxcache.remote import Server, Wanted, reply_calls, usage_of
 from mlxcache_cli.main import app
 
 runner = CliRunner()
@@ -256,9 +257,14 @@ def test_calls_streamed_in_pieces_or_whole_are_put_together(
     nameless = (delta_event({"index": 0, "function": {"arguments": "{}"}}), b"data: [DONE]\n\n")
     with pytest.raises(ServerError, match="a call without a name"):
         Server(fake(streams(*nameless))).post("/v1/chat/completions", {})
-    call = {"function": {"name": "f", "arguments": '{"a": '}}
-    with pytest.raises(ServerError, match="sent a call whose arguments are not JSON"):
-        read_call(call, "http://x")
+    begun = {"tool_calls": [*want, {"function": {"name": "h", "arguments": '{"a": '}}]}
+    assert reply_calls(begun, {"tool_calls": 2}, "u") == (
+        ToolCall("f", {"a": 1}),
+        ToolCall("g", {}),
+    )
+    for counted in ({}, {"tool_calls": "2"}):  # the whole stream's calls: one is not JSON
+        with pytest.raises(ServerError, match="sent a call whose arguments are not JSON"):
+            reply_calls(begun, counted, "http://x")
 
 
 @pytest.mark.parametrize(

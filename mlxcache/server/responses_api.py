@@ -473,7 +473,7 @@ async def events(
             )
         for line in close_message(answer.content):
             yield line
-    for call in stream.calls.rest(answer.calls):
+    for call in calls.rest(answer.calls):
         calls.add(call)
         for line in called(call):
             yield line
