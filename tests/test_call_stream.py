@@ -133,7 +133,7 @@ def test_duplicate_keys_read_back_as_json_loads_reads_them() -> None:
 TOOLS = parse_tools(
     [
         {"name": "get_weather", "parameters": {"type": "object"}},
-        {"name": "add-2", "parameters": {"type": "object"}},
+        {"name": "add_2", "parameters": {"type": "object"}},
     ]
 )
 NAMES = st.sampled_from([t.name for t in TOOLS])
@@ -143,7 +143,10 @@ def written(fmt: ToolFormat, calls: list[tuple[str, dict[str, Any]]], layout: di
     """The calls as a model writes them in `fmt` (JSON laid out as `layout` says)."""
 
     def body(name: str, args: dict[str, Any]) -> str:
-        if fmt.json_head == FORMATS["mistral"].json_head:
+        if fmt.keywords:
+            values = (f"{k}={json.dumps(v, ensure_ascii=False)}" for k, v in args.items())
+            return f"{name}({', '.join(values)})"
+        if fmt.call_head == FORMATS["mistral"].call_head:
             return f"{name}[ARGS]{json.dumps(args, **layout)}"
         return json.dumps({"name": name, "arguments": args}, **layout)
 
@@ -152,6 +155,8 @@ def written(fmt: ToolFormat, calls: list[tuple[str, dict[str, Any]]], layout: di
         return "\n".join(f"<tool_call>\n{b}\n</tool_call>" for b in inner)
     if fmt is MISTRAL_JSON:
         return "[TOOL_CALLS][" + ", ".join(inner) + "]"
+    if fmt.keywords:
+        return f"{fmt.start}[{', '.join(inner)}]{fmt.end}"
     return "[TOOL_CALLS]" + "".join(inner)
 
 
@@ -172,13 +177,21 @@ def joined(deltas: list[CallDelta]) -> list[tuple[str, str]]:
     return [(sent.name(i), sent.arguments(i)) for i in range(sent.begun)]
 
 
-JSON_FORMATS = {"json_tools": HERMES, "mistral_json": MISTRAL_JSON, "mistral": FORMATS["mistral"]}
+STREAMED = {
+    "json_tools": HERMES,
+    "mistral_json": MISTRAL_JSON,
+    "mistral": FORMATS["mistral"],
+    "pythonic": FORMATS["pythonic"],
+}
+KEYWORDS = st.dictionaries(
+    st.from_regex(r"[a-z_][a-z0-9_]{0,5}", fullmatch=True), VALUES, max_size=4
+)
 
 
-@pytest.mark.parametrize("fmt", JSON_FORMATS.values(), ids=list(JSON_FORMATS))
+@pytest.mark.parametrize("fmt", STREAMED.values(), ids=list(STREAMED))
 @settings(max_examples=120, deadline=None)
 @given(
-    st.lists(st.tuples(NAMES, OBJECTS), min_size=1, max_size=3),
+    st.lists(st.tuples(NAMES, KEYWORDS), min_size=1, max_size=3),
     st.sampled_from(["", "Let me check. "]),
     st.randoms(use_true_random=False),
 )
@@ -193,19 +206,33 @@ def test_calls_stream_as_the_finished_reply_reads_them(
     assert joined(deltas) == final
     assert content == reply.content
     assert [d.index for d in deltas if d.name is not None] == list(range(len(calls)))
-    # Sent as they came: arguments longer than a piece in several deltas, after the name.
-    for i, (_, args) in enumerate(calls):
-        if len(json.dumps(args)) > max(PIECE_SIZES):
-            assert sum(d.index == i and d.name is None for d in deltas) > 1
     sent = CallsSent()
     for d in deltas:
         sent.add(d)
     assert sent.rest(reply.calls) == []
 
 
-@pytest.mark.parametrize("fmt", JSON_FORMATS.values(), ids=list(JSON_FORMATS))
+@pytest.mark.parametrize("fmt", STREAMED.values(), ids=list(STREAMED))
+def test_a_call_is_sent_as_it_is_written(fmt: ToolFormat) -> None:
+    """Fed a character at a time: the name as soon as it is whole, then the arguments in
+    many deltas, each out as soon as it is final."""
+    args = {"city": "Paris, on the Seine", "days": [1, 2, 3]}
+    text = written(fmt, [("get_weather", args)], {})
+    reply = ReplyText(fmt.start, strip=True, calls=CallStream(fmt))
+    came: list[tuple[int, CallDelta]] = []
+    for i, char in enumerate(text):
+        reply.add(char)
+        came += [(i, d) for d in reply.new_calls()]
+    (named_at, first), *rest = came
+    assert first == CallDelta(0, "get_weather", "")
+    assert named_at == text.index("get_weather") + len("get_weather") + len(fmt.call_head[1]) - 1
+    assert len(rest) > 20 and "".join(d.arguments for _, d in rest) == json.dumps(args)
+    assert rest[-1][0] == text.index("3]") + 2  # the last piece: the object's end
+
+
+@pytest.mark.parametrize("fmt", STREAMED.values(), ids=list(STREAMED))
 def test_a_call_cut_off_has_sent_a_prefix_of_its_arguments(fmt: ToolFormat) -> None:
-    calls = [("get_weather", {"city": "Paris", "days": [1, 2]}), ("add-2", {"a": 1.5})]
+    calls = [("get_weather", {"city": "Paris", "days": [1, 2]}), ("add_2", {"a": 1.5})]
     text = written(fmt, calls, {})
     whole = [(n, json.dumps(a, ensure_ascii=False)) for n, a in calls]
     for cut in range(len(text) + 1):
@@ -230,7 +257,7 @@ def test_the_rest_of_a_call_begun_is_sent_after_what_was() -> None:
     assert sent.rest(calls) == [CallDelta(0, None, "1}"), CallDelta(1, "g", "{}")]
 
 
-@pytest.mark.parametrize("name", ["pythonic", "qwen3_coder", "gemma4", "function_gemma"])
+@pytest.mark.parametrize("name", ["qwen3_coder", "gemma4", "function_gemma"])
 def test_formats_whose_arguments_are_not_json_are_read_at_the_end(name: str) -> None:
     assert not CallStream.supports(FORMATS[name])
     with pytest.raises(ValueError, match="not JSON"):

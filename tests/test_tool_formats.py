@@ -7,6 +7,7 @@ Each template is minimal and written here in its family's style: it names the ca
 from __future__ import annotations
 
 import importlib
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,10 +16,12 @@ from grammar_accepts import accepts
 
 from mlxcache.engine import Engine
 from mlxcache.model import LoadedModel
+from mlxcache.modes.call_stream import CallsSent
 from mlxcache.modes.tool_chat import ToolsTask, native_tools
 from mlxcache.modes.tool_formats import FORMATS, MISTRAL_JSON, blocks
 from mlxcache.modes.tools import ToolCall, ToolChoice, parse_reply, parse_tools, tool_grammar
 from mlxcache.sampling import SamplingParams
+from mlxcache.server.text import ReplyText
 
 TOOLS = parse_tools(
     [
@@ -166,6 +169,20 @@ def test_random_model_calls_in_its_family_format(wide: LoadedModel, family: str)
         assert [c.as_dict() for c in reply.calls] == mlx_lm_reads(
             task.style.fmt.parser, result.text, task.style.fmt
         )
+        # Streamed as the model wrote it, the call joins to the same name and arguments.
+        stream = task.call_stream()
+        assert (stream is None) == (
+            parser_of(family) in ("qwen3_coder", "gemma4", "function_gemma")
+        )
+        if stream is not None:
+            text = ReplyText(task.call_start, strip=True, calls=stream)
+            sent = CallsSent()
+            for char in result.text:
+                text.add(char)
+                for delta in text.new_calls():
+                    sent.add(delta)
+            whole = [(c.name, json.dumps(c.arguments, ensure_ascii=False)) for c in reply.calls]
+            assert [(sent.name(i), sent.arguments(i)) for i in range(sent.begun)] == whole
     none = ToolsTask(TOOLS, ToolChoice("none"))
     none.encode(engine, messages)
     assert none.style is not None and none.style.grammar is None

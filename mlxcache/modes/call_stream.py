@@ -5,8 +5,8 @@ arguments grow token by token (OpenAI's `tool_calls` deltas, Anthropic's
 What is streamed is a prefix of what the finished reply says: a call's arguments go out
 as `json.dumps(arguments, ensure_ascii=False)` writes them, the model's own JSON re-laid
 out as it arrives (`JsonRelayout`). That holds for the formats whose arguments are JSON
-(`ToolFormat.json_head`: Hermes, Qwen, Mistral); the others' calls are sent whole once the
-reply ends.
+(`ToolFormat.call_head`: Hermes, Qwen, Mistral, and pythonic calls' keyword values); the
+others' calls (Qwen3-Coder's XML, Gemma's) are sent whole once the reply ends.
 """
 
 from __future__ import annotations
@@ -43,13 +43,20 @@ class JsonRelayout:
     which it accepts and this does not follow); nothing is written after that. Duplicate
     keys are written as they come (`json.loads` keeps the last value), so the text still
     reads back as the same object.
+
+    Args:
+        value: any JSON value, not only an object (a number or word at the top ends at the
+            first character that cannot continue it, which is left unused).
+        python: the text is read as a Python literal (a pythonic call's argument), where
+            `\\/` keeps its backslash and surrogate escapes are not joined: those stop it.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, value: bool = False, python: bool = False) -> None:
         self.done = False
         self.failed = False
+        self._python = python
         self._stack: list[str] = []  # the open containers, "{" or "["
-        self._expect = "object"  # what may come next (see `_structure`)
+        self._expect = "value" if value else "object"  # what may come next (`_structure`)
         self._in_string = False
         self._key = False  # the string being read is a key
         self._escape: str | None = None  # the escape being read, after its backslash
@@ -61,10 +68,16 @@ class JsonRelayout:
         of them unless the object ended inside `text`)."""
         out: list[str] = []
         for i, char in enumerate(text):
+            if self._held and not self._continues(char):
+                out.append(self._flush_held())
             if self.done or self.failed:
                 return "".join(out), i
             out.append(self._char(char))
         return "".join(out), len(text)
+
+    def _continues(self, char: str) -> bool:
+        """Whether `char` goes on with the number or word held."""
+        return char.isalpha() if self._held[0] in "tfn" else char in _NUMBER
 
     def _fail(self) -> str:
         self.failed = True
@@ -74,10 +87,8 @@ class JsonRelayout:
         if self._in_string:
             return self._string_char(char)
         if self._held:
-            if char in _NUMBER if self._held[0] not in "tfn" else char.isalpha():
-                self._held += char
-                return ""
-            return self._flush_held() + ("" if self.failed else self._structure(char))
+            self._held += char
+            return ""
         return self._structure(char)
 
     def _flush_held(self) -> str:
@@ -149,9 +160,13 @@ class JsonRelayout:
                 self._escape = None
                 if not all(c in _HEX for c in code[1:]):  # int() would also take spaces, signs
                     return self._fail()
+                if self._python and 0xD800 <= int(code[1:], 16) < 0xE000:
+                    return self._fail()
                 return self._text(chr(int(code[1:], 16)))
             self._escape = None
-            return self._text(_ESCAPES[code]) if code in _ESCAPES else self._fail()
+            if code not in _ESCAPES or (self._python and code == "/"):
+                return self._fail()
+            return self._text(_ESCAPES[code])
         if char == "\\":
             self._escape = ""
             return ""
@@ -179,6 +194,65 @@ class JsonRelayout:
         return _written(lone) + _written(char)
 
 
+class KeywordArgs:
+    """A pythonic call's arguments after its "(": `key=VALUE, ...)` up to and including
+    the ")", each VALUE JSON read as a Python literal (as mlx-lm's parser reads it), written
+    as `json.dumps` writes the object of them. The same interface as `JsonRelayout`."""
+
+    def __init__(self) -> None:
+        self.done = False
+        self.failed = False
+        self._state = "first"  # -> "key" -> "value" -> "next" (a comma or the ")")
+        self._key = ""
+        self._value = JsonRelayout(value=True, python=True)
+        self._written_one = False
+
+    def feed(self, text: str) -> tuple[str, int]:
+        out: list[str] = []
+        i = 0
+        while i < len(text) and not (self.done or self.failed):
+            if self._state == "value":
+                written, used = self._value.feed(text[i:])
+                out.append(written)
+                i += used
+                self.failed = self._value.failed
+                if self._value.done:
+                    self._state = "next"
+                continue
+            out.append(self._char(text[i]))
+            i += 1
+        return "".join(out), i
+
+    def _char(self, char: str) -> str:
+        if char in _SPACE and not self._key:
+            return ""
+        if self._state == "next":
+            if char == ",":
+                self._state = "key"
+                return ""
+            return self._end(char)
+        if char == ")" and self._state == "first":
+            return self._end(char)
+        if char == "=" and self._key:
+            head = ", " if self._written_one else "{"
+            key, self._key = json.dumps(self._key, ensure_ascii=False), ""
+            self._state, self._written_one = "value", True
+            self._value = JsonRelayout(value=True, python=True)
+            return f"{head}{key}: "
+        if char.isalnum() or char == "_":
+            self._key += char
+            return ""
+        self.failed = True
+        return ""
+
+    def _end(self, char: str) -> str:
+        if char != ")":
+            self.failed = True
+            return ""
+        self.done = True
+        return "}" if self._written_one else "{}"
+
+
 @dataclass(frozen=True, slots=True)
 class CallDelta:
     """More of the reply's `index`th call: its name on the call's first delta (else
@@ -194,24 +268,26 @@ class CallStream:
     once it is whole, then its arguments as they become final.
 
     A call is found by the text its format writes before the name and between the name and
-    the arguments (`ToolFormat.json_head`); what lies between calls (closing and opening
-    tags, list separators) is skipped. Text that does not read as a call ends the
-    streaming: the finished reply then says the rest.
+    the arguments (`ToolFormat.call_head`; with nothing before the name, it starts at the
+    next character a name may hold); what lies between calls (closing and opening tags,
+    list separators) is skipped. Text that does not read as a call ends the streaming:
+    the finished reply then says the rest.
     """
 
     def __init__(self, fmt: ToolFormat) -> None:
-        if fmt.json_head is None:
+        if fmt.call_head is None:
             raise ValueError(f"the {fmt.parser} format's arguments are not JSON")
-        self._before, self._after = fmt.json_head
+        self._before, self._after = fmt.call_head
+        self._keywords = fmt.keywords
         self._index = -1
         self._state = "seek"
         self._text = ""  # text not yet placed: a head being matched, a name being read
-        self._args: JsonRelayout | None = None
+        self._args: JsonRelayout | KeywordArgs | None = None
         self.stopped = False
 
     @staticmethod
     def supports(fmt: ToolFormat) -> bool:
-        return fmt.json_head is not None
+        return fmt.call_head is not None
 
     def feed(self, text: str) -> list[CallDelta]:
         """The deltas that `text` (the next piece of the reply) made final."""
@@ -234,7 +310,7 @@ class CallStream:
             return text[used:]
         self._text += text
         if self._state == "seek":
-            at = self._text.find(self._before)
+            at = self._text.find(self._before) if self._before else _name_at(self._text)
             if at < 0:
                 self._text = self._text[len(self._text) - held(self._text, self._before) :]
                 return ""
@@ -249,8 +325,14 @@ class CallStream:
         name, rest = self._text[:at], self._text[at + len(self._after) :]
         self._index += 1
         out.append(CallDelta(self._index, name, ""))
-        self._state, self._text, self._args = "args", "", JsonRelayout()
+        self._state, self._text = "args", ""
+        self._args = KeywordArgs() if self._keywords else JsonRelayout()
         return rest
+
+
+def _name_at(text: str) -> int:
+    """Where the first character a tool's name may hold is (-1: none)."""
+    return next((i for i, c in enumerate(text) if c.isalnum() or c in "_.-"), -1)
 
 
 class CallsSent:

@@ -119,9 +119,13 @@ class ToolFormat:
     close: str = ""
     list_sep: str | None = None
     block_sep: str = ""
-    json_head: tuple[str, str] | None = None
-    """When a call's arguments are JSON: the text its call writes before the name and
-    between the name and the arguments (`call_stream` reads calls by them as they come)."""
+    call_head: tuple[str, str] | None = None
+    """The text a call writes before its name and between the name and its arguments,
+    where those are JSON (`call_stream` reads calls by it as they are written); None: the
+    calls are read once the reply ends."""
+    keywords: bool = False
+    """The arguments are `key=VALUE, ...)` (a Python call, each VALUE JSON), not a JSON
+    object."""
 
     def parse(self, segment: str, tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The calls in one block's inner text as mlx-lm's parser reads them.
@@ -149,6 +153,7 @@ def _alternatives(exprs: list[str]) -> str:
 
 JSON_HEAD = ('{"name": "', '", "arguments": ')
 MISTRAL_HEAD = ("", "[ARGS]")
+PYTHONIC_HEAD = ("", "(")
 
 
 def _json_call(prefix: str, decoding: dict[str, Any], name: str) -> tuple[str, Rules]:
@@ -188,7 +193,7 @@ def _pythonic_call(prefix: str, decoding: dict[str, Any], name: str) -> tuple[st
     ps = params(decoding)
     items = [(f"{lark_string(p.name + '=')} {lark_json(p.schema)}", p.required) for p in ps]
     first, seq = sequence(prefix, items, ", ")
-    head, tail = lark_string(f"{name}("), lark_string(")")
+    head, tail = lark_string(PYTHONIC_HEAD[0] + name + PYTHONIC_HEAD[1]), lark_string(")")
     return prefix, [f"{prefix}: {head} {first} {tail}", *seq]
 
 
@@ -226,18 +231,26 @@ FORMATS: dict[str, ToolFormat] = {
         "qwen3_coder", "<tool_call>", "</tool_call>", _xml_call, "\n", "\n", None, "\n"
     ),
     "pythonic": ToolFormat(
-        "pythonic", "<|tool_call_start|>", "<|tool_call_end|>", _pythonic_call, "[", "]", ", "
+        "pythonic",
+        "<|tool_call_start|>",
+        "<|tool_call_end|>",
+        _pythonic_call,
+        "[",
+        "]",
+        ", ",
+        call_head=PYTHONIC_HEAD,
+        keywords=True,
     ),
     "gemma4": ToolFormat("gemma4", "<|tool_call>", "<tool_call|>", _key_value('<|"|>')),
     "function_gemma": ToolFormat(
         "function_gemma", "<start_function_call>", "<end_function_call>", _key_value("<escape>")
     ),
     "mistral": ToolFormat(
-        "mistral", "[TOOL_CALLS]", "", _mistral_args_call, list_sep="", json_head=MISTRAL_HEAD
+        "mistral", "[TOOL_CALLS]", "", _mistral_args_call, list_sep="", call_head=MISTRAL_HEAD
     ),
 }
 MISTRAL_JSON = ToolFormat(
-    "mistral", "[TOOL_CALLS]", "", _json_call, "[", "]", ", ", json_head=JSON_HEAD
+    "mistral", "[TOOL_CALLS]", "", _json_call, "[", "]", ", ", call_head=JSON_HEAD
 )
 """Mistral's older list form, for templates without [ARGS]."""
 
