@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mlxcache.modes.call_stream import CallDelta, CallsSent, CallStream, JsonRelayout
-from mlxcache.modes.tool_formats import FORMATS, HERMES, MISTRAL_JSON, ToolFormat
-from mlxcache.modes.tools import ToolCall, parse_reply, parse_tools
+from mlxcache.modes.tool_formats import FORMATS, HERMES, MISTRAL_JSON, ToolFormat, blocks
+from mlxcache.modes.tools import Tool, ToolCall, parse_reply, parse_tools
 from mlxcache.server.text import ReplyText
 
 TEXT = st.text(st.characters(codec="utf-8"), max_size=6)  # controls, quotes, astral chars
@@ -143,9 +143,15 @@ def written(fmt: ToolFormat, calls: list[tuple[str, dict[str, Any]]], layout: di
     """The calls as a model writes them in `fmt` (JSON laid out as `layout` says)."""
 
     def body(name: str, args: dict[str, Any]) -> str:
-        if fmt.keywords:
+        if fmt.arguments == "keywords":
             values = (f"{k}={json.dumps(v, ensure_ascii=False)}" for k, v in args.items())
             return f"{name}({', '.join(values)})"
+        if fmt.arguments == "xml":  # strings raw, the rest JSON
+            values = (
+                f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v)}\n</parameter>\n"
+                for k, v in args.items()
+            )
+            return f"<function={name}>\n{''.join(values)}</function>"
         if fmt.call_head == FORMATS["mistral"].call_head:
             return f"{name}[ARGS]{json.dumps(args, **layout)}"
         return json.dumps({"name": name, "arguments": args}, **layout)
@@ -155,14 +161,19 @@ def written(fmt: ToolFormat, calls: list[tuple[str, dict[str, Any]]], layout: di
         return "\n".join(f"<tool_call>\n{b}\n</tool_call>" for b in inner)
     if fmt is MISTRAL_JSON:
         return "[TOOL_CALLS][" + ", ".join(inner) + "]"
-    if fmt.keywords:
+    if fmt.arguments == "keywords":
         return f"{fmt.start}[{', '.join(inner)}]{fmt.end}"
+    if fmt.arguments == "xml":
+        return "\n".join(f"<tool_call>\n{b}\n</tool_call>" for b in inner)
     return "[TOOL_CALLS]" + "".join(inner)
 
 
-def streamed(fmt: ToolFormat, text: str, rng: random.Random) -> tuple[str, list[CallDelta]]:
+def streamed(
+    fmt: ToolFormat, text: str, rng: random.Random, tools: tuple[Tool, ...] = ()
+) -> tuple[str, list[CallDelta]]:
     """The content and the call deltas a stream of `text` sends, in random pieces."""
-    reply = ReplyText(fmt.start, strip=True, calls=CallStream(fmt))
+    openai = [t.as_openai() for t in tools]
+    reply = ReplyText(fmt.start, strip=True, calls=CallStream(fmt, openai))
     deltas: list[CallDelta] = []
     for piece in pieces(text, rng):
         reply.add(piece)
@@ -212,13 +223,36 @@ def test_calls_stream_as_the_finished_reply_reads_them(
     assert sent.rest(reply.calls) == []
 
 
-@pytest.mark.parametrize("fmt", STREAMED.values(), ids=list(STREAMED))
+XML = FORMATS["qwen3_coder"]
+TYPED = parse_tools(
+    [
+        {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string"},
+                    "days": {"type": "array", "items": {"type": "integer"}},
+                },
+            },
+        },
+        {
+            "name": "add_2",
+            "parameters": {"type": "object", "properties": {"a": {"type": "number"}}},
+        },
+    ]
+)
+"""Tools whose parameters have types (Qwen3-Coder's parser converts a value by its type)."""
+EVERY = {**STREAMED, "qwen3_coder": XML}
+
+
+@pytest.mark.parametrize("fmt", EVERY.values(), ids=list(EVERY))
 def test_a_call_is_sent_as_it_is_written(fmt: ToolFormat) -> None:
     """Fed a character at a time: the name as soon as it is whole, then the arguments in
     many deltas, each out as soon as it is final."""
     args = {"city": "Paris, on the Seine", "days": [1, 2, 3]}
     text = written(fmt, [("get_weather", args)], {})
-    reply = ReplyText(fmt.start, strip=True, calls=CallStream(fmt))
+    reply = ReplyText(fmt.start, strip=True, calls=CallStream(fmt, [t.as_openai() for t in TYPED]))
     came: list[tuple[int, CallDelta]] = []
     for i, char in enumerate(text):
         reply.add(char)
@@ -226,18 +260,72 @@ def test_a_call_is_sent_as_it_is_written(fmt: ToolFormat) -> None:
     (named_at, first), *rest = came
     assert first == CallDelta(0, "get_weather", "")
     assert named_at == text.index("get_weather") + len("get_weather") + len(fmt.call_head[1]) - 1
-    assert len(rest) > 20 and "".join(d.arguments for _, d in rest) == json.dumps(args)
-    assert rest[-1][0] == text.index("3]") + 2  # the last piece: the object's end
+    assert len(rest) > 15 and "".join(d.arguments for _, d in rest) == json.dumps(args)
+    # The last piece, the object's end, as soon as the text says it ends.
+    end = text.index("</function>") + len("</function>") - 1 if fmt is XML else text.index("3]") + 2
+    assert rest[-1][0] == end
 
 
-@pytest.mark.parametrize("fmt", STREAMED.values(), ids=list(STREAMED))
+@pytest.mark.parametrize("fmt", EVERY.values(), ids=list(EVERY))
 def test_a_call_cut_off_has_sent_a_prefix_of_its_arguments(fmt: ToolFormat) -> None:
     calls = [("get_weather", {"city": "Paris", "days": [1, 2]}), ("add_2", {"a": 1.5})]
     text = written(fmt, calls, {})
     whole = [(n, json.dumps(a, ensure_ascii=False)) for n, a in calls]
     for cut in range(len(text) + 1):
-        got = joined(streamed(fmt, text[:cut], random.Random(cut))[1])
+        got = joined(streamed(fmt, text[:cut], random.Random(cut), TYPED)[1])
         assert all(n == whole[i][0] and whole[i][1].startswith(a) for i, (n, a) in enumerate(got))
+    assert joined(streamed(fmt, text, random.Random(0), TYPED)[1]) == whole
+
+
+XML_TOOLS = parse_tools(
+    [
+        {
+            "name": "edit",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "path": {"type": "string"},
+                    "count": {"type": "integer"},
+                    "scale": {"type": "number"},
+                    "dry": {"type": "boolean"},
+                    "meta": {"type": "object"},
+                    "lines": {"type": "array"},
+                    "note": {},  # no type: JSON when it reads as an object or a list
+                },
+            },
+        }
+    ]
+)
+XML_VALUES = st.fixed_dictionaries(
+    {},
+    optional={
+        "path": st.text(st.characters(codec="utf-8", exclude_characters="<"), max_size=8).filter(
+            lambda v: v.lower() != "null"  # None: not a string (the call would not be used)
+        )
+        | st.sampled_from(["nu", "NUL", "nullx", "\n", "a\n"]),
+        "count": st.integers(-(10**6), 10**6),
+        "scale": st.floats(-1e6, 1e6, allow_nan=False).map(lambda x: round(x, 3)),
+        "dry": st.booleans(),
+        "meta": st.dictionaries(TEXT, SCALARS, max_size=2),
+        "lines": st.lists(SCALARS, max_size=3),
+        "note": st.sampled_from(["plain words", "[1, 2]", '{"a": 1}']),
+    },
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(XML_VALUES, min_size=1, max_size=2), st.randoms(use_true_random=False))
+def test_xml_calls_stream_as_qwen3_coder_s_parser_reads_them(
+    calls: list[dict[str, Any]], rng: random.Random
+) -> None:
+    """Each value as mlx-lm's parser converts it by its parameter's type (an integer
+    parameter's "3" is 3; a string parameter's "null" is None), a string's as it comes."""
+    text = written(XML, [("edit", args) for args in calls], {})
+    _, deltas = streamed(XML, text, rng, XML_TOOLS)
+    reply = parse_reply(text, XML_TOOLS, XML)
+    assert reply.error is None and len(reply.calls) == len(calls)
+    final = [(c.name, json.dumps(c.arguments, ensure_ascii=False)) for c in reply.calls]
+    assert joined(deltas) == final
 
 
 def test_a_layout_the_stream_cannot_read_leaves_the_calls_to_the_end() -> None:
@@ -257,8 +345,18 @@ def test_the_rest_of_a_call_begun_is_sent_after_what_was() -> None:
     assert sent.rest(calls) == [CallDelta(0, None, "1}"), CallDelta(1, "g", "{}")]
 
 
-@pytest.mark.parametrize("name", ["qwen3_coder", "gemma4", "function_gemma"])
+@pytest.mark.parametrize("name", ["gemma4", "function_gemma"])
 def test_formats_whose_arguments_are_not_json_are_read_at_the_end(name: str) -> None:
     assert not CallStream.supports(FORMATS[name])
-    with pytest.raises(ValueError, match="not JSON"):
+    with pytest.raises(ValueError, match="not read as they come"):
         CallStream(FORMATS[name])
+
+
+@pytest.mark.parametrize("value", ["null", "NULL", "Null"])
+def test_a_string_parameter_s_null_is_none_as_the_parser_reads_it(value: str) -> None:
+    text = written(XML, [("edit", {"path": value, "count": 2})], {})
+    deltas = streamed(XML, text, random.Random(0), XML_TOOLS)[1]
+    [(name, arguments)] = joined(deltas)
+    [call] = XML.parse(blocks(text, XML)[1][0], [t.as_openai() for t in XML_TOOLS])
+    assert (name, arguments) == ("edit", '{"path": null, "count": 2}')
+    assert json.loads(arguments) == call["arguments"]

@@ -4,9 +4,10 @@ arguments grow token by token (OpenAI's `tool_calls` deltas, Anthropic's
 
 What is streamed is a prefix of what the finished reply says: a call's arguments go out
 as `json.dumps(arguments, ensure_ascii=False)` writes them, the model's own JSON re-laid
-out as it arrives (`JsonRelayout`). That holds for the formats whose arguments are JSON
-(`ToolFormat.call_head`: Hermes, Qwen, Mistral, and pythonic calls' keyword values); the
-others' calls (Qwen3-Coder's XML, Gemma's) are sent whole once the reply ends.
+out as it arrives (`JsonRelayout`). It is read for each format with a
+`ToolFormat.call_head`: JSON arguments (Hermes, Qwen, Mistral), pythonic keyword arguments
+(`JsonRelayout` per value) and Qwen3-Coder's XML elements (`XmlArgs`); Gemma's calls are
+sent whole once the reply ends.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from mlxcache.modes.tool_formats import ToolFormat
+from mlxcache.modes.tool_formats import XML_END, XML_HEAD, XML_PARAMETER, ToolFormat
 from mlxcache.modes.tools import ToolCall
 from mlxcache.stops import held
 
@@ -253,6 +255,114 @@ class KeywordArgs:
         return "}" if self._written_one else "{}"
 
 
+class XmlArgs:
+    """A Qwen3-Coder call's arguments after its head: `<parameter=key>` elements up to and
+    including `</function>`, written as `json.dumps` writes the object mlx-lm's parser
+    reads from them. A string parameter's value (its schema's type "string") streams as it
+    comes, held while it may still read as `null` (the parser's None, whatever the type);
+    any other value is held until its element ends and read by the parser itself (types
+    convert there: "1" is an integer for an integer parameter). The same interface as
+    `JsonRelayout`.
+    """
+
+    def __init__(self, fmt: ToolFormat, name: str, tools: Sequence[dict[str, Any]]) -> None:
+        self.done = False
+        self.failed = False
+        self._fmt, self._name, self._tools = fmt, name, list(tools)
+        fn: dict[str, Any] = next(
+            (t["function"] for t in tools if t["function"]["name"] == name), {}
+        )
+        self._props: dict[str, Any] = (fn.get("parameters") or {}).get("properties") or {}
+        self._state = "tag"  # -> "key" -> "value" -> "tag"
+        self._text = ""  # the tag or key being read, or the value so far
+        self._key = ""
+        self._sent = 0  # how much of a string value was written
+        self._opened = False  # its opening quote was
+        self._written_one = False
+
+    def feed(self, text: str) -> tuple[str, int]:
+        out: list[str] = []
+        used = 0
+        while used < len(text) and not (self.done or self.failed):
+            n, written = self._step(text[used:])
+            used += n
+            out.append(written)
+        return "".join(out), used
+
+    def _fail(self) -> tuple[int, str]:
+        self.failed = True
+        return 0, ""
+
+    def _step(self, text: str) -> tuple[int, str]:
+        """(characters of `text` used, what they made final)."""
+        opening, after_key, _ = XML_PARAMETER
+        if self._state == "value":
+            return self._value(text)
+        start = len(self._text)
+        self._text += text
+        if self._state == "key":
+            at = self._text.find(after_key)
+            if at < 0:
+                return (len(text), "") if len(self._text) <= _MAX_NAME else self._fail()
+            self._key, self._state = self._text[:at], "value"
+            self._text, self._sent, self._opened = "", 0, False
+            return at + len(after_key) - start, self._head()
+        for tag, state in ((opening, "key"), (XML_END, "done")):
+            if self._text.startswith(tag):
+                self._text = ""
+                if state == "done":
+                    self.done = True
+                    return len(tag) - start, "}" if self._written_one else "{}"
+                self._state = state
+                return len(tag) - start, ""
+        if any(tag.startswith(self._text) for tag in (opening, XML_END)):
+            return len(text), ""
+        return self._fail()
+
+    def _head(self) -> str:
+        """What goes before a value: the key, after a comma but for the first."""
+        head = ", " if self._written_one else "{"
+        self._written_one = True
+        return f"{head}{json.dumps(self._key, ensure_ascii=False)}: "
+
+    def _streams(self) -> bool:
+        return (self._props.get(self._key) or {}).get("type") == "string"
+
+    def _value(self, text: str) -> tuple[int, str]:
+        close = XML_PARAMETER[2]
+        start = len(self._text)
+        self._text += text
+        at = self._text.find(close, max(start - len(close), 0))
+        if at < 0:
+            if not self._streams():
+                return len(text), ""
+            return len(text), self._string(self._text[: len(self._text) - held(self._text, close)])
+        value, self._text, self._state = self._text[:at], "", "tag"
+        used = at + len(close) - start
+        if not self._streams() or value.lower() == "null":
+            return used, self._read(value)
+        return used, self._string(value, whole=True) + '"'
+
+    def _string(self, value: str, whole: bool = False) -> str:
+        """More of a string value (all of it that is final), once it cannot be `null`."""
+        if not whole and len(value) <= len("null") and "null".startswith(value.lower()):
+            return ""
+        out = ("" if self._opened else '"') + "".join(map(_written, value[self._sent :]))
+        self._opened, self._sent = True, len(value)
+        return out
+
+    def _read(self, value: str) -> str:
+        """A whole value as mlx-lm's parser reads it for this parameter."""
+        opening, after_key, close = XML_PARAMETER
+        element = f"{XML_HEAD[0]}{self._name}{XML_HEAD[1]}{opening}{self._key}{after_key}"
+        try:
+            [call] = self._fmt.parse(f"{element}{value}{close}{XML_END}", self._tools)
+            return json.dumps(call["arguments"][self._key], ensure_ascii=False)
+        except (ValueError, KeyError, TypeError):
+            self.failed = True
+            return ""
+
+
 @dataclass(frozen=True, slots=True)
 class CallDelta:
     """More of the reply's `index`th call: its name on the call's first delta (else
@@ -274,15 +384,15 @@ class CallStream:
     the finished reply then says the rest.
     """
 
-    def __init__(self, fmt: ToolFormat) -> None:
+    def __init__(self, fmt: ToolFormat, tools: Sequence[dict[str, Any]] = ()) -> None:
         if fmt.call_head is None:
-            raise ValueError(f"the {fmt.parser} format's arguments are not JSON")
+            raise ValueError(f"the {fmt.parser} format's calls are not read as they come")
         self._before, self._after = fmt.call_head
-        self._keywords = fmt.keywords
+        self._fmt, self._tools = fmt, tools
         self._index = -1
         self._state = "seek"
         self._text = ""  # text not yet placed: a head being matched, a name being read
-        self._args: JsonRelayout | KeywordArgs | None = None
+        self._args: JsonRelayout | KeywordArgs | XmlArgs | None = None
         self.stopped = False
 
     @staticmethod
@@ -326,8 +436,16 @@ class CallStream:
         self._index += 1
         out.append(CallDelta(self._index, name, ""))
         self._state, self._text = "args", ""
-        self._args = KeywordArgs() if self._keywords else JsonRelayout()
+        self._args = self._reader(name)
         return rest
+
+    def _reader(self, name: str) -> JsonRelayout | KeywordArgs | XmlArgs:
+        """What reads the arguments of a call to `name` (`ToolFormat.arguments`)."""
+        if self._fmt.arguments == "keywords":
+            return KeywordArgs()
+        if self._fmt.arguments == "xml":
+            return XmlArgs(self._fmt, name, self._tools)
+        return JsonRelayout()
 
 
 def _name_at(text: str) -> int:

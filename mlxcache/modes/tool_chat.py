@@ -276,7 +276,7 @@ class ToolsTask:
         style = self.style
         if style is None or style.grammar is None or not CallStream.supports(style.fmt):
             return None
-        return CallStream(style.fmt)
+        return CallStream(style.fmt, [t.as_openai() for t in self.tools])
 
     def encode(self, engine: Engine, messages: list[dict[str, Any]]) -> list[int]:
         """Token ids of the conversation with the tools described, ready for the reply."""

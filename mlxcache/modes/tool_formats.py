@@ -123,9 +123,10 @@ class ToolFormat:
     """The text a call writes before its name and between the name and its arguments,
     where those are JSON (`call_stream` reads calls by it as they are written); None: the
     calls are read once the reply ends."""
-    keywords: bool = False
-    """The arguments are `key=VALUE, ...)` (a Python call, each VALUE JSON), not a JSON
-    object."""
+    arguments: str = "json"
+    """How a call writes its arguments after its head: "json" (an object), "keywords"
+    (`key=VALUE, ...)`, a Python call, each VALUE JSON) or "xml" (`<parameter=key>` elements
+    up to `</function>`)."""
 
     def parse(self, segment: str, tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The calls in one block's inner text as mlx-lm's parser reads them.
@@ -154,6 +155,10 @@ def _alternatives(exprs: list[str]) -> str:
 JSON_HEAD = ('{"name": "', '", "arguments": ')
 MISTRAL_HEAD = ("", "[ARGS]")
 PYTHONIC_HEAD = ("", "(")
+XML_HEAD = ("<function=", ">\n")
+XML_PARAMETER = ("<parameter=", ">\n", "\n</parameter>\n")
+"""Around one argument of a Qwen3-Coder call: before its key, after it, after its value."""
+XML_END = "</function>"
 
 
 def _json_call(prefix: str, decoding: dict[str, Any], name: str) -> tuple[str, Rules]:
@@ -202,8 +207,8 @@ def _xml_call(prefix: str, decoding: dict[str, Any], name: str) -> tuple[str, Ru
     rules: Rules = []
     items = []
     for i, p in enumerate(params(decoding)):
-        head = lark_string(f"<parameter={p.name}>\n")
-        close = "\n</parameter>\n"
+        opening, after_key, close = XML_PARAMETER
+        head = lark_string(opening + p.name + after_key)
         if p.strings is not None:
             value = _alternatives([lark_string(s + close) for s in p.strings])
         elif p.is_string:
@@ -213,7 +218,7 @@ def _xml_call(prefix: str, decoding: dict[str, Any], name: str) -> tuple[str, Ru
             value = f"{lark_json(p.schema)} {lark_string(close)}"
         items.append((f"{head} {value}", p.required))
     first, seq = sequence(prefix, items, "")
-    head, tail = lark_string(f"<function={name}>\n"), lark_string("</function>")
+    head, tail = lark_string(XML_HEAD[0] + name + XML_HEAD[1]), lark_string(XML_END)
     return prefix, [f"{prefix}: {head} {first} {tail}", *rules, *seq]
 
 
@@ -228,7 +233,16 @@ HERMES = ToolFormat(
 FORMATS: dict[str, ToolFormat] = {
     "json_tools": HERMES,
     "qwen3_coder": ToolFormat(
-        "qwen3_coder", "<tool_call>", "</tool_call>", _xml_call, "\n", "\n", None, "\n"
+        "qwen3_coder",
+        "<tool_call>",
+        "</tool_call>",
+        _xml_call,
+        "\n",
+        "\n",
+        None,
+        "\n",
+        XML_HEAD,
+        "xml",
     ),
     "pythonic": ToolFormat(
         "pythonic",
@@ -239,7 +253,7 @@ FORMATS: dict[str, ToolFormat] = {
         "]",
         ", ",
         call_head=PYTHONIC_HEAD,
-        keywords=True,
+        arguments="keywords",
     ),
     "gemma4": ToolFormat("gemma4", "<|tool_call>", "<tool_call|>", _key_value('<|"|>')),
     "function_gemma": ToolFormat(
