@@ -224,22 +224,21 @@ def test_calls_stream_as_the_finished_reply_reads_them(
 
 
 XML = FORMATS["qwen3_coder"]
+
+
+def typed(name: str, **properties: dict[str, Any]) -> dict[str, Any]:
+    """A tool whose parameters are `properties`."""
+    return {"name": name, "parameters": {"type": "object", "properties": properties}}
+
+
 TYPED = parse_tools(
     [
-        {
-            "name": "get_weather",
-            "parameters": {
-                "type": "object",
-                "properties": {
-                    "city": {"type": "string"},
-                    "days": {"type": "array", "items": {"type": "integer"}},
-                },
-            },
-        },
-        {
-            "name": "add_2",
-            "parameters": {"type": "object", "properties": {"a": {"type": "number"}}},
-        },
+        typed(
+            "get_weather",
+            city={"type": "string"},
+            days={"type": "array", "items": {"type": "integer"}},
+        ),
+        typed("add_2", a={"type": "number"}),
     ]
 )
 """Tools whose parameters have types (Qwen3-Coder's parser converts a value by its type)."""
@@ -279,21 +278,16 @@ def test_a_call_cut_off_has_sent_a_prefix_of_its_arguments(fmt: ToolFormat) -> N
 
 XML_TOOLS = parse_tools(
     [
-        {
-            "name": "edit",
-            "parameters": {
-                "type": "object",
-                "properties": {
-                    "path": {"type": "string"},
-                    "count": {"type": "integer"},
-                    "scale": {"type": "number"},
-                    "dry": {"type": "boolean"},
-                    "meta": {"type": "object"},
-                    "lines": {"type": "array"},
-                    "note": {},  # no type: JSON when it reads as an object or a list
-                },
-            },
-        }
+        typed(
+            "edit",
+            path={"type": "string"},
+            count={"type": "integer"},
+            scale={"type": "number"},
+            dry={"type": "boolean"},
+            meta={"type": "object"},
+            lines={"type": "array"},
+            note={},  # no type: JSON when it reads as an object or a list
+        )
     ]
 )
 XML_VALUES = st.fixed_dictionaries(
