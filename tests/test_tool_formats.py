@@ -171,7 +171,7 @@ def test_random_model_calls_in_its_family_format(wide: LoadedModel, family: str)
         )
         # Streamed as the model wrote it, the call joins to the same name and arguments.
         stream = task.call_stream()
-        assert (stream is None) == (parser_of(family) in ("gemma4", "function_gemma"))
+        assert (stream is None) == (parser_of(family) == "function_gemma")
         if stream is not None:
             text = ReplyText(task.call_start, strip=True, calls=stream)
             sent = CallsSent()

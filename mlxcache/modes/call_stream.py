@@ -6,8 +6,8 @@ What is streamed is a prefix of what the finished reply says: a call's arguments
 as `json.dumps(arguments, ensure_ascii=False)` writes them, the model's own JSON re-laid
 out as it arrives (`JsonRelayout`). It is read for each format with a
 `ToolFormat.call_head`: JSON arguments (Hermes, Qwen, Mistral), pythonic keyword arguments
-(`JsonRelayout` per value) and Qwen3-Coder's XML elements (`XmlArgs`); Gemma's calls are
-sent whole once the reply ends.
+(`JsonRelayout` per value), Qwen3-Coder's XML elements (`XmlArgs`) and Gemma 4's
+`key:VALUE` pairs (`KeyValueArgs`); FunctionGemma's calls are sent whole once the reply ends.
 """
 
 from __future__ import annotations
@@ -17,7 +17,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mlxcache.modes.tool_formats import XML_END, XML_HEAD, XML_PARAMETER, ToolFormat
+from mlxcache.modes.tool_formats import (
+    GEMMA_QUOTE,
+    XML_END,
+    XML_HEAD,
+    XML_PARAMETER,
+    ToolFormat,
+)
 from mlxcache.modes.tools import ToolCall
 from mlxcache.stops import held
 
@@ -363,6 +369,99 @@ class XmlArgs:
             return ""
 
 
+class KeyValueArgs:
+    """A Gemma 4 call's arguments after its "{": `key:VALUE,...}` up to and including the
+    "}", a string VALUE between `GEMMA_QUOTE`s (streamed as it comes, the text between
+    them as it is), any other JSON (`JsonRelayout`); written as `json.dumps` writes the
+    object mlx-lm's parser reads. The same interface as `JsonRelayout`."""
+
+    def __init__(self) -> None:
+        self.done = False
+        self.failed = False
+        self._state = "first"  # -> "key" -> "value" -> "quoted" | "json" -> "next"
+        self._key = ""
+        self._text = ""  # a quote being matched, or a quoted string's text not yet written
+        self._json = JsonRelayout(value=True)
+        self._written_one = False
+
+    def feed(self, text: str) -> tuple[str, int]:
+        out: list[str] = []
+        i = 0
+        while i < len(text) and not (self.done or self.failed):
+            if self._state in ("json", "quoted"):
+                written, used = (
+                    self._json_value(text[i:]) if self._state == "json" else self._quoted(text[i:])
+                )
+                out.append(written)
+                i += used
+                continue
+            out.append(self._char(text[i]))
+            i += 1
+        return "".join(out), i
+
+    def _char(self, char: str) -> str:
+        state = self._state
+        if state == "next":
+            if char == ",":
+                self._state = "key"
+                return ""
+            return self._end(char)
+        if state == "first" and char == "}":
+            return self._end(char)
+        if state in ("first", "key"):
+            if char == ":" and self._key:
+                head = ", " if self._written_one else "{"
+                key, self._key = json.dumps(self._key, ensure_ascii=False), ""
+                self._state, self._written_one = "value", True
+                return f"{head}{key}: "
+            if char.isalnum() or char == "_":
+                self._key += char
+                return ""
+            return self._stop()
+        # the value's first characters: a quote, or JSON
+        if char == GEMMA_QUOTE[0] or self._text:
+            self._text += char
+            if self._text == GEMMA_QUOTE:
+                self._state, self._text = "quoted", ""
+                return '"'
+            return "" if GEMMA_QUOTE.startswith(self._text) else self._stop()
+        self._state, self._json = "json", JsonRelayout(value=True)
+        written, _ = self._json_value(char)
+        return written
+
+    def _json_value(self, text: str) -> tuple[str, int]:
+        written, used = self._json.feed(text)
+        if self._json.failed:
+            self.failed = True
+        elif self._json.done:
+            self._state = "next"
+        return written, used
+
+    def _quoted(self, text: str) -> tuple[str, int]:
+        start = len(self._text)
+        self._text += text
+        at = self._text.find(GEMMA_QUOTE)
+        if at < 0:
+            keep = held(self._text, GEMMA_QUOTE)
+            final, self._text = (
+                self._text[: len(self._text) - keep],
+                self._text[len(self._text) - keep :],
+            )
+            return "".join(map(_written, final)), len(text)
+        final, self._text, self._state = self._text[:at], "", "next"
+        return "".join(map(_written, final)) + '"', at + len(GEMMA_QUOTE) - start
+
+    def _stop(self) -> str:
+        self.failed = True
+        return ""
+
+    def _end(self, char: str) -> str:
+        if char != "}":
+            return self._stop()
+        self.done = True
+        return "}" if self._written_one else "{}"
+
+
 @dataclass(frozen=True, slots=True)
 class CallDelta:
     """More of the reply's `index`th call: its name on the call's first delta (else
@@ -392,7 +491,7 @@ class CallStream:
         self._index = -1
         self._state = "seek"
         self._text = ""  # text not yet placed: a head being matched, a name being read
-        self._args: JsonRelayout | KeywordArgs | XmlArgs | None = None
+        self._args: JsonRelayout | KeywordArgs | XmlArgs | KeyValueArgs | None = None
         self.stopped = False
 
     @staticmethod
@@ -439,12 +538,14 @@ class CallStream:
         self._args = self._reader(name)
         return rest
 
-    def _reader(self, name: str) -> JsonRelayout | KeywordArgs | XmlArgs:
+    def _reader(self, name: str) -> JsonRelayout | KeywordArgs | XmlArgs | KeyValueArgs:
         """What reads the arguments of a call to `name` (`ToolFormat.arguments`)."""
         if self._fmt.arguments == "keywords":
             return KeywordArgs()
         if self._fmt.arguments == "xml":
             return XmlArgs(self._fmt, name, self._tools)
+        if self._fmt.arguments == "key_value":
+            return KeyValueArgs()
         return JsonRelayout()
 
 

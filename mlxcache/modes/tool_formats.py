@@ -125,8 +125,9 @@ class ToolFormat:
     calls are read once the reply ends."""
     arguments: str = "json"
     """How a call writes its arguments after its head: "json" (an object), "keywords"
-    (`key=VALUE, ...)`, a Python call, each VALUE JSON) or "xml" (`<parameter=key>` elements
-    up to `</function>`)."""
+    (`key=VALUE, ...)`, a Python call, each VALUE JSON), "xml" (`<parameter=key>` elements
+    up to `</function>`) or "key_value" (Gemma 4's `key:VALUE,...}`, strings between
+    `GEMMA_QUOTE`s, the rest JSON)."""
 
     def parse(self, segment: str, tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The calls in one block's inner text as mlx-lm's parser reads them.
@@ -159,6 +160,8 @@ XML_HEAD = ("<function=", ">\n")
 XML_PARAMETER = ("<parameter=", ">\n", "\n</parameter>\n")
 """Around one argument of a Qwen3-Coder call: before its key, after it, after its value."""
 XML_END = "</function>"
+GEMMA_HEAD = ("call:", "{")
+GEMMA_QUOTE = '<|"|>'
 
 
 def _json_call(prefix: str, decoding: dict[str, Any], name: str) -> tuple[str, Rules]:
@@ -188,7 +191,7 @@ def _key_value(delimiter: str) -> CallGrammar:
                 value = lark_json(p.schema)
             items.append((f"{lark_string(p.name + ':')} {value}", p.required))
         first, seq = sequence(prefix, items, ",")
-        head, tail = lark_string(f"call:{name}{{"), lark_string("}")
+        head, tail = lark_string(GEMMA_HEAD[0] + name + GEMMA_HEAD[1]), lark_string("}")
         return prefix, [f"{prefix}: {head} {first} {tail}", *rules, *seq]
 
     return call
@@ -255,7 +258,16 @@ FORMATS: dict[str, ToolFormat] = {
         call_head=PYTHONIC_HEAD,
         arguments="keywords",
     ),
-    "gemma4": ToolFormat("gemma4", "<|tool_call>", "<tool_call|>", _key_value('<|"|>')),
+    # Streamed: mlx-lm's parser reads each value as the grammar writes it. Not FunctionGemma's,
+    # whose parser cuts the arguments at their first "}" and ",".
+    "gemma4": ToolFormat(
+        "gemma4",
+        "<|tool_call>",
+        "<tool_call|>",
+        _key_value(GEMMA_QUOTE),
+        call_head=GEMMA_HEAD,
+        arguments="key_value",
+    ),
     "function_gemma": ToolFormat(
         "function_gemma", "<start_function_call>", "<end_function_call>", _key_value("<escape>")
     ),
