@@ -13,6 +13,8 @@ out as it arrives (`JsonRelayout`). It is read for each format with a
 from __future__ import annotations
 
 import json
+import keyword
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -495,8 +497,24 @@ class CallStream:
         self.stopped = False
 
     @staticmethod
-    def supports(fmt: ToolFormat) -> bool:
-        return fmt.call_head is not None
+    def supports(fmt: ToolFormat, tools: Sequence[dict[str, Any]] = ()) -> bool:
+        """Whether calls to `tools` (OpenAI's shape) in `fmt` are read as they come: the
+        format has a `call_head`, and mlx-lm's parser reads their keys as the grammar writes
+        them. A pythonic block is read as Python only when every key is a name that is not
+        a keyword (`from=` sends the whole block to a regex, which reads values otherwise);
+        Gemma 4's keys are found as `\\w+`."""
+        if fmt.call_head is None:
+            return False
+        keys = [
+            key
+            for t in tools
+            for key in ((t["function"].get("parameters") or {}).get("properties") or {})
+        ]
+        if fmt.arguments == "keywords":
+            return all(k.isidentifier() and not keyword.iskeyword(k) for k in keys)
+        if fmt.arguments == "key_value":
+            return all(re.fullmatch(r"\w+", k) for k in keys)
+        return True
 
     def feed(self, text: str) -> list[CallDelta]:
         """The deltas that `text` (the next piece of the reply) made final."""

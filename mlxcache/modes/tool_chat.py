@@ -274,9 +274,10 @@ class ToolsTask:
         """Reads a reply's calls as it is written (after `encode`), where the grammar holds
         them to a format whose arguments are JSON; None: they are read once it ends."""
         style = self.style
-        if style is None or style.grammar is None or not CallStream.supports(style.fmt):
+        tools = [t.as_openai() for t in self.tools]
+        if style is None or style.grammar is None or not CallStream.supports(style.fmt, tools):
             return None
-        return CallStream(style.fmt, [t.as_openai() for t in self.tools])
+        return CallStream(style.fmt, tools)
 
     def encode(self, engine: Engine, messages: list[dict[str, Any]]) -> list[int]:
         """Token ids of the conversation with the tools described, ready for the reply."""
