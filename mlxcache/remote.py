@@ -32,11 +32,10 @@ from mlxcache.errors import (
     Worded,
 )
 from mlxcache.events import Done, Event, Result, Stats, Token
-from mlxcache.modes.tools import ToolCall, call_arguments
 from mlxcache.wire import USAGE_FIELD, model_source, published
 
 if TYPE_CHECKING:
-    from mlxcache.modes.tools import ToolChoice
+    from mlxcache.modes.tools import ToolCall, ToolChoice
     from mlxcache.sampling import SamplingParams
 
 CONNECT_TIMEOUT_S = 10.0
@@ -397,6 +396,10 @@ def reply_calls(message: dict[str, Any], extra: dict[str, Any], url: str) -> tup
     Raises:
         ServerError: a call's arguments are not a JSON object.
     """
+    # Here, not at the top: the tools mode brings the schema and grammar code, which a
+    # plain `generate --server` never needs (start-up, issue 22).
+    from mlxcache.modes.tools import ToolCall, call_arguments
+
     sent = message.get("tool_calls") or []
     kept = extra.get("tool_calls")
     out = []

@@ -84,6 +84,17 @@ def test_fast_commands_import_no_model_code(tmp_path: Path, name: str) -> None:
     assert result == {"code": 2 if name == "typo" else 0, "heavy": sorted(NEEDS.get(name, ()))}
 
 
+def test_the_server_client_imports_no_model_or_schema_code() -> None:
+    """`generate --server` loads `mlxcache.remote`: it must stay as light as the fast
+    commands (the tools mode's calls are read with the schema code only when asked)."""
+    heavy = json.dumps([*MODEL_CODE, *SCHEMA_CODE])
+    code = (
+        "import json, sys\nimport mlxcache.remote\n"
+        f"print(sorted({{m.split('.')[0] for m in sys.modules}} & set({heavy})))\n"
+    )
+    assert _python(code) == "[]\n"
+
+
 def test_help_renderer_defers_markdown_and_traceback() -> None:
     """Help is drawn without rich.markdown and rich.traceback; the renderer's names for
     them still give the real classes once used, and a later import is the real module."""
