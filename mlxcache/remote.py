@@ -17,7 +17,7 @@ import http.client
 import json
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
@@ -266,42 +266,9 @@ class Server:
     def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         """The chat completion that answers `body`, as a non-streamed reply has it. It is
         streamed (so a silent server is told from a long prefill: `IDLE_TIMEOUT_S`) and put
-        together: the message's content, reasoning and tool calls, finish reason, usage."""
-        message: dict[str, Any] = {"role": "assistant", "content": ""}
-        finish, usage = None, None
-        calls: dict[int, dict[str, Any]] = {}
-        for event in self.stream(path, {**body, "stream_options": {"include_usage": True}}):
-            for choice in _list(event.get("choices"), self.url, "choices"):
-                delta = _dict(choice.get("delta"), self.url, "a delta")
-                for key in ("content", "reasoning"):
-                    if isinstance(delta.get(key), str):
-                        message[key] = message.get(key, "") + delta[key]
-                for call in _list(delta.get("tool_calls"), self.url, "tool_calls"):
-                    self._add_call(calls, _dict(call, self.url, "a call"))
-                finish = choice.get("finish_reason") or finish
-            usage = event.get("usage") or usage
-        if calls:
-            if not all(c["function"]["name"] for c in calls.values()):
-                raise ServerError(f"the server at {self.url} sent a call without a name")
-            message["tool_calls"] = [calls[i] for i in sorted(calls)]
-        return {"choices": [{"message": message, "finish_reason": finish}], "usage": usage}
-
-    def _add_call(self, calls: dict[int, dict[str, Any]], call: dict[str, Any]) -> None:
-        """One `tool_calls` entry of a delta into the calls so far: a call's id and name
-        come first and its arguments in pieces (OpenAI's streaming), or all at once; an
-        entry without an index is the next call."""
-        function = _dict(call.get("function"), self.url, "a call")
-        index = call.get("index", len(calls))
-        pieces = [function.get(k) for k in ("name", "arguments")]
-        if not isinstance(index, int) or not all(p is None or isinstance(p, str) for p in pieces):
-            raise ServerError(f"the server at {self.url} sent a call in another shape")
-        got = calls.setdefault(
-            index, {"id": None, "type": "function", "function": {"name": "", "arguments": ""}}
-        )
-        if isinstance(call.get("id"), str):
-            got["id"] = call["id"]
-        for key, piece in zip(("name", "arguments"), pieces, strict=True):
-            got["function"][key] += piece or ""
+        together (`chat_reply`)."""
+        body = {**body, "stream_options": {"include_usage": True}}
+        return chat_reply(self.stream(path, body), self.url)
 
     def _json(self, response: Any) -> dict[str, Any]:
         raw = self._read(response)
@@ -386,6 +353,51 @@ class Server:
             )
         card: dict[str, Any] = cards[0]
         return card
+
+
+def chat_reply(events: Iterable[dict[str, Any]], url: str) -> dict[str, Any]:
+    """A streamed chat completion's chunks put together as the non-streamed reply has it:
+    the message's content, reasoning and tool calls, finish reason, usage.
+
+    Raises:
+        ServerError: a chunk of another shape (`url`: the server that sent it).
+    """
+    message: dict[str, Any] = {"role": "assistant", "content": ""}
+    finish, usage = None, None
+    calls: dict[int, dict[str, Any]] = {}
+    for event in events:
+        for choice in _list(event.get("choices"), url, "choices"):
+            delta = _dict(choice.get("delta"), url, "a delta")
+            for key in ("content", "reasoning"):
+                if isinstance(delta.get(key), str):
+                    message[key] = message.get(key, "") + delta[key]
+            for call in _list(delta.get("tool_calls"), url, "tool_calls"):
+                _add_call(calls, _dict(call, url, "a call"), url)
+            finish = choice.get("finish_reason") or finish
+        usage = event.get("usage") or usage
+    if calls:
+        if not all(c["function"]["name"] for c in calls.values()):
+            raise ServerError(f"the server at {url} sent a call without a name")
+        message["tool_calls"] = [calls[i] for i in sorted(calls)]
+    return {"choices": [{"message": message, "finish_reason": finish}], "usage": usage}
+
+
+def _add_call(calls: dict[int, dict[str, Any]], call: dict[str, Any], url: str) -> None:
+    """One `tool_calls` entry of a delta into the calls so far: a call's id and name come
+    first and its arguments in pieces (OpenAI's streaming), or all at once; an entry
+    without an index is the next call."""
+    function = _dict(call.get("function"), url, "a call")
+    index = call.get("index", len(calls))
+    pieces = [function.get(k) for k in ("name", "arguments")]
+    if not isinstance(index, int) or not all(p is None or isinstance(p, str) for p in pieces):
+        raise ServerError(f"the server at {url} sent a call in another shape")
+    got = calls.setdefault(
+        index, {"id": None, "type": "function", "function": {"name": "", "arguments": ""}}
+    )
+    if isinstance(call.get("id"), str):
+        got["id"] = call["id"]
+    for key, piece in zip(("name", "arguments"), pieces, strict=True):
+        got["function"][key] += piece or ""
 
 
 def reply_calls(message: dict[str, Any], extra: dict[str, Any], url: str) -> tuple[ToolCall, ...]:

@@ -31,6 +31,7 @@ from mlxcache.engine import Engine
 from mlxcache.model import load
 from mlxcache.modes.tool_chat import hermes_messages, tool_style
 from mlxcache.modes.tools import ToolChoice, parse_tools
+from mlxcache.remote import chat_reply
 from mlxcache.sampling import SamplingParams
 from mlxcache.server.process import ChildServer, MlxcacheServer, free_port
 
@@ -246,24 +247,17 @@ def streamed(url: str, route: str, body: dict[str, Any]) -> tuple[float | None, 
     """Send `body` streamed; (when the first of the reply came: text or a call begun, from
     the request's start; the reply as the route's non-streamed document has it)."""
     start, first = time.perf_counter(), None
-    chat: dict[str, Any] = {"content": "", "calls": {}}
+    chunks: list[dict[str, Any]] = []
     blocks: list[dict[str, Any]] = []
     doc: dict[str, Any] = {}
     usage = {"stream_options": {"include_usage": True}} if route == "chat" else {}
     for at, event in _events(url, PATHS[route], {**body, "stream": True, **usage}):
         kind = event.get("type")
         if route == "chat":
-            doc["usage"] = event.get("usage") or doc.get("usage")
-            for choice in event.get("choices") or ():
-                delta = choice["delta"]
-                chat["content"] += delta.get("content") or ""
-                for call in delta.get("tool_calls") or ():
-                    got = chat["calls"].setdefault(call["index"], ["", ""])
-                    got[0] += call["function"].get("name") or ""
-                    got[1] += call["function"].get("arguments") or ""
-                if delta.get("content") or delta.get("tool_calls"):
-                    first = first or at
-                chat["finish"] = choice.get("finish_reason") or chat.get("finish")
+            chunks.append(event)
+            deltas = [c["delta"] for c in event.get("choices") or ()]
+            if any(d.get("content") or d.get("tool_calls") for d in deltas):
+                first = first or at
         elif route == "messages":
             if kind == "content_block_start":
                 blocks.append({**event["content_block"], "partial": ""})
@@ -282,12 +276,10 @@ def streamed(url: str, route: str, body: dict[str, Any]) -> tuple[float | None, 
     # Calls streamed before the token limit cut the reply off were begun, not made: the
     # reply (as the non-streamed one has it) has none.
     if route == "chat":
-        calls = [
-            {"function": {"name": n, "arguments": a}}
-            for n, a in (chat["calls"][i] for i in sorted(chat["calls"]))
-            if chat.get("finish") != "length"
-        ]
-        doc["choices"] = [{"message": {"content": chat["content"], "tool_calls": calls}}]
+        doc = chat_reply(chunks, url)
+        [choice] = doc["choices"]
+        if choice["finish_reason"] == "length":
+            choice["message"].pop("tool_calls", None)
     elif route == "messages":
         doc["content"] = [
             {"type": "text", "text": b["partial"]}

@@ -270,9 +270,14 @@ class ToolsTask:
         """The text that opens a call in replies (after `encode`; Hermes before)."""
         return (self.style.fmt if self.style else HERMES).start
 
+    @property
+    def thinking(self) -> Thinking | None:
+        """The replies' thinking section (after `encode`; None: none)."""
+        return self.style.thinking if self.style else None
+
     def call_stream(self) -> CallStream | None:
         """Reads a reply's calls as it is written (after `encode`), where the grammar holds
-        them to a format whose arguments are JSON; None: they are read once it ends."""
+        them to a format `CallStream` reads as it comes; None: they are read once it ends."""
         style = self.style
         tools = [t.as_openai() for t in self.tools]
         if style is None or style.grammar is None or not CallStream.supports(style.fmt, tools):
@@ -312,8 +317,7 @@ class ToolsTask:
 
         A forced call cut off at the token limit is an error saying so.
         """
-        thinking = self.style.thinking if self.style else None
-        reasoning, text = split_reply(thinking, result.text)
+        reasoning, text = split_reply(self.thinking, result.text)
         reply = self._parse(text)
         reply = replace(reply, reasoning=reasoning)
         if self.choice.mode == "none":

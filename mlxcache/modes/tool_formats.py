@@ -120,9 +120,9 @@ class ToolFormat:
     list_sep: str | None = None
     block_sep: str = ""
     call_head: tuple[str, str] | None = None
-    """The text a call writes before its name and between the name and its arguments,
-    where those are JSON (`call_stream` reads calls by it as they are written); None: the
-    calls are read once the reply ends."""
+    """The text a call writes before its name and between the name and its arguments
+    (`call_stream` reads calls by it as they are written, their arguments as `arguments`
+    says); None: the calls are read once the reply ends."""
     arguments: str = "json"
     """How a call writes its arguments after its head: "json" (an object), "keywords"
     (`key=VALUE, ...)`, a Python call, each VALUE JSON), "xml" (`<parameter=key>` elements

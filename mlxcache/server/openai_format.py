@@ -47,16 +47,15 @@ def call_id(request_id: str, index: int) -> str:
     return f"call_{request_id.removeprefix('chatcmpl-')}_{index}"
 
 
+def _call(request_id: str, index: int, name: str, arguments: str) -> dict[str, Any]:
+    """One call as a message and a call's first chunk carry it."""
+    function = {"name": name, "arguments": arguments}
+    return {"id": call_id(request_id, index), "type": "function", "function": function}
+
+
 def tool_calls(request_id: str, calls: tuple[ToolCall, ...]) -> list[dict[str, Any]]:
     return [
-        {
-            "id": call_id(request_id, i),
-            "type": "function",
-            "function": {
-                "name": c.name,
-                "arguments": json.dumps(c.arguments, ensure_ascii=False),
-            },
-        }
+        _call(request_id, i, c.name, json.dumps(c.arguments, ensure_ascii=False))
         for i, c in enumerate(calls)
     ]
 
@@ -106,9 +105,7 @@ class Envelope:
         type and name first, then more of its arguments."""
         if delta.name is None:
             return {"index": delta.index, "function": {"arguments": delta.arguments}}
-        function = {"name": delta.name, "arguments": delta.arguments}
-        call_ = {"id": call_id(self.id, delta.index), "type": "function", "function": function}
-        return {"index": delta.index, **call_}
+        return {"index": delta.index, **_call(self.id, delta.index, delta.name, delta.arguments)}
 
     def usage_chunk(self, usage: Usage, obj: str = "chat.completion.chunk") -> dict[str, Any]:
         return {**self._head(obj), "choices": [], "usage": usage.as_dict()}

@@ -88,8 +88,8 @@ class Plan:
     def reply_text(self) -> ReplyText:
         if self.tools is None or self.tools.choice.mode == "none":
             return ReplyText(strip=self.tools is not None, thinking=self.thinking)
-        thinking = self.tools.style.thinking if self.tools.style else None
-        return ReplyText(self.tools.call_start, True, thinking, self.tools.call_stream())
+        tools = self.tools
+        return ReplyText(tools.call_start, True, tools.thinking, tools.call_stream())
 
     def answer(self, text: str, finish_reason: str) -> Answer:
         """The final content and calls of a reply whose text is `text`."""
