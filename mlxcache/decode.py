@@ -35,11 +35,21 @@ class Share(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class Forward:
-    """Batched decode: the engine runs this decode step's forward (`y` after `layers`,
-    within a batch of lanes) and sends back its logits, shaped (1, vocab)."""
+    """Batched decode: the engine runs this forward (`y`, one token or a verify's token and
+    drafts, after `layers`, within a batch of lanes) and sends back its logits, shaped
+    (len(y), vocab)."""
 
     y: mx.array
     layers: Layers
+
+
+@dataclass(frozen=True, slots=True)
+class Rewind:
+    """Batched drafting: the last `n` positions fed (rejected drafts) leave the KV, in the
+    batch or in `layers` (plain KV)."""
+
+    layers: Layers
+    n: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,7 +166,7 @@ def decode(
     drafter: Drafter | None = None,
     draft: int = 0,
     capture: Capture | None = None,
-) -> Generator[Token | Forward | Leave | Sync, Any, Result]:
+) -> Generator[Token | Forward | Leave | Sync | Rewind, Any, Result]:
     """Generate up to `budget` tokens after `prompt`, whose last logits are `logits`.
 
     Yields one `Token` per generated token (its text may be empty while a character or a
@@ -170,7 +180,8 @@ def decode(
     `to_end`: the layers end up holding the KV of every token drawn, the last one (an end
     token too) included, as mlx-lm's do: where decode KV is kept, the next turn resumes
     after the whole reply instead of prefilling its last token in its own TTFT.
-    `drafter` with `draft` k >= 1: speculative decoding (`_drafted`), never batched.
+    `drafter` with `draft` k >= 1: speculative decoding (`_drafted`); batched only over
+    plain KV (rejected drafts go with `Rewind`).
     `capture` (decode KV kept): told each time a one-token step leaves the
     layers holding a whole number of blocks (`Capture`); a verify forward that passes a
     boundary does not stop there, so a drafted reply's blocks are not captured.
@@ -225,7 +236,7 @@ def decode(
     if drafter is not None and draft > 0:
         capture = None  # verify forwards pass block boundaries: nothing to note
         last = yield from _drafted(
-            model, layers, logits, reply, pick, drafter, draft, budget, stats, start
+            model, layers, logits, reply, pick, drafter, draft, budget, stats, start, batched
         )
         fed = False
     else:
@@ -322,13 +333,15 @@ def _drafted(
     budget: int,
     stats: Stats,
     start: float,
-) -> Generator[Token, Any, mx.array]:
+    batched: bool,
+) -> Generator[Token | Forward | Rewind, Any, mx.array]:
     """Speculative decoding: each forward feeds the last token and up to `k` drafts
     (`draft.Drafter`); each row's logits are picked from exactly as plain decoding picks
     (`pick`: the same processors over the same history, the sampler's next key), and a
     draft is accepted while it equals the pick. The first pick that differs ends the
-    round; the rejected drafts' KV is taken back out (`Checkpoint`). Returns the last token
-    drawn (not in the layers)."""
+    round; the rejected drafts' KV is taken back out (`Checkpoint`; `batched`: the engine
+    runs the forward in the decode batch, and `Rewind` takes them out). Returns the last
+    token drawn (not in the layers)."""
     out = reply.out
     token = int(pick(logits).item())  # type: ignore[arg-type]
     stats.ttft_s = time.perf_counter() - start
@@ -340,8 +353,11 @@ def _drafted(
         while taken is not None and not reply.stops.stopped and len(out) < budget:
             drafts = drafter.propose(reply.tokens(), min(k, budget - len(out) - 1))
             inputs = [token, *drafts]
-            mark = Checkpoint(layers)
-            rows = model(mx.array([inputs]), cache=layers)[0]
+            if batched:
+                rows = yield Forward(mx.array(inputs), layers)
+            else:
+                mark = Checkpoint(layers)
+                rows = model(mx.array([inputs]), cache=layers)[0]
             stats.verify_forwards += 1
             stats.drafted_tokens += len(drafts)
             i = 0
@@ -356,7 +372,10 @@ def _drafted(
                 stats.accepted_tokens += 1
                 i += 1
             # Rows 0..i were read: their inputs stay; the drafts after them go.
-            mark.rewind(model, inputs[: i + 1], len(drafts) - i)
+            if not batched:
+                mark.rewind(model, inputs[: i + 1], len(drafts) - i)
+            elif len(drafts) > i:
+                yield Rewind(layers, len(drafts) - i)
     finally:
         drafter.close()
     stats.decode_s = time.perf_counter() - decode_start

@@ -27,10 +27,12 @@ import numpy as np
 from mlxcache.cache.base import PrefixCache
 from mlxcache.config import DRAFTS, MAX_DRAFT, DraftConfig
 from mlxcache.decode import Share
+from mlxcache.decode_batch import plain
 from mlxcache.draft import Drafter, Lookup, ModelDrafter
 from mlxcache.errors import UserInputError
-from mlxcache.invariance import Verify, verify_probe
+from mlxcache.invariance import Verify, batch_verify_probe, verify_probe
 from mlxcache.model import LoadedModel
+from mlxcache.types import new_layers
 
 PAYS_OFF = 0.5
 """auto: draft where a verify forward of w rows costs at most this much of w one-row steps."""
@@ -38,11 +40,13 @@ PAYS_OFF = 0.5
 
 @dataclass(frozen=True, slots=True)
 class Plan:
-    """A request's drafting: the drafter's kind ("lookup" or "model") and k, the most tokens
-    it drafts per verify forward."""
+    """A request's drafting: the drafter's kind ("lookup" or "model"), k, the most tokens
+    it drafts per verify forward, and whether its verify forwards are rows of the decode
+    batch (else its own, beside the batch)."""
 
     kind: str
     k: int
+    batched: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +94,7 @@ class Drafting:
         self._note = on_note
         self._said: set[str] = set()
         self._verify: Verify | None = None
+        self._batch_width: int | None = None
 
     @classmethod
     def off(cls, loaded: LoadedModel, block_size: int) -> Drafting:
@@ -102,8 +107,11 @@ class Drafting:
             self._verify = verify_probe(self.loaded, self.block_size, self.record, self._note)
         return self._verify
 
-    def plan(self, mode: str | None = None) -> Plan | None:
+    def plan(self, mode: str | None = None, batch: bool = False) -> Plan | None:
         """How a request asking for `mode` (None: the engine's) is drafted; None: plain.
+        `batch`: the engine decodes in a batch; the plan's verify forwards join it where
+        the model's KV is plain and the probe found drafted rows there exact
+        (`invariance.batch_verify_width`; k is then at most what it passed).
 
         Raises:
             UserInputError: an unknown mode, or "model" without a draft model.
@@ -123,10 +131,10 @@ class Drafting:
             found = self.verify()
             if found.width < 2 or found.cost > PAYS_OFF * found.width:
                 return None
-            return Plan(kind, min(k, found.width - 1))
+            return self._batched(Plan(kind, min(k, found.width - 1)), batch)
         found = self.verify()
         if found.width >= 2:
-            return Plan(kind, min(k, found.width - 1))
+            return self._batched(Plan(kind, min(k, found.width - 1)), batch)
         if self.config.inexact:
             self._once(
                 "drafting inexact: this device's verify forwards are not bitwise decode steps "
@@ -138,6 +146,18 @@ class Drafting:
             "this model (--draft-inexact drafts anyway; replies may then differ)"
         )
         return None
+
+    def _batched(self, plan: Plan, batch: bool) -> Plan:
+        """`plan` with its rows in the decode batch, where they are exact there."""
+        if not batch or not plain(new_layers(self.loaded.model)):
+            return plan
+        if self._batch_width is None:
+            self._batch_width = batch_verify_probe(
+                self.loaded, self.block_size, self.record, self._note
+            )
+        if self._batch_width < 2:
+            return plan
+        return Plan(plan.kind, min(plan.k, self._batch_width - 1), batched=True)
 
     def drafter(self, plan: Plan, share: Share | None = None) -> Drafter:
         """A new drafter for one reply (`share`: a sharded run's, see `Shared`)."""

@@ -159,14 +159,13 @@ class Engine:
                 self.cancel(rid)
             if rewarm:  # its warm-ahead goes on later, from what it kept
                 self.warm(lane.tokens)
-        plan = self.drafting.plan(request.draft)
+        plan = self.drafting.plan(request.draft, batch=self.batch_decode)
         rid = next(self._ids)
         follow = lanes.follow_of(
             request, tokens, self.next_turn, block, self.loaded.context_length - 1
         )
         work = self._work()
-        gen = lanes.request_lane(work, rid, tokens, request, follow, plan)
-        self._sched.add(rid, Lane(gen, tokens, LaneKind.REQUEST, solo=plan is not None))
+        self._sched.add(rid, lanes.request(work, rid, tokens, request, follow, plan))
         if follow is not None:
             fid = next(self._ids)
             gen = lanes.follow_lane(work, fid, follow)
@@ -269,7 +268,7 @@ class Engine:
         events: list[Event] = []
         for i, rid in enumerate(rows):
             self._sched.batch_forward(rid)
-            events.extend(self._turn(rid, value=logits[i : i + 1]))
+            events.extend(self._turn(rid, value=logits[i]))
         return events
 
     def _advance(

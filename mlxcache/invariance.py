@@ -14,7 +14,8 @@ against chunked prefills of the same tokens at several chunk sizes, past any sli
 window. A second probe decodes rows of different lengths as one batch (`DecodeBatch`,
 with a row leaving, one joining and one going on alone on the way) against each row
 decoded alone: where the bits agree, lanes may decode together and a reply still does not
-depend on who else runs. A third (`verify_width`) measures drafting's verify forwards.
+depend on who else runs. A third (`verify_width`) measures drafting's verify forwards,
+and a fourth (`batch_verify_width`) verify forwards of drafted rows inside a decode batch.
 The answers are kept per (model key, block size, device, MLX and mlx-lm versions, KV
 quantization, probe version) in `<cache dir>/probes.json`.
 """
@@ -34,7 +35,7 @@ import numpy as np
 
 from mlxcache.cache.layout import Layout, kv_tag
 from mlxcache.config import MAX_DRAFT
-from mlxcache.decode_batch import DecodeBatch, batchable
+from mlxcache.decode_batch import DecodeBatch, batchable, plain
 from mlxcache.draft import Checkpoint, snapshot
 from mlxcache.fileio import write_atomic
 from mlxcache.model import LoadedModel
@@ -145,6 +146,16 @@ def batch_matches_solo(model: Model, block_size: int) -> bool:
         return False
     window = min((int(c.max_size) for c in fresh if isinstance(c, TimeRing)), default=0)
     at_prefix = _prefixed(model, [(5 * i + 1) % 97 + 1 for i in range(window)], block_size)
+    return _rows_match(model, at_prefix, 1)
+
+
+def _rows_match(model: Model, at_prefix: Callable[[], list[LayerCache]], width: int) -> bool:
+    """Whether rows decoded as one `DecodeBatch` after `at_prefix` (prompts of different
+    lengths, so left-padded; row 0 leaving and row 3 joining at the second step; the first
+    row left going on alone after it leaves the batch) read bitwise the logits each reads
+    decoded alone, greedily. `width` > 1: rows 0 and 3 verify `width` - 1 drafts, all
+    accepted; row 1 as many with one wrong midway (the rest rejected: `DecodeBatch.rewind`);
+    row 2 steps one token (padded to the width)."""
     prompts = [[(7 * i + 3 * r) % 97 + 1 for i in range(n)] for r, n in enumerate((3, 6, 8, 4))]
     steps = 3
 
@@ -153,20 +164,27 @@ def batch_matches_solo(model: Model, block_size: int) -> bool:
         first = model(mx.array([p]), cache=layers)[0, -1]
         return layers, int(mx.argmax(first).item())  # type: ignore[arg-type]
 
-    solo = []  # each row's tokens in and logits out, decoded alone
+    solo = []  # each row's greedy tokens, and the logits after each, decoded alone
     for p in prompts:
         layers, y = prefilled(p)
-        seen = []
-        for _ in range(steps + 1):
-            out = model(mx.array([[y]]), cache=layers)[0, -1]
-            seen.append((y, out))
-            y = int(mx.argmax(out).item())  # type: ignore[arg-type]
-        solo.append(seen)
-    batch, own, at = DecodeBatch(), {}, {}
+        seq, seen = [y], []
+        for _ in range(steps * width + 2):
+            out = model(mx.array([[seq[-1]]]), cache=layers)[0, -1]
+            seen.append(out)
+            seq.append(int(mx.argmax(out).item()))  # type: ignore[arg-type]
+        solo.append((seq, seen))
+    batch, own, at = DecodeBatch(), {}, dict[int, int]()
+    kept = {0: width, 1: max(width // 2, 1), 2: 1, 3: width}  # rows read per forward
+
+    def inputs(r: int) -> list[int]:
+        got = solo[r][0][at[r] : at[r] + (1 if r == 2 else width)]
+        if kept[r] < len(got):
+            got[kept[r]] = got[kept[r]] - 1 if got[kept[r]] else 1  # a wrong draft
+        return got
 
     def join(r: int) -> None:
         own[r], at[r] = prefilled(prompts[r])[0], 0
-        batch.join(r, own[r], mx.array([solo[r][0][0]]))
+        batch.join(r, own[r], mx.array(inputs(r)))
 
     for r in (0, 1, 2):
         join(r)
@@ -174,16 +192,19 @@ def batch_matches_solo(model: Model, block_size: int) -> bool:
         if step == 1:  # row 0 leaves, row 3 joins
             batch.drop(0)
             join(3)
-        out = batch.forward(model)
+        rows = batch.forward(model)
         for i, r in enumerate(batch.rows):
-            if not mx.array_equal(out[i], solo[r][at[r]][1]).item():
+            n = kept[r]
+            if not all(mx.array_equal(rows[i][j], solo[r][1][at[r] + j]).item() for j in range(n)):
                 return False
-            at[r] += 1
-            batch.wait(r, mx.array([solo[r][at[r]][0]]))
+            batch.rewind(r, rows[i].shape[0] - n)
+            at[r] += n
+        for r in batch.rows:
+            batch.wait(r, mx.array(inputs(r)))
     r = batch.rows[0]  # leaves, and goes on alone from its own caches
     batch.leave(r, own[r])
-    out = model(mx.array([[solo[r][at[r]][0]]]), cache=own[r])[0, -1]
-    return bool(mx.array_equal(out, solo[r][at[r]][1]).item())
+    out = model(mx.array([[solo[r][0][at[r]]]]), cache=own[r])[0, -1]
+    return bool(mx.array_equal(out, solo[r][1][at[r]]).item())
 
 
 def _key(loaded: LoadedModel, block_size: int) -> str:
@@ -317,6 +338,39 @@ def verify_width(model: Model, block_size: int) -> tuple[int, float]:
             continue
         best = w
     return best, _cost(model, at_prefix, best) if best > 1 else 1.0
+
+
+def batch_verify_probe(
+    loaded: LoadedModel, block_size: int, directory: Path | None, on_note: Note | None = None
+) -> int:
+    """`batch_verify_width` for `loaded` on this device, from `directory`'s record or
+    measured now (and recorded; None: as `verify_probe`)."""
+    key = _key(loaded, block_size)
+    known = {} if directory is None else _known(directory, key)
+    width = known.get("batch_verify")
+    if isinstance(width, int):
+        return width
+    if on_note is not None:
+        on_note(
+            f"measuring how exactly this device verifies drafts in a batch for {loaded.name} (once)"
+        )
+    width = batch_verify_width(loaded.model, block_size)
+    if directory is not None:
+        _write(directory, key, {"batch_verify": width})
+    return width
+
+
+def batch_verify_width(model: Model, block_size: int) -> int:
+    """The widest of `VERIFY_WIDTHS` at which drafted rows in a `DecodeBatch` are bitwise
+    one-row steps (`_rows_match`: rows of different widths, all, some and none of their
+    drafts accepted, the rejected drafts and the padding rolled out of the KV); 1 where no
+    width passes. Plain KV only (`decode_batch.plain`)."""
+    if not plain(new_layers(model)):
+        return 1
+    at_prefix = _prefixed(model, [], block_size)
+    return next(
+        (w for w in sorted(VERIFY_WIDTHS, reverse=True) if _rows_match(model, at_prefix, w)), 1
+    )
 
 
 def _cost(model: Model, at_prefix: Callable[[], list[LayerCache]], width: int) -> float:

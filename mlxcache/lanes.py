@@ -4,7 +4,7 @@ step, over the model and cache of a `Work`. Whose turn it is, and what a lane's 
 becomes after a step, is the scheduler's (`scheduler.py`); the engine drives.
 
 A lane generator yields events (`Prefill`, `Token`, `Done`) and, in a batched decode, asks
-for its forwards (`decode.Forward`, `decode.Sync`, `decode.Leave`); it keeps what it
+for its forwards (`decode.Forward`, `decode.Sync`, `decode.Leave`, `decode.Rewind`); it keeps what it
 computed through its cache lease and releases the lease however it ends.
 """
 
@@ -21,8 +21,9 @@ import mlx.core as mx
 import numpy as np
 
 from mlxcache.cache.base import Lease, NoCache, PrefixCache
-from mlxcache.decode import Capture, Forward, Leave, Share, Sync, decode
+from mlxcache.decode import Capture, Forward, Leave, Rewind, Share, Sync, decode
 from mlxcache.decode_batch import DecodeBatch
+from mlxcache.draft import Checkpoint
 from mlxcache.drafting import Drafting, Plan
 from mlxcache.encoder import Encoder, common_prefix
 from mlxcache.errors import GenerationError, MemoryLimitError
@@ -115,12 +116,12 @@ class Follow:
 class Lane:
     """A lane: its generator, and what the scheduler reads and sets (`scheduler.Schedulable`)."""
 
-    gen: Generator[Any, Any, None]  # Events, and a batched decode's Forward / Sync / Leave
+    gen: Generator[Any, Any, None]  # Events, and a batched decode's Forward / Sync / Leave / Rewind
     tokens: np.ndarray
     kind: LaneKind
     phase: Phase = Phase.RESTORING  # moved on by the scheduler (`Scheduler.advanced`)
     follow: Follow | None = None  # a follow lane's state
-    solo: bool = False  # a drafted request: its decode forwards are its own, never batched
+    solo: bool = False  # a drafted request whose forwards are its own (not `Plan.batched`)
 
     def has_work(self) -> bool:
         """False only for a follow lane waiting for its reply to complete a block."""
@@ -212,13 +213,19 @@ def advance(
     this returns `Step.JOINED`; None once it has ended. Its errors propagate."""
     try:
         step = lane.gen.send(value)
-        while isinstance(step, Forward | Leave | Sync):
+        while isinstance(step, Forward | Leave | Sync | Rewind):
             if isinstance(step, Leave | Sync):
                 if rid in batch:  # else its own forwards left them current
                     (batch.leave if isinstance(step, Leave) else batch.sync)(rid, step.layers)
                 step = lane.gen.send(None)
+            elif isinstance(step, Rewind):
+                if rid in batch:
+                    batch.rewind(rid, step.n)
+                else:  # plain KV (`drafting.Plan.batched`): trimmed, nothing fed again
+                    Checkpoint(step.layers).rewind(model, (), step.n)
+                step = lane.gen.send(None)
             elif own:
-                step = lane.gen.send(model(step.y.reshape(1, 1), cache=step.layers)[:, -1, :])
+                step = lane.gen.send(model(step.y.reshape(1, -1), cache=step.layers)[0])
             else:
                 if rid in batch:
                     batch.wait(rid, step.y)
@@ -239,6 +246,15 @@ def miss_reason(work: Work, n: int) -> str:
     return "no cached prefix"
 
 
+def request(
+    work: Work, rid: int, tokens: np.ndarray, req: Request, follow: Follow | None, plan: Plan | None
+) -> Lane:
+    """A request's lane (`request_lane`): past its first token it decodes in the batch, but
+    for a drafted request whose verify forwards cannot be rows of it (`Plan.batched`)."""
+    gen = request_lane(work, rid, tokens, req, follow, plan)
+    return Lane(gen, tokens, LaneKind.REQUEST, solo=bool(plan and not plan.batched))
+
+
 def request_lane(
     work: Work,
     rid: int,
@@ -246,7 +262,7 @@ def request_lane(
     req: Request,
     follow: Follow | None,
     plan: Plan | None = None,
-) -> Generator[Event | Forward | Leave | Sync | Step, Any, None]:
+) -> Generator[Event | Forward | Leave | Sync | Rewind | Step, Any, None]:
     n = int(tokens.size)
     stats = Stats(prompt_tokens=n)
     start = time.perf_counter()
@@ -290,7 +306,7 @@ def request_lane(
             start=start,
             out=None if follow is None else follow.reply,
             logprobs=req.logprobs,
-            batched=work.batch_decode and plan is None,
+            batched=work.batch_decode and (plan is None or plan.batched),
             share=work.share,
             to_end=work.keep_replies,
             drafter=None if plan is None else work.drafting.drafter(plan, work.share),

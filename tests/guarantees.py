@@ -39,6 +39,7 @@ from mlxcache.cache.store import PromptCache
 from mlxcache.config import CacheConfig, DraftConfig
 from mlxcache.decode import Share
 from mlxcache.decode_batch import batchable
+from mlxcache.decode_batch import plain as plain_kv
 from mlxcache.draft import Drafter
 from mlxcache.drafting import Drafting, Plan
 from mlxcache.engine import Engine, Request
@@ -968,7 +969,8 @@ def check_drafted(rig: Rig) -> None:
     and rejected at every row of a round: where the verify probe passes. The shape-sensitive
     model must fail the probe and decode plainly. A drafted reply's KV is kept as a plain
     one's (the next turn resumes past it with the cold run's bits), and a drafted request
-    decodes beside batched plain ones, each equal to its solo run."""
+    decodes beside batched plain ones, each equal to its solo run: with plain KV its verify
+    forwards are rows of the batch (the others padded, rejected drafts rolled out)."""
     engine, _spy = rig.engine()
     assert isinstance(engine.cache, PromptCache)
     allowed = measured(engine.loaded, engine.cache.config)
@@ -1016,11 +1018,24 @@ def check_drafted(rig: Rig) -> None:
     alone = scored(list(cold.generate(mine)))
     reply = [t for t, logprob, _ in alone if logprob is not None]
     engine.drafting = OracleDrafting(engine.loaded, rig.dir, Oracle(8, reply, vocab))
+    widths: list[int] = []
+    forward = engine._batch.forward
+
+    def recorded(model: Any) -> list[mx.array]:
+        rows = forward(model)
+        widths.append(max(r.shape[0] for r in rows))
+        return rows
+
+    engine._batch.forward = recorded  # type: ignore[method-assign]
     ids = [engine.submit(r) for r in [*others, mine]]
     seen: dict[int, list[Event]] = {}
     for e in engine.run():
         seen.setdefault(e.request_id, []).append(e)
     assert [scored(seen[i]) for i in ids] == [*solo, alone], "a reply depends on its neighbours"
+    if allowed["batch"] and width > 1 and plain_kv(new_layers(engine.loaded.model)):
+        assert max(widths, default=1) > 1, (
+            "the drafted request's verify forwards were not in the batch"
+        )
 
 
 def check_probes_apart(rig: Rig) -> None:

@@ -19,6 +19,7 @@ from mlx_lm.models.cache import BatchRotatingKVCache, KVCache, RotatingKVCache
 import mlxcache.cache.layout as layout_mod
 import mlxcache.decode as decode_mod
 import mlxcache.draft as draft_mod
+import mlxcache.drafting as drafting_mod
 import mlxcache.engine as engine_mod
 import mlxcache.invariance as invariance
 import mlxcache.lanes as lanes_mod
@@ -29,6 +30,7 @@ from mlxcache.cache.disk import DiskTier, digest_tokens
 from mlxcache.cache.layout import Layout
 from mlxcache.cache.memory import MemoryTier, state_name
 from mlxcache.cache.store import PromptCache
+from mlxcache.config import MAX_DRAFT
 from mlxcache.decode_batch import DecodeBatch
 from mlxcache.encoder import common_prefix
 from mlxcache.engine import Engine
@@ -499,6 +501,20 @@ def rejected_draft_kv_kept(patch: Patch) -> None:
     patch(draft_mod.Checkpoint, "rewind", lambda self, model, inputs, rejected: None)
 
 
+def batch_rewind_skipped(patch: Patch) -> None:
+    """A drafted row of the decode batch keeps its rejected drafts' KV (and the probe, which
+    would refuse such rows, is taken at its word: the replies must show it)."""
+    patch(DecodeBatch, "rewind", lambda self, rid, n: None)
+    patch(drafting_mod, "batch_verify_probe", lambda *_a, **_k: MAX_DRAFT + 1)
+
+
+def batch_padding_kept(patch: Patch) -> None:
+    """The decode batch drops nothing from its rows' KV: the padding of rows narrower than
+    a drafted row's verify, and rejected drafts, stay in it (the probe taken at its word)."""
+    patch(DecodeBatch, "_settle", lambda self: None)
+    patch(drafting_mod, "batch_verify_probe", lambda *_a, **_k: MAX_DRAFT + 1)
+
+
 def state_not_restored(patch: Patch) -> None:
     """A ring buffer's or recurrent state is not put back before the accepted tokens are
     fed again: it has seen the rejected drafts (and the accepted tokens twice)."""
@@ -655,6 +671,8 @@ MUTANTS: dict[str, Callable[[Patch], None]] = {
         reply_end_not_fed,
         accept_one_row_late,
         rejected_draft_kv_kept,
+        batch_rewind_skipped,
+        batch_padding_kept,
         state_not_restored,
         grammar_over_drafts,
         pick_with_next_key,

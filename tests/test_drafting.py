@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 from mlxcache.bench.families import FAMILIES, build
 from mlxcache.config import MAX_DRAFT, CacheConfig, DraftConfig, SamplingParams
 from mlxcache.draft import Lookup
-from mlxcache.drafting import Drafting, Shared
+from mlxcache.drafting import Drafting, Plan, Shared
 from mlxcache.engine import Engine, Request
 from mlxcache.errors import SettingError, UserInputError
 from mlxcache.events import Done
@@ -88,6 +88,24 @@ def test_lookup_plans_the_probed_width_and_records_it(tiny: LoadedModel, tmp_pat
     found["verify"] = 3
     (tmp_path / PROBES).write_text(json.dumps({next(iter(record)): found}))
     assert again.plan() == type(plan)("lookup", 2)
+
+
+def test_a_batching_engine_s_plan_drafts_in_the_batch_where_the_probe_allows(
+    tiny: LoadedModel, recurrent: LoadedModel, tmp_path: Path
+) -> None:
+    drafting = Drafting(tiny, DraftConfig(mode="lookup", tokens=6), B, tmp_path)
+    assert drafting.plan(batch=True) == Plan("lookup", 6, batched=True)
+    assert drafting.plan() == Plan("lookup", 6)  # no batch: its own forwards
+    (found,) = json.loads((tmp_path / PROBES).read_text()).values()
+    assert found["batch_verify"] == MAX_DRAFT + 1
+    # A narrower width passed in a batch: k at most what it passed.
+    key = next(iter(json.loads((tmp_path / PROBES).read_text())))
+    (tmp_path / PROBES).write_text(json.dumps({key: {**found, "batch_verify": 3}}))
+    narrower = Drafting(tiny, DraftConfig(mode="lookup", tokens=6), B, tmp_path)
+    assert narrower.plan(batch=True) == Plan("lookup", 2, batched=True)
+    # Recurrent state has no per-row rewind: its drafted rows keep their own forwards.
+    own = Drafting(recurrent, DraftConfig(mode="lookup"), B, tmp_path).plan(batch=True)
+    assert own is not None and not own.batched
 
 
 def test_a_refused_model_decodes_plainly_and_says_so_once(
@@ -248,14 +266,19 @@ def test_bad_draft_options_are_one_line(
 # -- serve --------------------------------------------------------------------------------
 
 
-def test_serve_takes_a_draft_field_and_replies_as_without(tiny: LoadedModel) -> None:
+@pytest.mark.parametrize("batch", [False, True])
+def test_serve_takes_a_draft_field_and_replies_as_without(
+    tiny: LoadedModel, batch: bool, tmp_path: Path
+) -> None:
+    """Through the server, whether its drafted rows verify in the decode batch or not."""
     from asgi import call
 
     from mlxcache.server.app import Settings, create_app
     from mlxcache.server.log import RequestLog
     from mlxcache.worker import EngineWorker
 
-    engine = Engine(tiny, block_size=B, warm_ahead=False)
+    drafting = Drafting(tiny, DraftConfig(mode="off"), B, tmp_path)
+    engine = Engine(tiny, block_size=B, warm_ahead=False, batch_decode=batch, drafting=drafting)
     with EngineWorker(engine) as worker:
         app = create_app(engine, worker, Settings(tiny.name), RequestLog(stream=io.StringIO()))
         body = {

@@ -16,7 +16,8 @@ import mlxcache.invariance as invariance
 from mlxcache.bench.families import FAMILIES, build
 from mlxcache.cache.base import NoCache
 from mlxcache.cache.store import PromptCache
-from mlxcache.config import CacheConfig
+from mlxcache.config import MAX_DRAFT, CacheConfig
+from mlxcache.decode_batch import DecodeBatch
 from mlxcache.engine import Engine, Request
 from mlxcache.model import LoadedModel, load
 from mlxcache.ring import TimeBatchRing, TimeRing
@@ -126,6 +127,42 @@ def test_batched_rows_are_exact_on_cpu_and_not_for_a_shape_sensitive_model(
 ) -> None:
     assert invariance.batch_matches_solo(tiny.model, 4)
     assert not invariance.batch_matches_solo(shaped(tiny).model, 4)
+
+
+@pytest.mark.skipif(mx.default_device() != mx.cpu, reason="measured on MLX's CPU backend")
+def test_drafted_rows_in_a_batch_are_exact_on_cpu_and_not_for_a_shape_sensitive_model(
+    tiny: LoadedModel, families: dict[str, LoadedModel], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows verifying drafts beside one-row rows, rejected drafts and padding rolled out of
+    the KV, give their one-row bits on this CPU at every width; the shape-sensitive model
+    fails, and so does a batch that keeps rejected drafts or padding. Caches other than plain KV have
+    no per-row rewind: not measured, refused."""
+    assert invariance.batch_verify_width(tiny.model, 4) == MAX_DRAFT + 1
+    assert invariance.batch_verify_width(families["qwen3_moe"].model, 4) == MAX_DRAFT + 1
+    assert invariance.batch_verify_width(shaped(tiny).model, 4) == 1
+    for family in ("gemma3_text", "qwen3_next", "lfm2"):  # sliding window, recurrent
+        assert invariance.batch_verify_width(families[family].model, 4) == 1
+    with monkeypatch.context() as patched:
+        patched.setattr(DecodeBatch, "rewind", lambda self, rid, n: None)
+        assert invariance.batch_verify_width(tiny.model, 4) == 1
+    monkeypatch.setattr(DecodeBatch, "_settle", lambda self: None)  # padding kept too
+    assert invariance.batch_verify_width(tiny.model, 4) == 1
+
+
+def test_the_batch_verify_answer_is_recorded(
+    tiny: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[int] = []
+
+    def width(model: object, block_size: int) -> int:
+        calls.append(block_size)
+        return 3
+
+    monkeypatch.setattr(invariance, "batch_verify_width", width)
+    assert invariance.batch_verify_probe(tiny, 4, tmp_path) == 3
+    assert invariance.batch_verify_probe(tiny, 4, tmp_path) == 3  # read back
+    assert invariance.batch_verify_probe(tiny, 4, None) == 3  # a sharded run: measured
+    assert calls == [4, 4]
 
 
 def test_batching_anyway_is_what_a_user_asks_for(tiny: LoadedModel, recurrent: LoadedModel) -> None:

@@ -81,6 +81,8 @@ CAUGHT_BY: dict[str, list[tuple[str, str]]] = {
     "reply_end_not_fed": [("plain", "kept_replies"), ("plain", "batched"), ("plain", "end_token")],
     "accept_one_row_late": [("plain", "drafted"), ("recurrent", "drafted")],
     "rejected_draft_kv_kept": [("plain", "drafted")],
+    "batch_rewind_skipped": [("plain", "drafted")],
+    "batch_padding_kept": [("plain", "drafted")],
     "state_not_restored": [("recurrent", "drafted"), ("checkpointed", "drafted")],
     "grammar_over_drafts": [("plain", "drafted")],
     "pick_with_next_key": [("plain", "drafted"), ("recurrent", "drafted")],
