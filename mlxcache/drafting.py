@@ -149,11 +149,13 @@ class Drafting:
 
     def _batched(self, plan: Plan, batch: bool) -> Plan:
         """`plan` with its rows in the decode batch, where they are exact there."""
-        if not batch or not plain(new_layers(self.loaded.model)):
+        if not batch:
             return plan
-        if self._batch_width is None:
-            self._batch_width = batch_verify_probe(
-                self.loaded, self.block_size, self.record, self._note
+        if self._batch_width is None:  # other caches have no per-row rewind: not probed
+            self._batch_width = (
+                batch_verify_probe(self.loaded, self.block_size, self.record, self._note)
+                if plain(new_layers(self.loaded.model))
+                else 1
             )
         if self._batch_width < 2:
             return plan

@@ -246,23 +246,48 @@ Note = Callable[[str], None]
 """Told before a probe measures (it takes seconds on a real model): what is happening."""
 
 
+def _recorded(
+    loaded: LoadedModel,
+    block_size: int,
+    directory: Path | None,
+    fields: dict[str, type],
+    what: str,
+    measure: Callable[[], dict[str, Any]],
+    on_note: Note | None,
+) -> dict[str, Any]:
+    """`fields` of `loaded`'s record in `directory` where each is there with its type, else
+    `measure()`d now (`on_note` told: measuring `what`) and recorded. `directory` None:
+    measured, not recorded, as in a sharded run where every rank must make the same
+    forwards."""
+    key = _key(loaded, block_size)
+    known = {} if directory is None else _known(directory, key)
+    if all(isinstance(known.get(k), t) for k, t in fields.items()):
+        return {k: known[k] for k in fields}
+    if on_note is not None:
+        on_note(f"measuring {what} for {loaded.name} (once)")
+    found = measure()
+    if directory is not None:
+        _write(directory, key, found)
+    return found
+
+
 def probe(
     loaded: LoadedModel, block_size: int, directory: Path, on_note: Note | None = None
 ) -> dict[str, bool]:
     """{"decode": decode KV is canonical, "batch": rows may decode together} for `loaded`
     on this device, from `directory`'s record or measured now (and recorded)."""
-    key = _key(loaded, block_size)
-    known = _known(directory, key)
-    if all(isinstance(known.get(k), bool) for k in ("decode", "batch")):
-        return {"decode": known["decode"], "batch": known["batch"]}
-    if on_note is not None:
-        on_note(f"measuring what this device computes exactly for {loaded.name} (once)")
-    found = {
-        "decode": decode_matches_prefill(loaded.model, block_size),
-        "batch": batch_matches_solo(loaded.model, block_size),
-    }
-    _write(directory, key, found)
-    return found
+    return _recorded(
+        loaded,
+        block_size,
+        directory,
+        {"decode": bool, "batch": bool},
+        "what this device computes exactly",
+        lambda: {
+            "decode": decode_matches_prefill(loaded.model, block_size),
+            "batch": batch_matches_solo(loaded.model, block_size),
+        },
+        on_note,
+    )
 
 
 VERIFY_WIDTHS = (2, 3, 5, MAX_DRAFT + 1)
@@ -284,17 +309,15 @@ def verify_probe(
     """`verify_width` and its cost for `loaded` on this device, from `directory`'s record
     or measured now (and recorded; None: measured, not recorded, as in a sharded run where
     every rank must make the same forwards)."""
-    key = _key(loaded, block_size)
-    known = {} if directory is None else _known(directory, key)
-    width, cost = known.get("verify"), known.get("verify_cost")
-    if isinstance(width, int) and isinstance(cost, float):
-        return Verify(width, cost)
-    if on_note is not None:
-        on_note(f"measuring how exactly this device verifies drafts for {loaded.name} (once)")
-    found = Verify(*verify_width(loaded.model, block_size))
-    if directory is not None:
-        _write(directory, key, {"verify": found.width, "verify_cost": found.cost})
-    return found
+
+    def measure() -> dict[str, Any]:
+        width, cost = verify_width(loaded.model, block_size)
+        return {"verify": width, "verify_cost": cost}
+
+    fields = {"verify": int, "verify_cost": float}
+    what = "how exactly this device verifies drafts"
+    found = _recorded(loaded, block_size, directory, fields, what, measure, on_note)
+    return Verify(found["verify"], found["verify_cost"])
 
 
 def verify_width(model: Model, block_size: int) -> tuple[int, float]:
@@ -345,19 +368,16 @@ def batch_verify_probe(
 ) -> int:
     """`batch_verify_width` for `loaded` on this device, from `directory`'s record or
     measured now (and recorded; None: as `verify_probe`)."""
-    key = _key(loaded, block_size)
-    known = {} if directory is None else _known(directory, key)
-    width = known.get("batch_verify")
-    if isinstance(width, int):
-        return width
-    if on_note is not None:
-        on_note(
-            f"measuring how exactly this device verifies drafts in a batch for {loaded.name} (once)"
-        )
-    width = batch_verify_width(loaded.model, block_size)
-    if directory is not None:
-        _write(directory, key, {"batch_verify": width})
-    return width
+    found = _recorded(
+        loaded,
+        block_size,
+        directory,
+        {"batch_verify": int},
+        "how exactly this device verifies drafts in a batch",
+        lambda: {"batch_verify": batch_verify_width(loaded.model, block_size)},
+        on_note,
+    )
+    return int(found["batch_verify"])
 
 
 def batch_verify_width(model: Model, block_size: int) -> int:

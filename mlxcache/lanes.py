@@ -4,8 +4,8 @@ step, over the model and cache of a `Work`. Whose turn it is, and what a lane's 
 becomes after a step, is the scheduler's (`scheduler.py`); the engine drives.
 
 A lane generator yields events (`Prefill`, `Token`, `Done`) and, in a batched decode, asks
-for its forwards (`decode.Forward`, `decode.Sync`, `decode.Leave`, `decode.Rewind`); it keeps what it
-computed through its cache lease and releases the lease however it ends.
+for its forwards (`decode.Forward`, `decode.Sync`, `decode.Leave`, `decode.Rewind`); it
+keeps what it computed through its cache lease and releases the lease however it ends.
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ class Follow:
 class Lane:
     """A lane: its generator, and what the scheduler reads and sets (`scheduler.Schedulable`)."""
 
-    gen: Generator[Any, Any, None]  # Events, and a batched decode's Forward / Sync / Leave / Rewind
+    gen: Generator[Any, Any, None]  # Events, and a batched decode's asks (`advance`)
     tokens: np.ndarray
     kind: LaneKind
     phase: Phase = Phase.RESTORING  # moved on by the scheduler (`Scheduler.advanced`)
