@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from mlxcache.modes.call_stream import CallDelta, CallsSent, CallStream, JsonRelayout
 from mlxcache.modes.tool_formats import (
     FORMATS,
+    FUNCTION_GEMMA_QUOTE,
     GEMMA_QUOTE,
     HERMES,
     MISTRAL_JSON,
@@ -154,11 +155,10 @@ def written(fmt: ToolFormat, calls: list[tuple[str, dict[str, Any]]], layout: di
         if fmt.arguments == "keywords":
             values = (f"{k}={json.dumps(v, ensure_ascii=False)}" for k, v in args.items())
             return f"{name}({', '.join(values)})"
-        if fmt.arguments == "key_value":  # strings between quotes, the rest JSON
+        if fmt.arguments in ("key_value", "cut"):  # strings between quotes, the rest JSON
+            quote = GEMMA_QUOTE if fmt.arguments == "key_value" else FUNCTION_GEMMA_QUOTE
             pairs = (
-                f"{k}:{GEMMA_QUOTE}{v}{GEMMA_QUOTE}"
-                if isinstance(v, str)
-                else f"{k}:{json.dumps(v)}"
+                f"{k}:{quote}{v}{quote}" if isinstance(v, str) else f"{k}:{json.dumps(v)}"
                 for k, v in args.items()
             )
             return f"call:{name}{{{','.join(pairs)}}}"
@@ -181,7 +181,7 @@ def written(fmt: ToolFormat, calls: list[tuple[str, dict[str, Any]]], layout: di
         return f"{fmt.start}[{', '.join(inner)}]{fmt.end}"
     if fmt.arguments == "xml":
         return "\n".join(f"<tool_call>\n{b}\n</tool_call>" for b in inner)
-    if fmt.arguments == "key_value":
+    if fmt.arguments in ("key_value", "cut"):
         return "".join(f"{fmt.start}{b}{fmt.end}" for b in inner)
     return "[TOOL_CALLS]" + "".join(inner)
 
@@ -217,17 +217,39 @@ NAMES_OF_ARGUMENTS = st.from_regex(r"[a-z_][a-z0-9_]{0,5}", fullmatch=True).filt
 )
 KEYWORDS = st.dictionaries(NAMES_OF_ARGUMENTS, VALUES, max_size=4)
 
+FG = FORMATS["function_gemma"]
+ESC = FUNCTION_GEMMA_QUOTE
 
-@pytest.mark.parametrize("fmt", STREAMED.values(), ids=list(STREAMED))
-@settings(max_examples=120, deadline=None)
-@given(
-    st.lists(st.tuples(NAMES, KEYWORDS), min_size=1, max_size=3),
-    st.sampled_from(["", "Let me check. "]),
-    st.randoms(use_true_random=False),
+
+# Values the parser reads back as they were: no "}" anywhere (it cuts the arguments there),
+# no "," in what is not a string, no escape inside a string.
+FG_STRINGS = st.text(st.characters(codec="utf-8", exclude_characters="}"), max_size=8).filter(
+    lambda v: ESC not in v and FG.end not in v
 )
+FG_SCALARS = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(10**30), 10**30)
+    | st.floats(allow_nan=False, allow_infinity=False)
+)
+FG_ARGS = st.dictionaries(
+    st.text(st.characters(codec="utf-8", exclude_characters=":}"), max_size=5).filter(
+        lambda k: FG.end not in k
+    ),
+    FG_STRINGS | FG_SCALARS,
+    max_size=4,
+)
+ARGUMENTS = {**{name: KEYWORDS for name in STREAMED}, "function_gemma": FG_ARGS}
+
+
+@pytest.mark.parametrize("name", list(ARGUMENTS))
+@settings(max_examples=120, deadline=None)
+@given(st.data(), st.sampled_from(["", "Let me check. "]), st.randoms(use_true_random=False))
 def test_calls_stream_as_the_finished_reply_reads_them(
-    fmt: ToolFormat, calls: list[tuple[str, dict[str, Any]]], before: str, rng: random.Random
+    name: str, data: st.DataObject, before: str, rng: random.Random
 ) -> None:
+    fmt = STREAMED.get(name, FG)
+    calls = data.draw(st.lists(st.tuples(NAMES, ARGUMENTS[name]), min_size=1, max_size=3))
     text = before + written(fmt, calls, {})
     content, deltas = streamed(fmt, text, rng)
     reply = parse_reply(text, TOOLS, fmt)  # mlx-lm's parser for the format
@@ -373,11 +395,11 @@ def test_keys_a_format_s_parser_reads_otherwise_leave_the_calls_to_the_end(
     assert CallStream.supports(fmt, [t.as_openai() for t in parse_tools([typed("f", n={})])])
 
 
-@pytest.mark.parametrize("name", ["function_gemma"])
-def test_formats_whose_arguments_are_not_json_are_read_at_the_end(name: str) -> None:
-    assert not CallStream.supports(FORMATS[name])
+def test_a_format_read_only_at_the_end_has_no_stream() -> None:
+    fmt = ToolFormat("glm47", "<tool_call>", "</tool_call>")  # read back, never forced
+    assert not CallStream.supports(fmt)
     with pytest.raises(ValueError, match="not read as they come"):
-        CallStream(FORMATS[name])
+        CallStream(fmt)
 
 
 @pytest.mark.parametrize("value", ["null", "NULL", "Null"])
@@ -424,3 +446,107 @@ def test_gemma_calls_stream_as_gemma_4_s_parser_reads_them(
     assert reply.error is None and len(reply.calls) == len(calls)
     final = [(c.name, json.dumps(c.arguments, ensure_ascii=False)) for c in reply.calls]
     assert joined(deltas) == final
+
+
+# -- FunctionGemma: arguments as its parser cuts them ---------------------------------------
+
+
+def test_a_function_gemma_string_streams_as_it_is_written() -> None:
+    """Fed a character at a time: the name once "{" comes, a key at its ":", a string's
+    characters as they come (what may begin an escape or the block's end held), a number
+    once the "}" after it comes."""
+    text = written(FG, [("get_weather", {"city": "Paris <b>", "days": 3})], {})
+    reply = ReplyText(FG.start, strip=True, calls=CallStream(FG))
+    came: list[tuple[str, str]] = []
+    for i, char in enumerate(text):
+        reply.add(char)
+        came += [(text[: i + 1][-3:], d.name or d.arguments) for d in reply.new_calls()]
+    assert came == [
+        ("er{", "get_weather"),
+        ("ty:", '{"city": '),
+        ("pe>", '"'),
+        ("e>P", "P"),
+        *((c[-3:], c[-1]) for c in ("e>Pa", "e>Par", "e>Pari", "e>Paris", "e>Paris ")),
+        (" <b", "<b"),
+        ("<b>", ">"),
+        ("pe>", '"'),
+        ("ys:", ', "days": '),
+        (":3}", "3}"),
+    ]
+
+
+def test_a_function_gemma_call_cut_off_has_sent_a_prefix_of_its_arguments() -> None:
+    calls = [("get_weather", {"city": "Paris", "days": 2}), ("add_2", {"a": 1.5, "b": "x"})]
+    text = written(FG, calls, {})
+    whole = [(n, json.dumps(a, ensure_ascii=False)) for n, a in calls]
+    for cut in range(len(text) + 1):
+        got = joined(streamed(FG, text[:cut], random.Random(cut))[1])
+        assert all(n == whole[i][0] and whole[i][1].startswith(a) for i, (n, a) in enumerate(got))
+    assert joined(streamed(FG, text, random.Random(0))[1]) == whole
+
+
+@pytest.mark.parametrize(
+    ("inner", "sent"),
+    [
+        ("call:f{a: x y,b: 1 }", '{"a": " x y", "b": 1}'),  # JSON where it reads, else text
+        ("call:f{a:,b:NaN,c:[1,d:2}", '{"a": "", "b": NaN, "c": "[1", "d": 2}'),
+        ("call:f{a:1,}", '{"a": 1}'),
+        (f"call:f{{a b:{ESC}x, y{ESC};c:1}}", '{"a b": "x, y", "c": 1}'),  # ";" skipped
+        (f"call:f{{a:{ESC}x{ESC}}} call:g{{b:2}}", '{"a": "x"}'),  # one call per block
+        (f"call:f{{a:{ESC}x}}y{ESC}}}", '{"a": "x'),  # "}" ends it: unreadable
+        (f"call:f{{a:{ESC}x<", '{"a": "x<'),  # the block ends first: unreadable
+        ("call:f{a:1,b}", '{"a": 1'),  # a key without ":": unreadable
+    ],
+)
+def test_function_gemma_arguments_are_what_its_parser_reads(inner: str, sent: str) -> None:
+    text = FG.start + inner + FG.end
+    [(name, arguments)] = joined(streamed(FG, text, random.Random(0))[1])
+    assert (name, arguments) == ("f", sent)
+    try:
+        [call] = FG.parse(blocks(text, FG)[1][0], [])
+    except ValueError:
+        return
+    assert arguments == json.dumps(call["arguments"], ensure_ascii=False)
+
+
+def test_what_may_begin_an_escape_or_the_block_s_end_is_held() -> None:
+    for held_back in (ESC[:4], FG.end[:4]):
+        text = f"{FG.start}call:f{{a:{ESC}x{held_back}"
+        assert joined(streamed(FG, text, random.Random(0))[1]) == [("f", '{"a": "x')]
+
+
+# Pieces the parser reads as structure, and a few that it does not.
+FG_PIECES = st.sampled_from(
+    [
+        *("call:", "get_weather", "{", "}", ":", ",", ESC, ESC[:3], FG.start, FG.end, FG.end[:5]),
+        *("a", "1", "1.5", "[1", "true", "nul", " ", "\n", '"', "é"),
+    ]
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.lists(st.tuples(NAMES, FG_ARGS), min_size=1, max_size=2),
+    st.lists(st.tuples(st.floats(0, 1), FG_PIECES, st.booleans()), min_size=1, max_size=3),
+    st.randoms(use_true_random=False),
+)
+def test_a_damaged_function_gemma_text_streams_what_its_parser_reads_or_stops(
+    calls: list[tuple[str, dict[str, Any]]],
+    edits: list[tuple[float, str, bool]],
+    rng: random.Random,
+) -> None:
+    """Calls with pieces put in or characters taken out: every call the stream begins is
+    one the parser reads (when it reads the reply), the same name, its arguments a prefix
+    of the final ones (or, with a key written twice, text that reads back as them)."""
+    text = written(FG, calls, {})
+    for where, piece, insert in edits:
+        at = int(where * len(text))
+        text = text[:at] + piece + text[at:] if insert else text[:at] + text[at + 1 :]
+    reply = parse_reply(text, TOOLS, FG)
+    sent = joined(streamed(FG, text, rng)[1])
+    if reply.error is None:
+        assert len(sent) <= len(reply.calls)
+    for (name, arguments), call in zip(sent, reply.calls, strict=False):
+        whole = json.dumps(call.arguments, ensure_ascii=False)
+        assert name == call.name
+        assert whole.startswith(arguments) or json.loads(arguments) == call.arguments

@@ -171,16 +171,15 @@ def test_random_model_calls_in_its_family_format(wide: LoadedModel, family: str)
         )
         # Streamed as the model wrote it, the call joins to the same name and arguments.
         stream = task.call_stream()
-        assert (stream is None) == (parser_of(family) == "function_gemma")
-        if stream is not None:
-            text = ReplyText(task.call_start, strip=True, calls=stream)
-            sent = CallsSent()
-            for char in result.text:
-                text.add(char)
-                for delta in text.new_calls():
-                    sent.add(delta)
-            whole = [(c.name, json.dumps(c.arguments, ensure_ascii=False)) for c in reply.calls]
-            assert [(sent.name(i), sent.arguments(i)) for i in range(sent.begun)] == whole
+        assert stream is not None
+        text = ReplyText(task.call_start, strip=True, calls=stream)
+        sent = CallsSent()
+        for char in result.text:
+            text.add(char)
+            for delta in text.new_calls():
+                sent.add(delta)
+        whole = [(c.name, json.dumps(c.arguments, ensure_ascii=False)) for c in reply.calls]
+        assert [(sent.name(i), sent.arguments(i)) for i in range(sent.begun)] == whole
     none = ToolsTask(TOOLS, ToolChoice("none"))
     none.encode(engine, messages)
     assert none.style is not None and none.style.grammar is None

@@ -6,8 +6,8 @@ What is streamed is a prefix of what the finished reply says: a call's arguments
 as `json.dumps(arguments, ensure_ascii=False)` writes them, the model's own JSON re-laid
 out as it arrives (`JsonRelayout`). It is read for each format with a
 `ToolFormat.call_head`: JSON arguments (Hermes, Qwen, Mistral), pythonic keyword arguments
-(`JsonRelayout` per value), Qwen3-Coder's XML elements (`XmlArgs`) and Gemma 4's
-`key:VALUE` pairs (`KeyValueArgs`); FunctionGemma's calls are sent whole once the reply ends.
+(`JsonRelayout` per value), Qwen3-Coder's XML elements (`XmlArgs`), Gemma 4's `key:VALUE`
+pairs (`KeyValueArgs`) and FunctionGemma's, read as its parser cuts them (`CutArgs`).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlxcache.modes.tool_formats import (
+    FUNCTION_GEMMA_QUOTE,
     GEMMA_QUOTE,
     XML_END,
     XML_HEAD,
@@ -464,6 +465,110 @@ class KeyValueArgs:
         return "}" if self._written_one else "{}"
 
 
+class CutArgs:
+    """A FunctionGemma call's arguments after its "{", read as mlx-lm's parser reads them:
+    they end at the first "}" (wherever it is); a key runs to the next ":"; a value that
+    starts with `quote` runs to the next `quote`, and the character after that is skipped
+    (the comma the grammar writes); any other value runs to the next "," and is JSON where
+    `json.loads` reads it, else its text. A quoted string streams as it comes, any other
+    value goes out once it ends, written as `json.dumps` writes the object. The block's
+    `end` tag before that "}" leaves the call unreadable (the parser's block ends first):
+    that stops it. The same interface as `JsonRelayout`."""
+
+    def __init__(self, quote: str, end: str) -> None:
+        self.done = False
+        self.failed = False
+        self._quote, self._end = quote, end
+        self._args = ""  # the text after "{", up to its first "}"
+        self._closed = False  # that "}" came
+        self._state = "key"  # -> "value" -> "quoted" -> "skip" -> "key" | "plain" -> "key"
+        self._at = 0  # where in `_args` the key or value being read starts
+        self._sent = 0  # how far a quoted value was written
+        self._written_one = False
+
+    def feed(self, text: str) -> tuple[str, int]:
+        if self.done or self.failed:
+            return "", 0
+        cut = text.find("}")
+        start = len(self._args)
+        self._args += text if cut < 0 else text[:cut]
+        self._closed = cut >= 0
+        if self._end in self._args[max(start - len(self._end) + 1, 0) :]:
+            self.failed = True
+            return "", 0
+        out: list[str] = []
+        while not (self.done or self.failed) and (written := self._step()) is not None:
+            out.append(written)
+        return "".join(out), len(text) if cut < 0 else cut + 1
+
+    def _step(self) -> str | None:
+        """Read what `_args` says next; None: it needs more text."""
+        args, state = self._args, self._state
+        if state == "key":
+            at = args.find(":", self._at)
+            if at >= 0:
+                key, self._at, self._state = args[self._at : at], at + 1, "value"
+                head = ", " if self._written_one else "{"
+                self._written_one = True
+                return f"{head}{json.dumps(key, ensure_ascii=False)}: "
+            if not self._closed:
+                return None
+            if self._at < len(args):  # a key without ":": the parser's `index` raises
+                return self._fail()
+            return self._finish()
+        if state == "value":
+            rest = args[self._at :]
+            if rest.startswith(self._quote):
+                self._at += len(self._quote)
+                self._state, self._sent = "quoted", self._at
+                return '"'
+            if self._quote.startswith(rest) and not self._closed:
+                return None  # may still open a string
+            self._state = "plain"
+            return ""
+        if state == "plain":
+            at = args.find(",", self._at)
+            if at < 0 and not self._closed:
+                return None
+            end = len(args) if at < 0 else at
+            value, self._at, self._state = args[self._at : end], end + 1, "key"
+            return self._plain(value) + (self._finish() if at < 0 else "")
+        if state == "quoted":
+            at = args.find(self._quote, self._at)
+            if at >= 0:
+                text, self._at, self._state = args[self._sent : at], at + len(self._quote), "skip"
+                return "".join(map(_written, text)) + '"'
+            if self._closed:  # the "}" came inside the string: it never closes
+                return self._fail()
+            upto = len(args) - max(held(args, self._quote), held(args, self._end))
+            if upto <= self._sent:
+                return None
+            text, self._sent = args[self._sent : upto], upto
+            return "".join(map(_written, text))
+        if self._at < len(args):  # "skip"
+            self._at, self._state = self._at + 1, "key"
+            return ""
+        return self._finish() if self._closed else None
+
+    def _plain(self, value: str) -> str:
+        """A value not quoted, as the parser reads it: JSON, else its text."""
+        try:
+            read: Any = json.loads(value)
+        except json.JSONDecodeError:
+            read = value
+        except Exception:  # the parser lets other errors out: the call is unreadable
+            return self._fail()
+        return json.dumps(read, ensure_ascii=False)
+
+    def _fail(self) -> str:
+        self.failed = True
+        return ""
+
+    def _finish(self) -> str:
+        self.done = True
+        return "}" if self._written_one else "{}"
+
+
 @dataclass(frozen=True, slots=True)
 class CallDelta:
     """More of the reply's `index`th call: its name on the call's first delta (else
@@ -482,7 +587,9 @@ class CallStream:
     the arguments (`ToolFormat.call_head`; with nothing before the name, it starts at the
     next character a name may hold); what lies between calls (closing and opening tags,
     list separators) is skipped. Text that does not read as a call ends the streaming:
-    the finished reply then says the rest.
+    the finished reply then says the rest. Where the parser reads one call per block
+    (FunctionGemma's), the next call is sought in the next block, and a block that ends
+    before its call begins stops it.
     """
 
     def __init__(self, fmt: ToolFormat, tools: Sequence[dict[str, Any]] = ()) -> None:
@@ -493,7 +600,8 @@ class CallStream:
         self._index = -1
         self._state = "seek"
         self._text = ""  # text not yet placed: a head being matched, a name being read
-        self._args: JsonRelayout | KeywordArgs | XmlArgs | KeyValueArgs | None = None
+        self._args: JsonRelayout | KeywordArgs | XmlArgs | KeyValueArgs | CutArgs | None = None
+        self._one_per_block = fmt.arguments == "cut"
         self.stopped = False
 
     @staticmethod
@@ -533,13 +641,29 @@ class CallStream:
             if self._args.failed:
                 self.stopped = True
             elif self._args.done:
-                self._state = "seek"
+                self._state = "block_end" if self._one_per_block else "seek"
             return text[used:]
         self._text += text
+        if self._state in ("block_end", "block_start"):
+            end, start = self._fmt.end, self._fmt.start
+            tag = end if self._state == "block_end" else start
+            at = self._text.find(tag)
+            if at < 0:
+                self._text = self._text[len(self._text) - held(self._text, tag) :]
+                return ""
+            self._state = "block_start" if self._state == "block_end" else "seek"
+            text, self._text = self._text[at + len(tag) :], ""
+            return text
         if self._state == "seek":
             at = self._text.find(self._before) if self._before else _name_at(self._text)
+            closed = self._text.find(self._fmt.end) if self._one_per_block else -1
+            if closed >= 0 and (at < 0 or closed < at):
+                self.stopped = True  # the block ends before its call: it cannot be read
+                return ""
             if at < 0:
-                self._text = self._text[len(self._text) - held(self._text, self._before) :]
+                ends = held(self._text, self._fmt.end) if self._one_per_block else 0
+                keep = max(held(self._text, self._before), ends)
+                self._text = self._text[len(self._text) - keep :]
                 return ""
             self._state, self._text = "name", self._text[at + len(self._before) :]
             text, self._text = self._text, ""
@@ -550,13 +674,25 @@ class CallStream:
                 self.stopped = True
             return ""
         name, rest = self._text[:at], self._text[at + len(self._after) :]
+        if self._one_per_block and not self._reads_name(name):
+            self.stopped = True
+            return ""
         self._index += 1
         out.append(CallDelta(self._index, name, ""))
         self._state, self._text = "args", ""
         self._args = self._reader(name)
         return rest
 
-    def _reader(self, name: str) -> JsonRelayout | KeywordArgs | XmlArgs | KeyValueArgs:
+    def _reads_name(self, name: str) -> bool:
+        """Whether FunctionGemma's parser reads the head as a call to `name` (the text
+        between "call:" and "{" may hold what its `\\w+` does not)."""
+        try:
+            [call] = self._fmt.parse(f"{self._before}{name}{self._after}}}", list(self._tools))
+        except ValueError:
+            return False
+        return bool(call.get("name") == name)
+
+    def _reader(self, name: str) -> JsonRelayout | KeywordArgs | XmlArgs | KeyValueArgs | CutArgs:
         """What reads the arguments of a call to `name` (`ToolFormat.arguments`)."""
         if self._fmt.arguments == "keywords":
             return KeywordArgs()
@@ -564,6 +700,8 @@ class CallStream:
             return XmlArgs(self._fmt, name, self._tools)
         if self._fmt.arguments == "key_value":
             return KeyValueArgs()
+        if self._fmt.arguments == "cut":
+            return CutArgs(FUNCTION_GEMMA_QUOTE, self._fmt.end)
         return JsonRelayout()
 
 

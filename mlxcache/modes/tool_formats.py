@@ -126,8 +126,9 @@ class ToolFormat:
     arguments: str = "json"
     """How a call writes its arguments after its head: "json" (an object), "keywords"
     (`key=VALUE, ...)`, a Python call, each VALUE JSON), "xml" (`<parameter=key>` elements
-    up to `</function>`) or "key_value" (Gemma 4's `key:VALUE,...}`, strings between
-    `GEMMA_QUOTE`s, the rest JSON)."""
+    up to `</function>`), "key_value" (Gemma 4's `key:VALUE,...}`, strings between
+    `GEMMA_QUOTE`s, the rest JSON) or "cut" (FunctionGemma's `key:VALUE,...}`, which its
+    parser cuts at the first "}" and reads the first call of a block only)."""
 
     def parse(self, segment: str, tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The calls in one block's inner text as mlx-lm's parser reads them.
@@ -162,6 +163,7 @@ XML_PARAMETER = ("<parameter=", ">\n", "\n</parameter>\n")
 XML_END = "</function>"
 GEMMA_HEAD = ("call:", "{")
 GEMMA_QUOTE = '<|"|>'
+FUNCTION_GEMMA_QUOTE = "<escape>"
 
 
 def _json_call(prefix: str, decoding: dict[str, Any], name: str) -> tuple[str, Rules]:
@@ -258,8 +260,6 @@ FORMATS: dict[str, ToolFormat] = {
         call_head=PYTHONIC_HEAD,
         arguments="keywords",
     ),
-    # Streamed: mlx-lm's parser reads each value as the grammar writes it. Not FunctionGemma's,
-    # whose parser cuts the arguments at their first "}" and ",".
     "gemma4": ToolFormat(
         "gemma4",
         "<|tool_call>",
@@ -269,7 +269,12 @@ FORMATS: dict[str, ToolFormat] = {
         arguments="key_value",
     ),
     "function_gemma": ToolFormat(
-        "function_gemma", "<start_function_call>", "<end_function_call>", _key_value("<escape>")
+        "function_gemma",
+        "<start_function_call>",
+        "<end_function_call>",
+        _key_value(FUNCTION_GEMMA_QUOTE),
+        call_head=GEMMA_HEAD,
+        arguments="cut",
     ),
     "mistral": ToolFormat(
         "mistral", "[TOOL_CALLS]", "", _mistral_args_call, list_sep="", call_head=MISTRAL_HEAD
