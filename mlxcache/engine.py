@@ -207,7 +207,8 @@ class Engine:
     @told
     def step(self, background: bool = True) -> list[Event]:
         """One lane's turn, one model call: the next request lane (or follow lane with work,
-        while no request is prefilling), round robin; else the oldest warm lane with work.
+        while no request is prefilling), round robin, a prefill turn going to the prompt
+        due first; else the oldest warm lane with work.
         A request's last prefill chunk comes with its first token (and the next decode
         step queued behind it). With batched decode, requests past their first token take
         their steps together (`_batch_step`), every other turn while lanes are prefilling.

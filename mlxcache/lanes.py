@@ -122,6 +122,7 @@ class Lane:
     phase: Phase = Phase.RESTORING  # moved on by the scheduler (`Scheduler.advanced`)
     follow: Follow | None = None  # a follow lane's state
     solo: bool = False  # a drafted request whose forwards are its own (not `Plan.batched`)
+    left: int | None = None  # a request's prompt tokens to prefill, once looked up
 
     def has_work(self) -> bool:
         """False only for a follow lane waiting for its reply to complete a block."""
@@ -232,6 +233,8 @@ def advance(
                 else:
                     batch.join(rid, step.layers, step.y)
                 return Step.JOINED
+        if isinstance(step, Prefill) and lane.kind is LaneKind.REQUEST:
+            lane.left = step.total - step.done
         return cast(Event, step)
     except StopIteration:
         return None

@@ -8,6 +8,15 @@ generator and tells the scheduler what became of it (`requeue`, `finish`, `cance
   to the back. Requests always take their turn; a follow lane only while no request is
   prefilling (so it never delays a first token) and only when it has work (a block of
   prompt + reply completed, or its request has ended).
+- **first tokens soonest**: a turn that falls to a request prefilling its prompt goes to
+  the prefilling request due first: the one with the fewest prompt tokens left, counted
+  from the prefill clock at its arrival (the tokens every request had prefilled by then).
+  Requests prefilling side by side would all give their first token late (four equal
+  prompts: each after all four); one after the other, the first comes after one, the
+  next after two... A short prompt goes before a long one's rest, but only by what the
+  long one has waited, so none waits for ever. A request whose prompt is not looked up
+  yet (or that waits for memory) takes its turns in the round: its first turn finds what
+  it resumes, and so how much it has left.
 - **waiting on a shared prompt**: a request not started yet whose prompt is mostly an
   earlier request's still being prefilled (`waits`: the engine's rule) waits for it, and
   then resumes what it kept instead of computing the same blocks beside it.
@@ -106,6 +115,12 @@ class Schedulable(Protocol):
     @phase.setter
     def phase(self, phase: Phase) -> None: ...
 
+    @property
+    def left(self) -> int | None:
+        """A request's prompt tokens not prefilled yet; None before its prompt is looked up
+        in the cache (or for a background lane)."""
+        ...
+
     def has_work(self) -> bool:
         """Whether a turn would do something (a follow lane may wait for its reply)."""
         ...
@@ -125,6 +140,9 @@ class Scheduler(Generic[L]):
         self._warm: deque[int] = deque()  # warm-ahead lanes, oldest first
         self._follower: dict[int, int] = {}  # a followed request -> its follow lane
         self._batch_next = False  # the batch's turn comes next (it alternates with lanes)
+        self._clock = 0  # prompt tokens the requests have prefilled, all together
+        self._arrival: dict[int, int] = {}  # a request's clock when it was queued
+        self._left: dict[int, int] = {}  # a request's `left` at its last turn
 
     def __contains__(self, rid: object) -> bool:
         return rid in self._lanes
@@ -143,6 +161,7 @@ class Scheduler(Generic[L]):
             raise ValueError("a follow lane, and only a follow lane, follows a request")
         self._lanes[rid] = lane
         (self._warm if lane.kind is LaneKind.WARM else self._round).append(rid)
+        self._arrival[rid] = self._clock
         if follows is not None:
             self._follower[follows] = rid
 
@@ -168,9 +187,25 @@ class Scheduler(Generic[L]):
             self._batch_next = False
             return BATCH
         self._batch_next = True
+        if (
+            rid is not None
+            and self._lanes[rid].left is not None
+            and self._prefilling(self._lanes[rid])
+        ):
+            rid = self._due_first()
         if rid is None and background and self._warm:
             rid = self._warm[0]
         return rid
+
+    def _due_first(self) -> int:
+        """The prefilling request looked up whose first token is due first: the fewest
+        tokens left, from its arrival's clock (then the oldest)."""
+        due = {
+            r: self._arrival[r] + left
+            for r in self._round
+            if self._prefilling(self._lanes[r]) and (left := self._lanes[r].left) is not None
+        }
+        return min(due, key=lambda r: (due[r], r))
 
     def _waiting(self, rid: int) -> bool:
         """A request not started yet that waits for an earlier request's prefill."""
@@ -214,6 +249,10 @@ class Scheduler(Generic[L]):
             lane.phase = Phase.PREFILLING
             self.requeue(rid)
             return False
+        left, before = lane.left, self._left.get(rid)
+        if left is not None:
+            self._clock += 0 if before is None else before - left
+            self._left[rid] = left
         if step is Step.PROMPT_DONE:
             lane.phase = Phase.PREFILLING
             return True
@@ -261,6 +300,8 @@ class Scheduler(Generic[L]):
         return taken
 
     def _remove(self, rid: int) -> L:
+        self._arrival.pop(rid, None)
+        self._left.pop(rid, None)
         lane = self._lanes.pop(rid)
         (self._warm if lane.kind is LaneKind.WARM else self._round).remove(rid)
         return lane

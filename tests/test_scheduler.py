@@ -16,6 +16,7 @@ class FakeLane:
     kind: LaneKind
     phase: Phase = Phase.DECODING
     work: bool = True
+    left: int | None = None
 
     def has_work(self) -> bool:
         return self.work
@@ -186,3 +187,80 @@ def test_a_request_waits_for_an_earlier_one_prefilling_the_prompt_it_shares() ->
     sched.add(4, Prompted(REQUEST, Phase.PREFILLING, group=3))
     sched.add(5, Prompted(REQUEST, Phase.RESTORING, group=3))
     assert {3, 4} <= set(turns(sched, 6)) and 5 not in turns(sched, 6)  # type: ignore[arg-type]
+
+
+def prefills(sched: Scheduler[FakeLane], n: int, chunk: int = 10) -> list[int]:
+    """n turns as the engine takes them for prefilling requests: the lane whose turn it is
+    prefills a chunk (its first turn looks its prompt up: `looked_up` says what is left),
+    then its first token comes with its last chunk and it decodes."""
+    out: list[int] = []
+    for _ in range(n):
+        rid = sched.next_turn()
+        assert isinstance(rid, int)
+        out.append(rid)
+        lane = sched[rid]
+        assert lane.phase in (Phase.RESTORING, Phase.PREFILLING)
+        if lane.left is None:
+            lane.left = LOOKED_UP[rid]
+        lane.left = max(lane.left - chunk, 0)
+        step = Step.CHUNK if lane.left else Step.PROMPT_DONE
+        if sched.advanced(rid, step, batch=False):
+            sched.advanced(rid, Step.TOKEN, batch=False)  # its first token: it decodes
+            lane.phase = Phase.BATCHED  # out of the round's turns
+    return out
+
+
+LOOKED_UP: dict[int, int] = {}
+"""Each fake request's prompt tokens left once its first turn looked it up."""
+
+
+def requests(sched: Scheduler[FakeLane], **left: int) -> None:
+    for rid, n in ((int(k[1:]), n) for k, n in left.items()):
+        LOOKED_UP[rid] = n
+        sched.add(rid, FakeLane(REQUEST, Phase.RESTORING))
+
+
+def test_prompts_prefill_one_after_another_and_not_side_by_side() -> None:
+    """Four equal prompts: each first looks its own up (a chunk), then the oldest goes on to
+    its first token before the next starts: the first tokens come after 6, 8, 10 and 12
+    turns (side by side, as the round alone would take them: after 9, 10, 11 and 12)."""
+    sched: Scheduler[FakeLane] = Scheduler()
+    requests(sched, r0=30, r1=30, r2=30, r3=30)
+    assert prefills(sched, 12) == [0, 1, 2, 3, 0, 0, 1, 1, 2, 2, 3, 3]
+    assert [sched[r].phase for r in range(4)] == [Phase.BATCHED] * 4
+
+
+def test_a_short_prompt_goes_before_a_long_one_s_rest_only_by_what_that_one_waited() -> None:
+    sched: Scheduler[FakeLane] = Scheduler()
+    requests(sched, r0=200)
+    assert prefills(sched, 3) == [0, 0, 0]  # 170 left; 20 prefilled since it arrived
+    requests(sched, r1=40)  # its first turn in the round looks it up, then it is due at
+    assert prefills(sched, 5) == [0, 1, 1, 1, 1]  # 20 + 30, before 0 (at 0 + 160)
+    assert sched[1].phase is Phase.BATCHED
+
+
+def test_short_prompts_coming_all_the_time_delay_a_long_one_by_its_length_at_most() -> None:
+    """A 30-token request every three turns: each goes before the 200-token one (due at
+    0 + what it has left) while it arrives before that one's due clock; the later ones wait
+    (pure shortest-first would keep the long one waiting for as long as they come)."""
+    sched: Scheduler[FakeLane] = Scheduler()
+    requests(sched, r0=200)
+    order: list[int] = []
+    for k in range(1, 16):  # 45 turns
+        requests(sched, **{f"r{k}": 30})
+        order += prefills(sched, 3)
+    first_token = max(i for i, r in enumerate(order) if r == 0) + 1
+    assert order[:first_token] == [
+        *(0, 1, 1, 1, 0, 2, 2, 2, 0, 3, 3, 3, 0, 4, 5, 4, 4, 5, 5),
+        *(0, 6, 7, 6, 6, 7, 7, 0, 8, 9, 0, 10, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0),
+    ]
+    assert order[first_token:] == [8]  # then the ones that waited, oldest first
+
+
+def test_a_prompt_not_looked_up_takes_its_turn_in_the_round() -> None:
+    sched: Scheduler[FakeLane] = Scheduler()
+    requests(sched, r0=50)
+    assert prefills(sched, 2) == [0, 0]
+    sched.add(1, FakeLane(REQUEST, Phase.PREFILLING))  # waiting for memory: never looked up
+    LOOKED_UP[1] = 0
+    assert turns(sched, 3) == [0, 1, 0]  # round robin: it does not jump ahead, nor starve

@@ -603,3 +603,22 @@ def test_next_turn_is_one_rule_and_a_followed_request_gets_its_lane_only_under_f
         assert [kind for _rid, kind in e.lanes()] == lane_kinds
         list(e.run(warm=True))
         assert held(e) == (0, 0)
+
+
+def test_prompts_prefill_one_after_another(tiny: LoadedModel) -> None:
+    """Three requests of three chunks each, at once: each looks its prompt up (its first
+    chunk), then the first goes on to its first token before the second goes on, and so
+    on; a request decoding takes its turns in the round. Side by side (a chunk each in
+    turn) the first tokens would come at steps 7, 8 and 9."""
+    engine, spy = cached(tiny)
+    rids = [engine.submit(Request(prompt(12, seed=s), GREEDY)) for s in (1, 2, 3)]
+    firsts: dict[int, int] = {}
+    step = 0
+    while len(firsts) < 3:
+        step += 1
+        for e in engine.step():
+            if isinstance(e, Token):
+                firsts.setdefault(e.request_id, step)
+    assert [firsts[r] for r in rids] == [5, 7, 11]
+    first, second, third = (0, B), (B, B), (2 * B, B)  # a prompt's chunks
+    assert spy.calls[:9] == [first] * 3 + [second, third] * 2 + [second, (3 * B, 1)]
