@@ -10,7 +10,7 @@ generator and tells the scheduler what became of it (`requeue`, `finish`, `cance
   prompt + reply completed, or its request has ended).
 - **first tokens soonest**: a turn that falls to a request prefilling its prompt goes to
   the prefilling request due first: the one with the fewest prompt tokens left, counted
-  from the prefill clock at its arrival (the tokens every request had prefilled by then).
+  from the prefill clock at its arrival (the tokens the requests had prefilled by then).
   Requests prefilling side by side would all give their first token late (four equal
   prompts: each after all four); one after the other, the first comes after one, the
   next after two... A short prompt goes before a long one's rest, but only by what the
@@ -140,7 +140,8 @@ class Scheduler(Generic[L]):
         self._warm: deque[int] = deque()  # warm-ahead lanes, oldest first
         self._follower: dict[int, int] = {}  # a followed request -> its follow lane
         self._batch_next = False  # the batch's turn comes next (it alternates with lanes)
-        self._clock = 0  # prompt tokens the requests have prefilled, all together
+        self._clock = 0  # prompt tokens the requests prefilled, all together (but for
+        # each one's first chunk, made before its `left` is known)
         self._arrival: dict[int, int] = {}  # a request's clock when it was queued
         self._left: dict[int, int] = {}  # a request's `left` at its last turn
 
@@ -187,11 +188,7 @@ class Scheduler(Generic[L]):
             self._batch_next = False
             return BATCH
         self._batch_next = True
-        if (
-            rid is not None
-            and self._lanes[rid].left is not None
-            and self._prefilling(self._lanes[rid])
-        ):
+        if rid is not None and self._looked_up(rid) is not None:
             rid = self._due_first()
         if rid is None and background and self._warm:
             rid = self._warm[0]
@@ -203,9 +200,14 @@ class Scheduler(Generic[L]):
         due = {
             r: self._arrival[r] + left
             for r in self._round
-            if self._prefilling(self._lanes[r]) and (left := self._lanes[r].left) is not None
+            if (left := self._looked_up(r)) is not None
         }
         return min(due, key=lambda r: (due[r], r))
+
+    def _looked_up(self, rid: int) -> int | None:
+        """A prefilling request's prompt tokens left, once looked up; else None."""
+        lane = self._lanes[rid]
+        return lane.left if self._prefilling(lane) else None
 
     def _waiting(self, rid: int) -> bool:
         """A request not started yet that waits for an earlier request's prefill."""

@@ -645,8 +645,7 @@ class CallStream:
             return text[used:]
         self._text += text
         if self._state in ("block_end", "block_start"):
-            end, start = self._fmt.end, self._fmt.start
-            tag = end if self._state == "block_end" else start
+            tag = self._fmt.end if self._state == "block_end" else self._fmt.start
             at = self._text.find(tag)
             if at < 0:
                 self._text = self._text[len(self._text) - held(self._text, tag) :]
