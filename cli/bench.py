@@ -362,12 +362,25 @@ def spec(
     ] = None,
     rounds: Rounds = 2,
     cache_dir: o.CacheDir = None,
+    sweep: Annotated[
+        bool,
+        typer.Option(
+            "--sweep",
+            help="Measure the drafting defaults instead: every lookup n-gram size and k "
+            "replayed over the workloads' plain replies, with the decode time this device's "
+            "verify costs predict.",
+        ),
+    ] = False,
 ) -> None:
     """Speculative decoding (lookup, a draft model, auto) against plain decoding, per workload:
     forwards per token, acceptance, decode time, mlx_lm with the same draft model, bytes."""
     from mlxcache.bench import spec_bench
 
     o.positive(lines=lines, tokens=tokens, draft_tokens=draft_tokens, rounds=rounds)
+    if sweep:
+        for row in spec_bench.sweep(model, lines, tokens, suite, cache_dir):
+            ui.out_json(row)
+        return
     rows = list(
         spec_bench.run(model, draft_model, lines, tokens, draft_tokens, suite, cache_dir, rounds)
     )

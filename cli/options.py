@@ -281,20 +281,22 @@ DraftModelOpt = Annotated[
     ),
 ]
 DraftTokens = Annotated[
-    int,
+    int | None,
     typer.Option(
         "--draft-tokens",
         metavar="K",
-        help="Most tokens drafted per verify forward.",
+        help="Most tokens drafted per verify forward (default: the k this device's "
+        "measured verify costs favour, with n).",
         rich_help_panel=DRAFT_PANEL,
     ),
 ]
 DraftNgram = Annotated[
-    int,
+    int | None,
     typer.Option(
         "--draft-ngram",
         metavar="N",
-        help="Lookup: the longest n-gram matched (then shorter ones).",
+        help="Lookup: the longest n-gram matched (then shorter ones; default: the n this "
+        "device's measured verify costs favour, with k).",
         rich_help_panel=DRAFT_PANEL,
     ),
 ]
@@ -582,8 +584,8 @@ class RunOptions:
     split: str | None
     draft: str
     draft_model: str | None
-    draft_tokens: int
-    draft_ngram: int
+    draft_tokens: int | None
+    draft_ngram: int | None
     draft_inexact: bool
     quiet: bool
 

@@ -177,16 +177,18 @@ class DraftConfig:
             measured to verify exactly and cheaply.
         model: the draft model's spec (what `mlxcache.model.load` takes); with mode
             "auto" or "model", drafting uses it.
-        tokens: the most tokens drafted per verify forward (k; the forward has k + 1 rows).
-        ngram: lookup's longest n-gram (it tries n down to 1).
+        tokens: the most tokens drafted per verify forward (k; the forward has k + 1 rows);
+            None: with n, the pair whose forwards this device's verify probe times
+            cheapest per token (`drafting.choose`).
+        ngram: lookup's longest n-gram (it tries n down to 1); None: the n chosen with k.
         inexact: draft even where the device was not measured to verify exactly: replies
             may then differ from plain decoding.
     """
 
     mode: str = "auto"
     model: str | None = None
-    tokens: int = 4
-    ngram: int = 3
+    tokens: int | None = None
+    ngram: int | None = None
     inexact: bool = False
 
     def __post_init__(self) -> None:
@@ -194,9 +196,9 @@ class DraftConfig:
             raise _invalid("draft", f" must be one of {', '.join(DRAFTS)}, got {self.mode!r}")
         if self.mode == "model" and self.model is None:
             raise _invalid("draft", " model needs a draft model (--draft-model)")
-        if not 1 <= self.tokens <= MAX_DRAFT:
+        if self.tokens is not None and not 1 <= self.tokens <= MAX_DRAFT:
             raise _invalid("draft_tokens", f" must be in 1..{MAX_DRAFT}, got {self.tokens}")
-        if self.ngram < 1:
+        if self.ngram is not None and self.ngram < 1:
             raise _invalid("draft_ngram", f" must be >= 1, got {self.ngram}")
 
 

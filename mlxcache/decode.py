@@ -45,8 +45,8 @@ class Forward:
 
 @dataclass(frozen=True, slots=True)
 class Rewind:
-    """Batched drafting: the last `n` positions fed (rejected drafts) leave the KV, in the
-    batch or in `layers` (plain KV)."""
+    """Batched drafting: the last `n` positions fed (rejected drafts) leave the caches, in
+    the batch or in `layers` (`DecodeBatch.rewind`, `draft.Checkpoint`)."""
 
     layers: Layers
     n: int
@@ -180,8 +180,8 @@ def decode(
     `to_end`: the layers end up holding the KV of every token drawn, the last one (an end
     token too) included, as mlx-lm's do: where decode KV is kept, the next turn resumes
     after the whole reply instead of prefilling its last token in its own TTFT.
-    `drafter` with `draft` k >= 1: speculative decoding (`_drafted`); batched only over
-    plain KV (rejected drafts go with `Rewind`).
+    `drafter` with `draft` k >= 1: speculative decoding (`_drafted`; batched, rejected
+    drafts go with `Rewind`).
     `capture` (decode KV kept): told each time a one-token step leaves the
     layers holding a whole number of blocks (`Capture`); a verify forward that passes a
     boundary does not stop there, so a drafted reply's blocks are not captured.
@@ -340,7 +340,8 @@ def _drafted(
     (`pick`: the same processors over the same history, the sampler's next key), and a
     draft is accepted while it equals the pick. The first pick that differs ends the
     round; the rejected drafts' KV is taken back out (`Checkpoint`; `batched`: the engine
-    runs the forward in the decode batch, and `Rewind` takes them out). Returns the last
+    runs the forward, in the decode batch, which may return the logits of the first
+    inputs only (their drafts not fed), and `Rewind` takes them out). Returns the last
     token drawn (not in the layers)."""
     out = reply.out
     token = int(pick(logits).item())  # type: ignore[arg-type]
@@ -355,6 +356,7 @@ def _drafted(
             inputs = [token, *drafts]
             if batched:
                 rows = yield Forward(mx.array(inputs), layers)
+                drafts = drafts[: rows.shape[0] - 1]
             else:
                 mark = Checkpoint(layers)
                 rows = model(mx.array([inputs]), cache=layers)[0]

@@ -10,11 +10,18 @@ a reply still does not depend on who else is running.
 
 A drafted request's row may feed its last token and its drafts in the same forward (a
 verify, `decode._drafted`) while the other rows feed one token: rows narrower than the
-widest are padded with their own last token, and each row then drops what it must not keep
-(the padding's KV, its rejected drafts': `rewind`) by rolling it into its left padding, as
-mlx-lm's `BatchKVCache.finalize` does for right-padded prompts. That needs plain KV in
-every layer (`plain`) and the probe's word that such rows are one-row steps
-(`invariance.batch_verify_width`).
+widest are padded with their own last token. Recurrent layers (`ArraysCache`) stop each
+row's state at its own length (`lengths`, which mlx-lm's
+recurrent layers honor, most of them: the probe finds the others); in the
+KV and sliding-window layers each row drops what it must not keep (the padding, its
+rejected drafts': `rewind`) by rolling it into its left padding, as mlx-lm's
+`BatchKVCache.finalize` does for right-padded prompts (a time-ordered window holds its
+window less one and the new positions, so what a row keeps is its solo ring's). A
+recurrent state cannot drop positions: a row whose drafts are rejected takes its state
+back from before the forward, drops all of that forward's positions, and feeds the
+accepted tokens again at the head of its next row (without drafts then, so that this
+never compounds; their logits are not returned). All of this runs only where the probe
+found such rows one-row steps (`invariance.batch_verify_width`).
 """
 
 from __future__ import annotations
@@ -39,12 +46,6 @@ def batchable(layers: Sequence[LayerCache]) -> bool:
     )
 
 
-def plain(layers: Sequence[LayerCache]) -> bool:
-    """Whether every layer holds plain KV, whose batched rows can each drop their last
-    positions (rows of other widths may then share a forward)."""
-    return all(type(c) is KVCache for c in layers)
-
-
 class DecodeBatch:
     """The rows (request ids) decoding together, their caches and their next inputs."""
 
@@ -53,6 +54,10 @@ class DecodeBatch:
         self._inputs: dict[int, mx.array] = {}
         self._drop: dict[int, int] = {}  # last positions a row's KV loses before it is read
         self._cache: list[Any] = []
+        self._fed: dict[int, mx.array] = {}  # each row's inputs to the last forward (unpadded)
+        self._before: tuple[list[int], list[list[Any]]] = ([], [])  # rows, recurrent states
+        self._again: dict[int, mx.array] = {}  # accepted tokens a restored row feeds again
+        self._model: Model | None = None
 
     def __contains__(self, rid: object) -> bool:
         return rid in self.rows
@@ -75,43 +80,83 @@ class DecodeBatch:
 
     def forward(self, model: Model) -> list[mx.array]:
         """One forward for every row: each row's logits (its inputs' count, vocab), in
-        `rows` order."""
+        `rows` order. A row feeding accepted tokens again feeds its first input only."""
         self._settle()
+        self._model = model
+        heads = [self._again.pop(rid, None) for rid in self.rows]
         inputs = [self._inputs.pop(rid).reshape(-1) for rid in self.rows]
+        inputs = [
+            x if h is None else mx.concatenate([h, x[:1]])
+            for x, h in zip(inputs, heads, strict=True)
+        ]
         sizes = [x.size for x in inputs]
         width = max(sizes)
+        recurrent: list[Any] = [c for c in self._cache if isinstance(c, ArraysCache)]
         if width > 1:
-            if not all(isinstance(c, BatchKVCache) for c in self._cache):
-                raise ValueError("rows of several tokens need plain KV in every layer")
             self._drop = {rid: width - n for rid, n in zip(self.rows, sizes, strict=True)}
+            self._fed = dict(zip(self.rows, inputs, strict=True))
+            self._before = (list(self.rows), [list(c.cache) for c in recurrent])
             inputs = [mx.concatenate([x, mx.repeat(x[-1:], width - x.size)]) for x in inputs]
-        logits = model(mx.stack(inputs), cache=self._cache)
-        return [logits[i, :n] for i, n in enumerate(sizes)]
+            for c in recurrent:
+                c.lengths = mx.array(sizes)
+        try:
+            logits = model(mx.stack(inputs), cache=self._cache)
+        finally:
+            for c in recurrent:
+                c.lengths = None
+        skip = [0 if h is None else h.size for h in heads]
+        return [logits[i, s:n] for i, (s, n) in enumerate(zip(skip, sizes, strict=True))]
 
     def wait(self, rid: int, y: mx.array) -> None:
         """A row's next inputs (a token, or a verify's token and drafts)."""
         self._inputs[rid] = y
 
     def rewind(self, rid: int, n: int) -> None:
-        """The row's last `n` positions (rejected drafts) leave its KV."""
-        self._drop[rid] = self._drop.get(rid, 0) + n
+        """The row's last `n` positions (rejected drafts) leave its caches: dropped from
+        its KV, or (recurrent layers) the row's state taken back to before the forward and
+        the inputs it keeps fed again next time."""
+        if n == 0:
+            return
+        rows, states = self._before
+        if not states:
+            self._drop[rid] = self._drop.get(rid, 0) + n
+            return
+        fed = self._fed[rid]
+        self._drop[rid] = self._drop.get(rid, 0) + fed.size
+        self._again[rid] = fed[: fed.size - n]
+        self._restore(rows.index(rid), self.rows.index(rid), states)
+
+    def _restore(self, was: int, at: int, states: list[list[Any]]) -> None:
+        """Row `at`'s recurrent states as row `was` held them before the last forward."""
+        recurrent: list[Any] = [c for c in self._cache if isinstance(c, ArraysCache)]
+        for c, before in zip(recurrent, states, strict=True):
+            c.cache = [
+                mx.concatenate([now[:at], old[was : was + 1], now[at + 1 :]])
+                for now, old in zip(c.cache, before, strict=True)
+            ]
 
     def _settle(self) -> None:
         """Take out of the KV what rows must drop: the positions every row drops are
         trimmed; a row's others are rolled into its left padding (mlx-lm's right padding),
-        and the padding every row has is cut off the front (as `BatchKVCache.filter`)."""
+        and the padding every row of plain KV has is cut off the front (as
+        `BatchKVCache.filter`; a window's trim cuts it at the next update)."""
         drops = [self._drop.pop(rid, 0) for rid in self.rows]
         if not any(drops):
             return
         least = min(drops)
         extra = [d - least for d in drops]
         for c in self._cache:
+            if isinstance(c, ArraysCache):
+                continue
+            kv = isinstance(c, BatchKVCache)
             c.trim(least)
             if any(extra):
-                c.prepare(right_padding=extra)
+                if kv:
+                    c.prepare(right_padding=extra)
+                else:  # a window: its `finalize` rolls by offset less `_lengths`
+                    c._lengths = c.offset - mx.array(extra)
                 c.finalize()
-            pad = min(c.left_padding.tolist())
-            if pad > 0:
+            if kv and (pad := min(c.left_padding.tolist())) > 0:
                 c.keys, c.values = c.keys[..., pad:, :], c.values[..., pad:, :]
                 c._idx -= pad
                 c.left_padding -= pad
@@ -126,10 +171,18 @@ class DecodeBatch:
         self.drop(rid)
 
     def _copy_out(self, rid: int, layers: Sequence[LayerCache]) -> None:
+        """The row's caches into `layers`, with the tokens it has to feed again fed (alone)."""
         self._settle()
         i = self.rows.index(rid)
         for batch, own in zip(self._cache, layers, strict=True):
             own.state = batch.extract(i).state
+        self._feed_again(rid, layers)
+
+    def _feed_again(self, rid: int, layers: Sequence[LayerCache]) -> None:
+        """The accepted tokens the row was to feed again (`rewind`) into its own `layers`."""
+        again = self._again.get(rid)
+        if again is not None and self._model is not None:
+            self._model(again.reshape(1, -1), cache=list(layers))
 
     def drop(self, rid: int) -> None:
         """Forget a row (cancelled, failed or left)."""
@@ -137,6 +190,8 @@ class DecodeBatch:
         i = self.rows.index(rid)
         del self.rows[i]
         self._inputs.pop(rid, None)
+        self._again.pop(rid, None)
+        self._fed.pop(rid, None)
         if not self.rows:
             self._cache = []
             return

@@ -231,7 +231,7 @@ class Ranks:
         """Rank 0's pick failed: the others' token reads `decode.FAILED`."""
         self._sum(np.array([FAILED], np.uint32), "failing a request")
 
-    def _from_leader(self, values: np.ndarray, what: str) -> np.ndarray:
+    def from_leader(self, values: np.ndarray, what: str) -> np.ndarray:
         """Rank 0's `values` on every rank (the others' own, of the same shape, count for
         nothing)."""
         return self._sum(values if self.leader else np.zeros_like(values), what)
@@ -239,7 +239,7 @@ class Ranks:
     def agree(self, values: tuple[int, ...], what: str) -> tuple[int, ...] | None:
         """Rank 0's `values`, if every rank has the same; else None on every rank."""
         mine = np.asarray(values, np.int64)
-        lead = self._from_leader(mine, what)
+        lead = self.from_leader(mine, what)
         differ = self._sum(np.array([int(not np.array_equal(mine, lead))], np.int64), what)
         return None if differ[0] else tuple(int(v) for v in lead)
 
@@ -277,14 +277,14 @@ class Ranks:
             if self.leader:
                 with _listen(host) as server:
                     port = np.array([server.getsockname()[1]], np.int64)
-                    self._from_leader(port, "joining the run")
+                    self.from_leader(port, "joining the run")
                     server.settimeout(_CONNECT_S)
                     for _ in range(self.topology.size - 1):
                         conn, _ = server.accept()
                         rank = int.from_bytes(conn.recv(4), "big")
                         self._watch(conn, f"rank {rank} stopped", on_lost)
             else:
-                port = self._from_leader(np.zeros(1, np.int64), "joining the run")
+                port = self.from_leader(np.zeros(1, np.int64), "joining the run")
                 conn = socket.create_connection((host, int(port[0])), timeout=_CONNECT_S)
                 conn.sendall(self.topology.rank.to_bytes(4, "big"))
                 self._watch(conn, "rank 0 stopped", on_lost)

@@ -69,6 +69,30 @@ class Lookup:
         return None
 
 
+def replay(
+    drafter: Drafter,
+    prompt: Sequence[int],
+    reply: Sequence[int],
+    ended: bool,
+    k: int,
+    budget: int,
+) -> list[tuple[int, int]]:
+    """The verify forwards a drafted run of `reply` makes, (drafts fed, drafts accepted)
+    each, without the model: a drafted reply is the plain one (`reply`, its end token left
+    out; `ended`: it ended with one, whose pick takes a forward too), and the drafter sees
+    only prompt + reply so far, as `decode._drafted` feeds it (`budget`: the most tokens
+    the reply was allowed)."""
+    tokens = np.asarray([*prompt, *reply], np.int32)
+    at = 1  # the first token comes with the prompt's logits
+    rounds = []
+    while at < len(reply) + int(ended):
+        drafts = drafter.propose(tokens[: len(prompt) + at], min(k, budget - at - 1))
+        accepted = common_prefix(drafts, reply[at : at + len(drafts)])
+        rounds.append((len(drafts), accepted))
+        at += accepted + 1
+    return rounds
+
+
 class ModelDrafter:
     """Greedy drafts of a draft model (its tokenizer maps token for token onto the
     target's). Its own KV follows the reply: each proposal feeds what was accepted since the

@@ -35,7 +35,7 @@ import numpy as np
 
 from mlxcache.cache.layout import Layout, kv_tag
 from mlxcache.config import MAX_DRAFT
-from mlxcache.decode_batch import DecodeBatch, batchable, plain
+from mlxcache.decode_batch import DecodeBatch, batchable
 from mlxcache.draft import Checkpoint, snapshot
 from mlxcache.fileio import write_atomic
 from mlxcache.model import LoadedModel
@@ -44,9 +44,10 @@ from mlxcache.ring import TimeRing
 from mlxcache.types import LayerCache, Model, new_layers
 
 PROBES = "probes.json"
-PROBE_VERSION = "p2"
-"""What the probes measure, in their records' keys: "p2" probes every block layout (sliding
-windows kept in time order, recurrent state); records of the first probes are not read."""
+PROBE_VERSION = "p3"
+"""What the probes measure, in their records' keys: "p2" probed every block layout (sliding
+windows kept in time order, recurrent state), "p3" drafted rows of every batchable layout
+in a decode batch; older records are not read."""
 
 
 def decode_matches_prefill(model: Model, block_size: int) -> bool:
@@ -138,15 +139,20 @@ def _prefixed(model: Model, prefix: list[int], block_size: int) -> Callable[[], 
 def batch_matches_solo(model: Model, block_size: int) -> bool:
     """True when rows decoded together in a `DecodeBatch` (left-padded, one leaving and one
     joining midway, one going on alone after it leaves) give bitwise the logits each gives
-    decoded alone. Models whose caches batch (`decode_batch.batchable`) only; with sliding
-    windows every row starts past the smallest window (a shared prefix that fills it,
-    prefilled in chunks of `block_size`)."""
+    decoded alone. Models whose caches batch (`decode_batch.batchable`) only."""
+    at_prefix = _batch_prefix(model, block_size)
+    return at_prefix is not None and _rows_match(model, at_prefix, 1)
+
+
+def _batch_prefix(model: Model, block_size: int) -> Callable[[], list[LayerCache]] | None:
+    """Where the batch probes' rows start (None: the model's caches do not batch): with
+    sliding windows past the smallest window (a shared prefix that fills it, prefilled in
+    chunks of `block_size`)."""
     fresh = new_layers(model)
     if not batchable(fresh):
-        return False
+        return None
     window = min((int(c.max_size) for c in fresh if isinstance(c, TimeRing)), default=0)
-    at_prefix = _prefixed(model, [(5 * i + 1) % 97 + 1 for i in range(window)], block_size)
-    return _rows_match(model, at_prefix, 1)
+    return _prefixed(model, [(5 * i + 1) % 97 + 1 for i in range(window)], block_size)
 
 
 def _rows_match(model: Model, at_prefix: Callable[[], list[LayerCache]], width: int) -> bool:
@@ -154,8 +160,9 @@ def _rows_match(model: Model, at_prefix: Callable[[], list[LayerCache]], width: 
     lengths, so left-padded; row 0 leaving and row 3 joining at the second step; the first
     row left going on alone after it leaves the batch) read bitwise the logits each reads
     decoded alone, greedily. `width` > 1: rows 0 and 3 verify `width` - 1 drafts, all
-    accepted; row 1 as many with one wrong midway (the rest rejected: `DecodeBatch.rewind`);
-    row 2 steps one token (padded to the width)."""
+    accepted; row 1 as many with one wrong midway (the rest rejected: `DecodeBatch.rewind`;
+    with recurrent state its next forward feeds the accepted ones again, and it leaves with
+    them to feed again); row 2 steps one token (padded to the width)."""
     prompts = [[(7 * i + 3 * r) % 97 + 1 for i in range(n)] for r, n in enumerate((3, 6, 8, 4))]
     steps = 3
 
@@ -194,7 +201,7 @@ def _rows_match(model: Model, at_prefix: Callable[[], list[LayerCache]], width: 
             join(3)
         rows = batch.forward(model)
         for i, r in enumerate(batch.rows):
-            n = kept[r]
+            n = min(kept[r], rows[i].shape[0])
             if not all(mx.array_equal(rows[i][j], solo[r][1][at[r] + j]).item() for j in range(n)):
                 return False
             batch.rewind(r, rows[i].shape[0] - n)
@@ -297,32 +304,32 @@ VERIFY_WIDTHS = (2, 3, 5, MAX_DRAFT + 1)
 @dataclass(frozen=True, slots=True)
 class Verify:
     """What the verify probe found: the widest forward whose rows are bitwise one-row
-    decode steps (1: none is), and what that forward costs in one-row steps' time."""
+    decode steps (1: none is), and each probed width's forward time in one-row steps'."""
 
     width: int
-    cost: float
+    costs: dict[int, float]
 
 
 def verify_probe(
     loaded: LoadedModel, block_size: int, directory: Path | None, on_note: Note | None = None
 ) -> Verify:
-    """`verify_width` and its cost for `loaded` on this device, from `directory`'s record
+    """`verify_width` and its costs for `loaded` on this device, from `directory`'s record
     or measured now (and recorded; None: measured, not recorded, as in a sharded run where
     every rank must make the same forwards)."""
 
     def measure() -> dict[str, Any]:
-        width, cost = verify_width(loaded.model, block_size)
-        return {"verify": width, "verify_cost": cost}
+        width, costs = verify_width(loaded.model, block_size)
+        return {"verify": width, "verify_costs": {str(w): c for w, c in costs.items()}}
 
-    fields = {"verify": int, "verify_cost": float}
+    fields = {"verify": int, "verify_costs": dict}
     what = "how exactly this device verifies drafts"
     found = _recorded(loaded, block_size, directory, fields, what, measure, on_note)
-    return Verify(found["verify"], found["verify_cost"])
+    return Verify(found["verify"], {int(w): float(c) for w, c in found["verify_costs"].items()})
 
 
-def verify_width(model: Model, block_size: int) -> tuple[int, float]:
-    """The widest of `VERIFY_WIDTHS` whose drafting is bitwise plain decoding, and the
-    time of a forward that wide over a one-row step's (1 and 1.0 where none is).
+def verify_width(model: Model, block_size: int) -> tuple[int, dict[int, float]]:
+    """The widest of `VERIFY_WIDTHS` whose drafting is bitwise plain decoding (1 where none
+    is), and the time of a forward of each of them over a one-row step's.
 
     For each width w, from a prefix prefilled canonically (long enough that any ring
     buffer has wrapped): a verify forward of w rows, all accepted; a second one of which
@@ -346,7 +353,7 @@ def verify_width(model: Model, block_size: int) -> tuple[int, float]:
         rows = model(mx.array([ids[start + at : start + at + n]]), cache=layers)[0]
         return all(mx.array_equal(rows[i], plain[at + i]).item() for i in range(n))
 
-    best = 1
+    passed = []
     for w in VERIFY_WIDTHS:
         layers = at_prefix()
         if not same(layers, 0, w):
@@ -359,8 +366,8 @@ def verify_width(model: Model, block_size: int) -> tuple[int, float]:
         at = w + kept
         if not (same(layers, at, 1) and same(layers, at + 1, 1) and same(layers, at + 2, w)):
             continue
-        best = w
-    return best, _cost(model, at_prefix, best) if best > 1 else 1.0
+        passed.append(w)
+    return max(passed, default=1), _costs(model, at_prefix, list(VERIFY_WIDTHS))
 
 
 def batch_verify_probe(
@@ -383,18 +390,20 @@ def batch_verify_probe(
 def batch_verify_width(model: Model, block_size: int) -> int:
     """The widest of `VERIFY_WIDTHS` at which drafted rows in a `DecodeBatch` are bitwise
     one-row steps (`_rows_match`: rows of different widths, all, some and none of their
-    drafts accepted, the rejected drafts and the padding rolled out of the KV); 1 where no
-    width passes. Plain KV only (`decode_batch.plain`)."""
-    if not plain(new_layers(model)):
+    drafts accepted, the rejected drafts and the padding taken out of the caches); 1 where
+    no width passes or the model's caches do not batch."""
+    at_prefix = _batch_prefix(model, block_size)
+    if at_prefix is None:
         return 1
-    at_prefix = _prefixed(model, [], block_size)
     return next(
         (w for w in sorted(VERIFY_WIDTHS, reverse=True) if _rows_match(model, at_prefix, w)), 1
     )
 
 
-def _cost(model: Model, at_prefix: Callable[[], list[LayerCache]], width: int) -> float:
-    """The time of a `width`-row forward over a one-row forward's (the fastest of 3 each)."""
+def _costs(
+    model: Model, at_prefix: Callable[[], list[LayerCache]], widths: list[int]
+) -> dict[int, float]:
+    """Each width's forward time over a one-row forward's (the fastest of 3 each)."""
 
     def fastest(n: int) -> float:
         times = []
@@ -406,4 +415,5 @@ def _cost(model: Model, at_prefix: Callable[[], list[LayerCache]], width: int) -
             times.append(time.perf_counter() - t)
         return min(times)
 
-    return round(fastest(width) / max(fastest(1), 1e-9), 3)
+    one = max(fastest(1), 1e-9)
+    return {w: round(fastest(w) / one, 3) for w in widths}

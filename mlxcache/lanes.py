@@ -123,6 +123,8 @@ class Lane:
     follow: Follow | None = None  # a follow lane's state
     solo: bool = False  # a drafted request whose forwards are its own (not `Plan.batched`)
     left: int | None = None  # a request's prompt tokens to prefill, once looked up
+    # Batched drafting: the caches before its last verify forward made alone, and its inputs.
+    mark: tuple[Checkpoint, list[int]] | None = None
 
     def has_work(self) -> bool:
         """False only for a follow lane waiting for its reply to complete a block."""
@@ -222,10 +224,13 @@ def advance(
             elif isinstance(step, Rewind):
                 if rid in batch:
                     batch.rewind(rid, step.n)
-                else:  # plain KV (`drafting.Plan.batched`): trimmed, nothing fed again
-                    Checkpoint(step.layers).rewind(model, (), step.n)
+                elif lane.mark is not None:  # the verify forward was its own
+                    mark, fed = lane.mark
+                    mark.rewind(model, fed[: len(fed) - step.n], step.n)
                 step = lane.gen.send(None)
             elif own:
+                if step.y.size > 1:  # a verify: what it feeds may be taken back
+                    lane.mark = Checkpoint(step.layers), cast(list[int], step.y.tolist())
                 step = lane.gen.send(model(step.y.reshape(1, -1), cache=step.layers)[0])
             else:
                 if rid in batch:

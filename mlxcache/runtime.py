@@ -159,7 +159,8 @@ def _drafting(
         helper = DraftModel(small, cache)
     note = noted(loaded, args["on_note"])
     warn = args["on_warning"]
-    return Drafting(loaded, draft, config.block_size, record, helper, warn, note, leader)
+    agree = None if ranks is None else ranks.from_leader
+    return Drafting(loaded, draft, config.block_size, record, helper, warn, note, leader, agree)
 
 
 def _loading(args: dict[str, Any]) -> dict[str, Any]:

@@ -39,7 +39,6 @@ from mlxcache.cache.store import PromptCache
 from mlxcache.config import CacheConfig, DraftConfig
 from mlxcache.decode import Share
 from mlxcache.decode_batch import batchable
-from mlxcache.decode_batch import plain as plain_kv
 from mlxcache.draft import Drafter
 from mlxcache.drafting import Drafting, Plan
 from mlxcache.engine import Engine, Request
@@ -914,6 +913,27 @@ class OracleDrafting(Drafting):
         return self.oracle
 
 
+def run_together(
+    engine: Engine, requests: list[Request]
+) -> tuple[list[list[tuple[int, float | None, Any]]], list[int]]:
+    """The requests submitted together and run: each one's `scored` reply, and the width
+    of each forward of the decode batch (its widest row's inputs)."""
+    widths: list[int] = []
+    forward = engine._batch.forward
+
+    def recorded(model: Any) -> list[mx.array]:
+        rows = forward(model)
+        widths.append(max(r.shape[0] for r in rows))
+        return rows
+
+    engine._batch.forward = recorded  # type: ignore[method-assign]
+    ids = [engine.submit(r) for r in requests]
+    seen: dict[int, list[Event]] = {}
+    for e in engine.run():
+        seen.setdefault(e.request_id, []).append(e)
+    return [scored(seen[i]) for i in ids], widths
+
+
 def scored(events: Sequence[Event]) -> list[tuple[int, float | None, Any]]:
     """A reply's tokens with their log-probabilities, as a drafted run must repeat them."""
     return [(e.token, e.logprob, e.top_logprobs) for e in events if isinstance(e, Token)]
@@ -969,8 +989,8 @@ def check_drafted(rig: Rig) -> None:
     and rejected at every row of a round: where the verify probe passes. The shape-sensitive
     model must fail the probe and decode plainly. A drafted reply's KV is kept as a plain
     one's (the next turn resumes past it with the cold run's bits), and a drafted request
-    decodes beside batched plain ones, each equal to its solo run: with plain KV its verify
-    forwards are rows of the batch (the others padded, rejected drafts rolled out)."""
+    decodes beside batched plain ones, each equal to its solo run: its verify forwards are
+    rows of the batch (the others padded, rejected drafts taken back out)."""
     engine, _spy = rig.engine()
     assert isinstance(engine.cache, PromptCache)
     allowed = measured(engine.loaded, engine.cache.config)
@@ -1018,21 +1038,9 @@ def check_drafted(rig: Rig) -> None:
     alone = scored(list(cold.generate(mine)))
     reply = [t for t, logprob, _ in alone if logprob is not None]
     engine.drafting = OracleDrafting(engine.loaded, rig.dir, Oracle(8, reply, vocab))
-    widths: list[int] = []
-    forward = engine._batch.forward
-
-    def recorded(model: Any) -> list[mx.array]:
-        rows = forward(model)
-        widths.append(max(r.shape[0] for r in rows))
-        return rows
-
-    engine._batch.forward = recorded  # type: ignore[method-assign]
-    ids = [engine.submit(r) for r in [*others, mine]]
-    seen: dict[int, list[Event]] = {}
-    for e in engine.run():
-        seen.setdefault(e.request_id, []).append(e)
-    assert [scored(seen[i]) for i in ids] == [*solo, alone], "a reply depends on its neighbours"
-    if allowed["batch"] and width > 1 and plain_kv(new_layers(engine.loaded.model)):
+    replies, widths = run_together(engine, [*others, mine])
+    assert replies == [*solo, alone], "a reply depends on its neighbours"
+    if allowed["batch"] and width > 1 and batchable(new_layers(engine.loaded.model)):
         assert max(widths, default=1) > 1, (
             "the drafted request's verify forwards were not in the batch"
         )

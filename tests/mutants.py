@@ -515,6 +515,14 @@ def batch_padding_kept(patch: Patch) -> None:
     patch(drafting_mod, "batch_verify_probe", lambda *_a, **_k: MAX_DRAFT + 1)
 
 
+def batch_state_not_restored(patch: Patch) -> None:
+    """A drafted row of the decode batch whose drafts are rejected keeps the recurrent
+    state it reached over them (the probe, which would refuse such rows, taken at its
+    word)."""
+    patch(DecodeBatch, "_restore", lambda self, *_a: None)
+    patch(drafting_mod, "batch_verify_probe", lambda *_a, **_k: MAX_DRAFT + 1)
+
+
 def state_not_restored(patch: Patch) -> None:
     """A ring buffer's or recurrent state is not put back before the accepted tokens are
     fed again: it has seen the rejected drafts (and the accepted tokens twice)."""
@@ -673,6 +681,7 @@ MUTANTS: dict[str, Callable[[Patch], None]] = {
         rejected_draft_kv_kept,
         batch_rewind_skipped,
         batch_padding_kept,
+        batch_state_not_restored,
         state_not_restored,
         grammar_over_drafts,
         pick_with_next_key,

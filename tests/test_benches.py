@@ -86,6 +86,32 @@ def test_spec_bench(cache_root: Path, wide_gguf: Path, tmp_path: Path) -> None:
     }
 
 
+def test_spec_sweep(cache_root: Path, wide_gguf: Path, tmp_path: Path) -> None:
+    """Every workload, n and k replayed; the summary's profile and the pair drafting picks
+    with it on this device's measured costs."""
+    from mlxcache.bench import spec_bench
+    from mlxcache.drafting import choose
+
+    suite = Path(__file__).parent.parent / "examples" / "smoke.yaml"
+    rows = list(spec_bench.sweep(str(wide_gguf), 8, 12, suite, tmp_path / "c"))
+    *lines, summary = rows
+    pairs = [(n, k) for n in spec_bench.SWEEP_NGRAMS for k in spec_bench.SWEEP_K]
+    workloads = ["code", "json", "chat", "regress"]
+    assert [(r["workload"], r["ngram"], r["k"]) for r in lines] == [
+        (w, n, k) for w in workloads for n, k in pairs
+    ]
+    for r in lines:  # a forward yields at least its own pick; lookup drafts k or nothing
+        assert r["tokens_per_forward"] >= 1 and 0 <= r["drafted_share"] <= 1
+        assert r["forwards_per_token"] <= 1 and r["expected_vs_plain"] > 0
+    profile = {tuple(map(int, nk.split(","))): tuple(v) for nk, v in summary["profile"].items()}
+    assert sorted(profile) == sorted(pairs)
+    costs = {int(w): c for w, c in summary["probe_costs"].items()}
+    n, k, ratio = choose(costs, summary["probe_width"], profile=profile)  # type: ignore[arg-type]
+    assert summary["device_best"] == {"ngram": n, "k": k}
+    assert summary["device_best_vs_plain"] == ratio
+    assert summary["drafting_pays_here"] == (ratio < 1)
+
+
 def test_agent_bench(cache_root: Path, wide_gguf: Path) -> None:
     from mlxcache.bench import agent_bench
 

@@ -444,7 +444,7 @@ def test_a_rank_that_found_another_length_makes_every_rank_resume_nothing(
         fake = object.__new__(Ranks)
         fake.stepping = True
         # Rank 0 sends its values; the sum counts the ranks whose values differ from them.
-        fake._from_leader = lambda mine, what: mine  # type: ignore[method-assign]
+        fake.from_leader = lambda mine, what: mine  # type: ignore[method-assign]
         fake._sum = lambda differ, what: differ + np.array([int(peer_offset != 0)])  # type: ignore[method-assign]
         return fake
 

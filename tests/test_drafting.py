@@ -4,25 +4,36 @@ every variant of the exactness matrix: `guarantees.check_drafted` (tests/test_ex
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from guarantees import Rig, Variant, check_probes_apart, prompt, scored
+from guarantees import (
+    Oracle,
+    OracleDrafting,
+    Rig,
+    Variant,
+    check_probes_apart,
+    prompt,
+    run_together,
+    scored,
+)
 from typer.testing import CliRunner
 
+from mlxcache import invariance
 from mlxcache.bench.families import FAMILIES, build
 from mlxcache.config import MAX_DRAFT, CacheConfig, DraftConfig, SamplingParams
-from mlxcache.draft import Lookup
-from mlxcache.drafting import Drafting, Plan, Shared
+from mlxcache.draft import Lookup, replay
+from mlxcache.drafting import Drafting, Plan, Shared, choose, cost_of
 from mlxcache.engine import Engine, Request
 from mlxcache.errors import SettingError, UserInputError
 from mlxcache.events import Done
-from mlxcache.invariance import PROBES
+from mlxcache.invariance import PROBES, VERIFY_WIDTHS
 from mlxcache.model import LoadedModel, load
 from mlxcache.runtime import open_engine
 from mlxcache_cli.main import app
@@ -65,6 +76,36 @@ def test_lookup_copies_a_run_through_its_own_end() -> None:
 # -- the policy ---------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("ngram", [1, 2, 3])
+def test_replay_counts_a_drafted_run_s_forwards_without_the_model(
+    ngram: int, tiny: LoadedModel, tmp_path: Path
+) -> None:
+    """`draft.replay` over a plain reply gives exactly the verify forwards, drafts and
+    accepted drafts a drafted run makes (what `bench spec --sweep` relies on), for
+    replies cut by the budget and ended by an end token."""
+    tokens = prompt(8, seed=5) * 3
+    greedy = SamplingParams(max_tokens=24)
+    reply = Engine(tiny, block_size=B).complete(Request(tokens, greedy)).tokens
+    cases = [(frozenset[int](), 24), (frozenset({reply[14]}), 24), (frozenset(), 5)]
+    seen = 0
+    for stop, budget in cases:
+        for k in (1, 2, 4, 8):
+            config = DraftConfig(mode="lookup", tokens=k, ngram=ngram)
+            engine = Engine(tiny, block_size=B, drafting=Drafting(tiny, config, B, tmp_path))
+            params = SamplingParams(max_tokens=budget)
+            got = engine.complete(Request(tokens, params, stop_tokens=stop or None))
+            ended = got.stop_token is not None
+            rounds = replay(Lookup(ngram), tokens, got.tokens, ended, k, budget)
+            stats = got.stats
+            assert (len(rounds), sum(d for d, _ in rounds), sum(a for _, a in rounds)) == (
+                stats.verify_forwards,
+                stats.drafted_tokens,
+                stats.accepted_tokens,
+            )
+            seen += stats.accepted_tokens
+    assert seen > 0
+
+
 def test_auto_is_off_on_the_cpu_without_a_probe(tiny: LoadedModel, tmp_path: Path) -> None:
     drafting = Drafting(tiny, DraftConfig(), B, tmp_path)
     assert mx.default_device() == mx.cpu
@@ -78,22 +119,79 @@ def test_auto_is_off_on_the_cpu_without_a_probe(tiny: LoadedModel, tmp_path: Pat
 
 
 def test_lookup_plans_the_probed_width_and_records_it(tiny: LoadedModel, tmp_path: Path) -> None:
-    plan = Drafting(tiny, DraftConfig(mode="lookup", tokens=6), B, tmp_path).plan()
-    assert plan is not None and (plan.kind, plan.k) == ("lookup", 6)
+    asked = DraftConfig(mode="lookup", tokens=6, ngram=2)
+    assert Drafting(tiny, asked, B, tmp_path).plan() == Plan("lookup", 6, ngram=2)
     record = json.loads((tmp_path / PROBES).read_text())
-    (found,) = record.values()
-    assert found["verify"] == 9 and found["verify_cost"] > 0
-    # Read back from the record: no forward is made.
-    again = Drafting(tiny, DraftConfig(mode="lookup"), B, tmp_path)
-    found["verify"] = 3
-    (tmp_path / PROBES).write_text(json.dumps({next(iter(record)): found}))
-    assert again.plan() == type(plan)("lookup", 2)
+    ((key, found),) = record.items()
+    assert found["verify"] == 9 and sorted(found["verify_costs"], key=int) == ["2", "3", "5", "9"]
+    assert all(c > 0 for c in found["verify_costs"].values())
+
+    def planned(width: int, costs: list[float], **config: Any) -> Plan | None:
+        """The plan read back from a record (no forward is made)."""
+        times = dict(zip(("2", "3", "5", "9"), costs, strict=True))
+        (tmp_path / PROBES).write_text(
+            json.dumps({key: {**found, "verify": width, "verify_costs": times}})
+        )
+        return Drafting(tiny, DraftConfig(mode="lookup", **config), B, tmp_path).plan()
+
+    # Unasked, n and k are the profiled pair the recorded costs make cheapest per token.
+    free, per_row = [1.0, 1.0, 1.0, 1.0], [2.0, 3.0, 5.0, 9.0]
+    for width, costs in [(9, free), (3, free), (9, per_row), (9, [1.1, 1.2, 1.5, 9.0])]:
+        times = dict(zip(VERIFY_WIDTHS, costs, strict=True))
+        n, k, _ = choose(times, width)
+        assert planned(width, costs) == Plan("lookup", k, ngram=n)
+    assert cast(Plan, planned(9, free)).k == MAX_DRAFT  # rows are free: the most drafts
+    assert cast(Plan, planned(3, free)).k == 2  # within the width
+    assert cast(Plan, planned(9, per_row)).k == 1  # a row costs a row: the fewest
+    assert planned(9, per_row, tokens=6, ngram=1) == Plan("lookup", 6, ngram=1)  # asked for
+    assert cast(Plan, planned(3, free, tokens=6)).k == 2
+
+
+def test_choose_takes_the_pair_cheapest_per_token() -> None:
+    """`choose` by hand: (tokens per forward, share of forwards with drafts) per (n, k)."""
+    profile = {(1, 1): (1.5, 0.8), (3, 1): (1.3, 0.4), (1, 8): (2.5, 0.8), (3, 8): (1.8, 0.4)}
+    free = {2: 1.0, 9: 1.0}
+    per_row = {2: 2.0, 9: 9.0}
+    assert choose(free, 9, profile=profile) == (1, 8, 0.4)
+    assert choose(per_row, 9, profile=profile) == (3, 1, 1.077)  # (0.4 * 2 + 0.6) / 1.3
+    assert choose(free, 2, profile=profile) == (1, 1, 0.667)  # within the width
+    assert choose(free, 9, ngram=3, profile=profile) == (3, 8, 0.556)
+    assert choose(per_row, 9, k=8, profile=profile) == (3, 8, 2.333)
+    assert choose(free, 9, k=6, profile=profile) == (1, 6, 0.4)  # unprofiled: the best n
+    assert choose(free, 5, k=8, profile=profile)[:2] == (1, 4)  # at most the width
+    assert choose({2: 1.0}, 9, profile=profile) == (1, 1, 0.667)  # only timed widths
+
+
+def test_a_verify_forward_s_cost_between_the_probed_widths() -> None:
+    costs = {2: 1.2, 3: 1.5, 5: 2.5, 9: 4.5}
+    assert [cost_of(costs, w) for w in (1, 2, 4, 7, 9, 10)] == [1.0, 1.2, 2.0, 3.5, 4.5, None]
+
+
+def test_auto_drafts_where_the_recorded_costs_say_it_pays(
+    tiny: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Off the CPU, `auto` reads the verify probe: it drafts with the cheapest pair where
+    its forwards cost less per token than plain decoding's, and not where none does."""
+    monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.gpu))
+    key = invariance._key(tiny, B)
+
+    def auto(costs: list[float], width: int = 9) -> Plan | None:
+        times = dict(zip(("2", "3", "5", "9"), costs, strict=True))
+        record = {key: {"verify": width, "verify_costs": times}}
+        (tmp_path / PROBES).write_text(json.dumps(record))
+        return Drafting(tiny, DraftConfig(), B, tmp_path).plan()
+
+    n, k, ratio = choose(dict(zip(VERIFY_WIDTHS, [1.0] * 4, strict=True)), 9)
+    assert ratio < 1 and auto([1.0, 1.0, 1.0, 1.0]) == Plan("lookup", k, ngram=n)
+    assert auto([2.0, 3.0, 5.0, 9.0]) is None  # a row costs a row: never pays
+    assert auto([1.0, 1.0, 1.0, 1.0], width=1) is None  # not exact: off, said nowhere
 
 
 def test_a_batching_engine_s_plan_drafts_in_the_batch_where_the_probe_allows(
     tiny: LoadedModel, recurrent: LoadedModel, tmp_path: Path
 ) -> None:
-    drafting = Drafting(tiny, DraftConfig(mode="lookup", tokens=6), B, tmp_path)
+    six = DraftConfig(mode="lookup", tokens=6, ngram=3)
+    drafting = Drafting(tiny, six, B, tmp_path)
     assert drafting.plan(batch=True) == Plan("lookup", 6, batched=True)
     assert drafting.plan() == Plan("lookup", 6)  # no batch: its own forwards
     (found,) = json.loads((tmp_path / PROBES).read_text()).values()
@@ -101,9 +199,16 @@ def test_a_batching_engine_s_plan_drafts_in_the_batch_where_the_probe_allows(
     # A narrower width passed in a batch: k at most what it passed.
     key = next(iter(json.loads((tmp_path / PROBES).read_text())))
     (tmp_path / PROBES).write_text(json.dumps({key: {**found, "batch_verify": 3}}))
-    narrower = Drafting(tiny, DraftConfig(mode="lookup", tokens=6), B, tmp_path)
+    narrower = Drafting(tiny, six, B, tmp_path)
     assert narrower.plan(batch=True) == Plan("lookup", 2, batched=True)
-    # Recurrent state has no per-row rewind: its drafted rows keep their own forwards.
+    # Recurrent state too (rows restored and fed again), where its probe passes.
+    rows = Drafting(recurrent, six, B, tmp_path)
+    assert rows.plan(batch=True) == Plan("lookup", 6, batched=True)
+    # Where no width passed in a batch, drafted rows keep their own forwards.
+    records = json.loads((tmp_path / PROBES).read_text())
+    (tmp_path / PROBES).write_text(
+        json.dumps({k: {**v, "batch_verify": 1} for k, v in records.items()})
+    )
     own = Drafting(recurrent, DraftConfig(mode="lookup"), B, tmp_path).plan(batch=True)
     assert own is not None and not own.batched
 
@@ -170,6 +275,18 @@ def test_every_family_drafts_exactly_or_not_at_all(
         engine = Engine(loaded, _cache(loaded, cache), drafting=drafting)
         for _ in range(2):  # cold, then resumed from the cache
             assert scored(list(engine.generate(request))) == plain
+    # Beside a plain request in the decode batch: its verify forwards are rows of it
+    # (drafts of the plain reply, every third one wrong: accepted and rejected rows).
+    in_batch = None if plan is None else dataclasses.replace(plan, batched=True)
+    assert drafting.plan(batch=True) == in_batch
+    other = Request(prompt(7, seed=3), SamplingParams(max_tokens=20), logprobs=2)
+    alone = [plain, scored(list(Engine(loaded, block_size=B).generate(other)))]
+    oracle = Oracle(len(tokens), [t for t, _, _ in plain], len(loaded.tokenizer))
+    batched = Engine(loaded, block_size=B, drafting=OracleDrafting(loaded, tmp_path, oracle))
+    batched.batch_decode = True
+    replies, widths = run_together(batched, [request, other])
+    assert replies == alone
+    assert (max(widths) > 1) == (plan is not None)
 
 
 def _cache(loaded: LoadedModel, config: CacheConfig) -> Any:

@@ -10,6 +10,7 @@ here, so prompts stay short except the one that must pass the window, and replie
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 import itertools
@@ -22,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import numpy as np
@@ -372,7 +373,7 @@ def test_drafting_is_exact_past_the_sliding_window(gemma: LoadedModel, tmp_path:
     of one-row decode steps, past the full 512-token window too: drafting is on, and the
     drafted reply is plain decoding's."""
     from mlxcache.config import DraftConfig
-    from mlxcache.drafting import Drafting
+    from mlxcache.drafting import Drafting, Plan
 
     drafting = Drafting(gemma, DraftConfig(mode="lookup"), B, tmp_path)
     assert drafting.verify().width > 1
@@ -381,7 +382,28 @@ def test_drafting_is_exact_past_the_sliding_window(gemma: LoadedModel, tmp_path:
         gemma.tokenizer.encode("one two one two one two"), SamplingParams(max_tokens=6)
     )
     drafted = engine.complete(Request(request.tokens, request.sampling, draft="lookup"))
-    assert drafted.tokens == engine.complete(request).tokens and drafted.stats.draft == "lookup"
+    plain = engine.complete(request).tokens
+    assert drafted.tokens == plain and drafted.stats.draft == "lookup"
+    # Beside a plain request, its verify forwards are rows of the decode batch (the
+    # windows of rows narrower than the widest rolled back), and both replies are solo's.
+    # The batch probe's answer is written in (it passes at 9 here, measured by hand: two
+    # minutes on this CPU, the tiny families test it); the replies check the rows.
+    record = tmp_path / invariance.PROBES
+    found = json.loads(record.read_text())
+    record.write_text(json.dumps({k: {**v, "batch_verify": 9} for k, v in found.items()}))
+    assert drafting.plan(batch=True) == dataclasses.replace(
+        cast(Plan, drafting.plan()), batched=True
+    )
+    other = Request(gemma.tokenizer.encode("The sea is"), SamplingParams(max_tokens=12))
+    loaded, spy = spied(gemma)
+    batched = Engine(loaded, block_size=B, drafting=drafting, batch_decode=True)
+    ids = [batched.submit(other)]
+    ids.append(batched.submit(Request(request.tokens, request.sampling, draft="lookup")))
+    done = {e.request_id: e.result for e in batched.run() if isinstance(e, Done)}
+    assert [done[i].tokens for i in ids] == [engine.complete(other).tokens, plain]
+    assert done[ids[1]].stats.accepted_tokens > 0
+    shapes = list(zip(spy.batch_sizes, (n for _, n in spy.calls), strict=True))
+    assert any(b == 2 and n > 1 for b, n in shapes), shapes
 
 
 def test_the_package_name_is_a_model_name(cache_root: Path, gemma: LoadedModel) -> None:

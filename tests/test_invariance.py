@@ -129,24 +129,42 @@ def test_batched_rows_are_exact_on_cpu_and_not_for_a_shape_sensitive_model(
     assert not invariance.batch_matches_solo(shaped(tiny).model, 4)
 
 
+BATCH_DRAFTED = ("qwen3_moe", "gemma3_text", "gpt_oss", "qwen3_next", "lfm2")
+"""The families whose drafted rows join a decode batch on this CPU (every cache layout)."""
+
+
 @pytest.mark.skipif(mx.default_device() != mx.cpu, reason="measured on MLX's CPU backend")
 def test_drafted_rows_in_a_batch_are_exact_on_cpu_and_not_for_a_shape_sensitive_model(
-    tiny: LoadedModel, families: dict[str, LoadedModel], monkeypatch: pytest.MonkeyPatch
+    tiny: LoadedModel,
+    sliding: LoadedModel,
+    families: dict[str, LoadedModel],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Rows verifying drafts beside one-row rows, rejected drafts and padding rolled out of
-    the KV, give their one-row bits on this CPU at every width; the shape-sensitive model
-    fails, and so does a batch that keeps rejected drafts or padding. Caches other than plain KV have
-    no per-row rewind: not measured, refused."""
-    assert invariance.batch_verify_width(tiny.model, 4) == MAX_DRAFT + 1
-    assert invariance.batch_verify_width(families["qwen3_moe"].model, 4) == MAX_DRAFT + 1
+    """Rows verifying drafts beside one-row rows, rejected drafts and padding taken out of
+    the caches, give their one-row bits on this CPU at every width, for every layout that
+    batches (plain KV, sliding windows, recurrent state); the shape-sensitive model fails,
+    and so do families whose verify forwards are not exact even alone, and a batch that
+    keeps rejected drafts or padding, leaves a recurrent state past its rejected drafts, or
+    lets a row leave without feeding its accepted tokens again."""
+    exact = [tiny, sliding, *(families[f] for f in BATCH_DRAFTED)]
+    assert [invariance.batch_verify_width(m.model, 4) for m in exact] == [MAX_DRAFT + 1] * 7
     assert invariance.batch_verify_width(shaped(tiny).model, 4) == 1
-    for family in ("gemma3_text", "qwen3_next", "lfm2"):  # sliding window, recurrent
+    for family in ("deepseek_v3", "nemotron_h"):  # MLA, Mamba 2: not exact alone either
         assert invariance.batch_verify_width(families[family].model, 4) == 1
+    recurrent = [families["qwen3_next"].model, families["lfm2"].model]
+    with monkeypatch.context() as patched:
+        patched.setattr(DecodeBatch, "_restore", lambda self, *_a: None)
+        assert [invariance.batch_verify_width(m, 4) for m in recurrent] == [1, 1]
+    with monkeypatch.context() as patched:
+        patched.setattr(DecodeBatch, "_feed_again", lambda self, *_a: None)
+        assert [invariance.batch_verify_width(m, 4) for m in recurrent] == [1, 1]
     with monkeypatch.context() as patched:
         patched.setattr(DecodeBatch, "rewind", lambda self, rid, n: None)
         assert invariance.batch_verify_width(tiny.model, 4) == 1
+        assert invariance.batch_verify_width(sliding.model, 4) == 1
     monkeypatch.setattr(DecodeBatch, "_settle", lambda self: None)  # padding kept too
     assert invariance.batch_verify_width(tiny.model, 4) == 1
+    assert invariance.batch_verify_width(sliding.model, 4) == 1
 
 
 def test_the_batch_verify_answer_is_recorded(

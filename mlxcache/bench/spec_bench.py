@@ -8,6 +8,11 @@ a verify forward is cheap gains: device-independent), the acceptance rate, decod
 against plain decoding, against `mlx_lm.stream_generate` with the same draft model where
 that applies, and byte equality with plain decoding (goal: every byte). With `--draft
 auto`, never slower than plain. One JSON line per workload, then a summary line.
+
+`sweep` measures the drafting defaults: each workload's plain replies once, then every
+lookup n-gram size and k replayed over them (`draft.replay`: exact, no forward made), with
+each k's decode time against plain decoding on this device as the verify probe's measured
+forward costs predict it.
 """
 
 from __future__ import annotations
@@ -18,8 +23,9 @@ from pathlib import Path
 from typing import Any, cast
 
 from mlxcache.bench import suite_or_smoke
-from mlxcache.config import CacheConfig, DraftConfig
-from mlxcache.drafting import Drafting, DraftModel
+from mlxcache.config import MAX_DRAFT, CacheConfig, DraftConfig
+from mlxcache.draft import Lookup, replay
+from mlxcache.drafting import Drafting, DraftModel, choose, cost_of
 from mlxcache.engine import Engine, Request
 from mlxcache.events import Result
 from mlxcache.model import LoadedModel, load
@@ -196,16 +202,8 @@ def run(
     }
     engines = {name: _engine(loaded, config, d) for name, d in drafters.items()}
     found = cast(Drafting, drafters["lookup"]).verify()
-    suite_path = suite_or_smoke(suite)
-    workloads: dict[str, Callable[[Engine], list[Request]] | Path] = {
-        "code": lambda e: _code(e, lines, tokens),
-        "json": lambda e: _json(e, tokens),
-        "chat": lambda e: _chat(e, tokens),
-    }
-    if suite_path is not None:
-        workloads["regress"] = suite_path
     rows = []
-    for name, work in workloads.items():
+    for name, work in _workloads(lines, tokens, suite).items():
         tallies = {d: Tally(rounds) for d in engines}
         if isinstance(work, Path):
             for drafter, engine in engines.items():
@@ -224,7 +222,7 @@ def run(
                 for r in range(rounds):
                     for d, engine in engines.items():
                         tallies[d].add(engine.complete(asked[d][i]), timed=r == 0)
-        row = _row(name, tallies, found.width, found.cost)
+        row = _row(name, tallies)
         if name == "code":
             req = _code(engines["plain"], lines, tokens)[0]
             seconds, theirs = _mlx_lm(loaded, small, req, k)
@@ -232,10 +230,26 @@ def run(
             row["mlx_lm_model_same_bytes"] = theirs == tallies["plain"].outputs[0]
         rows.append(row)
         yield row
-    yield _summary(rows, found.width, found.cost, draft_model is None)
+    yield _summary(rows, found.width, found.costs, draft_model is None)
 
 
-def _row(name: str, tallies: dict[str, Tally], width: int, cost: float) -> dict[str, Any]:
+Workload = Callable[[Engine], list[Request]] | Path
+"""A workload's requests (made on the engine that runs them), or a regress suite's file."""
+
+
+def _workloads(lines: int, tokens: int, suite: Path | None) -> dict[str, Workload]:
+    workloads: dict[str, Workload] = {
+        "code": lambda e: _code(e, lines, tokens),
+        "json": lambda e: _json(e, tokens),
+        "chat": lambda e: _chat(e, tokens),
+    }
+    suite_path = suite_or_smoke(suite)
+    if suite_path is not None:
+        workloads["regress"] = suite_path
+    return workloads
+
+
+def _row(name: str, tallies: dict[str, Tally]) -> dict[str, Any]:
     plain = tallies["plain"]
     row: dict[str, Any] = {"bench": "spec", "workload": name, "tokens": plain.generated}
     for drafter, t in tallies.items():
@@ -249,7 +263,7 @@ def _row(name: str, tallies: dict[str, Tally], width: int, cost: float) -> dict[
 
 
 def _summary(
-    rows: list[dict[str, Any]], width: int, cost: float, self_draft: bool
+    rows: list[dict[str, Any]], width: int, costs: dict[int, float], self_draft: bool
 ) -> dict[str, Any]:
     lookup = {r["workload"]: r["lookup"]["forwards_per_token"] for r in rows}
     goals = {
@@ -262,8 +276,124 @@ def _summary(
         "bench": "spec",
         "summary": True,
         "probe_width": width,
-        "probe_cost": cost,
+        "probe_costs": costs,
         "draft_model_is_target": self_draft,
         "goals": goals,
         "pass": all(goals.values()),
+    }
+
+
+SWEEP_NGRAMS = (1, 2, 3, 4)
+SWEEP_K = (1, 2, 4, MAX_DRAFT)
+"""k: the verify probe's widths less one (its costs are measured there)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """A plain reply, as `draft.replay` takes it."""
+
+    prompt: list[int]
+    tokens: list[int]
+    ended: bool
+    budget: int
+
+
+class _Replies:
+    """An engine whose `complete` also keeps each reply (the regress runner's calls)."""
+
+    def __init__(self, engine: Engine, kept: list[Reply]) -> None:
+        self._engine, self._kept = engine, kept
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    def complete(self, req: Request, on_event: Any = None) -> Result:
+        result = self._engine.complete(req, on_event)
+        ended = result.stop_token is not None
+        prompt = [int(t) for t in req.tokens]
+        self._kept.append(Reply(prompt, result.tokens, ended, req.sampling.max_tokens))
+        return result
+
+
+def sweep(
+    model: str | None = None,
+    lines: int = 60,
+    tokens: int = 160,
+    suite: Path | None = None,
+    directory: Path | None = None,
+) -> Iterator[dict[str, Any]]:
+    """One line per workload, n and k, then the summary (`"bench": "spec-sweep"`): target
+    forwards per generated token, tokens per verify forward and the share of forwards that
+    carry drafts (device-independent), and the decode time against plain decoding this
+    device's verify costs predict (None where a width is not exact here)."""
+    loaded = load(model)
+    config = CacheConfig(directory=directory, disk_bytes=0)
+    found = Drafting(
+        loaded, DraftConfig(mode="lookup"), config.block_size, directory or config.directory
+    ).verify()
+    engine = _engine(loaded, config, None)
+    replies: dict[str, list[Reply]] = {}
+    for name, work in _workloads(lines, tokens, suite).items():
+        kept = replies.setdefault(name, [])
+        recorder = cast(Engine, _Replies(engine, kept))
+        if isinstance(work, Path):
+            run_sequential(lambda _c, r=recorder: r, load_suite(work).cases)  # type: ignore[misc]
+        else:
+            for req in work(engine):
+                recorder.complete(req)
+    table: dict[tuple[int, int], list[dict[str, Any]]] = {}
+    for name, kept in replies.items():
+        generated = sum(len(r.tokens) for r in kept)
+        picks = sum(len(r.tokens) + int(r.ended) - 1 for r in kept)  # plain: a forward each
+        for n in SWEEP_NGRAMS:
+            for k in SWEEP_K:
+                rounds = [
+                    d
+                    for r in kept
+                    for d in replay(Lookup(n), r.prompt, r.tokens, r.ended, k, r.budget)
+                ]
+                cost = [cost_of(found.costs, d + 1) for d, _ in rounds]
+                row = {
+                    "bench": "spec-sweep",
+                    "workload": name,
+                    "ngram": n,
+                    "k": k,
+                    "forwards_per_token": round(len(rounds) / max(generated, 1), 3),
+                    "tokens_per_forward": round(picks / max(len(rounds), 1), 3),
+                    "drafted_share": round(sum(d > 0 for d, _ in rounds) / max(len(rounds), 1), 3),
+                    "expected_vs_plain": (
+                        None
+                        if k + 1 > found.width or None in cost
+                        else round(sum(cast(list[float], cost)) / max(picks, 1), 3)
+                    ),
+                }
+                table.setdefault((n, k), []).append(row)
+                yield row
+    yield _sweep_summary(table, found.width, found.costs)
+
+
+def _sweep_summary(
+    table: dict[tuple[int, int], list[dict[str, Any]]], width: int, costs: dict[int, float]
+) -> dict[str, Any]:
+    """Means over the workloads: each (n, k)'s forwards per token and its yield as
+    `drafting.PROFILE` holds it, and the (n, k) this device's costs favour by that
+    profile (`drafting.choose`: what drafting picks here, unasked)."""
+
+    def mean(key: str, nk: tuple[int, int]) -> float:
+        return round(sum(r[key] for r in table[nk]) / len(table[nk]), 3)
+
+    profile = {nk: (mean("tokens_per_forward", nk), mean("drafted_share", nk)) for nk in table}
+    fewest = min(table, key=lambda nk: (mean("forwards_per_token", nk), nk))
+    best = choose(costs, width, profile=profile) if width > 1 else None
+    return {
+        "bench": "spec-sweep",
+        "summary": True,
+        "probe_width": width,
+        "probe_costs": costs,
+        "forwards_per_token": {f"{n},{k}": mean("forwards_per_token", (n, k)) for n, k in table},
+        "fewest_forwards": {"ngram": fewest[0], "k": fewest[1]},
+        "profile": {f"{n},{k}": list(v) for (n, k), v in profile.items()},
+        "device_best": None if best is None else {"ngram": best[0], "k": best[1]},
+        "device_best_vs_plain": None if best is None else best[2],
+        "drafting_pays_here": best is not None and best[2] < 1,
     }
