@@ -5,14 +5,17 @@ gets one only where drafting keeps the reply plain decoding's, bit for bit: the 
 probe (`invariance.verify_probe`) found a forward width whose rows are one-row decode
 steps on this device, for this model. Elsewhere drafting is off (said once), unless
 `inexact` was asked for (said once too: replies may then differ from plain decoding).
-"auto" drafts only where verify is also cheap: on MLX's CPU backend a forward costs the
-same per token whatever its width (`mlxcache bench spec` measures it), so there it is off
-without a probe.
+Unless asked for, lookup's n and k are the pair that drafts cheapest per token on this
+device (`choose`): what each pair yields is measured once, off the device (`PROFILE`),
+what a forward of each width costs is the probe's timing here (a draft model's k is chosen
+by the same rule). "auto" drafts only where that beats plain decoding: on MLX's CPU
+backend a forward costs about the same per token whatever its width (`mlxcache bench
+spec` measures it), so there it is off without a probe.
 
 In a sharded run (`mlx.launch`) every rank feeds the verify forward the same rows: lookup
-drafts are the same on every rank (they read the shared picks), and a draft model's are
-rank 0's (`Shared`): the other ranks' copies of it are never run (their chips may compute
-other bits).
+drafts are the same on every rank (they read the shared picks, and every rank takes rank
+0's timed costs, so the same n and k), and a draft model's are rank 0's (`Shared`): the
+other ranks' copies of it are never run (their chips may compute other bits).
 """
 
 from __future__ import annotations

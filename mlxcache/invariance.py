@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import numpy as np
@@ -261,14 +261,15 @@ def _recorded(
     what: str,
     measure: Callable[[], dict[str, Any]],
     on_note: Note | None,
+    valid: Callable[[dict[str, Any]], bool] = lambda _known: True,
 ) -> dict[str, Any]:
-    """`fields` of `loaded`'s record in `directory` where each is there with its type, else
-    `measure()`d now (`on_note` told: measuring `what`) and recorded. `directory` None:
-    measured, not recorded, as in a sharded run where every rank must make the same
-    forwards."""
+    """`fields` of `loaded`'s record in `directory` where each is there with its type (and
+    the record is `valid`), else `measure()`d now (`on_note` told: measuring `what`) and
+    recorded. `directory` None: measured, not recorded, as in a sharded run where every
+    rank must make the same forwards."""
     key = _key(loaded, block_size)
     known = {} if directory is None else _known(directory, key)
-    if all(isinstance(known.get(k), t) for k, t in fields.items()):
+    if all(isinstance(known.get(k), t) for k, t in fields.items()) and valid(known):
         return {k: known[k] for k in fields}
     if on_note is not None:
         on_note(f"measuring {what} for {loaded.name} (once)")
@@ -323,8 +324,26 @@ def verify_probe(
 
     fields = {"verify": int, "verify_costs": dict}
     what = "how exactly this device verifies drafts"
-    found = _recorded(loaded, block_size, directory, fields, what, measure, on_note)
-    return Verify(found["verify"], {int(w): float(c) for w, c in found["verify_costs"].items()})
+    found = _recorded(
+        loaded,
+        block_size,
+        directory,
+        fields,
+        what,
+        measure,
+        on_note,
+        lambda known: _read_costs(known["verify_costs"]) is not None,
+    )
+    return Verify(found["verify"], cast(dict[int, float], _read_costs(found["verify_costs"])))
+
+
+def _read_costs(recorded: dict[Any, Any]) -> dict[int, float] | None:
+    """A record's verify costs (width: time over one row's), or None where it is damaged."""
+    try:
+        costs = {int(w): float(c) for w, c in recorded.items()}
+    except (TypeError, ValueError):
+        return None
+    return costs if sorted(costs) == list(VERIFY_WIDTHS) and min(costs.values()) > 0 else None
 
 
 def verify_width(model: Model, block_size: int) -> tuple[int, dict[int, float]]:

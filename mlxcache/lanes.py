@@ -225,7 +225,7 @@ def advance(
                 if rid in batch:
                     batch.rewind(rid, step.n)
                 elif lane.mark is not None:  # the verify forward was its own
-                    mark, fed = lane.mark
+                    (mark, fed), lane.mark = lane.mark, None
                     mark.rewind(model, fed[: len(fed) - step.n], step.n)
                 step = lane.gen.send(None)
             elif own:

@@ -78,6 +78,8 @@ def test_spec_bench(cache_root: Path, wide_gguf: Path, tmp_path: Path) -> None:
     assert rows[0]["lookup"]["forwards_per_token"] < rows[0]["plain"]["forwards_per_token"]
     summary = rows[-1]
     assert summary["probe_width"] == 9 and summary["goals"]["same_bytes"] is True
+    totals = [sum(r[d]["decode_s"] for r in rows[:-1]) for d in ("auto", "plain")]
+    assert summary["auto_vs_plain"] == round(totals[0] / totals[1], 3)
     assert set(summary["goals"]) == {
         "lookup_forwards_code",
         "lookup_forwards_json",

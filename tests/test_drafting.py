@@ -145,6 +145,11 @@ def test_lookup_plans_the_probed_width_and_records_it(tiny: LoadedModel, tmp_pat
     assert cast(Plan, planned(9, per_row)).k == 1  # a row costs a row: the fewest
     assert planned(9, per_row, tokens=6, ngram=1) == Plan("lookup", 6, ngram=1)  # asked for
     assert cast(Plan, planned(3, free, tokens=6)).k == 2
+    # A damaged record is measured again, not read.
+    for damaged in ({"2": "fast"}, {"2": 1.0}, {"2": -1.0, "3": 1, "5": 1, "9": 1}):
+        (tmp_path / PROBES).write_text(json.dumps({key: {**found, "verify_costs": damaged}}))
+        again = Drafting(tiny, asked, B, tmp_path).verify()
+        assert again.width == 9 and sorted(again.costs) == list(VERIFY_WIDTHS)
 
 
 def test_choose_takes_the_pair_cheapest_per_token() -> None:
@@ -462,7 +467,7 @@ def test_smollm2_drafted_is_plain_cold_and_resumed(smol: LoadedModel, tmp_path: 
     """SmolLM2: the probe passes on this CPU; a reply that copies its prompt drafts by
     lookup (most drafts accepted), a draft model (SmolLM2 itself) drafts too, and both
     replies are the plain one, token for token and log-probability for log-probability,
-    cold and resumed from the prompt cache."""
+    cold and resumed from the prompt cache, alone and in the decode batch."""
     text = "Repeat exactly: the quick brown fox jumps over the lazy dog."
     config = CacheConfig(directory=tmp_path, disk_bytes=0)
     params = SamplingParams(max_tokens=14, temperature=0.5, seed=1)
@@ -477,6 +482,14 @@ def test_smollm2_drafted_is_plain_cold_and_resumed(smol: LoadedModel, tmp_path: 
         assert scored(got) == plain
         stats = next(e for e in got if isinstance(e, Done)).result.stats
         assert stats.accepted_tokens >= stats.drafted_tokens // 2 > 0
+    # Beside another request, its verify forwards are rows of the decode batch.
+    color = engine.encoder.encode_chat([{"role": "user", "content": "Name a color."}])
+    other = Request(color, SamplingParams(max_tokens=6), logprobs=1)
+    alone = scored(list(Engine(smol, _cache(smol, config)).generate(other)))
+    batched = Engine(smol, _cache(smol, config), drafting=lookup, batch_decode=True)
+    drafted = Request(ids, params, logprobs=1, draft="lookup")
+    replies, widths = run_together(batched, [drafted, other])
+    assert replies == [plain, alone] and max(widths) > 1
     from mlxcache.drafting import DraftModel
 
     helper = DraftModel(smol, _cache(smol, config))
