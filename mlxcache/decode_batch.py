@@ -91,7 +91,7 @@ class DecodeBatch:
         ]
         sizes = [x.size for x in inputs]
         width = max(sizes)
-        recurrent: list[Any] = [c for c in self._cache if isinstance(c, ArraysCache)]
+        recurrent = self._recurrent() if width > 1 else []
         if width > 1:
             self._drop = {rid: width - n for rid, n in zip(self.rows, sizes, strict=True)}
             self._fed = dict(zip(self.rows, inputs, strict=True))
@@ -128,12 +128,15 @@ class DecodeBatch:
 
     def _restore(self, was: int, at: int, states: list[list[Any]]) -> None:
         """Row `at`'s recurrent states as row `was` held them before the last forward."""
-        recurrent: list[Any] = [c for c in self._cache if isinstance(c, ArraysCache)]
-        for c, before in zip(recurrent, states, strict=True):
+        for c, before in zip(self._recurrent(), states, strict=True):
             c.cache = [
                 mx.concatenate([now[:at], old[was : was + 1], now[at + 1 :]])
                 for now, old in zip(c.cache, before, strict=True)
             ]
+
+    def _recurrent(self) -> list[Any]:
+        """The batch's recurrent layers' caches (their rows cannot drop positions)."""
+        return [c for c in self._cache if isinstance(c, ArraysCache)]
 
     def _settle(self) -> None:
         """Take out of the KV what rows must drop: the positions every row drops are
