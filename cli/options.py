@@ -314,7 +314,12 @@ Quiet = Annotated[
     typer.Option("--quiet", "-q", help="No progress on stderr.", rich_help_panel=MODEL_PANEL),
 ]
 PromptArg = Annotated[
-    str | None, typer.Argument(metavar="PROMPT", help="The prompt; '-' or nothing reads stdin.")
+    str | None,
+    typer.Argument(
+        metavar="PROMPT",
+        help="The prompt; '-' or nothing reads stdin. Piped stdin and PROMPT together make "
+        "one prompt, as llm joins them: stdin, a space, then PROMPT.",
+    ),
 ]
 PromptFile = Annotated[
     Path | None,
@@ -534,8 +539,24 @@ def utf8(value: str | bytes, what: str) -> str:
         raise UserInputError(f"{what} is not valid UTF-8") from exc
 
 
+def piped() -> str | None:
+    """What stdin carries when it is not a terminal (a pipe or a file); None on a terminal
+    or with stdin closed."""
+    if sys.stdin is None or sys.stdin.isatty():
+        return None
+    return utf8(sys.stdin.buffer.read(), "stdin")
+
+
+def joined(stdin: str | None, prompt: str) -> str:
+    """Piped text and an argument prompt as one prompt, as `llm` and Ollama join them:
+    stdin first, a space, then the argument (`git diff | mlxcache generate "Review this"`).
+    Stdin with nothing but whitespace adds nothing."""
+    return prompt if stdin is None or not stdin.strip() else f"{stdin} {prompt}"
+
+
 def read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
-    """The prompt from the argument, `-` (stdin) or --prompt-file; never empty."""
+    """The prompt from the argument (after piped stdin, if any: `joined`), `-` (stdin alone)
+    or --prompt-file; never empty."""
     if prompt is not None and prompt_file is not None:
         raise UserInputError("give the prompt as an argument or with --prompt-file, not both")
     if prompt_file is not None:
@@ -550,7 +571,7 @@ def read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
             )
         text = utf8(sys.stdin.buffer.read(), "stdin")
     else:
-        text = utf8(prompt, "the prompt")
+        text = joined(piped(), utf8(prompt, "the prompt"))
     if not text.strip():
         raise UserInputError("the prompt is empty")
     return text

@@ -56,7 +56,11 @@ def _conversation(
 def tools_cmd(
     prompt: Annotated[
         str | None,
-        typer.Argument(help="The user message; '-' reads stdin (optional with --messages)."),
+        typer.Argument(
+            metavar="PROMPT",
+            help="The user message; '-' reads stdin (optional with --messages). Piped stdin "
+            "and PROMPT together make one message: stdin, a space, then PROMPT.",
+        ),
     ] = None,
     *,
     tools_file: Annotated[
