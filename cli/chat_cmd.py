@@ -165,8 +165,9 @@ class Repl:
                 + self.backend.prompt_kept()
             )
         else:
-            ui.stats_line(stats, self.rate)
-            ui.finish_note(*finish)
+            ui.stats_line(stats, self.rate, self.quiet)
+            if not self.quiet:
+                ui.finish_note(*finish)
         self.autosave()
 
     def autosave(self) -> None:

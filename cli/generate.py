@@ -32,7 +32,7 @@ def generate(
     if raw and system is not None:
         raise UserInputError("--system needs the chat template; drop --raw")
     if server:
-        _print(remote.generate(server, run, text, system, raw), as_json)
+        _print(remote.generate(server, run, text, system, raw), as_json, run.quiet)
         return
     from mlxcache.engine import Request
     from mlxcache.events import Done, Token
@@ -54,12 +54,13 @@ def generate(
                 elif isinstance(event, Done):
                     yield remote.Finished(event.result, seen.stats(event.result.stats))
 
-        _print(pieces(), as_json)
+        _print(pieces(), as_json, run.quiet)
 
 
-def _print(items: Iterable[str | remote.Finished], as_json: bool) -> None:
+def _print(items: Iterable[str | remote.Finished], as_json: bool, quiet: bool) -> None:
     """A reply as it comes, in-process or from a server: its text (not with --json), then
-    the JSON document (with --json), the stats line and a note on how it ended."""
+    the JSON document (with --json), the stats line and a note on how it ended (neither
+    `quiet`: -q prints the reply alone)."""
     for item in items:
         if isinstance(item, str):
             if not as_json:
@@ -77,6 +78,6 @@ def _print(items: Iterable[str | remote.Finished], as_json: bool) -> None:
             )
         else:
             ui.out_text("\n")
-        ui.stats_line(stats)
-        if not as_json:
+        ui.stats_line(stats, quiet=quiet)
+        if not (as_json or quiet):
             ui.finish_note(result.finish_reason, len(result.tokens), result.text)

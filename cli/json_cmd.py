@@ -126,7 +126,8 @@ def json_cmd(
         o.positive(concurrency=concurrency)
         text = o.read_prompt(prompt, prompt_file)
         instructions = o.text_or_file(instructions, "instructions")
-        _show(remote.json_single(server, run, given, compiled.schema, instructions, text), as_json)
+        reply = remote.json_single(server, run, given, compiled.schema, instructions, text)
+        _show(reply, as_json, run.quiet)
         return
     from mlxcache.fileio import check_output_dir
     from mlxcache.modes import json_mode
@@ -193,19 +194,19 @@ def _single(
     with o.watch(engine, ids, quiet) as seen:
         result = engine.complete(json_mode.request(engine, ids, task, params), seen)
     reply = replace(json_mode.read_reply(task, result), stats=seen.stats(result.stats))
-    _show(reply, as_json)
+    _show(reply, as_json, quiet)
 
 
-def _show(reply: json_mode.JsonReply, as_json: bool) -> None:
+def _show(reply: json_mode.JsonReply, as_json: bool, quiet: bool) -> None:
     """One reply, in-process or from a server: `JsonReply.as_dict` with --json; else its
-    reasoning on stderr and the document on stdout."""
+    reasoning on stderr and the document on stdout; then the stats line (not `quiet`)."""
     if as_json:
         ui.out_json(reply.as_dict())
     else:
         ui.thought(reply.reasoning)
         if reply.error is None:
             ui.out_text(reply.text + "\n")
-    ui.stats_line(reply.stats)
+    ui.stats_line(reply.stats, quiet=quiet)
     if reply.error is not None:
         raise OutputError(reply.error)
 

@@ -311,7 +311,13 @@ DraftInexact = Annotated[
 ]
 Quiet = Annotated[
     bool,
-    typer.Option("--quiet", "-q", help="No progress on stderr.", rich_help_panel=MODEL_PANEL),
+    typer.Option(
+        "--quiet",
+        "-q",
+        help="Print the reply alone: no progress, notes or stats line on stderr (errors and "
+        "warnings still).",
+        rich_help_panel=MODEL_PANEL,
+    ),
 ]
 PromptArg = Annotated[
     str | None,

@@ -40,6 +40,10 @@ RegressBlock = Annotated[
     ),
 ]
 
+RegressQuiet = Annotated[
+    bool, typer.Option("--quiet", "-q", help="No progress lines on stderr (the verdict still).")
+]
+
 
 def _variants(text: str | None, server: str | None) -> tuple[str, ...]:
     from mlxcache.regress.remote import SERVER_VARIANTS
@@ -182,7 +186,7 @@ def record(
     variants: Variants = None,
     block_size: RegressBlock = None,
     as_json: o.Json = False,
-    quiet: o.Quiet = False,
+    quiet: RegressQuiet = False,
     server: remote.ServerUrl = None,
 ) -> None:
     """Run SUITE under every variant and write the golden file (only if all variants agree)."""
@@ -207,7 +211,7 @@ def check(
     variants: Variants = None,
     block_size: RegressBlock = None,
     as_json: o.Json = False,
-    quiet: o.Quiet = False,
+    quiet: RegressQuiet = False,
     server: remote.ServerUrl = None,
     case: Annotated[
         list[str] | None,

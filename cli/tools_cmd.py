@@ -153,10 +153,10 @@ def tools_cmd(
         ui.thought(reply.reasoning)
         if reply.error is None:
             _print_reply(reply)
-    ui.stats_line(stats)
+    ui.stats_line(stats, quiet=run.quiet)
     if reply.error is not None:
         raise OutputError(reply.error)
-    if not as_json:
+    if not (as_json or run.quiet):
         ui.finish_note(result.finish_reason, len(result.tokens), result.text)
     if engine is not None and engine.warm_ahead and run.cache().disk_bytes:
         _warm_ahead(engine, task, messages, reply)

@@ -186,25 +186,36 @@ def finish_note(finish_reason: str, tokens: int, text: str = "") -> None:
         info(f"stopped at the token limit ({plural(tokens, 'token')}; -n for more)")
 
 
+EXTRAPOLATE_FROM = 128
+"""Prompt tokens a cold prefill needs before its per-token cost prices more cached tokens
+than it had: a shorter one's fixed costs (the first token's sampling, call overheads) weigh
+on each of its few tokens, and scaled up they would claim more than a cold prefill takes."""
+
+
 @dataclass(slots=True)
 class PrefillRate:
-    """Prefill speed measured on this run's own requests: what a cached token would have
-    cost to compute here. A prefill's time is its time to first token less its restore."""
+    """Prefill cost measured on this run's own cold prefills (nothing cached: tokens from
+    position 0, as the cached ones were computed), the longest one: what a cached token
+    would have cost here. A resumed prefill is no measure: its few tokens attend to the
+    whole cached prefix and carry the restore, so per token it costs more than cold.
+    A prefill's time is its time to first token less its restore."""
 
     tokens: int = 0
     seconds: float = 0.0
 
     def add(self, stats: dict[str, Any]) -> None:
-        if stats["prefilled_tokens"] > 0:
-            self.tokens += stats["prefilled_tokens"]
-            self.seconds += max(0.0, stats["ttft_s"] - stats["restore_s"])
+        if stats["cached_tokens"] == 0 and stats["prefilled_tokens"] > self.tokens:
+            self.tokens = stats["prefilled_tokens"]
+            self.seconds = max(0.0, stats["ttft_s"] - stats["restore_s"])
 
     def saved_s(self, stats: dict[str, Any]) -> float | None:
-        """Seconds the cached tokens would have taken to prefill, less their restore; None
-        when nothing was cached or nothing was prefilled yet to measure the speed on."""
-        if not stats["cached_tokens"] or not self.tokens or self.seconds <= 0:
+        """Seconds the cached tokens would have taken to prefill cold, less their restore;
+        None when unknown: nothing cached, no cold prefill measured, or one shorter than
+        the cached tokens and than `EXTRAPOLATE_FROM`."""
+        cached = stats["cached_tokens"]
+        if not cached or self.seconds <= 0 or self.tokens < min(cached, EXTRAPOLATE_FROM):
             return None
-        return max(0.0, stats["cached_tokens"] * self.seconds / self.tokens - stats["restore_s"])
+        return max(0.0, cached * self.seconds / self.tokens - stats["restore_s"])
 
 
 def seconds(value: float) -> str:
@@ -212,28 +223,46 @@ def seconds(value: float) -> str:
     return f"{value:.1f} s" if value >= 1 else f"{value:.2f} s"
 
 
-def stats_line(stats: dict[str, Any], rate: PrefillRate | None = None) -> None:
+def stats_line(stats: dict[str, Any], rate: PrefillRate | None = None, quiet: bool = False) -> None:
     """Per-request stats: the user sees how much of the prompt came from the cache, from
-    which tier (or why nothing did), and about how much time that saved.
+    which tier (or why nothing did), about how much time that saved, what drafting did
+    and what the KV holds an element in. `quiet` (-q): nothing.
 
-    `rate`: the run's prefill speed so far (chat keeps one per session); this request's own
+    `rate`: the run's prefill cost so far (chat keeps one per session); this request's own
     prefill is added to it first.
     """
     rate = rate if rate is not None else PrefillRate()
     rate.add(stats)
+    if quiet:
+        return
     cached, prompt = stats["cached_tokens"], stats["prompt_tokens"]
     where = stats.get("cached_from") if cached else stats.get("miss_reason")
     why = f" ({where})" if where else ""
     saved = rate.saved_s(stats)
     saving = "" if saved is None else f" · saved ~{seconds(saved)}"
+    kv = f" · KV {stats['kv']}" if stats.get("kv") else ""
     _shared("err").print(
         f"[cached]{cached}[/cached]/{prompt} prompt tokens cached{why}, "
         f"{stats['prefilled_tokens']} prefilled{saving} · TTFT {stats['ttft_s']:.2f}s · "
-        f"{plural(stats['generated_tokens'], 'token')} at {stats['decode_tps']:.1f} tok/s",
+        f"{plural(stats['generated_tokens'], 'token')} at {stats['decode_tps']:.1f} tok/s"
+        f"{drafted(stats)}{kv}",
         style="stats",
         markup=True,
         highlight=False,
         soft_wrap=True,  # one line, whatever the width: scripts and tests read it
+    )
+
+
+def drafted(stats: dict[str, Any]) -> str:
+    """What drafting did for a reply, as the stats line says it ("" when it was not
+    drafted): drafts made and accepted, and the model's forwards per token after the
+    first (plain decoding makes one)."""
+    if not stats.get("draft"):
+        return ""
+    steps = max(stats["generated_tokens"] - 1, 1)
+    return (
+        f" · {stats['draft']} drafted {stats['drafted_tokens']}, accepted "
+        f"{stats['accepted_tokens']} · {stats['verify_forwards'] / steps:.2f} forwards/token"
     )
 
 

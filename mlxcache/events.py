@@ -29,6 +29,9 @@ class Stats:
     """... of which the model picked the same (each saved a forward)."""
     verify_forwards: int = 0
     """Forwards of the model while drafting (each verifies a round of drafts)."""
+    kv: str = ""
+    """What the KV cache holds a key or value element in: "8-bit" or "4-bit" (quantized,
+    `CacheConfig.kv_bits`), else the model's float type ("float32", "bfloat16")."""
 
     @property
     def decode_tps(self) -> float:

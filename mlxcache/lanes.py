@@ -146,6 +146,7 @@ class Work:
     share: Share | None
     drafting: Drafting
     budget: MemoryBudget | None = None
+    kv: str = ""  # what the KV holds an element in (`Stats.kv`)
 
     @property
     def model(self) -> Model:
@@ -272,7 +273,7 @@ def request_lane(
     plan: Plan | None = None,
 ) -> Generator[Event | Forward | Leave | Sync | Rewind | Step, Any, None]:
     n = int(tokens.size)
-    stats = Stats(prompt_tokens=n)
+    stats = Stats(prompt_tokens=n, kv=work.kv)
     start = time.perf_counter()
     lease = None
     try:

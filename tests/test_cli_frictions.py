@@ -32,3 +32,24 @@ def test_piped_stdin_comes_before_the_argument_prompt(tiny_gguf: Path, tmp_path:
         len(b"Summarize:"),
     ]
     assert both["tokens"] == whole["tokens"]
+
+
+def test_quiet_prints_the_reply_alone(tiny_gguf: Path, tmp_path: Path) -> None:
+    """-q: the reply on stdout, nothing on stderr (no stats line, no note on the token
+    limit the reply ran into); the same reply as without it."""
+    args = [
+        "generate",
+        "--raw",
+        "abc",
+        "-n",
+        "3",
+        "-m",
+        str(tiny_gguf),
+        "--cache-dir",
+        str(tmp_path),
+    ]
+    code, out, err = run(*args)
+    assert code == 0 and "prompt tokens cached" in err and "token limit" in err
+    assert run(*args, "-q") == (0, out, "")
+    code, doc, err = run(*args, "-q", "--json")
+    assert (code, err) == (0, "") and json.loads(doc)["tokens"]

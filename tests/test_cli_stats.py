@@ -32,18 +32,56 @@ class _Bar:
 
 
 def test_stats_line_names_the_tier_and_the_time_saved(capsys: pytest.CaptureFixture[str]) -> None:
-    # 5 tokens prefilled in 0.5 s (TTFT less restore): 0.1 s a token; 32 cached save 3.2 s,
-    # less the 0.04 s their restore took.
-    hit = _stats(cached_tokens=32, prefilled_tokens=5, restore_s=0.04, ttft_s=0.54)
-    ui.stats_line({**hit, "cached_from": "disk"})
+    # A cold prefill of 37 tokens in 3.7 s: 0.1 s a token; 32 cached save 3.2 s, less the
+    # 0.04 s their restore took.
+    rate = ui.PrefillRate()
     miss = _stats(prefilled_tokens=37, ttft_s=3.7, miss_reason="no cached prefix")
-    ui.stats_line(miss)
+    ui.stats_line(miss, rate)
+    hit = _stats(cached_tokens=32, prefilled_tokens=5, restore_s=0.04, ttft_s=0.54)
+    ui.stats_line({**hit, "cached_from": "disk"}, rate)
     assert capsys.readouterr().err.splitlines() == [
-        "32/37 prompt tokens cached (disk), 5 prefilled · saved ~3.2 s · TTFT 0.54s · "
-        "7 tokens at 10.0 tok/s",
         "0/37 prompt tokens cached (no cached prefix), 37 prefilled · TTFT 3.70s · "
         "7 tokens at 10.0 tok/s",
+        "32/37 prompt tokens cached (disk), 5 prefilled · saved ~3.2 s · TTFT 0.54s · "
+        "7 tokens at 10.0 tok/s",
     ]
+
+
+def test_a_short_resumed_prefill_prices_nothing(capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 54: 5 tokens resumed after 1,000 cached took 0.5 s (restore, overheads,
+    attention over the prefix): 0.1 s a token would claim 100 s saved where the cold prefill
+    of those 1,000 took 20 s. A resumed prefill measures nothing; the cold one does."""
+    rate = ui.PrefillRate()
+    hit = _stats(prompt_tokens=1005, cached_tokens=1000, prefilled_tokens=5, ttft_s=0.5)
+    ui.stats_line({**hit, "cached_from": "disk"}, rate)
+    cold = _stats(prompt_tokens=1005, prefilled_tokens=1005, ttft_s=20.1)
+    ui.stats_line(cold, rate)
+    ui.stats_line({**hit, "cached_from": "memory"}, rate)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].startswith("1000/1005 prompt tokens cached (disk), 5 prefilled · TTFT 0.50s")
+    assert lines[2].startswith(
+        "1000/1005 prompt tokens cached (memory), 5 prefilled · saved ~20.0 s · TTFT 0.50s"
+    )
+
+
+@pytest.mark.parametrize(
+    ("cold_tokens", "cold_s", "cached", "saved"),
+    [
+        (37, 3.7, 37, 3.7),  # the same prompt again: its own cold cost
+        (37, 3.7, 30, 3.0),  # fewer: a share of it
+        (37, 3.7, 38, None),  # more than a short sample covers: unknown
+        (ui.EXTRAPOLATE_FROM, 12.8, 1000, 100.0),  # a long sample prices more tokens
+        (20, 2.0, 0, None),  # nothing cached
+    ],
+)
+def test_saved_never_claims_more_than_a_cold_prefill_measured(
+    cold_tokens: int, cold_s: float, cached: int, saved: float | None
+) -> None:
+    rate = ui.PrefillRate()
+    rate.add(_stats(prefilled_tokens=cold_tokens, ttft_s=cold_s))
+    rate.add(_stats(prefilled_tokens=3, ttft_s=0.001))  # a shorter cold one: not the measure
+    hit = _stats(cached_tokens=cached, prefilled_tokens=2, ttft_s=0.3)
+    assert rate.saved_s(hit) == (None if saved is None else pytest.approx(saved))
 
 
 def test_a_session_measures_its_prefill_speed_across_turns(
@@ -75,7 +113,7 @@ def test_stats_tell_memory_from_disk(tiny: LoadedModel, tmp_path: Path) -> None:
     assert reopened.complete(Request(ids, params)).stats.cached_from == "disk"
 
 
-def test_generate_says_disk_and_saved_in_a_new_process(
+def test_generate_says_disk_in_a_new_process_without_a_saving_it_cannot_measure(
     cache_root: Path, tiny_gguf: Path, tmp_path: Path
 ) -> None:
     args = ["generate", "--raw", "abcdefghijklmnopqrst", "-m", str(tiny_gguf), "-n", "2"]
@@ -84,8 +122,10 @@ def test_generate_says_disk_and_saved_in_a_new_process(
     again = runner.invoke(app, [*args, "--json"])
     assert again.exit_code == 0, again.stderr
     assert json.loads(again.stdout)["stats"]["cached_from"] == "disk"
-    assert re.match(
-        r"16/\d+ prompt tokens cached \(disk\), \d+ prefilled · saved ~\d+\.\d+ s · TTFT ",
+    # No cold prefill ran in this process: nothing prices the cached tokens.
+    assert re.fullmatch(
+        r"16/19 prompt tokens cached \(disk\), 3 prefilled · TTFT \d+\.\d\ds · "
+        r"2 tokens at \d+\.\d tok/s · KV float32\n",
         again.stderr,
     )
 
@@ -119,3 +159,28 @@ def test_ctrl_c_in_a_prefill_keeps_its_full_blocks(
                 raise KeyboardInterrupt  # between two chunks, as a key press may land
     assert capsys.readouterr().err == "prefill stopped: 8 of 20 prompt tokens kept for next time\n"
     assert engine.cache.cached_length(np.asarray(ids)) == 8
+
+
+def test_stats_line_names_drafting_and_the_kv_width(capsys: pytest.CaptureFixture[str]) -> None:
+    """7 tokens, 6 after the first, in 3 verify forwards: 0.50 forwards a token (plain
+    decoding makes 1)."""
+    drafted = _stats(
+        prefilled_tokens=37, ttft_s=3.7, draft="lookup", drafted_tokens=12, accepted_tokens=9
+    )
+    ui.stats_line({**drafted, "verify_forwards": 3, "kv": "8-bit"})
+    ui.stats_line({**drafted, "draft": "", "kv": "float32"})  # not drafted: nothing said
+    assert capsys.readouterr().err.splitlines() == [
+        "0/37 prompt tokens cached, 37 prefilled · TTFT 3.70s · 7 tokens at 10.0 tok/s · "
+        "lookup drafted 12, accepted 9 · 0.50 forwards/token · KV 8-bit",
+        "0/37 prompt tokens cached, 37 prefilled · TTFT 3.70s · 7 tokens at 10.0 tok/s · "
+        "KV float32",
+    ]
+
+
+def test_quiet_prints_no_stats_line_but_still_measures(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    rate = ui.PrefillRate()
+    ui.stats_line(_stats(prefilled_tokens=37, ttft_s=3.7), rate, quiet=True)
+    assert capsys.readouterr().err == ""
+    assert rate.saved_s(_stats(cached_tokens=37)) == pytest.approx(3.7)

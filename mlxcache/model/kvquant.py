@@ -14,14 +14,16 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
+import mlx.core as mx
+from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from mlxcache.config import KV_GROUP_SIZES
 from mlxcache.errors import UserInputError
 from mlxcache.model.loader import LoadedModel
-from mlxcache.types import new_layers
+from mlxcache.types import as_module, new_layers
 
 
 class QuantizedKV:
@@ -43,6 +45,19 @@ class QuantizedKV:
             c.to_quantized(self.group_size, self.bits) if type(c) is KVCache else c
             for c in make_prompt_cache(self._model)
         ]
+
+
+def kv_width(model: Any) -> str:
+    """What `model`'s plain KV layers keep an element in (`Stats.kv`): its quantization's
+    bits, else the float type of its parameters, which its activations take ("" where it
+    has none)."""
+    if isinstance(model, QuantizedKV):
+        return f"{model.bits}-bit"
+    arrays = cast(list[tuple[str, Any]], tree_flatten(as_module(model).parameters()))
+    for _, value in arrays:
+        if mx.issubdtype(value.dtype, mx.floating):
+            return str(value.dtype).removeprefix("mlx.core.")
+    return ""
 
 
 def quantize_kv(
