@@ -134,7 +134,8 @@ class Drafting:
         record: where probe answers are recorded; None: measured at each start (a sharded
             run: every rank must make the probe's forwards).
         draft_model: the draft model, when `config.model` names one.
-        on_warning: told once when drafting asked for is off, or runs inexact.
+        on_warning: told once when drafting asked for is off, runs inexact, or cannot pay
+            (its expected time per token, `choose`, is plain decoding's or more).
         on_note: told when the probe measures (seconds on a real model, once).
         leader: False on the ranks other than 0 of a sharded run, which take rank 0's
             drafts of the draft model (`Shared`) instead of running their own.
@@ -210,6 +211,12 @@ class Drafting:
             n, k, ratio = choose(found.costs, widest, self.config.ngram, self.config.tokens)
             if mode == "auto" and (not exact or ratio >= 1):
                 return None
+            if ratio >= 1:
+                self._once(
+                    f"drafting cannot pay on this device: its measured verify forwards make "
+                    f"{kind} drafting ~{ratio:.2f}x plain decoding's time per token (--draft "
+                    "auto leaves it off where so)"
+                )
             plan = Plan(kind, k, ngram=n)
             if exact:
                 return self._batched(plan, batch)

@@ -8,6 +8,11 @@ from pathlib import Path
 
 from cli_run import run
 
+from mlxcache.config import DraftConfig
+from mlxcache.drafting import Drafting, choose
+from mlxcache.invariance import PROBES, VERIFY_WIDTHS
+from mlxcache.model import LoadedModel
+
 
 def _generate(tiny_gguf: Path, tmp_path: Path, *args: str, stdin: str | None) -> dict[str, object]:
     code, out, err = run(
@@ -53,3 +58,36 @@ def test_quiet_prints_the_reply_alone(tiny_gguf: Path, tmp_path: Path) -> None:
     assert run(*args, "-q") == (0, out, "")
     code, doc, err = run(*args, "-q", "--json")
     assert (code, err) == (0, "") and json.loads(doc)["tokens"]
+
+
+def test_drafting_that_cannot_pay_here_is_said_once(tiny: LoadedModel, tmp_path: Path) -> None:
+    """Asked for (--draft lookup) where this device's measured verify costs make a drafted
+    token dearer than a plain one: it drafts, as asked, and says so once."""
+    said: list[str] = []
+    config = DraftConfig(mode="lookup")
+    assert Drafting(tiny, config, 4, tmp_path).plan() is not None  # measured and recorded
+    records = json.loads((tmp_path / PROBES).read_text())
+    for slow, costs in ((True, {w: float(w) for w in VERIFY_WIDTHS}), (False, CHEAP)):
+        recorded = {
+            k: {**v, "verify_costs": {str(w): c for w, c in costs.items()}}
+            for k, v in records.items()
+        }
+        (tmp_path / PROBES).write_text(json.dumps(recorded))
+        drafting = Drafting(tiny, config, 4, tmp_path, on_warning=said.append)
+        assert drafting.plan() is not None and drafting.plan() is not None
+        width = drafting.verify().width
+        ratio = choose(costs, width)[2]
+        assert said == (
+            [
+                f"drafting cannot pay on this device: its measured verify forwards make lookup "
+                f"drafting ~{ratio:.2f}x plain decoding's time per token (--draft auto leaves "
+                "it off where so)"
+            ]
+            if slow
+            else []
+        ), ratio
+        said.clear()
+
+
+CHEAP = {w: 1.0 + 0.01 * w for w in VERIFY_WIDTHS}
+"""Verify forwards as cheap as one row: drafting pays."""
