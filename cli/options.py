@@ -434,8 +434,8 @@ def engine(
     quiet: bool = False,
 ) -> Engine:
     """Open the engine (no `model`: the one `mlxcache models default` chose), with a
-    progress bar on stderr if a GGUF needs converting and a line when the device's
-    exactness is measured (not `quiet`); `invariant`, `split` and `draft`: see
+    progress bar on stderr if a GGUF needs converting and the device's probes shown as
+    they measure (`ui.ProbeNotes`; not `quiet`); `invariant`, `split` and `draft`: see
     `open_engine` (chat and serve ask for `invariant`)."""
     from mlxcache.distributed import SPLITS
     from mlxcache.model.loader import default_spec
@@ -450,7 +450,7 @@ def engine(
             config,
             progress=update,
             on_warning=ui.warn,
-            on_note=None if quiet else ui.info,
+            on_note=None if quiet else ui.ProbeNotes(),
             invariant=invariant,
             split=split,
             on_rank_lost=_rank_lost,

@@ -17,6 +17,8 @@ if TYPE_CHECKING:  # imported where used: `--version` or `json --check` draw not
     from rich.console import Console
     from rich.progress import Progress, TaskID
 
+    from mlxcache.events import Probing
+
 STYLES = {
     "error": "bold red",
     "stats": "dim",
@@ -295,6 +297,39 @@ def no_echo(fd: int | None = None) -> Iterator[None]:
         termios.tcsetattr(fd, termios.TCSANOW, before)
 
 
+class ProbeNotes:
+    """The one-time probes of this device (`events.Probing`) on stderr: a line saying what
+    one measures and why as it starts, a transient bar of its steps and the time spent
+    while it runs (on a terminal), and a line with its duration when it is done."""
+
+    def __init__(self) -> None:
+        self._bar: Progress | None = None
+        self._task: TaskID | None = None
+
+    def __call__(self, event: Probing) -> None:
+        if event.done == 0:
+            info(f"measuring {event.what} for {event.model} (once): {event.why}")
+            if _shared("err").is_terminal:
+                self._start(event.total)
+        if self._bar is not None and self._task is not None:
+            self._bar.update(self._task, completed=event.done)
+        if event.finished:
+            if self._bar is not None:
+                self._bar.stop()
+            self._bar = self._task = None
+            info(f"measured {event.what} for {event.model} in {seconds(event.elapsed_s)}")
+
+    def _start(self, total: int) -> None:
+        from rich.errors import LiveError
+
+        bar = _new_bar("{task.description}", "{task.completed}/{task.total}", elapsed=True)
+        try:
+            bar.start()
+        except LiveError:  # another display owns the terminal (a reply being drawn)
+            return
+        self._bar, self._task = bar, bar.add_task("measuring", total=total)
+
+
 def regress_progress(quiet: bool) -> Callable[[str, str, str], None] | None:
     """Lines on stderr for each variant and case as it starts and ends, unless quiet (piped
     or not: a suite can run for minutes, and a log shows where it is)."""
@@ -318,14 +353,18 @@ def regress_progress(quiet: bool) -> Callable[[str, str, str], None] | None:
     return show
 
 
-def _new_bar(label: str, count: str, transient: bool = True, rate: bool = False) -> Progress:
-    """A progress bar on stderr: label, bar, count, tok/s (`rate`), time left."""
+def _new_bar(
+    label: str, count: str, transient: bool = True, rate: bool = False, elapsed: bool = False
+) -> Progress:
+    """A progress bar on stderr: label, bar, count, tok/s (`rate`), time left (or, with
+    `elapsed`, time spent: steps of uneven length say nothing of what is left)."""
     from rich.progress import (
         BarColumn,
         Progress,
         ProgressColumn,
         Task,
         TextColumn,
+        TimeElapsedColumn,
         TimeRemainingColumn,
     )
     from rich.text import Text
@@ -335,7 +374,8 @@ def _new_bar(label: str, count: str, transient: bool = True, rate: bool = False)
             return Text(f"{task.speed:.1f} tok/s" if task.speed else "", style="stats")
 
     speed = [Rate()] if rate else []
-    columns = [TextColumn(label), BarColumn(), TextColumn(count), *speed, TimeRemainingColumn()]
+    clock = TimeElapsedColumn() if elapsed else TimeRemainingColumn()
+    columns = [TextColumn(label), BarColumn(), TextColumn(count), *speed, clock]
     return Progress(*columns, console=_shared("err"), transient=transient)
 
 

@@ -34,7 +34,7 @@ from mlxcache.decode import Share
 from mlxcache.decode_batch import batchable
 from mlxcache.draft import Drafter, Lookup, ModelDrafter
 from mlxcache.errors import UserInputError
-from mlxcache.invariance import Verify, batch_verify_probe, verify_probe
+from mlxcache.invariance import Note, Verify, batch_verify_probe, verify_probe
 from mlxcache.model import LoadedModel
 from mlxcache.types import new_layers
 
@@ -136,7 +136,8 @@ class Drafting:
         draft_model: the draft model, when `config.model` names one.
         on_warning: told once when drafting asked for is off, runs inexact, or cannot pay
             (its expected time per token, `choose`, is plain decoding's or more).
-        on_note: told when the probe measures (seconds on a real model, once).
+        on_note: told as the probe measures (`events.Probing`; seconds to minutes on a
+            real model, once).
         leader: False on the ranks other than 0 of a sharded run, which take rank 0's
             drafts of the draft model (`Shared`) instead of running their own.
         from_leader: a sharded run's collective giving rank 0's values on every rank:
@@ -151,7 +152,7 @@ class Drafting:
         record: Path | None,
         draft_model: DraftModel | None = None,
         on_warning: Callable[[str], None] | None = None,
-        on_note: Callable[[str], None] | None = None,
+        on_note: Note | None = None,
         leader: bool = True,
         from_leader: Callable[[np.ndarray, str], np.ndarray] | None = None,
     ) -> None:

@@ -98,3 +98,22 @@ class Done:
 
 
 Event = Prefill | Token | Done
+
+
+@dataclass(frozen=True, slots=True)
+class Probing:
+    """A one-time measurement of this device (`invariance`: seconds to minutes on a real
+    model, once per model, device and versions) as it runs: `what` it measures for `model`
+    and `why` it matters, `done` of `total` steps after `elapsed_s` seconds. Told with
+    `done` 0 when it starts, after each step, and with `done` == `total` when it ends."""
+
+    what: str
+    why: str
+    model: str
+    done: int
+    total: int
+    elapsed_s: float
+
+    @property
+    def finished(self) -> bool:
+        return self.done >= self.total

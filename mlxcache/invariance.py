@@ -37,6 +37,7 @@ from mlxcache.cache.layout import Layout, kv_tag
 from mlxcache.config import MAX_DRAFT
 from mlxcache.decode_batch import DecodeBatch, batchable
 from mlxcache.draft import Checkpoint, snapshot
+from mlxcache.events import Probing
 from mlxcache.fileio import write_atomic
 from mlxcache.model import LoadedModel
 from mlxcache.prefill import prefill
@@ -48,6 +49,14 @@ PROBE_VERSION = "p3"
 """What the probes measure, in their records' keys: "p2" probed every block layout (sliding
 windows kept in time order, recurrent state), "p3" drafted rows of every batchable layout
 in a decode batch; older records are not read."""
+
+
+Tick = Callable[[], None]
+"""Told as a probe finishes each of its steps (`Probing`)."""
+
+
+def _nothing() -> None:
+    pass
 
 
 def decode_matches_prefill(model: Model, block_size: int) -> bool:
@@ -249,8 +258,19 @@ def _known(directory: Path, key: str) -> dict[str, Any]:
     return known if isinstance(known, dict) else {}
 
 
-Note = Callable[[str], None]
-"""Told before a probe measures (it takes seconds on a real model): what is happening."""
+Note = Callable[[Probing], None]
+"""Told as a probe measures (seconds to minutes on a real model): what, and how far."""
+
+
+@dataclass(frozen=True, slots=True)
+class Measure:
+    """What a probe measures (`Probing.what`, `Probing.why`), in how many steps, and how:
+    `run(tick)` returns the record's fields, calling `tick` after each step."""
+
+    what: str
+    why: str
+    steps: int
+    run: Callable[[Tick], dict[str, Any]]
 
 
 def _recorded(
@@ -258,22 +278,33 @@ def _recorded(
     block_size: int,
     directory: Path | None,
     fields: dict[str, type],
-    what: str,
-    measure: Callable[[], dict[str, Any]],
+    measure: Measure,
     on_note: Note | None,
     valid: Callable[[dict[str, Any]], bool] = lambda _known: True,
 ) -> dict[str, Any]:
     """`fields` of `loaded`'s record in `directory` where each is there with its type (and
-    the record is `valid`), else `measure()`d now (`on_note` told: measuring `what`) and
+    the record is `valid`), else measured now (`on_note` told as it goes: `Probing`) and
     recorded. `directory` None: measured, not recorded, as in a sharded run where every
     rank must make the same forwards."""
     key = _key(loaded, block_size)
     known = {} if directory is None else _known(directory, key)
     if all(isinstance(known.get(k), t) for k, t in fields.items()) and valid(known):
         return {k: known[k] for k in fields}
-    if on_note is not None:
-        on_note(f"measuring {what} for {loaded.name} (once)")
-    found = measure()
+    tell = on_note or (lambda _event: None)
+    start, done = time.perf_counter(), 0
+
+    def told(steps: int) -> None:
+        elapsed = time.perf_counter() - start
+        tell(Probing(measure.what, measure.why, loaded.name, steps, measure.steps, elapsed))
+
+    def tick() -> None:  # the last step is told once, as the end
+        nonlocal done
+        done = min(done + 1, measure.steps - 1)
+        told(done)
+
+    told(0)
+    found = measure.run(tick)
+    told(measure.steps)
     if directory is not None:
         _write(directory, key, found)
     return found
@@ -284,17 +315,22 @@ def probe(
 ) -> dict[str, bool]:
     """{"decode": decode KV is canonical, "batch": rows may decode together} for `loaded`
     on this device, from `directory`'s record or measured now (and recorded)."""
-    return _recorded(
-        loaded,
-        block_size,
-        directory,
-        {"decode": bool, "batch": bool},
+
+    def run(tick: Tick) -> dict[str, Any]:
+        decode = decode_matches_prefill(loaded.model, block_size)
+        tick()
+        batch = batch_matches_solo(loaded.model, block_size)
+        return {"decode": decode, "batch": batch}
+
+    measure = Measure(
         "what this device computes exactly",
-        lambda: {
-            "decode": decode_matches_prefill(loaded.model, block_size),
-            "batch": batch_matches_solo(loaded.model, block_size),
-        },
-        on_note,
+        "decode steps against prefill chunks (a reply's KV kept for the next turn), batched "
+        "rows against solo ones (requests decoding together)",
+        2,
+        run,
+    )
+    return _recorded(
+        loaded, block_size, directory, {"decode": bool, "batch": bool}, measure, on_note
     )
 
 
@@ -318,18 +354,22 @@ def verify_probe(
     or measured now (and recorded; None: measured, not recorded, as in a sharded run where
     every rank must make the same forwards)."""
 
-    def measure() -> dict[str, Any]:
-        width, costs = verify_width(loaded.model, block_size)
+    def run(tick: Tick) -> dict[str, Any]:
+        width, costs = verify_width(loaded.model, block_size, tick)
         return {"verify": width, "verify_costs": {str(w): c for w, c in costs.items()}}
 
-    fields = {"verify": int, "verify_costs": dict}
-    what = "how exactly this device verifies drafts"
+    measure = Measure(
+        "how exactly this device verifies drafts",
+        f"forwards of {', '.join(map(str, VERIFY_WIDTHS))} rows against one-row decode steps, "
+        "and what each costs (for drafting)",
+        len(VERIFY_WIDTHS) + 1,
+        run,
+    )
     found = _recorded(
         loaded,
         block_size,
         directory,
-        fields,
-        what,
+        {"verify": int, "verify_costs": dict},
         measure,
         on_note,
         lambda known: _read_costs(known["verify_costs"]) is not None,
@@ -346,7 +386,9 @@ def _read_costs(recorded: dict[Any, Any]) -> dict[int, float] | None:
     return costs if sorted(costs) == list(VERIFY_WIDTHS) and min(costs.values()) > 0 else None
 
 
-def verify_width(model: Model, block_size: int) -> tuple[int, dict[int, float]]:
+def verify_width(
+    model: Model, block_size: int, tick: Tick = _nothing
+) -> tuple[int, dict[int, float]]:
     """The widest of `VERIFY_WIDTHS` whose drafting is bitwise plain decoding (1 where none
     is), and the time of a forward of each of them over a one-row step's.
 
@@ -372,20 +414,23 @@ def verify_width(model: Model, block_size: int) -> tuple[int, dict[int, float]]:
         rows = model(mx.array([ids[start + at : start + at + n]]), cache=layers)[0]
         return all(mx.array_equal(rows[i], plain[at + i]).item() for i in range(n))
 
-    passed = []
-    for w in VERIFY_WIDTHS:
+    def passes(w: int) -> bool:
         layers = at_prefix()
         if not same(layers, 0, w):
-            continue
+            return False
         mark = Checkpoint(layers)
         if not same(layers, w, w):
-            continue
+            return False
         kept = w // 2 + 1
         mark.rewind(model, ids[start + w : start + w + kept], w - kept)
         at = w + kept
-        if not (same(layers, at, 1) and same(layers, at + 1, 1) and same(layers, at + 2, w)):
-            continue
-        passed.append(w)
+        return same(layers, at, 1) and same(layers, at + 1, 1) and same(layers, at + 2, w)
+
+    passed = []
+    for w in VERIFY_WIDTHS:
+        if passes(w):
+            passed.append(w)
+        tick()
     return max(passed, default=1), _costs(model, at_prefix, list(VERIFY_WIDTHS))
 
 
@@ -394,15 +439,13 @@ def batch_verify_probe(
 ) -> int:
     """`batch_verify_width` for `loaded` on this device, from `directory`'s record or
     measured now (and recorded; None: as `verify_probe`)."""
-    found = _recorded(
-        loaded,
-        block_size,
-        directory,
-        {"batch_verify": int},
+    measure = Measure(
         "how exactly this device verifies drafts in a batch",
-        lambda: {"batch_verify": batch_verify_width(loaded.model, block_size)},
-        on_note,
+        "drafted rows inside a decode batch against one-row decode steps",
+        1,
+        lambda _tick: {"batch_verify": batch_verify_width(loaded.model, block_size)},
     )
+    found = _recorded(loaded, block_size, directory, {"batch_verify": int}, measure, on_note)
     return int(found["batch_verify"])
 
 

@@ -18,7 +18,7 @@ from mlxcache.draft import same_vocabulary
 from mlxcache.drafting import Drafting, DraftModel
 from mlxcache.engine import Engine
 from mlxcache.errors import Setting, UserInputError, Worded
-from mlxcache.invariance import probe
+from mlxcache.invariance import Note, probe
 from mlxcache.launch import launched_rank
 from mlxcache.membudget import budgeted
 from mlxcache.model import LoadedModel, load
@@ -51,7 +51,7 @@ def open_engine(
     split: str | None = None,
     on_rank_lost: Callable[[str | None], None] | None = None,
     draft: DraftConfig | None = None,
-    on_note: Callable[[str], None] | None = None,
+    on_note: Note | None = None,
 ) -> Engine:
     """Load `model` (default: the embedded SmolLM2) and attach the prompt cache
     `cache_config` describes.
@@ -75,8 +75,9 @@ def open_engine(
             run did; it must end this process (`distributed.Ranks.watch`). None: not
             watched (a rank may then wait forever for one that is gone).
         draft: speculative decoding's settings (`DraftConfig`); default: never drafts.
-        on_note: told what is happening when the device's exactness is measured (once per
-            model and device: seconds on a real model, with nothing else to show).
+        on_note: told as the device's exactness is measured (`events.Probing`: what,
+            why, how far; once per model and device: seconds to minutes on a real model,
+            with nothing else to show).
 
     Raises:
         RankError: a process of the distributed run stopped or cannot be reached.
@@ -197,7 +198,7 @@ NOTHING_MEASURED = {"decode": False, "batch": False}
 
 
 def measured(
-    loaded: LoadedModel, config: CacheConfig, on_note: Callable[[str], None] | None = None
+    loaded: LoadedModel, config: CacheConfig, on_note: Note | None = None
 ) -> dict[str, bool]:
     """What the device allows for `loaded` (`invariance.probe`): "decode", a reply's decode
     KV may be kept as canonical; "batch", requests may decode as one batch. Both False
@@ -213,9 +214,7 @@ NOTED_PARAMETERS = 10_000_000
 """A model this large takes seconds to probe: it is said (a small one is done at once)."""
 
 
-def noted(
-    loaded: LoadedModel, on_note: Callable[[str], None] | None
-) -> Callable[[str], None] | None:
+def noted(loaded: LoadedModel, on_note: Note | None) -> Note | None:
     """`on_note` for a model whose probes take long enough to be said."""
     from mlx.utils import tree_flatten
 

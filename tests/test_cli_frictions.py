@@ -6,12 +6,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from cli_run import run
 
+from mlxcache import invariance
 from mlxcache.config import DraftConfig
 from mlxcache.drafting import Drafting, choose
+from mlxcache.events import Probing
 from mlxcache.invariance import PROBES, VERIFY_WIDTHS
 from mlxcache.model import LoadedModel
+from mlxcache_cli import ui
 
 
 def _generate(tiny_gguf: Path, tmp_path: Path, *args: str, stdin: str | None) -> dict[str, object]:
@@ -91,3 +95,35 @@ def test_drafting_that_cannot_pay_here_is_said_once(tiny: LoadedModel, tmp_path:
 
 CHEAP = {w: 1.0 + 0.01 * w for w in VERIFY_WIDTHS}
 """Verify forwards as cheap as one row: drafting pays."""
+
+
+def test_a_probe_tells_what_it_measures_step_by_step(tiny: LoadedModel, tmp_path: Path) -> None:
+    """The one-time probes say what they measure and why, each step as it ends (with the
+    time spent), and their end once; a recorded answer is read, not measured: nothing told."""
+    told: list[Probing] = []
+    invariance.probe(tiny, 4, tmp_path, told.append)
+    invariance.verify_probe(tiny, 4, tmp_path, told.append)
+    invariance.probe(tiny, 4, tmp_path, told.append)
+    steps = [(e.what, e.model, e.done, e.total) for e in told]
+    exact, verify = "what this device computes exactly", "how exactly this device verifies drafts"
+    assert steps == [
+        *((exact, tiny.name, done, 2) for done in (0, 1, 2)),
+        *((verify, tiny.name, done, 5) for done in (0, 1, 2, 3, 4, 5)),
+    ]
+    elapsed = [e.elapsed_s for e in told]
+    assert elapsed[:3] == sorted(elapsed[:3]) and elapsed[3:] == sorted(elapsed[3:])
+    assert told[0].why.startswith("decode steps against prefill chunks")
+    assert told[3].why.startswith("forwards of 2, 3, 5, 9 rows against one-row decode steps")
+    assert [e.finished for e in told] == [False, False, True, *[False] * 5, True]
+
+
+def test_probe_notes_on_stderr_start_and_end_in_one_line_each(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    notes = ui.ProbeNotes()
+    for done, elapsed in ((0, 0.0), (1, 40.0), (2, 95.5)):
+        notes(Probing("what this device computes exactly", "why", "m", done, 2, elapsed))
+    assert capsys.readouterr().err.splitlines() == [
+        "measuring what this device computes exactly for m (once): why",
+        "measured what this device computes exactly for m in 95.5 s",
+    ]

@@ -60,11 +60,12 @@ def cli(
 
 def notes(stderr: bytes) -> list[str]:
     """Every stderr line but the stats line (whose timings differ run to run) and the note
-    of a probe measured in this process (once; a server measures in its own)."""
+    of a probe measured in this process (its start and end, once; a server measures in its
+    own)."""
     return [
         line
         for line in stderr.decode().splitlines()
-        if "prompt tokens cached" not in line and not line.startswith("measuring ")
+        if "prompt tokens cached" not in line and not line.startswith(("measuring ", "measured "))
     ]
 
 
