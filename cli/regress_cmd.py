@@ -76,6 +76,11 @@ def _show(report: golden.Report, as_json: bool) -> None:
     else:
         for name, case in report.cases.items():
             ui.out_text(f"{case['status']:<22} {name}\n")
+            for setting, values in case.get("settings_changed", {}).items():
+                ui.out_text(
+                    f"    {setting} changed: {values['golden']} in the golden, {values['now']} "
+                    "in the suite (record it again)\n"
+                )
             for label, diff in {
                 **case.get("disagreements", {}),
                 **({"golden vs run": case["diff"]} if "diff" in case else {}),
@@ -188,16 +193,23 @@ def record(
     as_json: o.Json = False,
     quiet: RegressQuiet = False,
     server: remote.ServerUrl = None,
+    force: Annotated[
+        bool, typer.Option("--force", help="Overwrite FILE if it exists (a golden others check).")
+    ] = False,
 ) -> None:
     """Run SUITE under every variant and write the golden file (only if all variants agree)."""
     from mlxcache.regress import golden
 
+    if output.exists() and not force:  # before any model loads
+        raise UserInputError(f"{output} exists: --force overwrites it, or write a new file with -o")
     cases, chosen = _load(suite, variants, block_size, server)
+    start = time.perf_counter()
     n, report = _run(
         cases, chosen, block_size, quiet, lambda r, v: golden.record(r, output, v), server
     )
     if report.ok and not as_json:
-        ui.info(f"recorded {n} cases to {output}")
+        took = ui.seconds(time.perf_counter() - start)
+        ui.info(f"recorded {ui.plural(n, 'case')} to {output} ({took})")
     _show(report, as_json)
 
 
@@ -226,11 +238,15 @@ def check(
     start = time.perf_counter()
     _, report = _run(cases, chosen, block_size, quiet, lambda r, v: golden.check(r, doc, v), server)
     failed = sum(c["status"] != "ok" for c in report.cases.values())
+    verdict = (
+        f"{ui.plural(len(report.cases), 'case')} under {ui.plural(len(chosen), 'variant')}: "
+        f"{len(report.cases) - failed} passed, {failed} failed "
+        f"({ui.seconds(time.perf_counter() - start)})"
+    )
     try:
         _show(report, as_json)
     finally:  # the last line, whether every case passed or not
-        ui.info(
-            f"{ui.plural(len(report.cases), 'case')} under {ui.plural(len(chosen), 'variant')}: "
-            f"{len(report.cases) - failed} passed, {failed} failed "
-            f"({ui.seconds(time.perf_counter() - start)})"
-        )
+        if not as_json:  # stdout is the report's: `check ... > report.txt` keeps the verdict
+            ui.out_text(verdict + "\n")
+        if as_json or not ui.stdout_is_terminal():  # else the terminal shows it already
+            ui.info(verdict)

@@ -65,6 +65,14 @@ def out_text(text: str) -> None:
         _stdout["mid_line"] = not text.endswith("\n")
 
 
+def stdout_is_terminal() -> bool:
+    """Whether stdout is a terminal (read there), not a file or a pipe."""
+    try:
+        return sys.stdout.isatty()
+    except (AttributeError, ValueError):  # closed, or a stand-in without a descriptor
+        return False
+
+
 def end_line() -> None:
     """End a reply cut mid-line (Ctrl-C), so that the error line starts a line of its own."""
     if _stdout["mid_line"]:

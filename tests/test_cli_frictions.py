@@ -1,12 +1,16 @@
 """What users of `llm`, Ollama and mlx-lm expect of the CLI (issue 54): piped stdin joined
-with an argument prompt, ..."""
+with an argument prompt, -q printing the reply alone, probes saying what they measure as
+they go, drafting that cannot pay said once, regress goldens that record their settings."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
+import typer
+import yaml
 from cli_run import run
 
 from mlxcache import invariance
@@ -15,7 +19,12 @@ from mlxcache.drafting import Drafting, choose
 from mlxcache.events import Probing
 from mlxcache.invariance import PROBES, VERIFY_WIDTHS
 from mlxcache.model import LoadedModel
+from mlxcache.regress import golden, suite
+from mlxcache.regress.golden import first_difference
+from mlxcache.regress.suite import Output
+from mlxcache.sampling import SamplingParams
 from mlxcache_cli import ui
+from mlxcache_cli.regress_cmd import _show as show
 
 
 def _generate(tiny_gguf: Path, tmp_path: Path, *args: str, stdin: str | None) -> dict[str, object]:
@@ -127,3 +136,109 @@ def test_probe_notes_on_stderr_start_and_end_in_one_line_each(
         "measuring what this device computes exactly for m (once): why",
         "measured what this device computes exactly for m in 95.5 s",
     ]
+
+
+# -- regress ------------------------------------------------------------------------------
+
+
+def _suite(tmp_path: Path, temperature: float) -> Path:
+    doc = {
+        "model": "m",
+        "defaults": {"max_tokens": 3},
+        "cases": [
+            {"name": "edited", "kind": "plain", "prompt": "p", "temperature": temperature},
+            {"name": "same", "kind": "plain", "prompt": "q"},
+        ],
+    }
+    path = tmp_path / "suite.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+class _Runner:
+    """Runs a suite without a model: every case replies `reply`."""
+
+    def __init__(self, path: Path, reply: Output) -> None:
+        self.suite = suite.load(path)
+        self.cache_stats: dict[str, dict[str, int]] = {}
+        self.reply = reply
+
+    def run(self, variant: str) -> dict[str, list[Output]]:
+        return {c.name: [dict(self.reply)] for c in self.suite.cases}
+
+    def models(self) -> dict[str, str]:
+        return {c.name: "key" for c in self.suite.cases}
+
+    def versions(self) -> dict[str, str]:
+        return {"mlxcache": "1"}
+
+
+def test_a_golden_records_each_cases_settings_and_check_names_a_changed_one(
+    tmp_path: Path,
+) -> None:
+    """Temperature 0 -> 0.7 in the suite: the case fails as settings-changed, the setting
+    named before the token difference it explains; the unedited case passes."""
+    reply = {"text": "a b c", "tokens": [1, 2, 3], "finish_reason": "length"}
+    out = tmp_path / "g.json"
+    assert golden.record(_Runner(_suite(tmp_path, 0.0), reply), out, ("cold",)).ok
+    recorded = json.loads(out.read_text())["cases"]["edited"]["sampling"]
+    assert recorded == {**dataclasses.asdict(SamplingParams(max_tokens=3)), "temperature": 0.0}
+    other = {"text": "a x c", "tokens": [1, 9, 3], "finish_reason": "length"}
+    report = golden.check(_Runner(_suite(tmp_path, 0.7), other), out, ("cold",))
+    edited, same = report.cases["edited"], report.cases["same"]
+    assert edited["status"] == "settings-changed" and same["status"] == "mismatch"
+    assert edited["settings_changed"] == {"temperature": {"golden": 0.0, "now": 0.7}}
+    assert "settings_changed" not in same
+
+
+def test_check_prints_the_setting_before_the_difference(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    reply = {"text": "a b c", "tokens": [1, 2, 3], "finish_reason": "length"}
+    out = tmp_path / "g.json"
+    golden.record(_Runner(_suite(tmp_path, 0.0), reply), out, ("cold",))
+    other = {"text": "a x c", "tokens": [1, 9, 3], "finish_reason": "length"}
+    report = golden.check(_Runner(_suite(tmp_path, 0.7), other), out, ("cold",))
+    with pytest.raises(typer.Exit):
+        show(report, False)
+    assert capsys.readouterr().out.splitlines() == [
+        "settings-changed       edited",
+        "    temperature changed: 0.0 in the golden, 0.7 in the suite (record it again)",
+        "    golden vs run: output 0, first different token #1 (2 -> 9)",
+        "      expected: 'a b c' [length]",
+        "      actual:   'a x c' [length]",
+        "mismatch               same",
+        "    golden vs run: output 0, first different token #1 (2 -> 9)",
+        "      expected: 'a b c' [length]",
+        "      actual:   'a x c' [length]",
+    ]
+
+
+def test_a_clipped_excerpt_is_marked_where_it_is_cut() -> None:
+    long = "x" * 50 + "A" + "y" * 50
+    other = "x" * 50 + "B" + "y" * 50
+    diff = first_difference(
+        [{"text": long, "tokens": [1], "finish_reason": "stop"}],
+        [{"text": other, "tokens": [2], "finish_reason": "stop"}],
+    )
+    assert diff is not None
+    assert diff["expected_text"] == "…" + "x" * 30 + "A" + "y" * 29 + "…"
+    assert diff["actual_text"] == "…" + "x" * 30 + "B" + "y" * 29 + "…"
+    short = first_difference(
+        [{"text": "abc", "tokens": [1], "finish_reason": "stop"}],
+        [{"text": "abd", "tokens": [2], "finish_reason": "stop"}],
+    )
+    assert short is not None and (short["expected_text"], short["actual_text"]) == ("abc", "abd")
+
+
+def test_record_refuses_to_overwrite_a_golden_without_force(tmp_path: Path) -> None:
+    """Before any model loads: the golden is left as it was."""
+    path = _suite(tmp_path, 0.0)
+    out = tmp_path / "g.json"
+    out.write_text("{}")
+    assert run("regress", "record", str(path), "-o", str(out)) == (
+        2,
+        "",
+        f"error: {out} exists: --force overwrites it, or write a new file with -o\n",
+    )
+    assert out.read_text() == "{}"

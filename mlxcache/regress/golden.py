@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -10,10 +11,12 @@ from typing import Any, Protocol
 from mlxcache.errors import UserInputError
 from mlxcache.fileio import loads_json, write_atomic
 from mlxcache.regress import VARIANTS
-from mlxcache.regress.suite import Output, Suite
+from mlxcache.regress.suite import Case, Output, Suite
 
 FORMAT = "mlxcache-golden-v1"
 _CONTEXT = 30  # characters of text shown on each side of a difference
+CLIPPED = "…"
+"""Marks a side where a difference's excerpt of a text stops short of the text's end."""
 
 
 class SuiteRunner(Protocol):
@@ -36,7 +39,8 @@ class SuiteRunner(Protocol):
 
 
 def first_difference(expected: list[Output], actual: list[Output]) -> dict[str, Any] | None:
-    """Where two output lists first differ: output index, token index, text around it.
+    """Where two output lists first differ: output index, token index, text around it
+    (`excerpt`: clipped sides marked `CLIPPED`).
 
     `token` is None when the token lists are equal (the text or the finish reason differ);
     an `expected_token` or `actual_token` of None means that list ended there.
@@ -58,8 +62,8 @@ def first_difference(expected: list[Output], actual: list[Output]) -> dict[str, 
             "token": None if a == b else tok,
             "expected_token": a[tok] if tok < len(a) else None,
             "actual_token": b[tok] if tok < len(b) else None,
-            "expected_text": ta[max(0, ch - _CONTEXT) : ch + _CONTEXT],
-            "actual_text": tb[max(0, ch - _CONTEXT) : ch + _CONTEXT],
+            "expected_text": excerpt(ta, ch),
+            "actual_text": excerpt(tb, ch),
             "expected_finish": want["finish_reason"],
             "actual_finish": got["finish_reason"],
         }
@@ -70,6 +74,32 @@ def first_difference(expected: list[Output], actual: list[Output]) -> dict[str, 
             "actual_outputs": len(actual),
         }
     return None
+
+
+def excerpt(text: str, at: int) -> str:
+    """`text` within `_CONTEXT` characters of `at`, each side it clips marked `CLIPPED`."""
+    start, end = max(0, at - _CONTEXT), at + _CONTEXT
+    head = CLIPPED if start > 0 else ""
+    tail = CLIPPED if end < len(text) else ""
+    return f"{head}{text[start:end]}{tail}"
+
+
+def settings(case: Case) -> dict[str, Any]:
+    """A case's sampling settings as its golden records them."""
+    return dataclasses.asdict(case.sampling)
+
+
+def changed_settings(recorded: Any, case: Case) -> dict[str, dict[str, Any]]:
+    """The settings `case` runs with that differ from those its golden `recorded` (a golden
+    from before they were recorded: none), as {setting: {"golden": ..., "now": ...}}."""
+    if not isinstance(recorded, dict):
+        return {}
+    now = settings(case)
+    return {
+        k: {"golden": recorded.get(k), "now": now.get(k)}
+        for k in sorted(now.keys() | recorded.keys())
+        if recorded.get(k) != now.get(k)
+    }
 
 
 @dataclass(slots=True)
@@ -125,6 +155,7 @@ def record(runner: SuiteRunner, out: Path, variants: tuple[str, ...] = VARIANTS)
             c.name: {
                 "model": c.model,
                 "model_key": keys[c.name],
+                "sampling": settings(c),
                 "outputs": results[variants[0]][c.name],
             }
             for c in runner.suite.cases
@@ -162,6 +193,8 @@ def load_golden(path: Path) -> dict[str, Any]:
             )
         if not isinstance(case.get("model_key", ""), str):
             raise UserInputError(f"{path}: case {name!r}: 'model_key' must be a string")
+        if not isinstance(case.get("sampling", {}), dict):
+            raise UserInputError(f"{path}: case {name!r}: 'sampling' must be an object")
     return doc
 
 
@@ -203,8 +236,13 @@ def check(
             report.notes.append(
                 f"model key changed for {case.name!r}: {want.get('model_key')} -> {keys[case.name]}"
             )
+        if entry["status"] != "ok":  # the variants disagree: that bug comes first
+            continue
+        changed = changed_settings(want.get("sampling"), case)
+        if changed:  # the suite was edited since: the cause of any difference, named first
+            entry.update(status="settings-changed", settings_changed=changed)
         diff = first_difference(want["outputs"], results[variants[0]][case.name])
-        if diff is not None and entry["status"] == "ok":
-            entry["status"] = "mismatch"
+        if diff is not None:
+            entry["status"] = "settings-changed" if changed else "mismatch"
             entry["diff"] = diff
     return report
