@@ -141,7 +141,13 @@ def serve_cmd(
         def announce(url: str) -> None:
             ui.info(f"mlxcache: serving {settings.model_id} on {url}")
 
-        serve(engine, settings, log, announce, host, port, max_queue, lanes)
+        def stopping(in_flight: int) -> None:
+            waits = f"finishing {ui.plural(in_flight, 'request')} in flight" if in_flight else ""
+            ui.info(f"mlxcache: stopping{', ' + waits if waits else ''}")
+
+        served = serve(engine, settings, log, announce, host, port, max_queue, lanes, stopping)
+        drained = f" ({served.drained} finished after the stop began)" if served.drained else ""
+        ui.info(f"mlxcache: stopped, {ui.plural(served.requests, 'request')} served{drained}")
     finally:
         log.close()
 

@@ -103,6 +103,8 @@ class EngineWorker:
         self._pending: deque[_Job] = deque()
         self._active: dict[int, _Job] = {}  # engine lane id -> job
         self._stopping = False
+        self.finished = 0
+        """Requests that ended (a `Done` delivered), however they ended."""
         self._closed = False  # the loop has ended: nothing will read the inbox again
         self.error: RankError | None = None
         """Why the worker stopped on its own: a sharded run lost a rank (`on_stop` is told
@@ -135,6 +137,12 @@ class EngineWorker:
     def waiting(self) -> int:
         """Requests submitted and not yet started."""
         return self._waiting
+
+    @property
+    def in_flight(self) -> int:
+        """Requests submitted and not yet ended: waiting or running (read from any thread:
+        len() of a dict is atomic)."""
+        return self._waiting + len(self._active)
 
     def submit(self, request: Request, sink: Sink) -> Handle:
         """Queue a request; `sink` receives its events on the worker thread.
@@ -351,6 +359,7 @@ class EngineWorker:
             return
         if isinstance(event, Done):
             del self._active[event.request_id]
+            self.finished += 1
         self._send_to(job, event)
 
     def _send_to(self, job: _Job, event: Event) -> None:

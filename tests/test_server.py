@@ -659,6 +659,32 @@ def test_sigterm_drains_a_running_stream(model: Path, ref: Engine) -> None:
         assert srv.stop() == 0
 
 
+def test_a_stop_says_what_it_waits_for_and_what_was_served(model: Path) -> None:
+    """SIGTERM while a long reply streams (1,000 tokens: seconds, where the server begins to
+    stop within a tick of its loop): a line as the stop begins, naming the request in flight,
+    and one as it ends, after the request's own log line."""
+    srv = ServerProcess(["--model", str(model), "--block-size", str(BLOCK)])
+    try:
+        body = {"model": srv.model, "prompt": "abab", "max_tokens": 1000, "stream": True}
+        conn = connect(srv)
+        try:
+            payloads = events(stream(conn, "/v1/completions", body))
+            next(payloads)
+            srv.proc.terminate()
+            assert list(payloads)[-1] == "[DONE]"
+        finally:
+            conn.close()
+    finally:
+        assert srv.stop() == 0
+    logged = next(i for i, line in enumerate(srv.lines) if "POST /v1/completions" in line)
+    assert "generated=1000 " in srv.lines[logged]  # greedy: the same reply every run
+    assert srv.lines[logged - 1 :] == [
+        "mlxcache: stopping, finishing 1 request in flight",
+        srv.lines[logged],
+        "mlxcache: stopped, 1 request served (1 finished after the stop began)",
+    ]
+
+
 def test_streams_ended_every_way_leave_no_task_exception(server: ServerProcess) -> None:
     """Clients that close the moment `[DONE]` arrives (as SDKs do), that read the body to
     its end, and that leave after the first chunk: the server's log shows a line per

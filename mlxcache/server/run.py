@@ -12,6 +12,7 @@ import signal
 import socket
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import uvicorn
 from uvicorn.server import HANDLED_SIGNALS
@@ -24,12 +25,32 @@ from mlxcache.server.log import RequestLog
 from mlxcache.worker import EngineWorker
 
 
-class _Server(uvicorn.Server):
-    """uvicorn, announcing its address once bound and exiting normally after a signal."""
+@dataclass(frozen=True, slots=True)
+class Served:
+    """What a server did, told when it stopped: `requests` that ended while it ran, of
+    which `drained` were in flight (running or waiting) when it began to stop."""
 
-    def __init__(self, config: uvicorn.Config, on_listen: Callable[[str], None]) -> None:
+    requests: int
+    drained: int
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, announcing its address once bound, telling `on_stopping` how many requests
+    are in flight as it begins to stop, and exiting normally after a signal."""
+
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        on_listen: Callable[[str], None],
+        on_stopping: Callable[[], None],
+    ) -> None:
         super().__init__(config)
         self._on_listen = on_listen
+        self._on_stopping = on_stopping
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self._on_stopping()  # before the open responses are waited for
+        await super().shutdown(sockets)
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
@@ -85,10 +106,12 @@ def serve(
     port: int = ServerConfig.port,
     max_queue: int = ServerConfig.max_queue,
     max_lanes: int = ServerConfig.lanes,
-) -> None:
+    on_stopping: Callable[[int], None] | None = None,
+) -> Served:
     """Serve until Ctrl-C / SIGTERM, then drain; SIGTERM is ignored once the drain has
     begun (the process is ending). `port` 0 picks a free port; `on_listen` is told the
-    URL once the socket listens (the CLI announces it: the library never prints).
+    URL once the socket listens, `on_stopping` the requests in flight as the server begins
+    to stop (the CLI says both: the library never prints). Returns what it served.
 
     Raises:
         RankError: a sharded run lost a rank (`distributed`): the server stopped.
@@ -101,6 +124,14 @@ def serve(
             server.should_exit = True
 
     worker = EngineWorker(engine, max_lanes=max_lanes, max_queue=max_queue, on_stop=stop)
+    drained: list[int] = []
+
+    def stopping() -> None:
+        if not drained:  # uvicorn may shut down once per signal
+            drained.append(worker.in_flight)
+            if on_stopping is not None:
+                on_stopping(drained[0])
+
     with sock, worker:
         app = create_app(engine, worker, settings, log)
         config = uvicorn.Config(
@@ -112,7 +143,8 @@ def serve(
             lifespan="off",
             timeout_graceful_shutdown=None,
         )
-        server = _Server(config, on_listen)
+        server = _Server(config, on_listen, stopping)
         server.run(sockets=[sock])
     if worker.error is not None:
         raise worker.error
+    return Served(worker.finished, drained[0] if drained else 0)
