@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -93,17 +94,52 @@ def ls(cache_dir: o.CacheDir = None, as_json: o.Json = False) -> None:
     )
 
 
-def clear(cache_dir: o.CacheDir = None, as_json: o.Json = False) -> None:
-    """Delete every cached entry."""
+def clear(
+    cache_dir: o.CacheDir = None,
+    models: Annotated[
+        bool,
+        typer.Option(
+            "--models", help="Delete the converted models too (converted again when used)."
+        ),
+    ] = False,
+    yes: Annotated[
+        bool, typer.Option("--yes", "-y", help="Do not ask first (only a terminal is asked).")
+    ] = False,
+    as_json: o.Json = False,
+) -> None:
+    """Delete every cached prompt; converted models stay (but with --models). On a
+    terminal, asks first."""
     from mlxcache.cache import manage
+    from mlxcache.paths import cache_dir as directory
+    from mlxcache.paths import kv_dir
 
-    done = manage.clear(cache_dir, on_warning=ui.warn)
+    if not yes and ui.stdin_is_terminal():
+        also = f" and every converted model in {directory(cache_dir) / 'models'}" if models else ""
+        if not typer.confirm(f"Delete every cached prompt in {kv_dir(cache_dir)}{also}?", err=True):
+            ui.info("nothing deleted")
+            return
+    done: dict[str, int] = manage.clear(cache_dir, on_warning=ui.warn)
+    gone = _clear_models(cache_dir) if models else []
+    if models:
+        done.update(models_removed=len(gone), models_bytes_freed=sum(r["bytes"] for r in gone))
     if as_json:
         ui.out_json(done)
         return
     ui.out_text(
         f"removed {ui.plural(done['removed'], 'entry')} ({ui.human_bytes(done['bytes_freed'])} freed)\n"
     )
+    if models:
+        ui.out_text(
+            f"removed {ui.plural(len(gone), 'converted model')} "
+            f"({ui.human_bytes(done['models_bytes_freed'])} freed)\n"
+        )
+
+
+def _clear_models(cache_dir: Path | None) -> list[dict[str, Any]]:
+    """Delete every converted model in the cache directory (`models rm`, each by name)."""
+    from mlxcache.model.loader import converted, remove_converted
+
+    return [row for r in converted(cache_dir) for row in remove_converted(r["name"], cache_dir)]
 
 
 def prune(

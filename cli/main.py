@@ -209,7 +209,11 @@ command(
     cache_cmd.stats, app=cache_app, examples="mlxcache cache stats\nmlxcache cache stats --check"
 )
 command(cache_cmd.ls, app=cache_app, examples="mlxcache cache ls\nmlxcache cache ls --json | jq .")
-command(cache_cmd.clear, app=cache_app, examples="mlxcache cache clear")
+command(
+    cache_cmd.clear,
+    app=cache_app,
+    examples="mlxcache cache clear\nmlxcache cache clear --models --yes",
+)
 command(cache_cmd.prune, app=cache_app, examples="mlxcache cache prune --max-size 5G")
 app.add_typer(cache_app, name="cache")
 

@@ -65,6 +65,14 @@ def out_text(text: str) -> None:
         _stdout["mid_line"] = not text.endswith("\n")
 
 
+def stdin_is_terminal() -> bool:
+    """Whether stdin is a terminal: someone there can answer a question."""
+    try:
+        return sys.stdin.isatty()
+    except (AttributeError, ValueError):  # closed, or a stand-in without a descriptor
+        return False
+
+
 def stdout_is_terminal() -> bool:
     """Whether stdout is a terminal (read there), not a file or a pipe."""
     try:

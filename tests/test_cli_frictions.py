@@ -242,3 +242,48 @@ def test_record_refuses_to_overwrite_a_golden_without_force(tmp_path: Path) -> N
         f"error: {out} exists: --force overwrites it, or write a new file with -o\n",
     )
     assert out.read_text() == "{}"
+
+
+# -- cache clear ----------------------------------------------------------------------------
+
+
+def _converted(cache: Path) -> Path:
+    """A converted model's folder as `models ls` lists it (8 bytes of weights)."""
+    folder = cache / "models" / "some-model-0123456789abcdef-v2"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
+    (folder / "model.safetensors").write_bytes(b"12345678")
+    return folder
+
+
+def test_cache_clear_keeps_converted_models_unless_asked(tmp_path: Path) -> None:
+    folder = _converted(tmp_path)
+    kept = run("cache", "clear", "--cache-dir", str(tmp_path))
+    assert kept == (0, f"removed 0 entries ({ui.human_bytes(0)} freed)\n", "")
+    assert folder.is_dir()
+    code, out, err = run("cache", "clear", "--models", "--cache-dir", str(tmp_path), "--json")
+    assert (code, json.loads(out), err) == (
+        0,
+        {"removed": 0, "bytes_freed": 0, "models_removed": 1, "models_bytes_freed": 10},
+        "",
+    )
+    assert not folder.exists()
+
+
+def test_cache_clear_asks_on_a_terminal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a terminal it asks (no: nothing deleted, exit 0); --yes does not ask; without a
+    terminal nothing is asked (as above)."""
+    monkeypatch.setattr(ui, "stdin_is_terminal", lambda: True)
+    folder = _converted(tmp_path)
+    question = (
+        f"Delete every cached prompt in {tmp_path / 'kv'} and every converted model in "
+        f"{tmp_path / 'models'}? [y/N]:"  # then the answer
+    )
+    code, out, err = run("cache", "clear", "--models", "--cache-dir", str(tmp_path), stdin="n\n")
+    assert (code, err) == (0, f"{question}nothing deleted\n") and folder.is_dir()
+    code, out, err = run("cache", "clear", "--models", "--cache-dir", str(tmp_path), stdin="y\n")
+    assert (code, err) == (0, question) and not folder.exists()
+    assert out.endswith(f"removed 1 converted model ({ui.human_bytes(10)} freed)\n")
+    folder = _converted(tmp_path)
+    assert run("cache", "clear", "--models", "-y", "--cache-dir", str(tmp_path))[2] == ""
+    assert not folder.exists()
