@@ -460,7 +460,7 @@ def memory(
         typer.Option(
             "--mem-limit",
             metavar="SIZE",
-            help="The soak server's budget [default: the idle server plus a third of the "
+            help="The soak server's budget \\[default: the idle server plus a third of the "
             "conversations' KV, at least 96 MiB].",
         ),
     ] = None,

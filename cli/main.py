@@ -9,7 +9,7 @@ from typing import Annotated, Any
 
 import typer
 from typer._click import exceptions as click_errors
-from typer.core import TyperGroup, TyperOption
+from typer.core import TyperArgument, TyperGroup, TyperOption
 
 from mlxcache import __version__
 from mlxcache.errors import MlxcacheError, UserInputError
@@ -62,7 +62,17 @@ def _flag_display_type(self: TyperOption, ctx: Any) -> str | None:
     return None if self.is_flag else _display_type(self, ctx)
 
 
+def _argument_usage_name(self: TyperArgument) -> str:
+    """An argument in the usage line as click and every other command show one: SUITE when
+    required (Typer draws {SUITE}), [PROMPT] when optional."""
+    name = self.display_name_raw if self.required else f"[{self.display_name_raw}]"
+    return name + ("..." if self.nargs != 1 else "")
+
+
 TyperOption.display_type_rich = _flag_display_type  # type: ignore[method-assign]
+# An argument's name is its metavar (SUITE, PROMPT): a type beside it (<path>) adds nothing.
+TyperArgument.display_type_rich = lambda self, ctx: None  # type: ignore[method-assign]
+TyperArgument._usage_display_name = _argument_usage_name  # type: ignore[method-assign]
 coerce.install()
 richhelp.install()
 

@@ -356,7 +356,7 @@ ThinkBudget = Annotated[
         metavar="N",
         min=0,
         help="With --think: tokens spent thinking, then the section is closed and the "
-        "answer follows [default: half of --max-tokens, less near the context's end].",
+        "answer follows \\[default: half of --max-tokens, less near the context's end].",
     ),
 ]
 

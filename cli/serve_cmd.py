@@ -20,22 +20,28 @@ SERVER = ServerConfig  # its class attributes are the defaults
 @o.with_run_options()
 def serve_cmd(
     host: Annotated[
-        str, typer.Option("--host", help="Address to bind (loopback by default).")
+        str,
+        typer.Option("--host", metavar="HOST", help="Address to bind (loopback by default)."),
     ] = SERVER.host,
-    port: Annotated[int, typer.Option("--port", "-p", help="Port; 0 picks a free one.")] = (
-        SERVER.port
-    ),
+    port: Annotated[
+        int, typer.Option("--port", "-p", metavar="PORT", help="Port; 0 picks a free one.")
+    ] = SERVER.port,
     api_key: Annotated[
         str | None,
         typer.Option(
             "--api-key",
             envvar="MLXCACHE_API_KEY",
+            metavar="KEY",
             help="Require 'Authorization: Bearer KEY' on every endpoint but /health.",
         ),
     ] = None,
     max_queue: Annotated[
         int,
-        typer.Option("--max-queue", help="Waiting requests beyond this get 429; 0 = no limit."),
+        typer.Option(
+            "--max-queue",
+            metavar="N",
+            help="Waiting requests beyond this get 429; 0 = no limit.",
+        ),
     ] = SERVER.max_queue,
     batch_inexact: Annotated[
         bool,
@@ -57,10 +63,14 @@ def serve_cmd(
         ),
     ] = None,
     max_body: Annotated[
-        str, typer.Option("--max-body", help="Largest request body, e.g. 8M (else 413).")
+        str,
+        typer.Option(
+            "--max-body", metavar="SIZE", help="Largest request body, e.g. 8M (else 413)."
+        ),
     ] = format_size(SERVER.max_body),
     log_file: Annotated[
-        Path | None, typer.Option("--log-file", help="Append one JSON line per request.")
+        Path | None,
+        typer.Option("--log-file", metavar="FILE", help="Append one JSON line per request."),
     ] = None,
     cors_origin: Annotated[
         list[str] | None,

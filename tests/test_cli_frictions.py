@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import typer
 import yaml
 from cli_run import run
+from typer.testing import CliRunner
 
 from mlxcache import invariance
 from mlxcache.config import DraftConfig
@@ -24,6 +27,7 @@ from mlxcache.regress.golden import first_difference
 from mlxcache.regress.suite import Output
 from mlxcache.sampling import SamplingParams
 from mlxcache_cli import ui
+from mlxcache_cli.main import app
 from mlxcache_cli.regress_cmd import _show as show
 
 
@@ -287,3 +291,52 @@ def test_cache_clear_asks_on_a_terminal(tmp_path: Path, monkeypatch: pytest.Monk
     folder = _converted(tmp_path)
     assert run("cache", "clear", "--models", "-y", "--cache-dir", str(tmp_path))[2] == ""
     assert not folder.exists()
+
+
+# -- help ---------------------------------------------------------------------------------
+
+
+def _commands() -> list[list[str]]:
+    """Every command's path ([] is the top level)."""
+    import typer.main
+
+    paths: list[list[str]] = []
+
+    def walk(command: Any, path: list[str]) -> None:
+        paths.append(path)
+        for name, sub in getattr(command, "commands", {}).items():
+            walk(sub, [*path, name])
+
+    walk(typer.main.get_command(app), [])
+    return paths
+
+
+def _help(path: list[str]) -> str:
+    result = CliRunner().invoke(app, [*path, "--help"], env={"COLUMNS": "250"})
+    assert result.exit_code == 0, result.output
+    return result.stdout
+
+
+def test_help_names_values_alike_in_every_command() -> None:
+    """Values by a metavar in capitals (N, SIZE, FILE), never a type (<str>, <int>); a
+    required argument bare in the usage line (not {SUITE}); no help text cut by markup
+    (a bracketed default read as a style: "follows .")."""
+    seen = []
+    for path in _commands():
+        text = _help(path)
+        usage = next(line for line in text.splitlines() if "Usage:" in line)
+        seen.append(len(text))
+        assert not re.findall(r"<(?:str|int|float|path|bool)>", text), (path, text)
+        assert "{" not in usage and not re.search(r"\[[a-z]+\]", usage), (path, usage)
+        prose = [line for line in text.splitlines() if not line.strip().startswith("mlxcache")]
+        assert not [line for line in prose if re.search(r"[a-z] \.(?:\s|$)", line)], path
+    assert len(seen) > 30
+
+
+def test_help_says_how_stdin_and_a_prompt_join() -> None:
+    for command in ("generate", "json", "tools"):
+        flat = " ".join(_help([command]).replace("│", " ").split())
+        assert "Piped stdin and PROMPT together make one" in flat, command
+        assert "stdin, a space, then PROMPT" in flat, command
+    assert "Usage: mlxcache regress check [OPTIONS] SUITE GOLDEN" in _help(["regress", "check"])
+    assert "Usage: mlxcache tools [OPTIONS] [PROMPT]" in _help(["tools"])
