@@ -40,7 +40,6 @@ from mlxcache.events import Done, Event, Result, Stats
 from mlxcache.lanes import Lane, NextTurn, Request
 from mlxcache.membudget import MemoryBudget
 from mlxcache.model import LoadedModel
-from mlxcache.model.kvquant import kv_width
 from mlxcache.peers import Peers, told
 from mlxcache.scheduler import BACKGROUND, BATCH, LaneKind, Scheduler, Step
 from mlxcache.sysmem import release_unused
@@ -114,8 +113,6 @@ class Engine:
         self.drafting = drafting or Drafting.off(loaded, self.cache.block_size)
         """Speculative decoding's settings (`drafting.Drafting`): never, by default."""
         self.budget = budget
-        self.kv = kv_width(loaded.model)
-        """What the KV cache holds an element in (`Stats.kv`)."""
 
     @property
     def next_turn(self) -> NextTurn:
@@ -138,7 +135,6 @@ class Engine:
             self.ranks,
             self.drafting,
             self.budget,
-            self.kv,
         )
 
     @told

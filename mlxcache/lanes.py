@@ -30,6 +30,7 @@ from mlxcache.errors import GenerationError, MemoryLimitError
 from mlxcache.events import Done, Event, Prefill, Result, Stats, Token
 from mlxcache.membudget import MemoryBudget
 from mlxcache.model import LoadedModel
+from mlxcache.model.kvquant import kv_width
 from mlxcache.prefill import prefill
 from mlxcache.sampling import LogitsProcessor, SamplingParams
 from mlxcache.scheduler import LaneKind, Phase, Step
@@ -146,7 +147,6 @@ class Work:
     share: Share | None
     drafting: Drafting
     budget: MemoryBudget | None = None
-    kv: str = ""  # what the KV holds an element in (`Stats.kv`)
 
     @property
     def model(self) -> Model:
@@ -273,7 +273,7 @@ def request_lane(
     plan: Plan | None = None,
 ) -> Generator[Event | Forward | Leave | Sync | Rewind | Step, Any, None]:
     n = int(tokens.size)
-    stats = Stats(prompt_tokens=n, kv=work.kv)
+    stats = Stats(prompt_tokens=n, kv=kv_width(work.loaded))
     start = time.perf_counter()
     lease = None
     try:

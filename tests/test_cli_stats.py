@@ -184,3 +184,15 @@ def test_quiet_prints_no_stats_line_but_still_measures(
     ui.stats_line(_stats(prefilled_tokens=37, ttft_s=3.7), rate, quiet=True)
     assert capsys.readouterr().err == ""
     assert rate.saved_s(_stats(cached_tokens=37)) == pytest.approx(3.7)
+
+
+def test_stats_name_the_kv_width_a_request_ran_with(quantizable: LoadedModel) -> None:
+    """Full precision: the model's float type; --kv-bits: its bits."""
+    from mlxcache.engine import Engine, Request
+    from mlxcache.model.kvquant import quantize_kv
+    from mlxcache.sampling import SamplingParams
+
+    request = Request([5, 6, 7], SamplingParams(max_tokens=1))
+    plain = Engine(quantizable, block_size=4).complete(request).stats.kv
+    eight = quantize_kv(quantizable, 8, 32)
+    assert (plain, Engine(eight, block_size=4).complete(request).stats.kv) == ("float32", "8-bit")

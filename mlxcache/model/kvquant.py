@@ -47,17 +47,22 @@ class QuantizedKV:
         ]
 
 
-def kv_width(model: Any) -> str:
-    """What `model`'s plain KV layers keep an element in (`Stats.kv`): its quantization's
+_FLOAT_TYPES: dict[str, str] = {}
+"""Model key -> the float type of its parameters (the key covers the dtype): found once."""
+
+
+def kv_width(loaded: LoadedModel) -> str:
+    """What `loaded`'s plain KV layers keep an element in (`Stats.kv`): its quantization's
     bits, else the float type of its parameters, which its activations take ("" where it
     has none)."""
+    model = loaded.model
     if isinstance(model, QuantizedKV):
         return f"{model.bits}-bit"
-    arrays = cast(list[tuple[str, Any]], tree_flatten(as_module(model).parameters()))
-    for _, value in arrays:
-        if mx.issubdtype(value.dtype, mx.floating):
-            return str(value.dtype).removeprefix("mlx.core.")
-    return ""
+    if loaded.key not in _FLOAT_TYPES:
+        arrays = cast(list[tuple[str, Any]], tree_flatten(as_module(model).parameters()))
+        floats = (v.dtype for _, v in arrays if mx.issubdtype(v.dtype, mx.floating))
+        _FLOAT_TYPES[loaded.key] = str(next(floats, "")).removeprefix("mlx.core.")
+    return _FLOAT_TYPES[loaded.key]
 
 
 def quantize_kv(
