@@ -167,7 +167,7 @@ def json_cmd(
             raise OutputMismatchError(
                 f"{exc}: pass --force to redo its lines, or choose another --output"
             ) from exc
-        _batch(engine, task, plan, concurrency)
+        _batch(engine, task, plan, concurrency, run.quiet)
 
 
 def _report_check(compiled: CompiledSchema, as_json: bool) -> None:
@@ -216,7 +216,10 @@ def _batch(
     task: json_mode.JsonTask,
     plan: json_mode.BatchPlan,
     concurrency: int,
+    quiet: bool = False,
 ) -> None:
+    """Run a JSONL batch into its output file: a progress bar and a summary line on stderr
+    (neither `quiet`), a warning per failed line."""
     from mlxcache.modes import json_mode
 
     if plan.torn:
@@ -232,18 +235,19 @@ def _batch(
             task,
             plan,
             concurrency,
-            progress=lambda done, total: update("json", done, total),
+            progress=None if quiet else lambda done, total: update("json", done, total),
             on_record=on_record,
         )
-    ui.batch_line(
-        ran=summary.ran,
-        skipped=summary.skipped,
-        failed=summary.failed,
-        cached=summary.cached_tokens,
-        prompt=summary.prompt_tokens,
-        seconds=summary.seconds,
-        output=str(plan.output),
-    )
+    if not quiet:
+        ui.batch_line(
+            ran=summary.ran,
+            skipped=summary.skipped,
+            failed=summary.failed,
+            cached=summary.cached_tokens,
+            prompt=summary.prompt_tokens,
+            seconds=summary.seconds,
+            output=str(plan.output),
+        )
     if summary.failed:
         raise OutputError(
             f'{summary.failed} of {summary.ran} lines failed; see "error" in their records '

@@ -77,6 +77,21 @@ def test_quiet_prints_the_reply_alone(tiny_gguf: Path, tmp_path: Path) -> None:
     assert (code, err) == (0, "") and json.loads(doc)["tokens"]
 
 
+def test_quiet_batch_prints_nothing_but_writes_every_line(tiny_gguf: Path, tmp_path: Path) -> None:
+    """json --input -q: no progress bar, no summary line; the output file as without -q."""
+    (tmp_path / "in.jsonl").write_text('{"prompt": "a"}\n{"prompt": "b"}\n')
+    args = ["json", "--schema", '{"type": "string", "maxLength": 6}', "-m", str(tiny_gguf)]
+    args += ["--input", str(tmp_path / "in.jsonl"), "--cache-dir", str(tmp_path)]
+    code, out, err = run(*args, "-o", str(tmp_path / "loud.jsonl"))
+    assert (code, out) == (0, "") and "2 lines run, 0 already in" in err
+    assert run(*args, "-o", str(tmp_path / "quiet.jsonl"), "-q") == (0, "", "")
+    outputs = [
+        [json.loads(line)["output"] for line in (tmp_path / f).read_text().splitlines()]
+        for f in ("loud.jsonl", "quiet.jsonl")
+    ]
+    assert outputs[0] == outputs[1] and len(outputs[0]) == 2
+
+
 def test_drafting_that_cannot_pay_here_is_said_once(tiny: LoadedModel, tmp_path: Path) -> None:
     """Asked for (--draft lookup) where this device's measured verify costs make a drafted
     token dearer than a plain one: it drafts, as asked, and says so once."""
