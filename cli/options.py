@@ -435,7 +435,7 @@ def engine(
 ) -> Engine:
     """Open the engine (no `model`: the one `mlxcache models default` chose), with a
     progress bar on stderr if a GGUF needs converting and the device's probes shown as
-    they measure (`ui.ProbeNotes`; not `quiet`); `invariant`, `split` and `draft`: see
+    they measure (`ui.ProbeNotes`; neither `quiet`); `invariant`, `split` and `draft`: see
     `open_engine` (chat and serve ask for `invariant`)."""
     from mlxcache.distributed import SPLITS
     from mlxcache.model.loader import default_spec
@@ -448,7 +448,7 @@ def engine(
         return open_engine(
             spec,
             config,
-            progress=update,
+            progress=None if quiet else update,
             on_warning=ui.warn,
             on_note=None if quiet else ui.ProbeNotes(),
             invariant=invariant,

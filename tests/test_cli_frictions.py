@@ -355,3 +355,26 @@ def test_help_says_how_stdin_and_a_prompt_join() -> None:
         assert "stdin, a space, then PROMPT" in flat, command
     assert "Usage: mlxcache regress check [OPTIONS] SUITE GOLDEN" in _help(["regress", "check"])
     assert "Usage: mlxcache tools [OPTIONS] [PROMPT]" in _help(["tools"])
+
+
+def test_quiet_hides_a_conversions_progress(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A GGUF converted on first use: its progress on stderr (one line per stage in a log),
+    nothing with -q."""
+    from mlxcache import runtime
+    from mlxcache.config import CacheConfig
+    from mlxcache_cli import options
+
+    def open_engine(spec: str, config: CacheConfig, **kwargs: Any) -> str:
+        progress = kwargs["progress"]
+        for done in range(0, 301, 100):
+            if progress is not None:
+                progress("weights", done, 300)
+        return spec
+
+    monkeypatch.setattr(runtime, "open_engine", open_engine)
+    assert options.engine("m.gguf", CacheConfig(), quiet=True) == "m.gguf"  # type: ignore[comparison-overlap]
+    assert capsys.readouterr().err == ""
+    options.engine("m.gguf", CacheConfig())
+    assert capsys.readouterr().err == "converting the model (once): weights, 300 steps...\n"
