@@ -47,10 +47,12 @@ def test_piped_stdin_comes_before_the_argument_prompt(tiny_gguf: Path, tmp_path:
     both = _generate(tiny_gguf, tmp_path, "Summarize:", stdin="notes line\n")
     whole = _generate(tiny_gguf, tmp_path, "-", stdin="notes line\n Summarize:")
     alone = _generate(tiny_gguf, tmp_path, "Summarize:", stdin=None)
-    stats = [d["stats"] for d in (both, whole, alone)]
+    blank = _generate(tiny_gguf, tmp_path, "Summarize:", stdin=" \n")  # adds nothing
+    stats = [d["stats"] for d in (both, whole, alone, blank)]
     assert [s["prompt_tokens"] for s in stats] == [  # type: ignore[index]
         len(b"notes line\n Summarize:"),
         len(b"notes line\n Summarize:"),
+        len(b"Summarize:"),
         len(b"Summarize:"),
     ]
     assert both["tokens"] == whole["tokens"]
