@@ -1,0 +1,142 @@
+"""Fine-tuned adapters (`--adapter`): mlx-lm's own replies, the model's identity, bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from adapters import mlx_lm_reply, write_adapter
+from cli_run import run as run_cli
+from tinymodel import write_tiny_gguf
+
+from mlxcache.cache.base import NoCache
+from mlxcache.config import CacheConfig
+from mlxcache.engine import Engine, Request
+from mlxcache.errors import AdapterError
+from mlxcache.model import LoadedModel, load
+from mlxcache.runtime import make_cache
+from mlxcache.sampling import SamplingParams
+
+PROMPT = [5, 17, 99, 3, 42, 42, 8, 150, 61, 7, 200, 11]
+GREEDY = SamplingParams(max_tokens=8)
+SEEDED = SamplingParams(max_tokens=8, temperature=0.9, top_p=0.95, seed=11)
+
+
+@pytest.fixture(scope="module")
+def lora(tiny: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_adapter(tiny.path, tmp_path_factory.mktemp("lora") / "adapter")
+
+
+def reply(loaded: LoadedModel, params: SamplingParams) -> list[int]:
+    result = Engine(loaded, NoCache(loaded.model, 4)).complete(Request(PROMPT, params))
+    assert result.tokens and (len(result.tokens) == params.max_tokens or result.stop_token)
+    return result.tokens
+
+
+@pytest.mark.parametrize("kind", ["lora", "dora", "full"])
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_a_reply_with_an_adapter_is_mlx_lms_own(
+    kind: str, params: SamplingParams, tiny: LoadedModel, tmp_path: Path
+) -> None:
+    adapter = write_adapter(tiny.path, tmp_path / kind, kind, seed=3)
+    loaded = load(str(tiny.path), adapter=adapter)
+    got = reply(loaded, params)
+    assert got == mlx_lm_reply(tiny.path, adapter, PROMPT, params)[: len(got)]
+    # ... and the adapter changes the reply (a test with a no-op adapter proves nothing).
+    assert got != mlx_lm_reply(tiny.path, None, PROMPT, params)[: len(got)]
+
+
+def test_an_adapter_works_on_a_converted_gguf(
+    tiny_gguf: Path, tiny: LoadedModel, lora: Path
+) -> None:
+    """The GGUF is converted to an mlx-lm folder; the adapter applies to that folder as
+    mlx-lm's `load(folder, adapter_path=)` applies it."""
+    loaded = load(str(tiny_gguf), adapter=lora)
+    assert loaded.path == tiny.path
+    got = reply(loaded, GREEDY)
+    assert got == mlx_lm_reply(tiny.path, lora, PROMPT, GREEDY)[: len(got)]
+
+
+def test_the_adapter_is_part_of_the_key(tiny: LoadedModel, lora: Path, tmp_path: Path) -> None:
+    other = write_adapter(tiny.path, tmp_path / "other", seed=5)
+    keys = {
+        load(str(tiny.path)).key,
+        load(str(tiny.path), adapter=lora).key,
+        load(str(tiny.path), adapter=other).key,
+    }
+    assert len(keys) == 3
+    assert load(str(tiny.path)).key == tiny.key  # a plain model's key is what it was
+    copy = shutil.copytree(lora, tmp_path / "copy")  # the content, not the path, is the key
+    assert load(str(tiny.path), adapter=copy).key == load(str(tiny.path), adapter=lora).key
+
+
+def test_a_base_models_entries_are_never_resumed_under_an_adapter(
+    tiny: LoadedModel, lora: Path, tmp_path: Path
+) -> None:
+    config = CacheConfig(block_size=4, directory=tmp_path)
+    base = Engine(tiny, make_cache(tiny, config))
+    base.complete(Request(PROMPT, GREEDY))
+    adapted = load(str(tiny.path), adapter=lora)
+    engine = Engine(adapted, make_cache(adapted, config))
+    first = engine.complete(Request(PROMPT, GREEDY))
+    assert first.stats.cached_tokens == 0
+    again = Engine(adapted, make_cache(adapted, config)).complete(Request(PROMPT, GREEDY))
+    assert again.stats.cached_tokens > 0  # its own entries resume (from the disk tier)
+    assert again.tokens == first.tokens == reply(adapted, GREEDY)
+
+
+def _damaged(folder: Path) -> None:
+    data = (folder / "adapters.safetensors").read_bytes()
+    (folder / "adapters.safetensors").write_bytes(data[: len(data) // 2])
+
+
+def _no_config(folder: Path) -> None:
+    (folder / "adapter_config.json").unlink()
+
+
+def _unsupported(folder: Path) -> None:
+    config = json.loads((folder / "adapter_config.json").read_text())
+    (folder / "adapter_config.json").write_text(json.dumps({**config, "fine_tune_type": "ia3"}))
+
+
+BAD = {
+    "missing folder": (None, "adapter folder not found"),
+    "no config": (_no_config, "not an mlx-lm adapter (no adapter_config.json)"),
+    "damaged weights": (_damaged, "damaged adapters.safetensors"),
+    "unsupported type": (_unsupported, "fine-tune type 'ia3' is not supported"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_a_bad_adapter_is_one_line_and_exit_2(
+    case: str, tiny: LoadedModel, lora: Path, tmp_path: Path
+) -> None:
+    spoil, said = BAD[case]
+    folder = tmp_path / "adapter"
+    if spoil is not None:
+        shutil.copytree(lora, folder)
+        spoil(folder)
+    with pytest.raises(AdapterError, match=said.replace("(", r"\(").replace(")", r"\)")):
+        load(str(tiny.path), adapter=folder)
+    cache = tmp_path / "cache"
+    args = ["-m", str(tiny.path), "--adapter", str(folder), "--cache-dir", str(cache)]
+    code, out, err = run_cli("generate", *args, "-n", "2", "hi")
+    assert (code, out) == (2, "")
+    assert said in err and len(err.strip().splitlines()) == 1
+    assert not (cache / "kv").exists() or not any((cache / "kv").rglob("*.safetensors"))
+
+
+def test_an_adapter_for_another_base_is_refused(
+    tmp_path: Path, lora: Path, cache_root: Path
+) -> None:
+    """Trained for a model of other shapes: one line naming the first tensor that differs."""
+    write_tiny_gguf(tmp_path / "wide.gguf", hidden=96)  # same layer names, other shapes
+    with pytest.raises(AdapterError, match=r"does not fit model wide\.gguf .*shape"):
+        load(str(tmp_path / "wide.gguf"), adapter=lora, cache_root=cache_root)
+
+
+def test_an_adapter_for_another_architecture_is_refused(recurrent: LoadedModel, lora: Path) -> None:
+    with pytest.raises(AdapterError, match="not an adapter parameter in the model"):
+        load(str(recurrent.path), adapter=lora)
