@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import yaml
 from adapters import mlx_lm_reply, write_adapter
 from cli_run import run as run_cli
 from tinymodel import write_tiny_gguf
@@ -85,6 +86,13 @@ def test_a_base_models_entries_are_never_resumed_under_an_adapter(
     again = Engine(adapted, make_cache(adapted, config)).complete(Request(PROMPT, GREEDY))
     assert again.stats.cached_tokens > 0  # its own entries resume (from the disk tier)
     assert again.tokens == first.tokens == reply(adapted, GREEDY)
+    code, out, _ = run_cli("cache", "ls", "--cache-dir", str(tmp_path), "--json")
+    models = {row["model"] for row in json.loads(out)}
+    assert adapted.adapter is not None and code == 0
+    assert models == {
+        tiny.name,
+        f"{adapted.name} (adapter {lora.name}@{adapted.adapter.digest[:12]})",
+    }
 
 
 def _damaged(folder: Path) -> None:
@@ -140,3 +148,139 @@ def test_an_adapter_for_another_base_is_refused(
 def test_an_adapter_for_another_architecture_is_refused(recurrent: LoadedModel, lora: Path) -> None:
     with pytest.raises(AdapterError, match="not an adapter parameter in the model"):
         load(str(recurrent.path), adapter=lora)
+
+
+def test_a_golden_records_its_adapter_and_another_adapter_is_the_cause(
+    tiny: LoadedModel, lora: Path, tmp_path: Path
+) -> None:
+    """A suite's `adapter:` runs every case with it and the golden records it; checked with
+    another adapter, each case says so first, its outputs not compared."""
+    doc = {
+        "model": str(tiny.path),
+        "adapter": str(lora),
+        "defaults": {"temperature": 0, "max_tokens": 4},
+        "cases": [
+            {"name": "tuned", "kind": "plain", "prompt": "abc abc abc"},
+            {"name": "base", "kind": "plain", "prompt": "abc abc abc", "adapter": None},
+        ],
+    }
+    suite, golden = tmp_path / "suite.yaml", tmp_path / "golden.json"
+    suite.write_text(yaml.safe_dump(doc))
+    code, _, err = run_cli(
+        "regress", "record", str(suite), "-o", str(golden), "--variants", "cold,warm"
+    )
+    assert code == 0, err
+    cases = json.loads(golden.read_text())["cases"]
+    digest = load(str(tiny.path), adapter=lora).adapter.digest  # type: ignore[union-attr]
+    assert cases["tuned"]["adapter"] == {"name": lora.name, "digest": digest}
+    assert cases["base"]["adapter"] is None
+    tuned = cases["tuned"]["outputs"][0]["tokens"]
+    assert (
+        tuned
+        == mlx_lm_reply(
+            tiny.path, lora, _encoded(tiny, "abc abc abc"), SamplingParams(max_tokens=4)
+        )[: len(tuned)]
+    )
+    assert tuned != cases["base"]["outputs"][0]["tokens"]
+
+    other = write_adapter(tiny.path, tmp_path / "other", seed=8)
+    suite.write_text(yaml.safe_dump({**doc, "adapter": str(other)}))
+    code, out, err = run_cli("regress", "check", str(suite), str(golden), "--variants", "cold")
+    assert code == 1
+    assert out.splitlines() == ["adapter-changed        tuned", "ok                     base"]
+    warnings = [line for line in err.splitlines() if line.startswith("warning:")]
+    assert warnings[0] == (
+        f"warning: case 'tuned' was recorded with adapter {lora.name} ({digest[:12]}) and now "
+        f"runs with adapter other ({load(str(tiny.path), adapter=other).adapter.digest[:12]}): "  # type: ignore[union-attr]
+        "its outputs are another model's, not compared"
+    )
+
+
+def _encoded(loaded: LoadedModel, text: str) -> list[int]:
+    from mlxcache.encoder import Encoder
+
+    return Encoder.of(loaded).encode_chat([{"role": "user", "content": text}])
+
+
+TEMPLATE = (
+    "{% for m in messages %}[{{ m['role'] }}|{{ greeting }}]{{ m['content'] }}{% endfor %}"
+    "{% if add_generation_prompt %}>{% endif %}"
+)
+
+
+def test_a_chat_template_and_its_args_replace_the_models(tiny: LoadedModel, tmp_path: Path) -> None:
+    from mlxcache.encoder import Encoder
+
+    file = tmp_path / "t.jinja"
+    file.write_text(TEMPLATE)
+    messages = [{"role": "user", "content": "ab"}]
+    for given in (TEMPLATE, str(file)):
+        loaded = load(str(tiny.path), chat_template=given, chat_template_args='{"greeting": "a"}')
+        ids = Encoder.of(loaded).encode_chat(messages)
+        assert ids == tiny.tokenizer.encode("[user|a]ab>", add_special_tokens=False)
+        # a call's own arguments win, as a request's chat_template_kwargs do in mlx-lm
+        own = loaded.tokenizer.apply_chat_template(messages, tokenize=False, greeting="b")
+        assert own == "[user|b]ab"
+    keys = {
+        tiny.key,
+        load(str(tiny.path), chat_template=TEMPLATE).key,
+        load(str(tiny.path), chat_template=TEMPLATE, chat_template_args={"greeting": "a"}).key,
+        load(str(tiny.path), chat_template=TEMPLATE, chat_template_args={"greeting": "b"}).key,
+    }
+    assert len(keys) == 4
+    same = load(str(tiny.path), chat_template=str(file), chat_template_args='{"greeting":"a"}')
+    assert (
+        same.key
+        == load(str(tiny.path), chat_template=TEMPLATE, chat_template_args={"greeting": "a"}).key
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (
+            ["--chat-template", "nope.jinja"],
+            "chat template: no such file, and not a Jinja template",
+        ),
+        (["--chat-template-args", "{bad"], "--chat-template-args is not JSON"),
+        (["--chat-template-args", "[1]"], "--chat-template-args must be a JSON object"),
+    ],
+)
+def test_a_bad_chat_template_is_one_line_and_exit_2(
+    args: list[str], said: str, tiny: LoadedModel
+) -> None:
+    code, out, err = run_cli("generate", "-m", str(tiny.path), *args, "-n", "2", "hi")
+    assert (code, out) == (2, "")
+    assert said in err and len(err.strip().splitlines()) == 1
+
+
+def test_models_info_shows_the_adapter_and_template(tiny: LoadedModel, lora: Path) -> None:
+    code, out, err = run_cli(
+        "models",
+        "info",
+        "-m",
+        str(tiny.path),
+        "--adapter-path",
+        str(lora),
+        "--chat-template",
+        TEMPLATE,
+        "--chat-template-args",
+        '{"greeting": "a"}',
+        "--json",
+    )
+    assert code == 0, err
+    info = json.loads(out)
+    loaded = load(
+        str(tiny.path), adapter=lora, chat_template=TEMPLATE, chat_template_args={"greeting": "a"}
+    )
+    assert loaded.adapter is not None
+    assert info["adapter"] == {
+        "path": str(lora.resolve()),
+        "type": "lora",
+        "digest": loaded.adapter.digest,
+    }
+    assert (info["key"], info["chat_template"], info["chat_template_args"]) == (
+        loaded.key,
+        "given",
+        {"greeting": "a"},
+    )
