@@ -119,6 +119,8 @@ def differences(found: dict[str, Any], wanted: Wanted) -> list[str]:
             continue
         if name == "digest":
             theirs, ours = found.get("model"), model_source(wanted.spec)["source"]
+        elif name == "tailoring":  # "": none at all
+            theirs, ours = found.get(name) or "none", mine[name] or "none"
         else:
             theirs, ours = found.get(name), mine[name]
         out.append(f"{what}: {theirs} (server) vs {ours} (this command)")

@@ -284,3 +284,66 @@ def test_models_info_shows_the_adapter_and_template(tiny: LoadedModel, lora: Pat
         "given",
         {"greeting": "a"},
     )
+
+
+def test_a_server_with_an_adapter_shows_it_and_replies_as_mlx_lm(
+    tiny: LoadedModel, lora: Path, tmp_path: Path
+) -> None:
+    import io
+
+    from asgi import call
+
+    from mlxcache.remote import Wanted, differences
+    from mlxcache.server.app import Settings, create_app
+    from mlxcache.server.log import RequestLog
+    from mlxcache.wire import identity, tailoring
+    from mlxcache.worker import EngineWorker
+
+    adapted = load(str(tiny.path), adapter=lora)
+    assert adapted.adapter is not None
+    config = CacheConfig(block_size=4, directory=tmp_path)
+    with EngineWorker(Engine(adapted, make_cache(adapted, config), warm_ahead=False)) as worker:
+        card = identity(str(tiny.path), worker.engine, config, True)
+        app = create_app(
+            worker.engine,
+            worker,
+            Settings(adapted.name, identity=card),
+            RequestLog(stream=io.StringIO()),
+        )
+        found = call(app, "GET", "/v1/models").json()["data"][0]["mlxcache"]
+        assert found["adapter"] == {
+            "name": lora.name,
+            "type": "lora",
+            "digest": adapted.adapter.digest,
+        }
+        assert found["key"] == adapted.key and found["tailoring"] == tailoring(adapted) != ""
+        text = call(
+            app,
+            "POST",
+            "/v1/chat/completions",
+            {
+                "model": adapted.name,
+                "messages": [{"role": "user", "content": "abc abc"}],
+                "max_tokens": 6,
+                "temperature": 0,
+                "mlxcache_usage": True,
+            },
+        ).json()
+    tokens = text["usage"]["mlxcache"]["tokens"]
+    prompt = _encoded(tiny, "abc abc")
+    assert (
+        tokens == mlx_lm_reply(tiny.path, lora, prompt, SamplingParams(max_tokens=6))[: len(tokens)]
+    )
+    # A command without the adapter is told the server runs another (`--server`).
+    plain = Wanted(str(tiny.path), 4, True)
+    assert differences(found, plain) == [
+        f"adapter and chat template (--adapter, --chat-template): {found['tailoring']} (server) vs none (this command)"
+    ]
+    from mlxcache.model.loader import tailoring_of
+
+    assert (
+        differences(
+            found, Wanted(str(tiny.path), 4, True, tailoring=tailoring_of(lora, None, None))
+        )
+        == []
+    )
