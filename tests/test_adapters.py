@@ -347,3 +347,23 @@ def test_a_server_with_an_adapter_shows_it_and_replies_as_mlx_lm(
         )
         == []
     )
+
+
+@pytest.mark.parametrize("spelling", ["--adapter", "--adapter-path"])
+def test_generate_with_an_adapter_replies_as_mlx_lm(
+    spelling: str, tiny: LoadedModel, lora: Path, tmp_path: Path
+) -> None:
+    """Both spellings; greedy and seeded; the second run resumes from the disk tier."""
+    args = ["-m", str(tiny.path), spelling, str(lora), "--cache-dir", str(tmp_path), "--json"]
+    prompt = _encoded(tiny, "abc abc abc abc")
+    for params, flags in (
+        (GREEDY, []),
+        (SEEDED, ["--temp", "0.9", "--top-p", "0.95", "--seed", "11"]),
+    ):
+        want = mlx_lm_reply(tiny.path, lora, prompt, params)
+        for _ in range(2):
+            code, out, err = run_cli("generate", *args, "-n", "8", *flags, "abc abc abc abc")
+            assert code == 0, err
+            tokens = json.loads(out)["tokens"]
+            assert tokens and tokens == want[: len(tokens)]
+    assert json.loads(out)["stats"]["cached_tokens"] > 0
