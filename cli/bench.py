@@ -50,12 +50,13 @@ def decode(
     rounds: Annotated[
         int, typer.Option("--rounds", help="Interleaved rounds of each loop.", metavar="N")
     ] = 3,
+    adapter: o.AdapterOpt = None,
 ) -> None:
     """Decode tokens/s of mlxcache's loop vs mlx_lm.stream_generate (goal: ratio >= 0.97)."""
     from mlxcache.bench import decode_bench
 
     o.positive(tokens=tokens, rounds=rounds)
-    _report(decode_bench.run(model, tokens, rounds))
+    _report(decode_bench.run(model, tokens, rounds, None if adapter is None else str(adapter)))
 
 
 def adapter(
