@@ -17,6 +17,7 @@ from mlxcache.config import CacheConfig
 from mlxcache.engine import Engine, Request
 from mlxcache.errors import AdapterError
 from mlxcache.model import LoadedModel, load
+from mlxcache.model.adapter import check_adapter
 from mlxcache.runtime import make_cache
 from mlxcache.sampling import SamplingParams
 
@@ -171,7 +172,7 @@ def test_a_golden_records_its_adapter_and_another_adapter_is_the_cause(
     )
     assert code == 0, err
     cases = json.loads(golden.read_text())["cases"]
-    digest = load(str(tiny.path), adapter=lora).adapter.digest  # type: ignore[union-attr]
+    digest = check_adapter(lora).digest
     assert cases["tuned"]["adapter"] == {"name": lora.name, "digest": digest}
     assert cases["base"]["adapter"] is None
     tuned = cases["tuned"]["outputs"][0]["tokens"]
@@ -191,7 +192,7 @@ def test_a_golden_records_its_adapter_and_another_adapter_is_the_cause(
     warnings = [line for line in err.splitlines() if line.startswith("warning:")]
     assert warnings[0] == (
         f"warning: case 'tuned' was recorded with adapter {lora.name} ({digest[:12]}) and now "
-        f"runs with adapter other ({load(str(tiny.path), adapter=other).adapter.digest[:12]}): "  # type: ignore[union-attr]
+        f"runs with adapter other ({check_adapter(other).digest[:12]}): "
         "its outputs are another model's, not compared"
     )
 
