@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -368,3 +369,13 @@ def test_generate_with_an_adapter_replies_as_mlx_lm(
             tokens = json.loads(out)["tokens"]
             assert tokens and tokens == want[: len(tokens)]
     assert json.loads(out)["stats"]["cached_tokens"] > 0
+
+
+@pytest.mark.parametrize(
+    "command", [["generate"], ["chat"], ["json"], ["tools"], ["serve"], ["models", "info"]]
+)
+def test_every_model_running_command_takes_an_adapter_and_a_template(command: list[str]) -> None:
+    code, out, _ = run_cli(*command, "--help")
+    assert code == 0
+    for option in ("--adapter", "--adapter-path", "--chat-template", "--chat-template-args"):
+        assert re.search(re.escape(option) + r"(?![-\w])", out), f"{command} has no {option}"
