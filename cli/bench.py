@@ -50,12 +50,39 @@ def decode(
     rounds: Annotated[
         int, typer.Option("--rounds", help="Interleaved rounds of each loop.", metavar="N")
     ] = 3,
+    adapter: o.AdapterOpt = None,
 ) -> None:
     """Decode tokens/s of mlxcache's loop vs mlx_lm.stream_generate (goal: ratio >= 0.97)."""
     from mlxcache.bench import decode_bench
 
     o.positive(tokens=tokens, rounds=rounds)
-    _report(decode_bench.run(model, tokens, rounds))
+    _report(decode_bench.run(model, tokens, rounds, None if adapter is None else str(adapter)))
+
+
+def adapter(
+    model: o.Model = None,
+    adapter: Annotated[
+        Path | None,
+        typer.Option(
+            "--adapter",
+            "--adapter-path",
+            metavar="DIR",
+            help="An mlx_lm.lora folder (default: a random LoRA with mlx_lm.lora's defaults).",
+        ),
+    ] = None,
+    tokens: Annotated[
+        int, typer.Option("--tokens", help="Tokens generated per round.", metavar="N")
+    ] = 32,
+    rounds: Annotated[
+        int, typer.Option("--rounds", help="Interleaved rounds of each loop.", metavar="N")
+    ] = 3,
+) -> None:
+    """Decode tokens/s with a LoRA adapter vs mlx-lm's adapter generate (goal: ratio >= 0.95,
+    the same tokens), vs the base model and vs the adapter fused into the weights."""
+    from mlxcache.bench import adapter_bench
+
+    o.positive(tokens=tokens, rounds=rounds)
+    _report(adapter_bench.run(model, adapter, tokens, rounds))
 
 
 def index(

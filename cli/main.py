@@ -231,6 +231,7 @@ bench_app = typer.Typer(
     help="Benchmarks: one JSON line each, against a baseline run beside.", no_args_is_help=True
 )
 command(bench.decode, app=bench_app, examples="mlxcache bench decode --tokens 64 --rounds 5")
+command(bench.adapter, app=bench_app, examples="mlxcache bench adapter --adapter ./adapters")
 command(bench.index, app=bench_app, examples="mlxcache bench index --slots 500")
 command(bench.resume, app=bench_app, examples="mlxcache bench resume --turns 6")
 command(bench.json, app=bench_app, examples="mlxcache bench json --lines 12")

@@ -88,7 +88,14 @@ def default(
     ui.out_text(f"default model: {spec}\n")
 
 
-def info(model: o.Model = None, cache_dir: o.CacheDir = None, as_json: o.Json = False) -> None:
+def info(
+    model: o.Model = None,
+    adapter: o.AdapterOpt = None,
+    chat_template: o.ChatTemplate = None,
+    chat_template_args: o.ChatTemplateArgs = None,
+    cache_dir: o.CacheDir = None,
+    as_json: o.Json = False,
+) -> None:
     """Load the model given with -m (default: `models default`; a GGUF is converted once)
     and show its name, key, context length, quantization, and whether this device keeps a
     reply's decode KV and decodes requests as one batch (measured once)."""
@@ -100,7 +107,14 @@ def info(model: o.Model = None, cache_dir: o.CacheDir = None, as_json: o.Json = 
     from mlxcache.runtime import measured
 
     with ui.progress_bar() as update:
-        loaded = load(model or default_spec(), cache_root=cache_dir, progress=update)
+        loaded = load(
+            model or default_spec(),
+            cache_root=cache_dir,
+            progress=update,
+            adapter=adapter,
+            chat_template=chat_template,
+            chat_template_args=chat_template_args,
+        )
     allowed = measured(loaded, CacheConfig(directory=cache_dir))
     summary = {
         **describe(loaded),
@@ -113,8 +127,16 @@ def info(model: o.Model = None, cache_dir: o.CacheDir = None, as_json: o.Json = 
         return
     table = Table("", "", show_header=False, box=None)
     for key, value in summary.items():
-        table.add_row(key, quantization(value) if key == "quantization" else str(value))
+        table.add_row(key, quantization(value) if key == "quantization" else shown(value))
     ui.out_table(table)
+
+
+def shown(value: Any) -> str:
+    """A summary's value in the table: a mapping as `k v, k v` (the adapter's path, type,
+    digest), nothing as `none`."""
+    if isinstance(value, dict):
+        return ", ".join(f"{k} {v}" for k, v in value.items()) or "none"
+    return "none" if value is None else str(value)
 
 
 def quantization(value: Any) -> str:

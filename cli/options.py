@@ -48,6 +48,35 @@ Model = Annotated[
         rich_help_panel=MODEL_PANEL,
     ),
 ]
+AdapterOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--adapter",
+        "--adapter-path",
+        metavar="DIR",
+        help="A LoRA/DoRA/full fine-tune folder `mlx_lm.lora` saved (adapter_config.json + "
+        "adapters.safetensors), applied to the model; its own cache namespace.",
+        rich_help_panel=MODEL_PANEL,
+    ),
+]
+ChatTemplate = Annotated[
+    str | None,
+    typer.Option(
+        "--chat-template",
+        metavar="FILE|TEXT",
+        help="A Jinja chat template (a file, or the text) used in place of the model's.",
+        rich_help_panel=MODEL_PANEL,
+    ),
+]
+ChatTemplateArgs = Annotated[
+    str | None,
+    typer.Option(
+        "--chat-template-args",
+        metavar="JSON",
+        help="Arguments of every chat template rendering, e.g. '{\"enable_thinking\": false}'.",
+        rich_help_panel=MODEL_PANEL,
+    ),
+]
 MaxTokens = Annotated[
     int,
     typer.Option(
@@ -432,11 +461,13 @@ def engine(
     split: str | None = None,
     draft: DraftConfig | None = None,
     quiet: bool = False,
+    tailoring: dict[str, Any] | None = None,
 ) -> Engine:
     """Open the engine (no `model`: the one `mlxcache models default` chose), with a
     progress bar on stderr if a GGUF needs converting and the device's probes shown as
     they measure (`ui.ProbeNotes`; neither `quiet`); `invariant`, `split` and `draft`: see
-    `open_engine` (chat and serve ask for `invariant`)."""
+    `open_engine` (chat and serve ask for `invariant`); `tailoring`: its adapter and chat
+    template arguments (`RunOptions.tailoring`)."""
     from mlxcache.distributed import SPLITS
     from mlxcache.model.loader import default_spec
     from mlxcache.runtime import open_engine
@@ -455,6 +486,7 @@ def engine(
             split=split,
             on_rank_lost=_rank_lost,
             draft=draft,
+            **(tailoring or {}),
         )
 
 
@@ -588,6 +620,9 @@ class RunOptions:
     """The model, sampling and cache options every model-running command takes."""
 
     model: str | None
+    adapter: Path | None
+    chat_template: str | None
+    chat_template_args: str | None
     max_tokens: int
     temp: float
     top_p: float
@@ -661,8 +696,24 @@ class RunOptions:
             inexact=self.draft_inexact,
         )
 
+    def tailoring(self) -> dict[str, Any]:
+        """The adapter and chat template, as `open_engine` and `model.load` take them."""
+        return {
+            "adapter": self.adapter,
+            "chat_template": self.chat_template,
+            "chat_template_args": self.chat_template_args,
+        }
+
     def engine(self, invariant: bool = False) -> Engine:
-        return engine(self.model, self.cache(), invariant, self.split, self.drafting(), self.quiet)
+        return engine(
+            self.model,
+            self.cache(),
+            invariant,
+            self.split,
+            self.drafting(),
+            self.quiet,
+            self.tailoring(),
+        )
 
 
 def _config_default(name: str) -> Any:
@@ -676,6 +727,9 @@ _SAMPLING = SamplingParams()
 _DRAFT = DraftConfig()
 _RUN_OPTIONS: list[tuple[str, Any, Any]] = [
     ("model", Model, None),
+    ("adapter", AdapterOpt, None),
+    ("chat_template", ChatTemplate, None),
+    ("chat_template_args", ChatTemplateArgs, None),
     # Sampling defaults come from SamplingParams, their one home.
     ("max_tokens", MaxTokens, _SAMPLING.max_tokens),
     ("temp", Temp, _SAMPLING.temperature),

@@ -173,12 +173,22 @@ def _on_server(
 
     def wanted(found: dict[str, Any]) -> list[remote.Wanted]:
         block = found.get("block_size") if block_size is None else block_size
-        specs = dict.fromkeys(c.model or DEFAULT_MODEL for c in cases.cases)
-        return [Wanted(spec, int(block or 0), True) for spec in specs]
+        block = int(block or 0)
+        runs = dict.fromkeys((c.model or DEFAULT_MODEL, c.adapter) for c in cases.cases)
+        return [Wanted(spec, block, True, tailoring=_tailoring(a)) for spec, a in runs]
 
     server, card = remote.checked(url, wanted)
     with server:
         yield ServerRunner(cases, server, str(card["id"]), card["mlxcache"], progress)
+
+
+def _tailoring(adapter: str | None) -> str:
+    """What a case's adapter adds to its model's identity (`remote.Wanted.tailoring`)."""
+    if adapter is None:
+        return ""
+    from mlxcache.model.loader import tailoring_of
+
+    return tailoring_of(adapter, None, None)
 
 
 def record(

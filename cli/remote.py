@@ -50,15 +50,15 @@ def connect(url: str, run: RunOptions) -> tuple[Server, str]:
 
 def connect_card(url: str, run: RunOptions) -> tuple[Server, dict[str, Any]]:
     """`connect`, with the server's whole model card."""
-    from mlxcache.model.loader import default_spec
+    from mlxcache.model.loader import default_spec, tailoring_of
     from mlxcache.remote import Wanted
     from mlxcache.wire import kv_label
 
     def wanted(_found: dict[str, Any]) -> list[Wanted]:
         cache = run.cache()
-        return [
-            Wanted(run.model or default_spec(), cache.block_size, cache.enabled, kv_label(cache))
-        ]
+        spec = run.model or default_spec()
+        tailoring = tailoring_of(**run.tailoring())
+        return [Wanted(spec, cache.block_size, cache.enabled, kv_label(cache), tailoring)]
 
     draft_field(run)  # refused before connecting, as every other option
     return checked(url, wanted)

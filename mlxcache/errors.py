@@ -84,6 +84,11 @@ class UnsupportedModelError(UserInputError):
     """A model file whose architecture or tensor types we cannot run."""
 
 
+class AdapterError(UserInputError):
+    """A fine-tuned adapter folder that cannot be applied to the model (missing, damaged,
+    made for another base model, of a kind mlx-lm does not read)."""
+
+
 class ContextLengthError(UserInputError):
     """A prompt (plus the tokens asked for) longer than the model's context."""
 

@@ -77,6 +77,8 @@ class Wanted:
     cache: bool
     kv: str = "full precision"
     """The KV quantization (`wire.kv_label`)."""
+    tailoring: str = ""
+    """Its adapter and chat template (`wire.tailoring`; "" for neither)."""
 
     def identity(self) -> dict[str, Any]:
         from mlxcache import __version__
@@ -86,6 +88,7 @@ class Wanted:
             "block_size": self.block_size,
             "cache": self.cache,
             "kv": self.kv,
+            "tailoring": self.tailoring,
             "exact": True,
             "version": __version__,
         }
@@ -97,6 +100,7 @@ _WHAT = {
     "block_size": "block size",
     "cache": "prompt cache on",
     "kv": "KV quantization (--kv-bits)",
+    "tailoring": "adapter and chat template (--adapter, --chat-template)",
     "exact": "exact replies (not serve --batch-inexact)",
     "version": "mlxcache version",
 }
@@ -115,6 +119,8 @@ def differences(found: dict[str, Any], wanted: Wanted) -> list[str]:
             continue
         if name == "digest":
             theirs, ours = found.get("model"), model_source(wanted.spec)["source"]
+        elif name == "tailoring":  # "": none at all
+            theirs, ours = found.get(name) or "none", mine[name] or "none"
         else:
             theirs, ours = found.get(name), mine[name]
         out.append(f"{what}: {theirs} (server) vs {ours} (this command)")

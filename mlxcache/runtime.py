@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 from mlx_lm.models.cache import KVCache
@@ -37,6 +38,10 @@ def make_cache(
     root = kv_dir(config.directory) if config.disk_bytes > 0 else None
     # `cache ls` names a shard's entries and quantized KV's apart (each its own namespace).
     notes = [n for n in (loaded.shard, kv_tag(new_layers(loaded.model))) if n]
+    if loaded.adapter is not None:
+        notes.append(f"adapter {loaded.adapter.label}")
+    if loaded.chat_template is not None or loaded.template_args:
+        notes.append("own chat template")
     name = f"{loaded.name} ({', '.join(notes)})" if notes else loaded.name
     label = (name, str(loaded.path))
     return PromptCache(loaded.model, loaded.key, config, root, on_warning, label)
@@ -52,6 +57,9 @@ def open_engine(
     on_rank_lost: Callable[[str | None], None] | None = None,
     draft: DraftConfig | None = None,
     on_note: Note | None = None,
+    adapter: str | os.PathLike[str] | None = None,
+    chat_template: str | None = None,
+    chat_template_args: str | Mapping[str, Any] | None = None,
 ) -> Engine:
     """Load `model` (default: the embedded SmolLM2) and attach the prompt cache
     `cache_config` describes.
@@ -78,6 +86,8 @@ def open_engine(
         on_note: told as the device's exactness is measured (`events.Probing`: what,
             why, how far; once per model and device: seconds to minutes on a real model,
             with nothing else to show).
+        adapter, chat_template, chat_template_args: see `mlxcache.model.load` (no adapter
+            in a sharded run).
 
     Raises:
         RankError: a process of the distributed run stopped or cannot be reached.
@@ -86,14 +96,21 @@ def open_engine(
     """
     config = cache_config or CacheConfig()
     args: dict[str, Any] = {"progress": progress, "on_warning": on_warning}
+    template: dict[str, Any] = {
+        "chat_template": chat_template,
+        "chat_template_args": chat_template_args,
+    }
     if launched_rank() is None:
         if split is not None and on_warning is not None:
             on_warning(
                 Worded("a split (", Setting("split"), ") is for runs under mlx.launch: ignored")
             )
-        loaded, ranks = load(model, cache_root=config.directory, **args), None
+        loaded = load(model, cache_root=config.directory, adapter=adapter, **args, **template)
+        ranks = None
+    elif adapter is not None:
+        raise UserInputError("an adapter cannot be applied in a sharded run (mlx.launch)")
     else:
-        loaded, ranks = _load_shard(model, config, split, args, on_rank_lost)
+        loaded, ranks = _load_shard(model, config, split, {**args, **template}, on_rank_lost)
     if config.kv_bits is not None:
         loaded = quantize_kv(loaded, config.kv_bits, config.kv_group_size, on_warning)
     budget = None

@@ -18,6 +18,7 @@ from mlxcache.errors import ModelNotFoundError, Setting, Worded
 if TYPE_CHECKING:
     from mlxcache.config import CacheConfig
     from mlxcache.engine import Engine
+    from mlxcache.model import LoadedModel
 
 USAGE_FIELD = "mlxcache_usage"
 """A request field (ours, not OpenAI's): true adds the request's stats, token ids and raw
@@ -85,11 +86,32 @@ def identity(spec: str, engine: Engine, cache: CacheConfig, exact: bool) -> dict
         "block_size": cache.block_size,
         "cache": cache.enabled,
         "kv": kv_label(cache),
+        "tailoring": tailoring(engine.loaded),
+        "adapter": None if engine.loaded.adapter is None else adapter_card(engine.loaded),
         "exact": exact,
         "version": __version__,
         # What a regress golden records beside the version (`regress.remote`).
         "mlx": getattr(mx, "__version__", "?"),
         "mlx_lm": mlx_lm.__version__,
+    }
+
+
+def tailoring(loaded: LoadedModel) -> str:
+    """What an adapter and a chat template add to a model (`model.loader.tailoring_key`;
+    "" for neither): a client computes the same from its own options (`tailoring_of`)."""
+    from mlxcache.model.loader import tailoring_key
+
+    return tailoring_key(loaded.adapter, loaded.chat_template, loaded.template_args)
+
+
+def adapter_card(loaded: LoadedModel) -> dict[str, str]:
+    """The served adapter as `/v1/models` shows it: its folder's name, kind and digest
+    (no local path: any client that reaches the port reads it)."""
+    assert loaded.adapter is not None
+    return {
+        "name": loaded.adapter.path.name,
+        "type": loaded.adapter.fine_tune_type,
+        "digest": loaded.adapter.digest,
     }
 
 

@@ -83,20 +83,33 @@ def quantizable(tmp_path_factory: pytest.TempPathFactory, cache_root: Path) -> L
 
 
 @pytest.fixture(scope="session")
+def adapted(tiny: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    """The tiny model with a random LoRA adapter on both its layers (tests/adapters.py)."""
+    from adapters import write_adapter
+
+    adapter = write_adapter(tiny.path, tmp_path_factory.mktemp("adapted") / "adapter")
+    return load(str(tiny.path), adapter=adapter)
+
+
+@pytest.fixture(scope="session")
 def variants(
-    tiny: LoadedModel, sliding: LoadedModel, recurrent: LoadedModel, quantizable: LoadedModel
+    tiny: LoadedModel,
+    sliding: LoadedModel,
+    recurrent: LoadedModel,
+    quantizable: LoadedModel,
+    adapted: LoadedModel,
 ) -> dict[str, Variant]:
     """The models the exactness checks run on (tests/guarantees.py): the tiny model, its
-    sliding-window version, a recurrent hybrid and a checkpoint-only cache kind, each plain
-    and shape-sensitive (tests/shapemodel.py)."""
+    sliding-window version, a recurrent hybrid, a checkpoint-only cache kind and the tiny
+    model with an adapter, each plain and shape-sensitive (tests/shapemodel.py)."""
     from guarantees import Variant
 
-    return Variant.all(tiny, sliding, recurrent, quantizable)
+    return Variant.all(tiny, sliding, recurrent, quantizable, adapted)
 
 
 @pytest.fixture(scope="session")
 def other_variants(
-    tmp_path_factory: pytest.TempPathFactory, cache_root: Path
+    tmp_path_factory: pytest.TempPathFactory, cache_root: Path, tiny: LoadedModel
 ) -> dict[str, Variant]:
     """The same variants of a second tiny model (other weights), for two models in one
     cache directory."""
@@ -109,7 +122,12 @@ def other_variants(
     recurrent = load(str(build(folder / "lfm2", other.path, FAMILIES["lfm2"], seed=9)))
     write_tiny_gguf(folder / "heads.gguf", seed=9, heads=2, kv_heads=1)
     quantizable = load(str(folder / "heads.gguf"), cache_root=cache_root)
-    return Variant.all(other, sliding, recurrent, quantizable)
+    # The adapter's other: the same base weights under another adapter (its own namespace).
+    from adapters import write_adapter
+
+    adapter = write_adapter(tiny.path, folder / "adapter", seed=9)
+    adapted = load(str(tiny.path), adapter=adapter)
+    return Variant.all(other, sliding, recurrent, quantizable, adapted)
 
 
 @pytest.fixture(autouse=True)

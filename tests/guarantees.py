@@ -65,7 +65,8 @@ def prompt(n: int, seed: int = 0) -> list[int]:
 class Variant:
     """A model under test: `source` is what `load` takes (a child process loads it too);
     `is_checkpointed`: its first layer's cache has no block layout (whole-state
-    checkpoints); `kv_bits`: its KV quantized (`--kv-bits`, groups of `KV_GROUP`)."""
+    checkpoints); `kv_bits`: its KV quantized (`--kv-bits`, groups of `KV_GROUP`); its
+    adapter's folder, if it has one (`load(source, adapter=)`)."""
 
     name: str
     source: str
@@ -73,6 +74,7 @@ class Variant:
     is_checkpointed: bool
     loaded: LoadedModel
     kv_bits: int | None = None
+    adapter: str | None = None
 
     @classmethod
     def of(
@@ -86,7 +88,8 @@ class Variant:
         loaded = plain if kv_bits is None else quantize_kv(plain, kv_bits, KV_GROUP)
         loaded = checkpointed(loaded) if is_checkpointed else loaded
         loaded = shaped(loaded) if is_shaped else loaded
-        return cls(name, str(plain.path), is_shaped, is_checkpointed, loaded, kv_bits)
+        adapter = None if plain.adapter is None else str(plain.adapter.path)
+        return cls(name, str(plain.path), is_shaped, is_checkpointed, loaded, kv_bits, adapter)
 
     @classmethod
     def all(
@@ -95,17 +98,20 @@ class Variant:
         sliding: LoadedModel,
         recurrent: LoadedModel,
         quantizable: LoadedModel,
+        adapted: LoadedModel,
     ) -> dict[str, Variant]:
         """Each model kind plain and shape-sensitive: full attention, a sliding window
         (ring buffers), recurrent state (LFM2's convolutions), the recurrent model with
-        a first-layer cache kind kept only as whole-state checkpoints, and full attention
-        with 8-bit quantized KV (`quantizable`: heads a quantization group fits)."""
+        a first-layer cache kind kept only as whole-state checkpoints, full attention
+        with 8-bit quantized KV (`quantizable`: heads a quantization group fits), and full
+        attention with a LoRA adapter (`adapted`)."""
         kinds = [
             ("plain", plain, False, None),
             ("sliding", sliding, False, None),
             ("recurrent", recurrent, False, None),
             ("checkpointed", recurrent, True, None),
             ("quantized", quantizable, False, 8),
+            ("adapter", adapted, False, None),
         ]
         out = {}
         for name, base, is_checkpointed, bits in kinds:
@@ -350,6 +356,7 @@ class Rig:
             "shaped": self.variant.is_shaped,
             "checkpointed": self.variant.is_checkpointed,
             "kv_bits": self.variant.kv_bits,
+            "adapter": self.variant.adapter,
             "dir": str(self.dir),
             "prompts": prompts,
             "mutant": self.mutant,
@@ -874,11 +881,43 @@ def check_two_models(rig: Rig, other: Variant) -> None:
 
 
 def load_variant(
-    source: str, is_shaped: bool, is_checkpointed: bool, kv_bits: int | None
+    source: str,
+    is_shaped: bool,
+    is_checkpointed: bool,
+    kv_bits: int | None,
+    adapter: str | None = None,
 ) -> Variant:
     """A variant as a child process loads it."""
-    plain = load(source)
+    plain = load(source, adapter=adapter)
     return Variant.of("child", plain, is_shaped, is_checkpointed, kv_bits)
+
+
+def check_adapter_apart(rig: Rig) -> None:
+    """An adapter's model (loaded here, so under the check) replies as mlx-lm's own
+    `load(model, adapter_path=)` does, and keeps its own namespace: a base model's entries
+    are never resumed under its adapter, and the base's resume intact after it."""
+    from adapters import mlx_lm_reply
+
+    assert rig.variant.adapter is not None, "a check of an adapter's variant"
+    source, adapter, v = rig.variant.source, rig.variant.adapter, rig.variant
+    p = prompt(20)
+    alone = load(source, adapter=adapter)
+    got = Engine(alone, NoCache(alone.model, B)).complete(Request(p, GREEDY)).tokens
+    want = mlx_lm_reply(Path(source), Path(adapter), p, GREEDY)
+    assert got == want[: len(got)], "a reply with the adapter is not mlx-lm's"
+    assert got != mlx_lm_reply(Path(source), None, p, GREEDY)[: len(got)], "a no-op adapter"
+
+    def fresh(name: str, tuned: str | None) -> Rig:
+        loaded = load(source, adapter=tuned)
+        return Rig(Variant.of(name, loaded, v.is_shaped, v.is_checkpointed, v.kv_bits), rig.dir)
+
+    base = fresh("base", None)
+    engine, spy = base.engine()
+    base.warm(engine, spy, p)
+    adapted = fresh("adapted", adapter)
+    engine2, spy2 = adapted.engine()
+    assert adapted.warm(engine2, spy2, p).cached == 0
+    base.warm(engine, spy, p)
 
 
 class Oracle:

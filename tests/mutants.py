@@ -23,6 +23,7 @@ import mlxcache.drafting as drafting_mod
 import mlxcache.engine as engine_mod
 import mlxcache.invariance as invariance
 import mlxcache.lanes as lanes_mod
+import mlxcache.model.loader as loader_mod
 import mlxcache.prefill as prefill_mod
 import mlxcache.sampling as sampling_mod
 from mlxcache.cache import blocks
@@ -646,6 +647,16 @@ def kv_namespace_without_bits(patch: Patch) -> None:
     patch(Layout, "name", property(lambda self: "" if self.plain else "layout-v1"))
 
 
+def adapter_not_in_key(patch: Patch) -> None:
+    """A model's key leaves its adapter out: the base model's entries resume under it."""
+    patch(loader_mod, "model_key", lambda base, adapter, template, args: base)
+
+
+def adapter_not_applied(patch: Patch) -> None:
+    """The adapter is checked and named in the key but its layers are never put in."""
+    patch(loader_mod, "apply_adapter", lambda model, adapter, name: model)
+
+
 MUTANTS: dict[str, Callable[[Patch], None]] = {
     f.__name__: f
     for f in (
@@ -692,5 +703,7 @@ MUTANTS: dict[str, Callable[[Patch], None]] = {
         capture_without_sync,
         reply_blocks_not_captured,
         state_inside_a_block,
+        adapter_not_in_key,
+        adapter_not_applied,
     )
 }

@@ -204,3 +204,12 @@ def test_reuse_bench_measures_turns_to_the_token(cache_root: Path) -> None:
         else:  # each reply's last partial block, prefilled again: within the goal
             assert 0 < max(row["reprefilled_per_turn"]) < 16, row
     assert summary["pass"], summary["failures"]
+
+
+def test_adapter_bench(cache_root: Path, tiny_gguf: Path) -> None:
+    from mlxcache.bench import adapter_bench
+
+    result = adapter_bench.run(str(tiny_gguf), tokens=4, rounds=1)
+    assert result["bench"] == "adapter" and result["same_tokens_as_mlx_lm"] is True
+    assert result["vs_mlx_lm"] > 0 and result["vs_base"] > 0 and isinstance(result["pass"], bool)
+    assert isinstance(result["fused_same_tokens"], bool)

@@ -193,6 +193,9 @@ class _Runner:
     def versions(self) -> dict[str, str]:
         return {"mlxcache": "1"}
 
+    def adapters(self) -> dict[str, dict[str, str] | None]:
+        return {c.name: None for c in self.suite.cases}
+
 
 def test_a_golden_records_each_cases_settings_and_check_names_a_changed_one(
     tmp_path: Path,

@@ -12,6 +12,7 @@ from guarantees import (
     B,
     Rig,
     Variant,
+    check_adapter_apart,
     check_batched,
     check_bit_flip,
     check_cancelled_decode,
@@ -59,6 +60,8 @@ VARIANTS = [
     "shaped-checkpointed",
     "quantized",
     "shaped-quantized",
+    "adapter",
+    "shaped-adapter",
 ]
 CHECKS: list[Callable[[Rig], None]] = [
     check_warm,
@@ -118,3 +121,10 @@ def test_the_shaped_model_has_teeth(name: str, variants: dict[str, Variant]) -> 
     assert not mx.array_equal(last_logits(shaped, p, B), last_logits(shaped, p, 2 * B))
     plain = variants[name.replace("shaped-", "").replace("shaped", "plain")].loaded
     assert mx.array_equal(last_logits(plain, p, B), last_logits(plain, p, 2 * B))
+
+
+@pytest.mark.parametrize("name", ["adapter", "shaped-adapter"])
+def test_an_adapter_keeps_its_own_namespace(
+    name: str, variants: dict[str, Variant], tmp_path: Path
+) -> None:
+    check_adapter_apart(Rig(variants[name], tmp_path))

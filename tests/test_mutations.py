@@ -10,6 +10,7 @@ import pytest
 from guarantees import (
     Rig,
     Variant,
+    check_adapter_apart,
     check_batched,
     check_bit_flip,
     check_cancelled_decode,
@@ -94,6 +95,8 @@ CAUGHT_BY: dict[str, list[tuple[str, str]]] = {
     "capture_without_sync": [("sliding", "batched"), ("recurrent", "batched")],
     "reply_blocks_not_captured": [("sliding", "kept_replies"), ("recurrent", "kept_replies")],
     "state_inside_a_block": [("recurrent", "kept_replies")],
+    "adapter_not_in_key": [("adapter", "adapter_apart"), ("shaped-adapter", "adapter_apart")],
+    "adapter_not_applied": [("adapter", "adapter_apart")],
 }
 
 
@@ -121,6 +124,7 @@ def test_mutant_is_caught(
 ) -> None:
     checks: dict[str, Callable[[Rig], None]] = {
         "warm": check_warm,
+        "adapter_apart": check_adapter_apart,
         "fork": check_fork,
         "chat": check_chat,
         "lanes": check_lanes,

@@ -385,6 +385,8 @@ def test_identity_is_on_the_model_card(server: MlxcacheServer, model: Path) -> N
         "block_size": BLOCK,
         "cache": True,
         "kv": "full precision",
+        "tailoring": "",
+        "adapter": None,
         "exact": True,
         "version": __version__,
         "mlx": getattr(mx, "__version__", "?"),

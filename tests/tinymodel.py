@@ -89,9 +89,10 @@ def write_tiny_gguf(
     heads: int = 4,
     kv_heads: int = 2,
     template: str = CHATML,
+    hidden: int = 64,
 ) -> dict[str, np.ndarray]:
     """Write a tiny llama GGUF (Q/K permuted as llama.cpp does); returns the HF-layout weights."""
-    hf = tiny_weights(seed, heads=heads, kv_heads=kv_heads)
+    hf = tiny_weights(seed, hidden=hidden, heads=heads, kv_heads=kv_heads)
     tensors: dict[str, mx.array] = {}
     for name, value in hf.items():
         gname, n_head = _gguf_name(name, heads, kv_heads)

@@ -34,9 +34,12 @@ def _mlx_lm(engine: Engine, ids: list[int], tokens: int) -> float:
     return float(responses[-1].generation_tps)
 
 
-def run(model: str | None = None, tokens: int = 32, rounds: int = 3) -> dict[str, Any]:
-    """Median decode tokens/s of both loops over `rounds` interleaved rounds, and their ratio."""
-    engine = Engine(load(model))
+def run(
+    model: str | None = None, tokens: int = 32, rounds: int = 3, adapter: str | None = None
+) -> dict[str, Any]:
+    """Median decode tokens/s of both loops over `rounds` interleaved rounds, and their ratio
+    (`adapter`: both run the model with it, mlx-lm's loop on the same module)."""
+    engine = Engine(load(model, adapter=adapter))
     ids = engine.encoder.encode(PROMPT)
     _ours(engine, ids, 4)  # warm up kernels and allocator for both
     ours, theirs = [], []

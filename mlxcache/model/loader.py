@@ -8,7 +8,7 @@ import importlib.util
 import json
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -22,8 +22,10 @@ from mlxcache.errors import (
     UserInputError,
 )
 from mlxcache.fileio import loads_json, write_atomic
+from mlxcache.model.adapter import Adapter, apply_adapter, check_adapter
 from mlxcache.model.digest import file_digest, hash_file
 from mlxcache.model.folder import load_folder
+from mlxcache.model.template import identity, template_args, template_text, with_args
 from mlxcache.paths import cache_dir, data_dir
 
 if TYPE_CHECKING:  # the converter imports gguf and MLX: only a conversion needs them
@@ -56,6 +58,12 @@ class LoadedModel:
     config: dict[str, Any] = field(repr=False)
     shard: str = ""
     """Which part of the model this process holds in a sharded run (`distributed`)."""
+    adapter: Adapter | None = None
+    """The fine-tuned adapter applied to the weights (its digest is part of `key`)."""
+    chat_template: str | None = field(default=None, repr=False)
+    """A chat template given in place of the model's (part of `key`)."""
+    template_args: dict[str, Any] = field(default_factory=dict)
+    """Default arguments of every template rendering (part of `key`)."""
 
     @property
     def context_length(self) -> int:
@@ -199,6 +207,9 @@ def load(
     progress: Progress | None = None,
     on_warning: Warn | None = None,
     lazy: bool = False,
+    adapter: str | os.PathLike[str] | None = None,
+    chat_template: str | None = None,
+    chat_template_args: str | Mapping[str, Any] | None = None,
 ) -> LoadedModel:
     """Load a model by spec: `smollm2-135m` (default), a .gguf path, an mlx-lm folder or a Hub id.
 
@@ -206,23 +217,79 @@ def load(
     damaged conversion is converted again (`on_warning` is told). `lazy`: the weights are
     read when first evaluated (a sharded run reads only its shard's).
 
+    Args:
+        adapter: a folder `mlx_lm.lora` saved (`model.adapter`), applied as mlx-lm's
+            `load(..., adapter_path=)` applies it.
+        chat_template: a template file or Jinja text used in place of the model's.
+        chat_template_args: JSON object text (or a mapping): default arguments of every
+            rendering of the template (mlx-lm's `--chat-template-args`).
+
+    The adapter's digest, the template and its arguments are part of the model's key.
+
     Raises:
         ModelNotFoundError: the path does not exist or cannot be read.
         UnsupportedModelError: the file's architecture or tensor types are not supported.
         ModelConversionError: the converted folder cannot be written (full disk).
+        AdapterError: an adapter that is missing, damaged or made for another model.
+        UserInputError: a template or template arguments that cannot be read.
     """
     from mlx_lm.utils import load_tokenizer
 
+    checked = None if adapter is None else check_adapter(adapter)  # before any model work
+    template = template_text(chat_template)
+    args = template_args(chat_template_args)
     warn = on_warning or (lambda _msg: None)
     name, path = _resolve(spec or DEFAULT_MODEL, cache_dir(cache_root), progress, warn)
     if not (path / "config.json").is_file():
         raise ModelNotFoundError(f"not an mlx-lm model folder (no config.json): {path}")
     model, config = load_folder(path, lazy=lazy)
+    if checked is not None:
+        model = apply_adapter(model, checked, name)
+    extra = {} if template is None else {"chat_template": template}
     try:
-        tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+        tokenizer = load_tokenizer(path, extra, eos_token_ids=config.get("eos_token_id"))
     except (ValueError, KeyError, FileNotFoundError) as exc:
         raise UnsupportedModelError(f"cannot load model {path}: {exc}") from exc
-    return LoadedModel(model, tokenizer, folder_key(path), name, path, config)
+    key = model_key(folder_key(path), checked, template, args)
+    return LoadedModel(
+        model, with_args(tokenizer, args), key, name, path, config, "", checked, template, args
+    )
+
+
+def tailoring_key(adapter: Adapter | None, template: str | None, args: Mapping[str, Any]) -> str:
+    """What an adapter, a chat template and its arguments add to a model's key (hex; ""
+    for none of them)."""
+    tailored = identity(template, args)
+    if adapter is None and not tailored:
+        return ""
+    spelled = f"{adapter.digest if adapter else ''}\0{tailored}"
+    return str(xxhash.xxh3_128(spelled.encode()).hexdigest())
+
+
+def model_key(
+    base: str, adapter: Adapter | None, template: str | None, args: Mapping[str, Any]
+) -> str:
+    """The key of a model folder (`base`, `folder_key`) with an adapter and a chat
+    template: `base` itself with neither, so a plain model's cache entries keep their key."""
+    tailored = tailoring_key(adapter, template, args)
+    if not tailored:
+        return base
+    return str(xxhash.xxh3_128(f"{base}\0{tailored}".encode()).hexdigest())
+
+
+def tailoring_of(
+    adapter: str | os.PathLike[str] | None,
+    chat_template: str | None,
+    chat_template_args: str | Mapping[str, Any] | None,
+) -> str:
+    """`tailoring_key` of options as `load` takes them, without loading a model (a client
+    compares it with a server's).
+
+    Raises:
+        AdapterError, UserInputError: as `load` does for them.
+    """
+    checked = None if adapter is None else check_adapter(adapter)
+    return tailoring_key(checked, template_text(chat_template), template_args(chat_template_args))
 
 
 def describe(loaded: LoadedModel) -> dict[str, Any]:
@@ -236,6 +303,9 @@ def describe(loaded: LoadedModel) -> dict[str, Any]:
         "layers": loaded.config.get("num_hidden_layers"),
         "vocab_size": loaded.config.get("vocab_size"),
         "quantization": loaded.config.get("quantization"),
+        "adapter": None if loaded.adapter is None else loaded.adapter.describe(),
+        "chat_template": None if loaded.chat_template is None else "given",
+        "chat_template_args": loaded.template_args,
         **({"shard": loaded.shard} if loaded.shard else {}),
     }
 

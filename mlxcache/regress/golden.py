@@ -6,12 +6,15 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from mlxcache.errors import UserInputError
 from mlxcache.fileio import loads_json, write_atomic
 from mlxcache.regress import VARIANTS
 from mlxcache.regress.suite import Case, Output, Suite
+
+if TYPE_CHECKING:
+    from mlxcache.model.adapter import Adapter
 
 FORMAT = "mlxcache-golden-v1"
 _CONTEXT = 30  # characters of text shown on each side of a difference
@@ -36,6 +39,21 @@ class SuiteRunner(Protocol):
     def versions(self) -> dict[str, str]:
         """The versions the outputs depend on (mlxcache, mlx, mlx_lm)."""
         ...
+
+    def adapters(self) -> dict[str, dict[str, str] | None]:
+        """The adapter of every case's model (`golden_adapter`), None for none."""
+        ...
+
+
+def golden_adapter(adapter: Adapter | None) -> dict[str, str] | None:
+    """An adapter as a golden records it: its folder's name and content digest."""
+    return None if adapter is None else {"name": adapter.path.name, "digest": adapter.digest}
+
+
+def _adapter_text(adapter: Any) -> str:
+    if not isinstance(adapter, dict):
+        return "no adapter"
+    return f"adapter {adapter.get('name')} ({str(adapter.get('digest'))[:12]})"
 
 
 def first_difference(expected: list[Output], actual: list[Output]) -> dict[str, Any] | None:
@@ -147,7 +165,7 @@ def record(runner: SuiteRunner, out: Path, variants: tuple[str, ...] = VARIANTS)
     results, report = run_variants(runner, variants)
     if not report.ok:
         return report
-    keys = runner.models()
+    keys, adapters = runner.models(), runner.adapters()
     doc = {
         "format": FORMAT,
         "versions": runner.versions(),
@@ -156,6 +174,7 @@ def record(runner: SuiteRunner, out: Path, variants: tuple[str, ...] = VARIANTS)
                 "model": c.model,
                 "model_key": keys[c.name],
                 "sampling": settings(c),
+                "adapter": adapters[c.name],
                 "outputs": results[variants[0]][c.name],
             }
             for c in runner.suite.cases
@@ -195,6 +214,11 @@ def load_golden(path: Path) -> dict[str, Any]:
             raise UserInputError(f"{path}: case {name!r}: 'model_key' must be a string")
         if not isinstance(case.get("sampling", {}), dict):
             raise UserInputError(f"{path}: case {name!r}: 'sampling' must be an object")
+        adapter = case.get("adapter")
+        if adapter is not None and not (
+            isinstance(adapter, dict) and isinstance(adapter.get("digest"), str)
+        ):
+            raise UserInputError(f"{path}: case {name!r}: 'adapter' must have a 'digest'")
     return doc
 
 
@@ -224,12 +248,14 @@ def check(
     for name, then in golden.get("versions", {}).items():
         if now.get(name) != then:
             report.notes.append(f"version changed: {name} {then} -> {now.get(name)}")
-    keys = runner.models()
+    keys, adapters = runner.models(), runner.adapters()
     for case in runner.suite.cases:
         entry = report.cases[case.name]
         want = golden["cases"].get(case.name)
         if want is None:
             entry["status"] = "missing-from-golden"
+            continue
+        if _adapter_changed(case.name, want.get("adapter"), adapters[case.name], entry, report):
             continue
         if want.get("model_key") != keys[case.name]:
             entry["model_key_changed"] = {"golden": want.get("model_key"), "now": keys[case.name]}
@@ -246,3 +272,22 @@ def check(
             entry["status"] = "settings-changed" if changed else "mismatch"
             entry["diff"] = diff
     return report
+
+
+def _adapter_changed(
+    name: str, then: Any, now: dict[str, str] | None, entry: dict[str, Any], report: Report
+) -> bool:
+    """Whether case `name` runs with another adapter (or none) than its golden recorded:
+    then that is its status, and the first note, as the cause of any difference (its
+    outputs are not compared: they are another model's)."""
+    digest = then.get("digest") if isinstance(then, dict) else None
+    if digest == (now or {}).get("digest"):
+        return False
+    entry["status"] = "adapter-changed"
+    entry["adapter_changed"] = {"golden": then, "now": now}
+    report.notes.insert(
+        0,
+        f"case {name!r} was recorded with {_adapter_text(then)} and now runs with "
+        f"{_adapter_text(now)}: its outputs are another model's, not compared",
+    )
+    return True

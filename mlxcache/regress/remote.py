@@ -96,6 +96,12 @@ class ServerRunner:
     def models(self) -> dict[str, str]:
         return {c.name: str(self.identity["key"]) for c in self.suite.cases}
 
+    def adapters(self) -> dict[str, dict[str, str] | None]:
+        """The server's adapter (its card's), for every case (`golden.adapter_of`)."""
+        card = self.identity.get("adapter")
+        served = {"name": str(card["name"]), "digest": str(card["digest"])} if card else None
+        return {c.name: served for c in self.suite.cases}
+
     def versions(self) -> dict[str, str]:
         """The server's (published on its model card: `mlxcache.wire.identity`)."""
         found = self.identity

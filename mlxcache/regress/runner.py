@@ -36,6 +36,7 @@ from mlxcache.modes import json_mode
 from mlxcache.modes.tool_chat import ToolsTask
 from mlxcache.modes.tools import ToolChoice, parse_tools
 from mlxcache.regress import VARIANTS
+from mlxcache.regress.golden import golden_adapter
 from mlxcache.regress.suite import SAMPLING_KEYS, Case, Messages, Output, Suite, turns
 from mlxcache.runtime import make_cache
 
@@ -111,9 +112,9 @@ def run_concurrent(
 ) -> dict[str, list[Output]]:
     """Up to `width` cases at once per model; a step's requests are all in flight together."""
     out: dict[str, list[Output]] = {}
-    for model in dict.fromkeys(c.model for c in cases):
-        engine = engine_for(next(c for c in cases if c.model == model))
-        started = ((c.name, partial(steps, engine, c)) for c in cases if c.model == model)
+    for model in dict.fromkeys(c.runs_on for c in cases):
+        engine = engine_for(next(c for c in cases if c.runs_on == model))
+        started = ((c.name, partial(steps, engine, c)) for c in cases if c.runs_on == model)
         for name, value in units.run_units(engine, started, width):
             out[name] = value
             progress(name, "end")
@@ -135,20 +136,20 @@ class LocalRunner:
         self.block_size = block_size or default_block_size()
         self.progress = progress
         """Called with (variant, case name or "", "start" | "end") as the run goes."""
-        self._models: dict[str | None, LoadedModel] = {}
+        self._models: dict[tuple[str | None, str | None], LoadedModel] = {}
         self.cache_stats: dict[str, dict[str, int]] = {}
         """Per variant: prompt-cache hits, cached tokens and disk hits (proof it resumed)."""
 
     def model(self, case: Case) -> LoadedModel:
-        if case.model not in self._models:
-            self._models[case.model] = load(case.model)
-        return self._models[case.model]
+        if case.runs_on not in self._models:
+            self._models[case.runs_on] = load(case.model, adapter=case.adapter)
+        return self._models[case.runs_on]
 
     def _engines(
         self, cached: bool, disk: bool, drafted: bool = False
     ) -> tuple[Callable[[Case], Engine], list[PromptCache]]:
         """An engine per model, made on first use, and the caches they were given."""
-        engines: dict[str | None, Engine] = {}
+        engines: dict[tuple[str | None, str | None], Engine] = {}
         caches: list[PromptCache] = []
         config = CacheConfig(
             enabled=cached,
@@ -158,7 +159,7 @@ class LocalRunner:
         )
 
         def engine_for(case: Case) -> Engine:
-            if case.model not in engines:
+            if case.runs_on not in engines:
                 loaded = self.model(case)
                 cache = make_cache(loaded, config)
                 if isinstance(cache, PromptCache):
@@ -167,8 +168,8 @@ class LocalRunner:
                 if drafted:
                     lookup = DraftConfig(mode="lookup")
                     drafting = Drafting(loaded, lookup, self.block_size, self.work_dir)
-                engines[case.model] = Engine(loaded, cache, drafting=drafting)
-            return engines[case.model]
+                engines[case.runs_on] = Engine(loaded, cache, drafting=drafting)
+            return engines[case.runs_on]
 
         return engine_for, caches
 
@@ -226,6 +227,10 @@ class LocalRunner:
         """Model key of every case's model."""
         return {c.name: self.model(c).key for c in self.suite.cases}
 
+    def adapters(self) -> dict[str, dict[str, str] | None]:
+        """The adapter every case's model runs with (`golden.adapter_of`), None for none."""
+        return {c.name: golden_adapter(self.model(c).adapter) for c in self.suite.cases}
+
     def versions(self) -> dict[str, str]:
         """The versions the outputs depend on: this process's."""
         import mlx_lm
@@ -252,4 +257,5 @@ def _relay(line: str, progress: Progress) -> bool:
 
 def _case_doc(case: Case) -> dict[str, Any]:
     sampling = {k: getattr(case.sampling, k) for k in SAMPLING_KEYS}
-    return {"name": case.name, "kind": case.kind, "model": case.model, **sampling, **case.data}
+    named = {"name": case.name, "kind": case.kind, "model": case.model, "adapter": case.adapter}
+    return {**named, **sampling, **case.data}

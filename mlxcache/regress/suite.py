@@ -2,6 +2,7 @@
 
 ```yaml
 model: smollm2-135m            # default for every case (a spec as `--model` takes)
+adapter: ./my-adapter          # optional: an mlx_lm.lora folder (`--adapter`); a case's own wins
 defaults: {temperature: 0, max_tokens: 24, seed: 0}
 cases:
   - {name: capital, kind: plain, prompt: "What is the capital of France?"}
@@ -41,6 +42,13 @@ class Case:
     model: str | None
     sampling: SamplingParams
     data: dict[str, Any] = field(hash=False)
+    adapter: str | None = None
+    """The adapter folder its model runs with (`--adapter`), if any."""
+
+    @property
+    def runs_on(self) -> tuple[str | None, str | None]:
+        """What it runs on: its model and adapter (cases sharing both share an engine)."""
+        return self.model, self.adapter
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -83,7 +91,9 @@ def _check_json(raw: dict[str, Any], where: str) -> None:
     check_schema(_need(raw, "schema", dict, where), f"{where} schema")
 
 
-def _case(raw: Any, i: int, model: str | None, defaults: dict[str, Any]) -> Case:
+def _case(
+    raw: Any, i: int, model: str | None, defaults: dict[str, Any], adapter: str | None = None
+) -> Case:
     where = f"case {i + 1}"
     if not isinstance(raw, dict):
         raise UserInputError(f"{where}: expected a mapping")
@@ -106,13 +116,16 @@ def _case(raw: Any, i: int, model: str | None, defaults: dict[str, Any]) -> Case
         ToolChoice.parse(str(raw.get("tool_choice", "auto")), tools)
     if not isinstance(raw.get("model", model), str | None):
         raise UserInputError(f"{where}: 'model' must be a model spec string")
+    if not isinstance(raw.get("adapter", adapter), str | None):
+        raise UserInputError(f"{where}: 'adapter' must be an adapter folder's path")
     settings = {**defaults, **{k: raw[k] for k in SAMPLING_KEYS if k in raw}}
     try:
         sampling = SamplingParams(**settings)
     except (TypeError, ValueError) as exc:
         raise UserInputError(f"{where}: {exc}") from exc
-    data = {k: v for k, v in raw.items() if k not in (*SAMPLING_KEYS, "name", "kind", "model")}
-    return Case(name, kind, raw.get("model", model), sampling, data)
+    own = (*SAMPLING_KEYS, "name", "kind", "model", "adapter")
+    data = {k: v for k, v in raw.items() if k not in own}
+    return Case(name, kind, raw.get("model", model), sampling, data, raw.get("adapter", adapter))
 
 
 def parse(doc: Any, origin: str = "suite") -> Suite:
@@ -128,7 +141,8 @@ def parse(doc: Any, origin: str = "suite") -> Suite:
     defaults = doc.get("defaults") or {}
     if not isinstance(defaults, dict) or set(defaults) - set(SAMPLING_KEYS):
         raise UserInputError(f"{origin}: 'defaults' may set only {', '.join(SAMPLING_KEYS)}")
-    cases = tuple(_case(c, i, doc.get("model"), defaults) for i, c in enumerate(doc["cases"]))
+    model, adapter = doc.get("model"), doc.get("adapter")
+    cases = tuple(_case(c, i, model, defaults, adapter) for i, c in enumerate(doc["cases"]))
     try:
         return Suite(cases)
     except ValueError as exc:
