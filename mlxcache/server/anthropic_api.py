@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -18,10 +18,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from mlxcache.modes.call_stream import CallDelta
 from mlxcache.server import errors
 from mlxcache.server.errors import APIError
-from mlxcache.server.front import Routes, chat_request, parsed
+from mlxcache.server.front import Routes, chat_request, ignored, parsed
 from mlxcache.server.openai_format import Envelope, Usage
 from mlxcache.server.prepare import Answer, Plan
-from mlxcache.server.schemas import ChatRequest
+from mlxcache.server.schemas import ChatRequest, tagged
 from mlxcache.server.stream import Outcome, Stream
 from mlxcache.wire import USAGE_FIELD
 
@@ -73,10 +73,10 @@ class MediaBlock(_Body):
     ]
 
 
-Block = Annotated[
-    TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | MediaBlock,
-    Field(discriminator="type"),
-]
+if TYPE_CHECKING:
+    Block = TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | MediaBlock
+else:
+    Block = tagged(TextBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock, MediaBlock)
 
 
 class AnthropicMessage(_Body):
@@ -100,7 +100,7 @@ class ToolChoice(_Body):
 
 class Thinking(_Body):
     type: Literal["enabled", "disabled", "adaptive", "between_tools"]
-    budget_tokens: int | None = None
+    budget_tokens: int | None = Field(default=None, ge=1024)  # Anthropic's least
 
 
 class JsonFormat(_Body):
@@ -401,12 +401,16 @@ def install(app: FastAPI, routes: Routes) -> None:
     async def messages(request: Request) -> Any:
         body: MessagesRequest = await parsed(request, MessagesRequest)
         plan, env, stream, usage_of = await routes.submit(request, to_chat(body), "msg")
+        # Thinking asked for by `thinking` or by an effort: named as the request set it.
+        effort = "thinking" if body.thinking is not None else "output_config.effort"
+        headers = ignored(plan, {"reasoning_effort": effort})
         if body.stream:
-            return routes.stream(events(stream, plan, env, usage_of, routes.warm), request, env.id)
+            replies = events(stream, plan, env, usage_of, routes.warm)
+            return routes.stream(replies, request, env.id, headers)
         outcome = await routes.end(request, stream, env)
         answer = plan.answer(outcome.text, outcome.finish_reason)
         await routes.warm(plan, answer)
-        return JSONResponse(message(env, answer, outcome, usage_of(outcome)))
+        return JSONResponse(message(env, answer, outcome, usage_of(outcome)), headers=headers)
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> dict[str, Any]:

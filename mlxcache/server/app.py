@@ -26,7 +26,7 @@ from mlxcache.modes.call_stream import CallDelta
 from mlxcache.sampling import SamplingParams
 from mlxcache.server import anthropic_api, errors, prepare, responses_api
 from mlxcache.server.errors import APIError
-from mlxcache.server.front import Routes, UsageOf, parsed
+from mlxcache.server.front import Routes, UsageOf, ignored, parsed
 from mlxcache.server.guard import Guard
 from mlxcache.server.log import RequestLog, log_fields
 from mlxcache.server.logprobs import Formatter, Scored
@@ -194,8 +194,7 @@ def create_app(engine: Engine, worker: Worker, settings: Settings, log: RequestL
     async def chat(request: Request) -> Any:
         body, plan, env, stream, usage = await begin(request, ChatRequest, prepare.chat, "chatcmpl")
         chat_logprobs = None if plan.vocab is None else Formatter(plan.vocab).chat
-        # Fields accepted that changed nothing for this model, said where a client reads it.
-        headers = {prepare.IGNORED_HEADER: ", ".join(plan.ignored)} if plan.ignored else {}
+        headers = ignored(plan)  # fields that changed nothing, said where a client reads it
         if body.stream:
             usage_chunk = usage if body.include_usage else None
             events = _chat_events(stream, plan, env, usage_chunk, warm, chat_logprobs)
@@ -239,8 +238,10 @@ def create_app(engine: Engine, worker: Worker, settings: Settings, log: RequestL
     ) -> tuple[Plan, Envelope, Stream, UsageOf]:
         return await submit(request, body, prepare.chat, prefix)
 
-    def stream_of(events: AsyncIterator[str | Outcome], request: Request, rid: str) -> Any:
-        return _stream(events, request, rid, note)
+    def stream_of(
+        events: AsyncIterator[str | Outcome], request: Request, rid: str, headers: dict[str, str]
+    ) -> Any:
+        return _stream(events, request, rid, note, headers)
 
     routes = Routes(submit_chat, end, warm, count, stream_of)
     anthropic_api.install(app, routes)

@@ -3,7 +3,7 @@ chat completions: one request path, handed to them by `app.create_app`."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,7 +13,7 @@ from pydantic import ValidationError
 
 from mlxcache.server import errors
 from mlxcache.server.openai_format import Envelope, Usage
-from mlxcache.server.prepare import Answer, Plan
+from mlxcache.server.prepare import IGNORED_HEADER, Answer, Plan
 from mlxcache.server.schemas import ChatRequest
 from mlxcache.server.stream import Outcome, Stream
 
@@ -29,7 +29,9 @@ class Routes:
     end: Callable[[Request, Stream, Envelope], Awaitable[Outcome]]
     warm: Callable[[Plan, Answer], Awaitable[None]]
     count: Callable[[Request, ChatRequest], Awaitable[int]]
-    stream: Callable[[AsyncIterator[str | Outcome], Request, str], StreamingResponse]
+    stream: Callable[
+        [AsyncIterator[str | Outcome], Request, str, dict[str, str]], StreamingResponse
+    ]
 
 
 async def parsed(request: Request, schema: type[Any]) -> Any:
@@ -47,3 +49,11 @@ def chat_request(doc: dict[str, Any]) -> ChatRequest:
         return ChatRequest.model_validate(doc)
     except ValidationError as exc:
         raise errors.from_validation(exc.errors()) from None
+
+
+def ignored(plan: Plan, names: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The reply's header naming the request's fields that changed nothing for this model
+    (`Plan.ignored`), each by the route's own name for it (`names`: chat field -> it)."""
+    if not plan.ignored:
+        return {}
+    return {IGNORED_HEADER: ", ".join((names or {}).get(n, n) for n in plan.ignored)}
