@@ -309,7 +309,10 @@ async def events(
     warm: Callable[[Plan, Answer], Awaitable[None]],
 ) -> AsyncIterator[str | Outcome]:
     """A streamed reply: message_start, a ping, a content block per part (thinking, text,
-    each tool use) with its deltas, message_delta (stop reason, usage), message_stop."""
+    each tool use) with its deltas, message_delta (stop reason, usage), message_stop.
+    message_start waits for the prompt's lookup: its usage splits the cached tokens out
+    as message_delta's does."""
+    looked_up = Usage(len(plan.ids), 0, await stream.looked_up())
     start: dict[str, Any] = {
         "id": env.id,
         "type": "message",
@@ -318,7 +321,7 @@ async def events(
         "content": [],
         "stop_reason": None,
         "stop_sequence": None,
-        "usage": {"input_tokens": len(plan.ids), "output_tokens": 0},
+        "usage": usage(looked_up),
     }
     yield event("message_start", {"message": start})
     yield event("ping", {})
@@ -406,7 +409,7 @@ def install(app: FastAPI, routes: Routes) -> None:
         headers = ignored(plan, {"reasoning_effort": effort})
         if body.stream:
             replies = events(stream, plan, env, usage_of, routes.warm)
-            return routes.stream(replies, request, env.id, headers)
+            return routes.stream(replies, stream, request, env.id, headers)
         outcome = await routes.end(request, stream, env)
         answer = plan.answer(outcome.text, outcome.finish_reason)
         await routes.warm(plan, answer)

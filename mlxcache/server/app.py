@@ -198,7 +198,7 @@ def create_app(engine: Engine, worker: Worker, settings: Settings, log: RequestL
         if body.stream:
             usage_chunk = usage if body.include_usage else None
             events = _chat_events(stream, plan, env, usage_chunk, warm, chat_logprobs)
-            return _stream(events, request, env.id, note, headers)
+            return _stream(events, stream, request, env.id, note, headers)
         outcome = await end(request, stream, env)
         answer = plan.answer(outcome.text, outcome.finish_reason)
         await warm(plan, answer)
@@ -221,7 +221,7 @@ def create_app(engine: Engine, worker: Worker, settings: Settings, log: RequestL
         if body.stream:
             usage_chunk = usage if body.include_usage else None
             events = _completion_events(stream, env, usage_chunk, text_logprobs)
-            return _stream(events, request, env.id, note)
+            return _stream(events, stream, request, env.id, note)
         outcome = await end(request, stream, env)
         logprobs = None if text_logprobs is None else text_logprobs(stream.scored)
         return JSONResponse(
@@ -239,9 +239,13 @@ def create_app(engine: Engine, worker: Worker, settings: Settings, log: RequestL
         return await submit(request, body, prepare.chat, prefix)
 
     def stream_of(
-        events: AsyncIterator[str | Outcome], request: Request, rid: str, headers: dict[str, str]
+        events: AsyncIterator[str | Outcome],
+        stream: Stream,
+        request: Request,
+        rid: str,
+        headers: dict[str, str],
     ) -> Any:
-        return _stream(events, request, rid, note, headers)
+        return _stream(events, stream, request, rid, note, headers)
 
     routes = Routes(submit_chat, end, warm, count, stream_of)
     anthropic_api.install(app, routes)
@@ -383,29 +387,48 @@ async def _kept_alive(events: AsyncIterator[str | Outcome]) -> AsyncIterator[str
 
 def _stream(
     events: AsyncIterator[str | Outcome],
+    stream: Stream,
     request: Request,
     rid: str,
     note: Noter,
     headers: dict[str, str] | None = None,
 ) -> StreamingResponse:
     """SSE from an event generator whose items are text to send or the final outcome
-    (`headers`: more response headers)."""
+    (`headers`: more response headers), for the request `stream` runs."""
+    finished = False
 
     async def body() -> AsyncIterator[str]:
-        finished = False
-        try:
-            async for item in _kept_alive(events):
-                if isinstance(item, Outcome):
-                    finished = True
-                    note(request, rid, item)
-                else:
-                    yield item
-        finally:
-            if not finished:  # the client left mid-stream: the stream was cancelled
-                log_fields(request.scope)["finish_reason"] = "disconnected"
+        nonlocal finished
+        async for item in _kept_alive(events):
+            if isinstance(item, Outcome):
+                finished = True
+                note(request, rid, item)
+            else:
+                yield item
+
+    def ended() -> None:
+        # However the reply ended unfinished (the client gone mid-stream, or before its
+        # first byte, when `events` may never have started), its request is cancelled.
+        if not finished:
+            stream.close()
+            log_fields(request.scope)["finish_reason"] = "disconnected"
 
     sse_headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})}
-    return StreamingResponse(body(), media_type="text/event-stream", headers=sse_headers)
+    return _Streamed(body(), ended, media_type="text/event-stream", headers=sse_headers)
+
+
+class _Streamed(StreamingResponse):
+    """A StreamingResponse that calls `ended` once it is over, however it ends."""
+
+    def __init__(self, body: AsyncIterator[str], ended: Callable[[], None], **kw: Any) -> None:
+        super().__init__(body, **kw)
+        self._ended = ended
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._ended()
 
 
 def _outcome_events(outcome: Outcome) -> list[str | Outcome]:

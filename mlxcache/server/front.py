@@ -30,7 +30,7 @@ class Routes:
     warm: Callable[[Plan, Answer], Awaitable[None]]
     count: Callable[[Request, ChatRequest], Awaitable[int]]
     stream: Callable[
-        [AsyncIterator[str | Outcome], Request, str, dict[str, str]], StreamingResponse
+        [AsyncIterator[str | Outcome], Stream, Request, str, dict[str, str]], StreamingResponse
     ]
 
 

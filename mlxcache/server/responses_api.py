@@ -172,7 +172,8 @@ def to_chat(body: ResponsesRequest, history: list[dict[str, Any]]) -> ChatDoc:
     """The chat completion request `body` asks for, after the stored `history`."""
     conversation = [*history, *_messages(body.input)]
     if not conversation:
-        raise APIError(400, "input: give at least one item", param="input", code="invalid_value")
+        why = "input: give at least one message, function call or function call output"
+        raise APIError(400, why, param="input", code="invalid_value")
     # The instructions come first, the input's system and developer items stay where they
     # are (OpenAI's); they are this request's only, not stored with the conversation.
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
@@ -534,7 +535,7 @@ def install(app: FastAPI, routes: Routes) -> None:
         headers = ignored(plan, NAMES)
         if body.stream:
             replies = events(stream, plan, env, body, usage_of, done)
-            return routes.stream(replies, request, env.id, headers)
+            return routes.stream(replies, stream, request, env.id, headers)
         outcome = await routes.end(request, stream, env)
         answer = plan.answer(outcome.text, outcome.finish_reason)
         await done(answer)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from mlxcache.engine import Engine, Request
-from mlxcache.events import Done, Event, Token
+from mlxcache.events import Done, Event, Prefill, Token
 from mlxcache.modes.call_stream import CallDelta, CallsSent
 from mlxcache.server.logprobs import Scored
 from mlxcache.server.openai_format import Usage
@@ -74,7 +74,33 @@ class Stream:
         self._taken = 0
         self.calls = CallsSent()
         """What was streamed of each call (`deltas`)."""
+        self._early: list[Event] = []  # read by `looked_up`, not yet by `deltas`
+        self._cached: int | None = None
         self.handle = worker.submit(request, sink)
+
+    async def looked_up(self) -> int:
+        """The prompt tokens resumed from the cache, once the engine has looked the prompt
+        up (its first event: the first prefill chunk, or the first token when the whole
+        prompt was resumed). Leaving early cancels the request."""
+        try:
+            while self._cached is None:
+                event = await self._queue.get()
+                self._early.append(event)
+                if isinstance(event, Prefill):
+                    self._cached = event.start
+                elif isinstance(event, Token):
+                    self._cached = self._prompt_tokens
+                elif isinstance(event, Done):
+                    self._cached = event.result.stats.cached_tokens
+        except BaseException:
+            self.close()
+            raise
+        return self._cached
+
+    def close(self) -> None:
+        """Cancel the request unless it has finished (a consumer gone: its pin released)."""
+        if self._done is None:
+            self.handle.cancel()
 
     def new_scores(self) -> list[Scored]:
         """The entries of `scored` added since the last call."""
@@ -91,7 +117,7 @@ class Stream:
         """
         try:
             while True:
-                event = await self._queue.get()
+                event = self._early.pop(0) if self._early else await self._queue.get()
                 if isinstance(event, Done):
                     self._done = event
                     return
@@ -110,8 +136,7 @@ class Stream:
                     self.calls.add(call)
                     yield call
         finally:
-            if self._done is None:
-                self.handle.cancel()
+            self.close()
 
     async def finish(self) -> Outcome:
         """Run to the end without streaming."""
