@@ -262,16 +262,29 @@ def test_responses_and_messages_name_what_they_ignore(server: MlxcacheServer) ->
             [{"role": "user", "content": [{"type": "bogus"}]}],
             "input.0.content.0: Input should be an object whose type is one of 'input_text'",
         ),
+        (  # found past the schema, in the chat messages the items became
+            [
+                {"role": "user", "content": "hi"},
+                {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "c", "output": "1"},
+            ],
+            "input.1: tool calls and results need the request's tools",
+        ),
+        ([{"role": "user", "content": "x" * 5000}], "input: the prompt has "),
     ],
 )
 def test_responses_errors_name_the_input_s_own_path(
     server: MlxcacheServer, items: Any, message: str
 ) -> None:
     with pytest.raises(openai.BadRequestError) as bad:
-        oai(server).responses.create(model=GPT, input=items, max_output_tokens=2)
+        oai(server).responses.create(
+            model=GPT, instructions="You are terse.", input=items, max_output_tokens=2
+        )
     error = bad.value.body
-    assert isinstance(error, dict) and error["message"].startswith(message)
-    assert error["param"] == message.partition(":")[0]
+    assert isinstance(error, dict) and error["param"] == message.partition(":")[0]
+    assert error["message"].startswith(
+        message.partition(": ")[2] if "prompt" in message else message
+    )
 
 
 @pytest.mark.parametrize(

@@ -18,10 +18,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from mlxcache.modes.call_stream import CallDelta
 from mlxcache.server import errors
 from mlxcache.server.errors import APIError
-from mlxcache.server.front import Routes, chat_request, ignored, parsed
+from mlxcache.server.front import Converted, Routes, ignored, parsed
 from mlxcache.server.openai_format import Envelope, Usage
 from mlxcache.server.prepare import Answer, Plan
-from mlxcache.server.schemas import ChatRequest, tagged
+from mlxcache.server.schemas import tagged
 from mlxcache.server.stream import Outcome, Stream
 from mlxcache.wire import USAGE_FIELD
 
@@ -142,12 +142,15 @@ def _system(system: str | list[TextBlock] | None) -> str | None:
     return system
 
 
-def _messages(body: CountRequest) -> list[dict[str, Any]]:
-    """The conversation as OpenAI chat messages: a user turn's tool results become tool
-    messages (before its text), an assistant turn's tool uses its tool calls."""
+def _messages(body: CountRequest) -> tuple[list[dict[str, Any]], list[str]]:
+    """The conversation as OpenAI chat messages (a user turn's tool results become tool
+    messages, before its text; an assistant turn's tool uses its tool calls), and the
+    field each came from."""
     system = _system(body.system)
     out: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []
+    origin = ["system"] * len(out)
     for i, m in enumerate(body.messages):
+        origin += [f"messages.{i - 1}"] * (len(out) - len(origin))
         blocks = (
             [TextBlock(type="text", text=m.content)] if isinstance(m.content, str) else m.content
         )
@@ -175,7 +178,8 @@ def _messages(body: CountRequest) -> list[dict[str, Any]]:
                 out.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": b.text()})
         if text or not any(isinstance(b, ToolResultBlock) for b in blocks):
             out.append({"role": "user", "content": text})
-    return out
+    origin += [f"messages.{len(body.messages) - 1}"] * (len(out) - len(origin))
+    return out, origin
 
 
 def _tools(body: CountRequest) -> dict[str, Any]:
@@ -214,13 +218,14 @@ def _tools(body: CountRequest) -> dict[str, Any]:
     return fields
 
 
-def to_chat(body: CountRequest) -> ChatRequest:
+def to_chat(body: CountRequest) -> Converted:
     """The chat completion request that `body` asks for.
 
     Raises:
         APIError: a block, tool or field this server does not take (400).
     """
-    doc: dict[str, Any] = {"model": body.model, "messages": _messages(body), **_tools(body)}
+    messages, origin = _messages(body)
+    doc: dict[str, Any] = {"model": body.model, "messages": messages, **_tools(body)}
     if isinstance(body, MessagesRequest):
         doc["max_tokens"] = body.max_tokens
         doc["stop"] = body.stop_sequences or None
@@ -242,7 +247,7 @@ def to_chat(body: CountRequest) -> ChatRequest:
     for ours in ("draft", USAGE_FIELD):  # mlxcache's own fields, as in chat completions
         if ours in extra:
             doc[ours] = extra[ours]
-    return chat_request(doc)
+    return Converted(doc, tuple(origin), "messages")
 
 
 STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
@@ -403,7 +408,9 @@ def install(app: FastAPI, routes: Routes) -> None:
     @app.post("/v1/messages")
     async def messages(request: Request) -> Any:
         body: MessagesRequest = await parsed(request, MessagesRequest)
-        plan, env, stream, usage_of = await routes.submit(request, to_chat(body), "msg")
+        chat = to_chat(body)
+        with chat.named():
+            plan, env, stream, usage_of = await routes.submit(request, chat.request(), "msg")
         # Thinking asked for by `thinking` or by an effort: named as the request set it.
         effort = "thinking" if body.thinking is not None else "output_config.effort"
         headers = ignored(plan, {"reasoning_effort": effort})
@@ -418,4 +425,6 @@ def install(app: FastAPI, routes: Routes) -> None:
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> dict[str, Any]:
         body: CountRequest = await parsed(request, CountRequest)
-        return {"input_tokens": await routes.count(request, to_chat(body))}
+        chat = to_chat(body)
+        with chat.named():
+            return {"input_tokens": await routes.count(request, chat.request())}

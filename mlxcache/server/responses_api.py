@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from mlxcache.modes.call_stream import CallDelta
 from mlxcache.server import errors
 from mlxcache.server.errors import APIError
-from mlxcache.server.front import Routes, chat_request, ignored, parsed
+from mlxcache.server.front import Converted, Routes, ignored, parsed
 from mlxcache.server.openai_format import Envelope, Usage
 from mlxcache.server.prepare import Answer, Plan
 from mlxcache.server.schemas import tagged
@@ -143,15 +143,18 @@ def _text(content: str | list[Content], where: str) -> str:
         return content
     for j, part in enumerate(content):
         if isinstance(part, MediaContent):
-            raise APIError(400, f"{where}.content.{j}: {part.type} is not supported", param=where)
+            at = f"{where}.content.{j}"
+            raise APIError(400, f"{at}: {part.type} is not supported", param=at)
     return "".join(p.text for p in content if isinstance(p, TextContent))
 
 
-def _messages(items: str | list[Item]) -> list[dict[str, Any]]:
-    """`input` as chat messages: function calls join the assistant message before them."""
+def _messages(items: str | list[Item]) -> tuple[list[dict[str, Any]], list[str]]:
+    """`input` as chat messages (function calls join the assistant message before them),
+    and the item each came from."""
     if isinstance(items, str):
-        return [{"role": "user", "content": items}]
+        return [{"role": "user", "content": items}], ["input"]
     out: list[dict[str, Any]] = []
+    origin: list[str] = []
     for i, item in enumerate(items):
         if isinstance(item, MessageItem):
             out.append({"role": item.role, "content": _text(item.content, f"input.{i}")})
@@ -165,18 +168,21 @@ def _messages(items: str | list[Item]) -> list[dict[str, Any]]:
             last.setdefault("tool_calls", []).append(call)
         elif isinstance(item, FunctionOutputItem):
             out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
-    return out
+        origin += [f"input.{i}"] * (len(out) - len(origin))
+    return out, origin
 
 
 def to_chat(body: ResponsesRequest, history: list[dict[str, Any]]) -> ChatDoc:
     """The chat completion request `body` asks for, after the stored `history`."""
-    conversation = [*history, *_messages(body.input)]
+    given, origin = _messages(body.input)
+    conversation = [*history, *given]
     if not conversation:
         why = "input: give at least one message, function call or function call output"
         raise APIError(400, why, param="input", code="invalid_value")
     # The instructions come first, the input's system and developer items stay where they
     # are (OpenAI's); they are this request's only, not stored with the conversation.
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
+    origin = ["instructions"] * len(system) + ["previous_response_id"] * len(history) + origin
     doc: dict[str, Any] = {"model": body.model, "messages": [*system, *conversation]}
     if body.tools:
         doc["tools"] = [
@@ -209,7 +215,7 @@ def to_chat(body: ResponsesRequest, history: list[dict[str, Any]]) -> ChatDoc:
     for ours in ("draft", USAGE_FIELD, "seed", "top_k", "min_p", "repetition_penalty"):
         if ours in extra:
             doc[ours] = extra[ours]
-    return ChatDoc(doc, conversation)
+    return ChatDoc(Converted(doc, tuple(origin), "input"), conversation)
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,7 +223,7 @@ class ChatDoc:
     """A chat completion request and the conversation it carries, without the request's
     instructions (kept with the reply: a follow-up gives its own)."""
 
-    doc: dict[str, Any]
+    chat: Converted
     messages: list[dict[str, Any]]
 
 
@@ -525,7 +531,8 @@ def install(app: FastAPI, routes: Routes) -> None:
         body: ResponsesRequest = await parsed(request, ResponsesRequest)
         history = [] if body.previous_response_id is None else store.get(body.previous_response_id)
         chat = to_chat(body, history)
-        plan, env, stream, usage_of = await routes.submit(request, chat_request(chat.doc), "resp")
+        with chat.chat.named():
+            plan, env, stream, usage_of = await routes.submit(request, chat.chat.request(), "resp")
 
         async def done(answer: Answer) -> None:
             if body.store:
