@@ -331,7 +331,6 @@ async def events(
     yield event("message_start", {"message": start})
     yield event("ping", {})
     index, open_kind = -1, ""
-    sent = {"reasoning": "", "content": ""}
 
     def opened(kind: str) -> list[str]:
         """Events that close the open block and open one of `kind`, if it is not open."""
@@ -348,7 +347,6 @@ async def events(
         return [*out, event("content_block_start", {"index": index, "content_block": block})]
 
     def delta(kind: str, text: str) -> str:
-        sent[kind] += text
         body = (
             {"type": "thinking_delta", "thinking": text}
             if kind == "reasoning"
@@ -377,21 +375,20 @@ async def events(
         lines = tool(piece) if isinstance(piece, CallDelta) else [*opened(piece[0]), delta(*piece)]
         for line in lines:
             yield line
-    outcome = stream.outcome()
+    end = stream.ending(plan.answer)
+    outcome, answer = end.outcome, end.answer
     yield outcome
-    if outcome.error is not None:
-        failure = {"type": "api_error", "message": errors.one_line(outcome.error)}
+    if answer is None:
+        failure = {"type": "api_error", "message": errors.one_line(outcome.error or "")}
         yield event("error", {"error": failure})
         return
-    answer = plan.answer(outcome.text, outcome.finish_reason)
-    for kind, final in (("reasoning", answer.reasoning or ""), ("content", answer.content)):
-        rest = final[len(sent[kind]) :]
+    for kind, rest in (("reasoning", end.reasoning), ("content", end.content)):
         if rest or (kind == "content" and not answer.calls and index < 0):
             for item in opened(kind):
                 yield item
             if rest:
                 yield delta(kind, rest)
-    for call in stream.calls.rest(answer.calls):
+    for call in end.calls:
         for line in tool(call):
             yield line
     if open_kind:

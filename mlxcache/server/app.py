@@ -451,31 +451,26 @@ async def _chat_events(
         return sse(env.chat_chunk(delta, finish, _new_logprobs(stream, logprobs_of)))
 
     yield chunk({"role": "assistant", "content": ""})
-    sent = {"reasoning": "", "content": ""}
     async for piece in stream.deltas():
         if isinstance(piece, CallDelta):
             yield chunk({"tool_calls": [env.call_delta(piece)]})
-            continue
-        key, delta = piece
-        sent[key] += delta
-        yield chunk({key: delta})
-    outcome = stream.outcome()
-    for item in _outcome_events(outcome):
+        else:
+            yield chunk({piece[0]: piece[1]})
+    end = stream.ending(plan.answer)
+    for item in _outcome_events(end.outcome):
         yield item
-    if outcome.error is not None:
+    if end.answer is None:
         return
-    answer = plan.answer(outcome.text, outcome.finish_reason)
-    # What was sent is a prefix of the final values by construction (see ReplyText).
-    for key, final in (("reasoning", answer.reasoning or ""), ("content", answer.content)):
-        if final[len(sent[key]) :]:
-            yield chunk({key: final[len(sent[key]) :]})
-    for call in stream.calls.rest(answer.calls):
+    for key, rest in (("reasoning", end.reasoning), ("content", end.content)):
+        if rest:
+            yield chunk({key: rest})
+    for call in end.calls:
         yield chunk({"tool_calls": [env.call_delta(call)]})
-    yield chunk({}, answer.finish_reason)
+    yield chunk({}, end.answer.finish_reason)
     if usage is not None:
-        yield sse(env.usage_chunk(usage(outcome)))
+        yield sse(env.usage_chunk(usage(end.outcome)))
     yield SSE_DONE
-    await warm(plan, answer)
+    await warm(plan, end.answer)
 
 
 async def _completion_events(

@@ -481,26 +481,24 @@ async def events(
             yield line
         text += delta
         yield ev("response.output_text.delta", {**where(), "delta": delta})
-    outcome = stream.outcome()
+    end = stream.ending(plan.answer)
+    outcome, answer = end.outcome, end.answer
     yield outcome
-    if outcome.error is not None:
+    if answer is None:
         failed = response(env, body, "failed", [])
-        failed["error"] = {"code": "server_error", "message": errors.one_line(outcome.error)}
+        failed["error"] = {"code": "server_error", "message": errors.one_line(outcome.error or "")}
         yield ev("response.failed", {"response": failed})
         return
-    answer = plan.answer(outcome.text, outcome.finish_reason)
     for line in reasoned(answer.reasoning or ""):
         yield line
     if (answer.content or not answer.calls) and message != "done":
         for line in open_message():
             yield line
-        if answer.content[len(text) :]:
-            yield ev(
-                "response.output_text.delta", {**where(), "delta": answer.content[len(text) :]}
-            )
+        if end.content:
+            yield ev("response.output_text.delta", {**where(), "delta": end.content})
         for line in close_message(answer.content):
             yield line
-    for call in calls.rest(answer.calls):
+    for call in end.calls:
         calls.add(call)
         for line in called(call):
             yield line

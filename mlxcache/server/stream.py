@@ -19,6 +19,7 @@ from mlxcache.events import Done, Event, Prefill, Token
 from mlxcache.modes.call_stream import CallDelta, CallsSent
 from mlxcache.server.logprobs import Scored
 from mlxcache.server.openai_format import Usage
+from mlxcache.server.prepare import Answer
 from mlxcache.server.text import ReplyText
 
 
@@ -52,6 +53,20 @@ class Outcome:
     """The stop string that ended the reply, if one did."""
 
 
+@dataclass(frozen=True, slots=True)
+class Ending:
+    """A finished stream's last parts, the same for every API: its outcome, the answer
+    (None: the request failed) and what of the answer the deltas have not sent: the rest
+    of its reasoning and content (what was sent is a prefix of each: see `ReplyText`) and
+    of its calls (`CallsSent.rest`)."""
+
+    outcome: Outcome
+    answer: Answer | None
+    reasoning: str = ""
+    content: str = ""
+    calls: tuple[CallDelta, ...] = ()
+
+
 class Stream:
     """Submits `request` at once (raising what `Worker.submit` raises) and relays its events."""
 
@@ -74,6 +89,8 @@ class Stream:
         self._taken = 0
         self.calls = CallsSent()
         """What was streamed of each call (`deltas`)."""
+        self.sent = {"reasoning": "", "content": ""}
+        """The reasoning and content `deltas` gave so far."""
         self._early: list[Event] = []  # read by `looked_up`, not yet by `deltas`
         self._cached: int | None = None
         self.handle = worker.submit(request, sink)
@@ -128,10 +145,10 @@ class Stream:
                 if event.logprob is not None:  # None: a flush of held-back text, no token
                     self.scored.append(Scored(event.token, event.logprob, event.top_logprobs))
                 reasoning, content = self.reply.add(event.text)
-                if reasoning:
-                    yield "reasoning", reasoning
-                if content:
-                    yield "content", content
+                for kind, text in (("reasoning", reasoning), ("content", content)):
+                    if text:
+                        self.sent[kind] += text
+                        yield kind, text
                 for call in self.reply.new_calls():
                     self.calls.add(call)
                     yield call
@@ -155,3 +172,14 @@ class Stream:
         return Outcome(
             self.reply.text, result.finish_reason, usage, self._ttft, error, result.stop_string
         )
+
+    def ending(self, answer_of: Callable[[str, str], Answer]) -> Ending:
+        """The finished request's last parts (after `deltas()` ended); `answer_of` reads
+        the answer from the reply's text and finish reason (`Plan.answer`)."""
+        outcome = self.outcome()
+        if outcome.error is not None:
+            return Ending(outcome, None)
+        answer = answer_of(outcome.text, outcome.finish_reason)
+        reasoning = (answer.reasoning or "")[len(self.sent["reasoning"]) :]
+        content = answer.content[len(self.sent["content"]) :]
+        return Ending(outcome, answer, reasoning, content, tuple(self.calls.rest(answer.calls)))
