@@ -89,8 +89,7 @@ class Stream:
         self._taken = 0
         self.calls = CallsSent()
         """What was streamed of each call (`deltas`)."""
-        self.sent = {"reasoning": "", "content": ""}
-        """The reasoning and content `deltas` gave so far."""
+        self._sent = {"reasoning": 0, "content": 0}  # the characters `deltas` gave of each
         self._early: list[Event] = []  # read by `looked_up`, not yet by `deltas`
         self._cached: int | None = None
         self.handle = worker.submit(request, sink)
@@ -147,7 +146,7 @@ class Stream:
                 reasoning, content = self.reply.add(event.text)
                 for kind, text in (("reasoning", reasoning), ("content", content)):
                     if text:
-                        self.sent[kind] += text
+                        self._sent[kind] += len(text)
                         yield kind, text
                 for call in self.reply.new_calls():
                     self.calls.add(call)
@@ -180,6 +179,6 @@ class Stream:
         if outcome.error is not None:
             return Ending(outcome, None)
         answer = answer_of(outcome.text, outcome.finish_reason)
-        reasoning = (answer.reasoning or "")[len(self.sent["reasoning"]) :]
-        content = answer.content[len(self.sent["content"]) :]
+        reasoning = (answer.reasoning or "")[self._sent["reasoning"] :]
+        content = answer.content[self._sent["content"] :]
         return Ending(outcome, answer, reasoning, content, tuple(self.calls.rest(answer.calls)))
