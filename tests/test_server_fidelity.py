@@ -231,9 +231,9 @@ def test_responses_and_messages_name_what_they_ignore(server: MlxcacheServer) ->
     for reply in (plain, streamed):
         assert reply.headers[IGNORED] == "reasoning.effort, text.verbosity"
     ask = {"model": CLAUDE, "messages": [{"role": "user", "content": ASK}], "max_tokens": 2}
-    thinking = {"type": "enabled", "budget_tokens": 1024}
     raw = claude(server).messages.with_raw_response
-    assert raw.create(**ask, thinking=thinking).headers[IGNORED] == "thinking"  # type: ignore[arg-type]
+    off = raw.create(**ask, thinking={"type": "disabled"})  # type: ignore[arg-type]
+    assert off.headers[IGNORED] == "thinking"
     effort = {"output_config": {"effort": "low"}}
     with claude(server).messages.with_streaming_response.create(
         **ask, stream=True, extra_body=effort
@@ -322,6 +322,21 @@ def test_what_the_real_apis_refuse_is_refused(server: MlxcacheServer) -> None:
     assert budget.value.body["error"]["message"] == (  # type: ignore[index]
         "thinking.budget_tokens: Input should be greater than or equal to 1024"
     )
+    for thinking, message in (
+        ({"type": "enabled"}, "thinking.budget_tokens: Field required"),
+        (
+            {"type": "enabled", "budget_tokens": 1024},
+            "max_tokens: must be greater than thinking.budget_tokens",
+        ),
+    ):
+        with pytest.raises(anthropic.BadRequestError) as refused:
+            claude(server).messages.create(
+                model=CLAUDE,
+                messages=[{"role": "user", "content": ASK}],
+                max_tokens=2,
+                thinking=thinking,  # type: ignore[arg-type]
+            )
+        assert refused.value.body["error"]["message"] == message  # type: ignore[index]
     with pytest.raises(openai.BadRequestError) as schema:
         oai(server).responses.create(
             model=GPT,

@@ -218,12 +218,26 @@ def _tools(body: CountRequest) -> dict[str, Any]:
     return fields
 
 
+def _check_thinking(body: CountRequest) -> None:
+    """Refuse enabled thinking as Anthropic's API does: without a budget, or with one that
+    leaves no room under `max_tokens`."""
+    if body.thinking is None or body.thinking.type != "enabled":
+        return
+    budget = body.thinking.budget_tokens
+    if budget is None:
+        raise APIError(400, "thinking.budget_tokens: Field required", param="thinking")
+    if isinstance(body, MessagesRequest) and budget >= body.max_tokens:
+        why = "max_tokens: must be greater than thinking.budget_tokens"
+        raise APIError(400, why, param="max_tokens")
+
+
 def to_chat(body: CountRequest) -> Converted:
     """The chat completion request that `body` asks for.
 
     Raises:
         APIError: a block, tool or field this server does not take (400).
     """
+    _check_thinking(body)
     messages, origin = _messages(body)
     doc: dict[str, Any] = {"model": body.model, "messages": messages, **_tools(body)}
     if isinstance(body, MessagesRequest):
