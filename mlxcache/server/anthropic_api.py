@@ -428,9 +428,7 @@ def install(app: FastAPI, routes: Routes) -> None:
         if body.stream:
             replies = events(stream, plan, env, usage_of, routes.warm)
             return routes.stream(replies, stream, request, env.id, headers)
-        outcome = await routes.end(request, stream, env)
-        answer = plan.answer(outcome.text, outcome.finish_reason)
-        await routes.warm(plan, answer)
+        outcome, answer = await routes.answered(request, plan, stream, env)
         return JSONResponse(message(env, answer, outcome, usage_of(outcome)), headers=headers)
 
     @app.post("/v1/messages/count_tokens")

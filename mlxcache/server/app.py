@@ -190,6 +190,15 @@ def create_app(engine: Engine, worker: Worker, settings: Settings, log: RequestL
             raise APIError(500, errors.one_line(outcome.error), type="server_error")
         return outcome
 
+    async def answered(
+        request: Request, plan: Plan, stream: Stream, env: Envelope
+    ) -> tuple[Outcome, Answer]:
+        """A non-streamed chat request's outcome and answer, its next turn warmed."""
+        outcome = await end(request, stream, env)
+        answer = plan.answer(outcome.text, outcome.finish_reason)
+        await warm(plan, answer)
+        return outcome, answer
+
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Any:
         body, plan, env, stream, usage = await begin(request, ChatRequest, prepare.chat, "chatcmpl")
@@ -199,9 +208,7 @@ def create_app(engine: Engine, worker: Worker, settings: Settings, log: RequestL
             usage_chunk = usage if body.include_usage else None
             events = _chat_events(stream, plan, env, usage_chunk, warm, chat_logprobs)
             return _stream(events, stream, request, env.id, note, headers)
-        outcome = await end(request, stream, env)
-        answer = plan.answer(outcome.text, outcome.finish_reason)
-        await warm(plan, answer)
+        outcome, answer = await answered(request, plan, stream, env)
         reply = env.chat(
             answer.content,
             answer.calls,
@@ -247,7 +254,7 @@ def create_app(engine: Engine, worker: Worker, settings: Settings, log: RequestL
     ) -> Any:
         return _stream(events, stream, request, rid, note, headers)
 
-    routes = Routes(submit_chat, end, warm, count, stream_of)
+    routes = Routes(submit_chat, answered, warm, count, stream_of)
     anthropic_api.install(app, routes)
     responses_api.install(app, routes)
 

@@ -26,11 +26,12 @@ UsageOf = Callable[[Outcome], Usage]
 
 @dataclass(frozen=True, slots=True)
 class Routes:
-    """Submit a ChatRequest (its plan, envelope, stream and usage), end it (non-streamed),
-    warm its next turn, count its prompt, and answer with a stream of server-sent events."""
+    """Submit a ChatRequest (its plan, envelope, stream and usage), answer it (not
+    streamed: its outcome and answer, the next turn warmed), warm a next turn, count a
+    prompt, and answer with a stream of server-sent events."""
 
     submit: Callable[[Request, ChatRequest, str], Awaitable[tuple[Plan, Envelope, Stream, UsageOf]]]
-    end: Callable[[Request, Stream, Envelope], Awaitable[Outcome]]
+    answered: Callable[[Request, Plan, Stream, Envelope], Awaitable[tuple[Outcome, Answer]]]
     warm: Callable[[Plan, Answer], Awaitable[None]]
     count: Callable[[Request, ChatRequest], Awaitable[int]]
     stream: Callable[

@@ -532,18 +532,20 @@ def install(app: FastAPI, routes: Routes) -> None:
         with chat.chat.named():
             plan, env, stream, usage_of = await routes.submit(request, chat.chat.request(), "resp")
 
-        async def done(answer: Answer) -> None:
+        def kept(answer: Answer) -> None:
             if body.store:
                 store.put(env.id, [*chat.messages, _assistant(answer, env)])
+
+        async def done(answer: Answer) -> None:
+            kept(answer)
             await routes.warm(plan, answer)
 
         headers = ignored(plan, NAMES)
         if body.stream:
             replies = events(stream, plan, env, body, usage_of, done)
             return routes.stream(replies, stream, request, env.id, headers)
-        outcome = await routes.end(request, stream, env)
-        answer = plan.answer(outcome.text, outcome.finish_reason)
-        await done(answer)
+        outcome, answer = await routes.answered(request, plan, stream, env)
+        kept(answer)
         status, why = finished(answer)
         doc = response(env, body, status, _items(env, answer), usage_of(outcome), why)
         return JSONResponse(doc, headers=headers)
