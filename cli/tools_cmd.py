@@ -107,7 +107,7 @@ def tools_cmd(
     """Reply to PROMPT with text and/or calls to the functions in --tools."""
     from mlxcache.modes.reasoning import check_think_options
     from mlxcache.modes.schema import read_json_arg
-    from mlxcache.modes.tool_chat import ToolsTask, assistant_message
+    from mlxcache.modes.tool_chat import ToolsTask, assistant_message, finish_reason
     from mlxcache.modes.tools import ToolChoice, parse_tools
 
     tools = parse_tools(read_json_arg(tools_file, "tools"), f"tools {tools_file}")
@@ -140,7 +140,7 @@ def tools_cmd(
             **({"reasoning": reply.reasoning} if reply.reasoning is not None else {}),
             "tool_calls": [c.as_dict() for c in reply.calls],
             # OpenAI's word for a reply that ends in calls (the stop token ended it).
-            "finish_reason": "tool_calls" if reply.calls else result.finish_reason,
+            "finish_reason": finish_reason(reply, result.finish_reason),
         }
         if reply.error is not None:
             doc.update(error=reply.error, text=result.text)  # the raw reply, cut or not

@@ -66,11 +66,13 @@ class Result:
 
 @dataclass(frozen=True, slots=True)
 class Prefill:
-    """Prompt processing progress: `done` of `total` prompt tokens are in the KV cache."""
+    """Prompt processing progress: `done` of `total` prompt tokens are in the KV cache;
+    `start` of them were before this prefill began (a request's: resumed from the cache)."""
 
     request_id: int
     done: int
     total: int
+    start: int = field(default=0, compare=False)
 
 
 @dataclass(frozen=True, slots=True)

@@ -432,7 +432,7 @@ def prefill_blocks(
             if stop == keep_at and keep_at > start:
                 kept = keep_at  # tried once: not again while unwinding if it fails
                 lease.keep(tokens[:keep_at])
-            yield Prefill(rid, stop, n)
+            yield Prefill(rid, stop, n, start)
             at_chunk_end = False
     except BaseException:
         # Cancelled between chunks (GeneratorExit) or interrupted inside one: what is

@@ -315,7 +315,8 @@ class ToolsTask:
     def read(self, result: Result) -> ToolReply:
         """The reply's content and checked calls (`none`: all text, no calls parsed).
 
-        A forced call cut off at the token limit is an error saying so.
+        A call cut off at the token limit (or a forced call never begun) is an error
+        saying so; the complete calls before it are kept.
         """
         reasoning, text = split_reply(self.thinking, result.text)
         reply = self._parse(text)
@@ -331,13 +332,21 @@ class ToolsTask:
                 Setting("max_tokens"),
                 describe_loop(result.text),
             )
-            return ToolReply(reply.content, (), error, reasoning)
+            return ToolReply(reply.content, reply.calls, error, reasoning)
         return reply
 
     def _parse(self, text: str) -> ToolReply:
         if self.choice.mode == "none":
             return ToolReply(text.strip(), ())
         return parse_reply(text, self.tools, self.style.fmt if self.style else HERMES)
+
+
+def finish_reason(reply: ToolReply, finish: str) -> str:
+    """OpenAI's word for how a tool reply ended: `tool_calls` when it ends in calls, else
+    the engine's own (`length` when the token limit cut a call, complete calls before it
+    or not)."""
+    cut = finish == "length" and reply.error is not None
+    return "tool_calls" if reply.calls and not cut else finish
 
 
 def next_turn(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -18,10 +18,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from mlxcache.modes.call_stream import CallDelta
 from mlxcache.server import errors
 from mlxcache.server.errors import APIError
-from mlxcache.server.front import Routes, chat_request, parsed
+from mlxcache.server.front import Converted, Routes, ignored, parsed
 from mlxcache.server.openai_format import Envelope, Usage
 from mlxcache.server.prepare import Answer, Plan
-from mlxcache.server.schemas import ChatRequest
+from mlxcache.server.schemas import tagged
 from mlxcache.server.stream import Outcome, Stream
 from mlxcache.wire import USAGE_FIELD
 
@@ -73,10 +73,10 @@ class MediaBlock(_Body):
     ]
 
 
-Block = Annotated[
-    TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | MediaBlock,
-    Field(discriminator="type"),
-]
+if TYPE_CHECKING:
+    Block = TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | MediaBlock
+else:
+    Block = tagged(TextBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock, MediaBlock)
 
 
 class AnthropicMessage(_Body):
@@ -100,7 +100,7 @@ class ToolChoice(_Body):
 
 class Thinking(_Body):
     type: Literal["enabled", "disabled", "adaptive", "between_tools"]
-    budget_tokens: int | None = None
+    budget_tokens: int | None = Field(default=None, ge=1024)  # Anthropic's least
 
 
 class JsonFormat(_Body):
@@ -142,12 +142,15 @@ def _system(system: str | list[TextBlock] | None) -> str | None:
     return system
 
 
-def _messages(body: CountRequest) -> list[dict[str, Any]]:
-    """The conversation as OpenAI chat messages: a user turn's tool results become tool
-    messages (before its text), an assistant turn's tool uses its tool calls."""
+def _messages(body: CountRequest) -> tuple[list[dict[str, Any]], list[str]]:
+    """The conversation as OpenAI chat messages (a user turn's tool results become tool
+    messages, before its text; an assistant turn's tool uses its tool calls), and the
+    field each came from."""
     system = _system(body.system)
     out: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []
+    origin = ["system"] * len(out)
     for i, m in enumerate(body.messages):
+        origin += [f"messages.{i - 1}"] * (len(out) - len(origin))
         blocks = (
             [TextBlock(type="text", text=m.content)] if isinstance(m.content, str) else m.content
         )
@@ -175,7 +178,8 @@ def _messages(body: CountRequest) -> list[dict[str, Any]]:
                 out.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": b.text()})
         if text or not any(isinstance(b, ToolResultBlock) for b in blocks):
             out.append({"role": "user", "content": text})
-    return out
+    origin += [f"messages.{len(body.messages) - 1}"] * (len(out) - len(origin))
+    return out, origin
 
 
 def _tools(body: CountRequest) -> dict[str, Any]:
@@ -214,13 +218,28 @@ def _tools(body: CountRequest) -> dict[str, Any]:
     return fields
 
 
-def to_chat(body: CountRequest) -> ChatRequest:
+def _check_thinking(body: CountRequest) -> None:
+    """Refuse enabled thinking as Anthropic's API does: without a budget, or with one that
+    leaves no room under `max_tokens`."""
+    if body.thinking is None or body.thinking.type != "enabled":
+        return
+    budget = body.thinking.budget_tokens
+    if budget is None:
+        raise APIError(400, "thinking.budget_tokens: Field required", param="thinking")
+    if isinstance(body, MessagesRequest) and budget >= body.max_tokens:
+        why = "max_tokens: must be greater than thinking.budget_tokens"
+        raise APIError(400, why, param="max_tokens")
+
+
+def to_chat(body: CountRequest) -> Converted:
     """The chat completion request that `body` asks for.
 
     Raises:
         APIError: a block, tool or field this server does not take (400).
     """
-    doc: dict[str, Any] = {"model": body.model, "messages": _messages(body), **_tools(body)}
+    _check_thinking(body)
+    messages, origin = _messages(body)
+    doc: dict[str, Any] = {"model": body.model, "messages": messages, **_tools(body)}
     if isinstance(body, MessagesRequest):
         doc["max_tokens"] = body.max_tokens
         doc["stop"] = body.stop_sequences or None
@@ -242,7 +261,7 @@ def to_chat(body: CountRequest) -> ChatRequest:
     for ours in ("draft", USAGE_FIELD):  # mlxcache's own fields, as in chat completions
         if ours in extra:
             doc[ours] = extra[ours]
-    return chat_request(doc)
+    return Converted(doc, tuple(origin), "messages")
 
 
 STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
@@ -309,7 +328,10 @@ async def events(
     warm: Callable[[Plan, Answer], Awaitable[None]],
 ) -> AsyncIterator[str | Outcome]:
     """A streamed reply: message_start, a ping, a content block per part (thinking, text,
-    each tool use) with its deltas, message_delta (stop reason, usage), message_stop."""
+    each tool use) with its deltas, message_delta (stop reason, usage), message_stop.
+    message_start waits for the prompt's lookup: its usage splits the cached tokens out
+    as message_delta's does."""
+    looked_up = Usage(len(plan.ids), 0, await stream.looked_up())
     start: dict[str, Any] = {
         "id": env.id,
         "type": "message",
@@ -318,12 +340,11 @@ async def events(
         "content": [],
         "stop_reason": None,
         "stop_sequence": None,
-        "usage": {"input_tokens": len(plan.ids), "output_tokens": 0},
+        "usage": usage(looked_up),
     }
     yield event("message_start", {"message": start})
     yield event("ping", {})
     index, open_kind = -1, ""
-    sent = {"reasoning": "", "content": ""}
 
     def opened(kind: str) -> list[str]:
         """Events that close the open block and open one of `kind`, if it is not open."""
@@ -340,7 +361,6 @@ async def events(
         return [*out, event("content_block_start", {"index": index, "content_block": block})]
 
     def delta(kind: str, text: str) -> str:
-        sent[kind] += text
         body = (
             {"type": "thinking_delta", "thinking": text}
             if kind == "reasoning"
@@ -369,21 +389,20 @@ async def events(
         lines = tool(piece) if isinstance(piece, CallDelta) else [*opened(piece[0]), delta(*piece)]
         for line in lines:
             yield line
-    outcome = stream.outcome()
+    end = stream.ending(plan.answer)
+    outcome, answer = end.outcome, end.answer
     yield outcome
-    if outcome.error is not None:
-        failure = {"type": "api_error", "message": errors.one_line(outcome.error)}
+    if answer is None:
+        failure = {"type": "api_error", "message": errors.one_line(outcome.error or "")}
         yield event("error", {"error": failure})
         return
-    answer = plan.answer(outcome.text, outcome.finish_reason)
-    for kind, final in (("reasoning", answer.reasoning or ""), ("content", answer.content)):
-        rest = final[len(sent[kind]) :]
+    for kind, rest in (("reasoning", end.reasoning), ("content", end.content)):
         if rest or (kind == "content" and not answer.calls and index < 0):
             for item in opened(kind):
                 yield item
             if rest:
                 yield delta(kind, rest)
-    for call in stream.calls.rest(answer.calls):
+    for call in end.calls:
         for line in tool(call):
             yield line
     if open_kind:
@@ -400,15 +419,21 @@ def install(app: FastAPI, routes: Routes) -> None:
     @app.post("/v1/messages")
     async def messages(request: Request) -> Any:
         body: MessagesRequest = await parsed(request, MessagesRequest)
-        plan, env, stream, usage_of = await routes.submit(request, to_chat(body), "msg")
+        chat = to_chat(body)
+        with chat.named():
+            plan, env, stream, usage_of = await routes.submit(request, chat.request(), "msg")
+        # Thinking asked for by `thinking` or by an effort: named as the request set it.
+        effort = "thinking" if body.thinking is not None else "output_config.effort"
+        headers = ignored(plan, {"reasoning_effort": effort})
         if body.stream:
-            return routes.stream(events(stream, plan, env, usage_of, routes.warm), request, env.id)
-        outcome = await routes.end(request, stream, env)
-        answer = plan.answer(outcome.text, outcome.finish_reason)
-        await routes.warm(plan, answer)
-        return JSONResponse(message(env, answer, outcome, usage_of(outcome)))
+            replies = events(stream, plan, env, usage_of, routes.warm)
+            return routes.stream(replies, stream, request, env.id, headers)
+        outcome, answer = await routes.answered(request, plan, stream, env)
+        return JSONResponse(message(env, answer, outcome, usage_of(outcome)), headers=headers)
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> dict[str, Any]:
         body: CountRequest = await parsed(request, CountRequest)
-        return {"input_tokens": await routes.count(request, to_chat(body))}
+        chat = to_chat(body)
+        with chat.named():
+            return {"input_tokens": await routes.count(request, chat.request())}

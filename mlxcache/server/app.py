@@ -26,7 +26,7 @@ from mlxcache.modes.call_stream import CallDelta
 from mlxcache.sampling import SamplingParams
 from mlxcache.server import anthropic_api, errors, prepare, responses_api
 from mlxcache.server.errors import APIError
-from mlxcache.server.front import Routes, UsageOf, parsed
+from mlxcache.server.front import Routes, UsageOf, ignored, parsed
 from mlxcache.server.guard import Guard
 from mlxcache.server.log import RequestLog, log_fields
 from mlxcache.server.logprobs import Formatter, Scored
@@ -190,19 +190,25 @@ def create_app(engine: Engine, worker: Worker, settings: Settings, log: RequestL
             raise APIError(500, errors.one_line(outcome.error), type="server_error")
         return outcome
 
+    async def answered(
+        request: Request, plan: Plan, stream: Stream, env: Envelope
+    ) -> tuple[Outcome, Answer]:
+        """A non-streamed chat request's outcome and answer, its next turn warmed."""
+        outcome = await end(request, stream, env)
+        answer = plan.answer(outcome.text, outcome.finish_reason)
+        await warm(plan, answer)
+        return outcome, answer
+
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Any:
         body, plan, env, stream, usage = await begin(request, ChatRequest, prepare.chat, "chatcmpl")
         chat_logprobs = None if plan.vocab is None else Formatter(plan.vocab).chat
-        # Fields accepted that changed nothing for this model, said where a client reads it.
-        headers = {prepare.IGNORED_HEADER: ", ".join(plan.ignored)} if plan.ignored else {}
+        headers = ignored(plan)  # fields that changed nothing, said where a client reads it
         if body.stream:
             usage_chunk = usage if body.include_usage else None
             events = _chat_events(stream, plan, env, usage_chunk, warm, chat_logprobs)
-            return _stream(events, request, env.id, note, headers)
-        outcome = await end(request, stream, env)
-        answer = plan.answer(outcome.text, outcome.finish_reason)
-        await warm(plan, answer)
+            return _stream(events, stream, request, env.id, note, headers)
+        outcome, answer = await answered(request, plan, stream, env)
         reply = env.chat(
             answer.content,
             answer.calls,
@@ -222,7 +228,7 @@ def create_app(engine: Engine, worker: Worker, settings: Settings, log: RequestL
         if body.stream:
             usage_chunk = usage if body.include_usage else None
             events = _completion_events(stream, env, usage_chunk, text_logprobs)
-            return _stream(events, request, env.id, note)
+            return _stream(events, stream, request, env.id, note)
         outcome = await end(request, stream, env)
         logprobs = None if text_logprobs is None else text_logprobs(stream.scored)
         return JSONResponse(
@@ -239,10 +245,16 @@ def create_app(engine: Engine, worker: Worker, settings: Settings, log: RequestL
     ) -> tuple[Plan, Envelope, Stream, UsageOf]:
         return await submit(request, body, prepare.chat, prefix)
 
-    def stream_of(events: AsyncIterator[str | Outcome], request: Request, rid: str) -> Any:
-        return _stream(events, request, rid, note)
+    def stream_of(
+        events: AsyncIterator[str | Outcome],
+        stream: Stream,
+        request: Request,
+        rid: str,
+        headers: dict[str, str],
+    ) -> Any:
+        return _stream(events, stream, request, rid, note, headers)
 
-    routes = Routes(submit_chat, end, warm, count, stream_of)
+    routes = Routes(submit_chat, answered, warm, count, stream_of)
     anthropic_api.install(app, routes)
     responses_api.install(app, routes)
 
@@ -382,29 +394,48 @@ async def _kept_alive(events: AsyncIterator[str | Outcome]) -> AsyncIterator[str
 
 def _stream(
     events: AsyncIterator[str | Outcome],
+    stream: Stream,
     request: Request,
     rid: str,
     note: Noter,
     headers: dict[str, str] | None = None,
 ) -> StreamingResponse:
     """SSE from an event generator whose items are text to send or the final outcome
-    (`headers`: more response headers)."""
+    (`headers`: more response headers), for the request `stream` runs."""
+    finished = False
 
     async def body() -> AsyncIterator[str]:
-        finished = False
-        try:
-            async for item in _kept_alive(events):
-                if isinstance(item, Outcome):
-                    finished = True
-                    note(request, rid, item)
-                else:
-                    yield item
-        finally:
-            if not finished:  # the client left mid-stream: the stream was cancelled
-                log_fields(request.scope)["finish_reason"] = "disconnected"
+        nonlocal finished
+        async for item in _kept_alive(events):
+            if isinstance(item, Outcome):
+                finished = True
+                note(request, rid, item)
+            else:
+                yield item
+
+    def ended() -> None:
+        # However the reply ended unfinished (the client gone mid-stream, or before its
+        # first byte, when `events` may never have started), its request is cancelled.
+        if not finished:
+            stream.close()
+            log_fields(request.scope)["finish_reason"] = "disconnected"
 
     sse_headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})}
-    return StreamingResponse(body(), media_type="text/event-stream", headers=sse_headers)
+    return _Streamed(body(), ended, media_type="text/event-stream", headers=sse_headers)
+
+
+class _Streamed(StreamingResponse):
+    """A StreamingResponse that calls `ended` once it is over, however it ends."""
+
+    def __init__(self, body: AsyncIterator[str], ended: Callable[[], None], **kw: Any) -> None:
+        super().__init__(body, **kw)
+        self._ended = ended
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._ended()
 
 
 def _outcome_events(outcome: Outcome) -> list[str | Outcome]:
@@ -427,31 +458,26 @@ async def _chat_events(
         return sse(env.chat_chunk(delta, finish, _new_logprobs(stream, logprobs_of)))
 
     yield chunk({"role": "assistant", "content": ""})
-    sent = {"reasoning": "", "content": ""}
     async for piece in stream.deltas():
         if isinstance(piece, CallDelta):
             yield chunk({"tool_calls": [env.call_delta(piece)]})
-            continue
-        key, delta = piece
-        sent[key] += delta
-        yield chunk({key: delta})
-    outcome = stream.outcome()
-    for item in _outcome_events(outcome):
+        else:
+            yield chunk({piece[0]: piece[1]})
+    end = stream.ending(plan.answer)
+    for item in _outcome_events(end.outcome):
         yield item
-    if outcome.error is not None:
+    if end.answer is None:
         return
-    answer = plan.answer(outcome.text, outcome.finish_reason)
-    # What was sent is a prefix of the final values by construction (see ReplyText).
-    for key, final in (("reasoning", answer.reasoning or ""), ("content", answer.content)):
-        if final[len(sent[key]) :]:
-            yield chunk({key: final[len(sent[key]) :]})
-    for call in stream.calls.rest(answer.calls):
+    for key, rest in (("reasoning", end.reasoning), ("content", end.content)):
+        if rest:
+            yield chunk({key: rest})
+    for call in end.calls:
         yield chunk({"tool_calls": [env.call_delta(call)]})
-    yield chunk({}, answer.finish_reason)
+    yield chunk({}, end.answer.finish_reason)
     if usage is not None:
-        yield sse(env.usage_chunk(usage(outcome)))
+        yield sse(env.usage_chunk(usage(end.outcome)))
     yield SSE_DONE
-    await warm(plan, answer)
+    await warm(plan, end.answer)
 
 
 async def _completion_events(

@@ -134,17 +134,28 @@ def queue_full(message: str, code: str = "queue_full") -> APIError:
 
 
 def from_validation(problems: Sequence[Any]) -> APIError:
-    """The first problem pydantic found (`ValidationError.errors()`), as `field: reason`."""
+    """The problem pydantic found deepest in the body (`ValidationError.errors()`), as
+    `field: reason`, the field named by its path in the body. A union reports one problem
+    per member: the member that got furthest is the one meant; when every member refused
+    the value's type at the same place, the reason names each shape wanted."""
     if not problems:
         return APIError(400, "invalid request body")
-    first = problems[0]
-    # Union members show up in loc as type names ("str", "list[TextPart]"): drop them.
-    loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _is_type_name(p)]
-    param = ".".join(loc) or None
-    message = one_line(str(first.get("msg", "invalid value")))
-    if param:
-        message = f"{param}: {message}"
+    paths = [_path(p) for p in problems]
+    deepest = max(paths, key=len)  # the first of the deepest
+    here = [p for p, at in zip(problems, paths, strict=True) if at == deepest]
+    reasons = [one_line(str(p.get("msg", "invalid value"))) for p in here]
+    if len(here) > 1 and all(str(p.get("type", "")).endswith("_type") for p in here):
+        lead = "Input should be "
+        reasons = [" or ".join([reasons[0], *(r.removeprefix(lead) for r in reasons[1:])])]
+    param = ".".join(deepest) or None
+    message = f"{param}: {reasons[0]}" if param else reasons[0]
     return APIError(400, message, param=param, code="invalid_value")
+
+
+def _path(problem: Any) -> list[str]:
+    # Union members show up in loc as type names ("str", "list[TextPart]", a tagged
+    # member's model name): dropped.
+    return [str(p) for p in problem.get("loc", ()) if p != "body" and not _is_type_name(p)]
 
 
 def _is_type_name(part: Any) -> bool:

@@ -3,7 +3,9 @@ chat completions: one request path, handed to them by `app.create_app`."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+import contextlib
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,9 +13,11 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 
+from mlxcache.errors import MlxcacheError
 from mlxcache.server import errors
+from mlxcache.server.errors import APIError
 from mlxcache.server.openai_format import Envelope, Usage
-from mlxcache.server.prepare import Answer, Plan
+from mlxcache.server.prepare import IGNORED_HEADER, Answer, Plan
 from mlxcache.server.schemas import ChatRequest
 from mlxcache.server.stream import Outcome, Stream
 
@@ -22,14 +26,17 @@ UsageOf = Callable[[Outcome], Usage]
 
 @dataclass(frozen=True, slots=True)
 class Routes:
-    """Submit a ChatRequest (its plan, envelope, stream and usage), end it (non-streamed),
-    warm its next turn, count its prompt, and answer with a stream of server-sent events."""
+    """Submit a ChatRequest (its plan, envelope, stream and usage), answer it (not
+    streamed: its outcome and answer, the next turn warmed), warm a next turn, count a
+    prompt, and answer with a stream of server-sent events."""
 
     submit: Callable[[Request, ChatRequest, str], Awaitable[tuple[Plan, Envelope, Stream, UsageOf]]]
-    end: Callable[[Request, Stream, Envelope], Awaitable[Outcome]]
+    answered: Callable[[Request, Plan, Stream, Envelope], Awaitable[tuple[Outcome, Answer]]]
     warm: Callable[[Plan, Answer], Awaitable[None]]
     count: Callable[[Request, ChatRequest], Awaitable[int]]
-    stream: Callable[[AsyncIterator[str | Outcome], Request, str], StreamingResponse]
+    stream: Callable[
+        [AsyncIterator[str | Outcome], Stream, Request, str, dict[str, str]], StreamingResponse
+    ]
 
 
 async def parsed(request: Request, schema: type[Any]) -> Any:
@@ -41,9 +48,50 @@ async def parsed(request: Request, schema: type[Any]) -> Any:
         raise errors.from_validation(exc.errors()) from None
 
 
-def chat_request(doc: dict[str, Any]) -> ChatRequest:
-    """A chat completion request built from another API's (400 on what it does not take)."""
-    try:
-        return ChatRequest.model_validate(doc)
-    except ValidationError as exc:
-        raise errors.from_validation(exc.errors()) from None
+@dataclass(frozen=True, slots=True)
+class Converted:
+    """A chat completion request (`doc`) made from another API's, and where each of its
+    messages came from in that request (`origin`: the route's own path of it; `whole`:
+    the route's name for the conversation), so that an error about a message names the
+    field the client sent."""
+
+    doc: dict[str, Any]
+    origin: tuple[str, ...]
+    whole: str
+
+    def request(self) -> ChatRequest:
+        """The chat completion request (400 on what it does not take)."""
+        with self.named():
+            try:
+                return ChatRequest.model_validate(self.doc)
+            except ValidationError as exc:
+                raise errors.from_validation(exc.errors()) from None
+
+    @contextlib.contextmanager
+    def named(self) -> Iterator[None]:
+        """Errors raised inside, as the route's own fields name them."""
+        try:
+            yield
+        except APIError as exc:
+            raise self._renamed(exc) from None
+        except MlxcacheError as exc:
+            raise self._renamed(errors.from_domain(exc)) from None
+
+    def _renamed(self, exc: APIError) -> APIError:
+        found = re.fullmatch(r"messages(?:\.(\d+))?(.*)", exc.param or "")
+        if found is None or exc.param is None:
+            return exc
+        at, rest = found.groups()
+        own = self.whole if at is None or int(at) >= len(self.origin) else self.origin[int(at)]
+        message = exc.message
+        if message.startswith(exc.param):
+            message = own + rest + message[len(exc.param) :]
+        return APIError(exc.status, message, exc.type, own + rest, exc.code, exc.headers)
+
+
+def ignored(plan: Plan, names: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The reply's header naming the request's fields that changed nothing for this model
+    (`Plan.ignored`), each by the route's own name for it (`names`: chat field -> it)."""
+    if not plan.ignored:
+        return {}
+    return {IGNORED_HEADER: ", ".join((names or {}).get(n, n) for n in plan.ignored)}

@@ -26,6 +26,7 @@ from mlxcache.modes import json_mode
 from mlxcache.modes.json_mode import JsonTask
 from mlxcache.modes.reasoning import Thinking, has_thinking, reply_thinking, split_reply
 from mlxcache.modes.tool_chat import ToolsTask, next_turn, read_messages
+from mlxcache.modes.tool_chat import finish_reason as tool_finish
 from mlxcache.modes.tools import ToolCall, ToolChoice, ToolReply, parse_tools
 from mlxcache.sampling import SamplingParams
 from mlxcache.server.errors import APIError
@@ -97,7 +98,7 @@ class Plan:
             reasoning, content = split_reply(self.thinking, text)
             return Answer(content, (), finish_reason, reasoning)
         reply = self.tools.read(Result(text, [], finish_reason, Stats()))
-        finish = "tool_calls" if reply.calls else finish_reason
+        finish = tool_finish(reply, finish_reason)
         return Answer(reply.content, reply.calls, finish, reply.reasoning)
 
 

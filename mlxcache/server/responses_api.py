@@ -16,7 +16,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from threading import Lock
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -25,12 +25,15 @@ from pydantic import BaseModel, ConfigDict, Field
 from mlxcache.modes.call_stream import CallDelta
 from mlxcache.server import errors
 from mlxcache.server.errors import APIError
-from mlxcache.server.front import Routes, chat_request, parsed
+from mlxcache.server.front import Converted, Routes, ignored, parsed
 from mlxcache.server.openai_format import Envelope, Usage
 from mlxcache.server.prepare import Answer, Plan
+from mlxcache.server.schemas import tagged
 from mlxcache.server.stream import Outcome, Stream
 from mlxcache.wire import USAGE_FIELD
 
+NAMES = {"reasoning_effort": "reasoning.effort", "verbosity": "text.verbosity"}
+"""The chat completion fields this API names otherwise (`front.ignored`)."""
 STORED = 256
 """Responses kept for `previous_response_id` (the oldest goes first)."""
 
@@ -48,7 +51,10 @@ class MediaContent(_Body):
     type: Literal["input_image", "input_file", "input_audio", "refusal"]
 
 
-Content = Annotated[TextContent | MediaContent, Field(discriminator="type")]
+if TYPE_CHECKING:
+    Content = TextContent | MediaContent
+else:
+    Content = tagged(TextContent, MediaContent)
 
 
 class MessageItem(_Body):
@@ -76,7 +82,12 @@ class ReasoningItem(_Body):
     type: Literal["reasoning"]
 
 
-Item = MessageItem | FunctionCallItem | FunctionOutputItem | ReasoningItem
+if TYPE_CHECKING:
+    Item = MessageItem | FunctionCallItem | FunctionOutputItem | ReasoningItem
+else:
+    Item = tagged(
+        MessageItem, FunctionCallItem, FunctionOutputItem, ReasoningItem, default="message"
+    )
 
 
 class FunctionTool(_Body):
@@ -101,6 +112,7 @@ class Format(_Body):
 
 class TextOptions(_Body):
     format: Format | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
 
 
 class Reasoning(_Body):
@@ -131,15 +143,18 @@ def _text(content: str | list[Content], where: str) -> str:
         return content
     for j, part in enumerate(content):
         if isinstance(part, MediaContent):
-            raise APIError(400, f"{where}.content.{j}: {part.type} is not supported", param=where)
+            at = f"{where}.content.{j}"
+            raise APIError(400, f"{at}: {part.type} is not supported", param=at)
     return "".join(p.text for p in content if isinstance(p, TextContent))
 
 
-def _messages(items: str | list[Item]) -> list[dict[str, Any]]:
-    """`input` as chat messages: function calls join the assistant message before them."""
+def _messages(items: str | list[Item]) -> tuple[list[dict[str, Any]], list[str]]:
+    """`input` as chat messages (function calls join the assistant message before them),
+    and the item each came from."""
     if isinstance(items, str):
-        return [{"role": "user", "content": items}]
+        return [{"role": "user", "content": items}], ["input"]
     out: list[dict[str, Any]] = []
+    origin: list[str] = []
     for i, item in enumerate(items):
         if isinstance(item, MessageItem):
             out.append({"role": item.role, "content": _text(item.content, f"input.{i}")})
@@ -153,16 +168,22 @@ def _messages(items: str | list[Item]) -> list[dict[str, Any]]:
             last.setdefault("tool_calls", []).append(call)
         elif isinstance(item, FunctionOutputItem):
             out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
-    return out
+        origin += [f"input.{i}"] * (len(out) - len(origin))
+    return out, origin
 
 
 def to_chat(body: ResponsesRequest, history: list[dict[str, Any]]) -> ChatDoc:
     """The chat completion request `body` asks for, after the stored `history`."""
-    messages = [*history, *_messages(body.input)]
-    if body.instructions:  # instructions are not carried over from a previous response
-        messages = [m for m in messages if m["role"] not in ("system", "developer")]
-        messages.insert(0, {"role": "system", "content": body.instructions})
-    doc: dict[str, Any] = {"model": body.model, "messages": messages}
+    given, origin = _messages(body.input)
+    conversation = [*history, *given]
+    if not conversation:
+        why = "input: give at least one message, function call or function call output"
+        raise APIError(400, why, param="input", code="invalid_value")
+    # The instructions come first, the input's system and developer items stay where they
+    # are (OpenAI's); they are this request's only, not stored with the conversation.
+    system = [{"role": "system", "content": body.instructions}] if body.instructions else []
+    origin = ["instructions"] * len(system) + ["previous_response_id"] * len(history) + origin
+    doc: dict[str, Any] = {"model": body.model, "messages": [*system, *conversation]}
     if body.tools:
         doc["tools"] = [
             {"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type"})}
@@ -177,7 +198,10 @@ def to_chat(body: ResponsesRequest, history: list[dict[str, Any]]) -> ChatDoc:
     if fmt is not None and fmt.type != "text":
         fmt_doc: dict[str, Any] = {"type": fmt.type}
         if fmt.type == "json_schema":
-            schema = {"name": fmt.name or "response", "schema": fmt.schema_ or {}}
+            if fmt.schema_ is None:  # OpenAI's API refuses it too
+                why = "text.format.schema: a json_schema format needs its schema"
+                raise APIError(400, why, param="text.format.schema", code="invalid_value")
+            schema = {"name": fmt.name or "response", "schema": fmt.schema_}
             fmt_doc["json_schema"] = {**schema, "strict": fmt.strict}
         doc["response_format"] = fmt_doc
     doc["max_tokens"] = body.max_output_tokens
@@ -185,18 +209,21 @@ def to_chat(body: ResponsesRequest, history: list[dict[str, Any]]) -> ChatDoc:
     doc["parallel_tool_calls"] = body.parallel_tool_calls
     if body.reasoning and body.reasoning.effort:
         doc["reasoning_effort"] = body.reasoning.effort
+    if body.text and body.text.verbosity:
+        doc["verbosity"] = body.text.verbosity
     extra = body.model_extra or {}
     for ours in ("draft", USAGE_FIELD, "seed", "top_k", "min_p", "repetition_penalty"):
         if ours in extra:
             doc[ours] = extra[ours]
-    return ChatDoc(doc, messages)
+    return ChatDoc(Converted(doc, tuple(origin), "input"), conversation)
 
 
 @dataclass(frozen=True, slots=True)
 class ChatDoc:
-    """A chat completion request and the conversation it carries (kept with the reply)."""
+    """A chat completion request and the conversation it carries, without the request's
+    instructions (kept with the reply: a follow-up gives its own)."""
 
-    doc: dict[str, Any]
+    chat: Converted
     messages: list[dict[str, Any]]
 
 
@@ -454,26 +481,24 @@ async def events(
             yield line
         text += delta
         yield ev("response.output_text.delta", {**where(), "delta": delta})
-    outcome = stream.outcome()
+    end = stream.ending(plan.answer)
+    outcome, answer = end.outcome, end.answer
     yield outcome
-    if outcome.error is not None:
+    if answer is None:
         failed = response(env, body, "failed", [])
-        failed["error"] = {"code": "server_error", "message": errors.one_line(outcome.error)}
+        failed["error"] = {"code": "server_error", "message": errors.one_line(outcome.error or "")}
         yield ev("response.failed", {"response": failed})
         return
-    answer = plan.answer(outcome.text, outcome.finish_reason)
     for line in reasoned(answer.reasoning or ""):
         yield line
     if (answer.content or not answer.calls) and message != "done":
         for line in open_message():
             yield line
-        if answer.content[len(text) :]:
-            yield ev(
-                "response.output_text.delta", {**where(), "delta": answer.content[len(text) :]}
-            )
+        if end.content:
+            yield ev("response.output_text.delta", {**where(), "delta": end.content})
         for line in close_message(answer.content):
             yield line
-    for call in calls.rest(answer.calls):
+    for call in end.calls:
         calls.add(call)
         for line in called(call):
             yield line
@@ -504,18 +529,23 @@ def install(app: FastAPI, routes: Routes) -> None:
         body: ResponsesRequest = await parsed(request, ResponsesRequest)
         history = [] if body.previous_response_id is None else store.get(body.previous_response_id)
         chat = to_chat(body, history)
-        plan, env, stream, usage_of = await routes.submit(request, chat_request(chat.doc), "resp")
+        with chat.chat.named():
+            plan, env, stream, usage_of = await routes.submit(request, chat.chat.request(), "resp")
 
-        async def done(answer: Answer) -> None:
+        def kept(answer: Answer) -> None:
             if body.store:
                 store.put(env.id, [*chat.messages, _assistant(answer, env)])
+
+        async def done(answer: Answer) -> None:
+            kept(answer)
             await routes.warm(plan, answer)
 
+        headers = ignored(plan, NAMES)
         if body.stream:
-            return routes.stream(events(stream, plan, env, body, usage_of, done), request, env.id)
-        outcome = await routes.end(request, stream, env)
-        answer = plan.answer(outcome.text, outcome.finish_reason)
-        await done(answer)
+            replies = events(stream, plan, env, body, usage_of, done)
+            return routes.stream(replies, stream, request, env.id, headers)
+        outcome, answer = await routes.answered(request, plan, stream, env)
+        kept(answer)
         status, why = finished(answer)
         doc = response(env, body, status, _items(env, answer), usage_of(outcome), why)
-        return JSONResponse(doc)
+        return JSONResponse(doc, headers=headers)

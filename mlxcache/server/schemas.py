@@ -9,13 +9,35 @@ field, never a crash later, and nothing is coerced (`"stream": "yes"` or `"max_t
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Union, get_args
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
+
+
+def tagged(*models: type[BaseModel], default: str | None = None) -> Any:
+    """The union of `models` told apart by their `type` field (`default`: the type of an
+    object without one). A problem inside a member is reported at the member's fields
+    (its tag is the model's name, which `errors.from_validation` leaves out of the path);
+    an unknown type names the types there are."""
+    member = {
+        kind: m.__name__ for m in models for kind in get_args(m.model_fields["type"].annotation)
+    }
+    kinds = ", ".join(repr(k) for k in member)
+
+    def tag(value: Any) -> str | None:
+        kind = (
+            value.get("type", default) if isinstance(value, dict) else getattr(value, "type", None)
+        )
+        return member.get(kind) if isinstance(kind, str) else None
+
+    members = tuple(Annotated[m, Tag(m.__name__)] for m in models)
+    why = f"Input should be an object whose type is one of {kinds}"
+    pick = Discriminator(tag, custom_error_type="unknown_type", custom_error_message=why)
+    return Annotated[Union[members], pick]  # noqa: UP007 (a union built at run time)
 
 
 class TextPart(_Body):
@@ -29,7 +51,10 @@ class MediaPart(_Body):
     type: Literal["image_url", "input_audio", "file"]
 
 
-ContentPart = Annotated[TextPart | MediaPart, Field(discriminator="type")]
+if TYPE_CHECKING:
+    ContentPart = TextPart | MediaPart
+else:
+    ContentPart = tagged(TextPart, MediaPart)
 
 
 class FunctionCall(_Body):

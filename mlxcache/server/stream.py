@@ -15,10 +15,11 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from mlxcache.engine import Engine, Request
-from mlxcache.events import Done, Event, Token
+from mlxcache.events import Done, Event, Prefill, Token
 from mlxcache.modes.call_stream import CallDelta, CallsSent
 from mlxcache.server.logprobs import Scored
 from mlxcache.server.openai_format import Usage
+from mlxcache.server.prepare import Answer
 from mlxcache.server.text import ReplyText
 
 
@@ -52,6 +53,20 @@ class Outcome:
     """The stop string that ended the reply, if one did."""
 
 
+@dataclass(frozen=True, slots=True)
+class Ending:
+    """A finished stream's last parts, the same for every API: its outcome, the answer
+    (None: the request failed) and what of the answer the deltas have not sent: the rest
+    of its reasoning and content (what was sent is a prefix of each: see `ReplyText`) and
+    of its calls (`CallsSent.rest`)."""
+
+    outcome: Outcome
+    answer: Answer | None
+    reasoning: str = ""
+    content: str = ""
+    calls: tuple[CallDelta, ...] = ()
+
+
 class Stream:
     """Submits `request` at once (raising what `Worker.submit` raises) and relays its events."""
 
@@ -74,7 +89,34 @@ class Stream:
         self._taken = 0
         self.calls = CallsSent()
         """What was streamed of each call (`deltas`)."""
+        self._sent = {"reasoning": 0, "content": 0}  # the characters `deltas` gave of each
+        self._early: list[Event] = []  # read by `looked_up`, not yet by `deltas`
+        self._cached: int | None = None
         self.handle = worker.submit(request, sink)
+
+    async def looked_up(self) -> int:
+        """The prompt tokens resumed from the cache, once the engine has looked the prompt
+        up (its first event: the first prefill chunk, or the first token when the whole
+        prompt was resumed). Leaving early cancels the request."""
+        try:
+            while self._cached is None:
+                event = await self._queue.get()
+                self._early.append(event)
+                if isinstance(event, Prefill):
+                    self._cached = event.start
+                elif isinstance(event, Token):
+                    self._cached = self._prompt_tokens
+                elif isinstance(event, Done):
+                    self._cached = event.result.stats.cached_tokens
+        except BaseException:
+            self.close()
+            raise
+        return self._cached
+
+    def close(self) -> None:
+        """Cancel the request unless it has finished (a consumer gone: its pin released)."""
+        if self._done is None:
+            self.handle.cancel()
 
     def new_scores(self) -> list[Scored]:
         """The entries of `scored` added since the last call."""
@@ -91,7 +133,7 @@ class Stream:
         """
         try:
             while True:
-                event = await self._queue.get()
+                event = self._early.pop(0) if self._early else await self._queue.get()
                 if isinstance(event, Done):
                     self._done = event
                     return
@@ -102,16 +144,15 @@ class Stream:
                 if event.logprob is not None:  # None: a flush of held-back text, no token
                     self.scored.append(Scored(event.token, event.logprob, event.top_logprobs))
                 reasoning, content = self.reply.add(event.text)
-                if reasoning:
-                    yield "reasoning", reasoning
-                if content:
-                    yield "content", content
+                for kind, text in (("reasoning", reasoning), ("content", content)):
+                    if text:
+                        self._sent[kind] += len(text)
+                        yield kind, text
                 for call in self.reply.new_calls():
                     self.calls.add(call)
                     yield call
         finally:
-            if self._done is None:
-                self.handle.cancel()
+            self.close()
 
     async def finish(self) -> Outcome:
         """Run to the end without streaming."""
@@ -130,3 +171,14 @@ class Stream:
         return Outcome(
             self.reply.text, result.finish_reason, usage, self._ttft, error, result.stop_string
         )
+
+    def ending(self, answer_of: Callable[[str, str], Answer]) -> Ending:
+        """The finished request's last parts (after `deltas()` ended); `answer_of` reads
+        the answer from the reply's text and finish reason (`Plan.answer`)."""
+        outcome = self.outcome()
+        if outcome.error is not None:
+            return Ending(outcome, None)
+        answer = answer_of(outcome.text, outcome.finish_reason)
+        reasoning = (answer.reasoning or "")[self._sent["reasoning"] :]
+        content = answer.content[self._sent["content"] :]
+        return Ending(outcome, answer, reasoning, content, tuple(self.calls.rest(answer.calls)))
