@@ -279,8 +279,10 @@ class Server:
         return _dict(doc, self.url, "its reply")
 
     def stream(self, path: str, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
-        """The server-sent events of a streamed reply to `body`, as they come, until
-        `[DONE]`; leaving early closes the connection (the server cancels the request)."""
+        """The chunks of a streamed completion (chat or text) answering `body`, as they
+        come, until `[DONE]`, each of the shape `chunk` checks (so every command reads them
+        without checking again); leaving early closes the connection (the server cancels
+        the request)."""
         response = self._send("POST", path, {**body, "stream": True})
         done = False
         try:
@@ -306,7 +308,7 @@ class Server:
                     )
                 event = self._event(line)
                 if event is not None:
-                    yield event
+                    yield chunk(event, self.url)
         finally:
             if not done:  # interrupted or failed: a half-read response cannot be reused
                 self._conn.close()
@@ -366,12 +368,12 @@ def chat_reply(events: Iterable[dict[str, Any]], url: str) -> dict[str, Any]:
     finish, usage = None, None
     calls: dict[int, dict[str, Any]] = {}
     for event in events:
-        for choice in _list(event.get("choices"), url, "choices"):
-            delta = _dict(choice.get("delta"), url, "a delta")
+        for choice in chunk(event, url).get("choices") or ():
+            delta = choice.get("delta") or {}
             for key in ("content", "reasoning"):
-                if isinstance(delta.get(key), str):
+                if delta.get(key) is not None:
                     message[key] = message.get(key, "") + delta[key]
-            for call in _list(delta.get("tool_calls"), url, "tool_calls"):
+            for call in delta.get("tool_calls") or ():
                 _add_call(calls, _dict(call, url, "a call"), url)
             finish = choice.get("finish_reason") or finish
         usage = event.get("usage") or usage
@@ -380,6 +382,30 @@ def chat_reply(events: Iterable[dict[str, Any]], url: str) -> dict[str, Any]:
             raise ServerError(f"the server at {url} sent a call without a name")
         message["tool_calls"] = [calls[i] for i in sorted(calls)]
     return {"choices": [{"message": message, "finish_reason": finish}], "usage": usage}
+
+
+_TEXTS = ("content", "reasoning", "text", "finish_reason")
+"""A chunk's fields, in a choice or its delta, that are text when present."""
+
+
+def chunk(event: dict[str, Any], url: str) -> dict[str, Any]:
+    """`event`, once it has a completion chunk's shape: `choices` a list of objects, each
+    one's `delta` an object, their texts strings, `tool_calls` a list, `usage` an object
+    (each may be absent or null). The one check of a streamed chunk, for every command.
+
+    Raises:
+        ServerError: a chunk of another shape (`url`: the server that sent it).
+    """
+    for choice in _list(event.get("choices"), url, "choices"):
+        choice = _dict(choice, url, "a choice")
+        delta = choice.get("delta")
+        parts = [choice, _dict(delta, url, "a delta") if delta is not None else {}]
+        if any(not isinstance(p.get(k), str | None) for p in parts for k in _TEXTS):
+            raise ServerError(f"the server at {url} sent a choice whose text is not a string")
+        _list(parts[1].get("tool_calls"), url, "tool_calls")
+    if not isinstance(event.get("usage"), dict | None):
+        raise ServerError(f"the server at {url} sent a usage that is not a JSON object")
+    return event
 
 
 def _add_call(calls: dict[int, dict[str, Any]], call: dict[str, Any], url: str) -> None:
