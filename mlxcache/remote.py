@@ -13,9 +13,12 @@ must start fast, so nothing of mlx_lm, transformers or an HTTP client package is
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
+import socket
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, fields
@@ -147,12 +150,15 @@ class Server:
         self._idle = _seconds(ENV_SERVER_TIMEOUT, IDLE_TIMEOUT_S)
         self._deadline_s = _seconds(ENV_SERVER_DEADLINE, None)
         self._until: float | None = None  # the running request's deadline (monotonic)
+        self._timer: threading.Timer | None = None  # cuts the request off at `_until`
+        self._expired = False  # the deadline cut the running request's socket
         kind = (
             http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
         )
         self._conn = kind(parts.hostname, port, timeout=CONNECT_TIMEOUT_S)
 
     def close(self) -> None:
+        self._disarm()
         self._conn.close()
 
     def __enter__(self) -> Server:
@@ -176,7 +182,46 @@ class Server:
         if self._conn.sock is not None:
             self._conn.sock.settimeout(timeout)
 
+    def _arm(self) -> None:
+        """Shut the socket down when the deadline passes, on the wall clock: a read blocked
+        in the kernel wakes then, where a per-read timeout never fires (a server trickling
+        a byte every second) and the checks between reads come too late."""
+        self._disarm()
+        if self._until is None or self._conn.sock is None:
+            return
+        left = max(0.0, self._until - time.monotonic())
+        self._timer = threading.Timer(left, self._cut, (self._conn.sock,))
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _cut(self, sock: socket.socket) -> None:
+        if threading.current_thread() is not self._timer:
+            return  # disarmed meanwhile: its request ended in time
+        self._expired = True
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _past(self) -> bool:
+        """Whether the running request's deadline has passed (a read failed or ended
+        because the deadline cut it off, or is about to)."""
+        return self._expired or (self._until is not None and time.monotonic() >= self._until)
+
+    def _stopped(self, exc: Exception) -> ServerError:
+        """The error for a read that failed with `exc`."""
+        if isinstance(exc, TimeoutError):
+            return self._silent()
+        self._conn.close()
+        if self._past():
+            return self._late()
+        return ServerError(f"the server at {self.url} stopped replying: {exc}")
+
     def _late(self) -> ServerError:
+        self._disarm()
         self._conn.close()
         return ServerError(
             f"the server at {self.url} did not finish within ${ENV_SERVER_DEADLINE} "
@@ -185,7 +230,7 @@ class Server:
 
     def _silent(self) -> ServerError:
         self._conn.close()
-        if self._until is not None and time.monotonic() >= self._until:
+        if self._past():
             return self._late()
         return ServerError(
             f"the server at {self.url} sent nothing for {self._idle:g} s "
@@ -201,10 +246,15 @@ class Server:
         if body is not None:
             data = json.dumps(body, ensure_ascii=False).encode()
             headers["Content-Type"] = "application/json"
+        self._disarm()
+        if self._expired:  # cut as its request ended in time: the socket is shut down
+            self._conn.close()
+            self._expired = False
         self._until = None if self._deadline_s is None else time.monotonic() + self._deadline_s
         try:
             if self._conn.sock is None:
                 self._conn.connect()
+            self._arm()
             self._wait()
             self._conn.request(method, self._base + path, data, headers)
             response = self._conn.getresponse()
@@ -212,6 +262,8 @@ class Server:
             raise self._silent() from exc
         except (OSError, http.client.HTTPException) as exc:
             self._conn.close()
+            if self._past():
+                raise self._late() from exc
             reason = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
             raise ServerError(f"cannot reach the server at {self.url}: {reason}") from exc
         except BaseException:  # Ctrl-C mid-exchange: the connection cannot be reused
@@ -245,6 +297,9 @@ class Server:
                 self._wait()
                 chunk = response.read(1 << 16)
                 if not chunk:
+                    if self._expired:  # the deadline's cut ended it
+                        raise self._late()
+                    self._disarm()  # the request is over: the connection may serve the next
                     return b"".join(chunks)
                 size += len(chunk)
                 if size > MAX_BODY:
@@ -253,11 +308,8 @@ class Server:
                         f"the server at {self.url} sent a reply over {MAX_BODY >> 20} MB"
                     )
                 chunks.append(chunk)
-        except TimeoutError as exc:
-            raise self._silent() from exc
         except (OSError, http.client.HTTPException) as exc:
-            self._conn.close()
-            raise ServerError(f"the server at {self.url} stopped replying: {exc}") from exc
+            raise self._stopped(exc) from exc
 
     def get(self, path: str) -> dict[str, Any]:
         """The JSON object at `path`."""
@@ -290,16 +342,16 @@ class Server:
                 try:
                     self._wait()
                     line = response.readline(MAX_LINE + 1)
+                    if self._expired:  # the deadline's cut ended the read, maybe mid-line
+                        raise self._late()
                     if line.rstrip(b"\r\n") == b"data: [DONE]":
                         # Read the body to its end: the connection then serves the next
                         # request (a chat's next turn).
                         self._read(response)
                         done = True
                         return
-                except TimeoutError as exc:
-                    raise self._silent() from exc
                 except (OSError, http.client.HTTPException) as exc:
-                    raise ServerError(f"the server at {self.url} stopped replying: {exc}") from exc
+                    raise self._stopped(exc) from exc
                 if not line:
                     raise ServerError(f"the server at {self.url} ended the reply early")
                 if len(line) > MAX_LINE:
@@ -310,6 +362,7 @@ class Server:
                 if event is not None:
                     yield chunk(event, self.url)
         finally:
+            self._disarm()
             if not done:  # interrupted or failed: a half-read response cannot be reused
                 self._conn.close()
 

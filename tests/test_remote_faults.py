@@ -412,3 +412,58 @@ def test_every_command_checks_each_streamed_chunk(
     assert result.exception is None or isinstance(result.exception, SystemExit)
     assert result.exit_code == (2 if command == ["chat"] else 1), result.stderr  # chat: piped
     assert result.stderr.splitlines()[-1] == f"error: the server at {url} sent {message}"
+
+
+def trickling(head: bytes) -> Handler:
+    """Sends `head`, then a byte every 0.2 s for a minute: never silent for a second."""
+
+    def handler(conn: socket.socket, _request: bytes) -> None:
+        conn.sendall(head)
+        for _ in range(300):
+            conn.sendall(b"x")
+            time.sleep(0.2)
+
+    return handler
+
+
+@pytest.mark.parametrize(
+    ("head", "call"),
+    [
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 999\r\n\r\n", lambda s: s.get("/v1/models")),
+        (sse(b"data: "), lambda s: list(s.stream("/v1/chat/completions", {}))),
+        (b"HTTP/1.1 200 OK\r\nX-Slow: ", lambda s: s.get("/v1/models")),  # its headers
+    ],
+    ids=["body", "event", "headers"],
+)
+def test_the_deadline_bounds_a_trickling_request_on_the_wall_clock(
+    fake: Callable[[Handler], str],
+    monkeypatch: pytest.MonkeyPatch,
+    head: bytes,
+    call: Callable[[Server], object],
+) -> None:
+    """A byte every 0.2 s is never a silence of 1 s and never ends a read (a line, a
+    body): the deadline alone ends the request, when it passes (issue 53, item 12)."""
+    monkeypatch.setenv("MLXCACHE_SERVER_DEADLINE", "1.5")
+    server = Server(fake(trickling(head)))
+    start = time.monotonic()
+    with pytest.raises(ServerError, match=r"did not finish within \$MLXCACHE_SERVER_DEADLINE"):
+        call(server)
+    assert time.monotonic() - start < 30  # the trickle lasts a minute
+
+
+def test_a_request_in_time_leaves_the_connection_to_the_next(
+    fake: Callable[[Handler], str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The deadline's watch ends with its request: a kept connection serves the next
+    request after the first's deadline has passed."""
+    monkeypatch.setenv("MLXCACHE_SERVER_DEADLINE", "1")
+
+    def twice(conn: socket.socket, _request: bytes) -> None:
+        for _ in range(2):
+            conn.sendall(reply("200 OK", b'{"data": []}'))
+            conn.recv(1 << 16)  # the next request
+
+    server = Server(fake(twice))
+    assert server.get("/v1/models") == {"data": []}
+    time.sleep(1.5)
+    assert server.get("/v1/models") == {"data": []}
