@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mlxcache.cache.disk import INDEX, DiskEntry, DiskTier, index_error, remove_files, reset
-from mlxcache.errors import CorruptIndexError, DiskFullError
+from mlxcache.errors import CacheStoreError, CorruptIndexError, DiskFullError
 from mlxcache.paths import kv_dir
 
 if TYPE_CHECKING:
@@ -161,6 +161,7 @@ def clear(
     before = _file_bytes(root / "files")
     n, left = 0, list[str]()
     try:
+        _stray_file(root / "files")
         try:
             n, left = _clear(directory, root)
         except DiskFullError:  # the index cannot even open: make room, then clear it
@@ -175,6 +176,16 @@ def clear(
     return {"removed": n, "bytes_freed": max(0, before - _file_bytes(root / "files"))}
 
 
+def _stray_file(files: Path) -> None:
+    """Delete a regular file where the block folder goes (our own path name): the index
+    cannot open while it stands there (links are left, as everywhere)."""
+    try:
+        if files.is_file() and not files.is_symlink():
+            files.unlink()
+    except OSError as exc:
+        raise CacheStoreError(f"cannot delete {files}: {exc}") from exc
+
+
 def _clear(directory: Directory, root: Path) -> tuple[int, list[str]]:
     with _opened(directory) as disk:
         if disk:
@@ -183,9 +194,12 @@ def _clear(directory: Directory, root: Path) -> tuple[int, list[str]]:
 
 
 def _file_bytes(root: Path) -> int:
-    """Bytes of the regular files under `root` (links neither followed nor counted)."""
+    """Bytes of the regular files under `root`, or of `root` if it is one (links neither
+    followed nor counted)."""
     if root.is_symlink():
         return 0
+    if root.is_file():
+        return root.stat().st_size
     total = 0
     for folder, _dirs, files in os.walk(root):  # os.walk follows no link to a directory
         for name in files:
