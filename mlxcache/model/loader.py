@@ -220,8 +220,8 @@ def load(
     model, config = load_folder(path, lazy=lazy)
     try:
         tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
-    except (ValueError, KeyError, FileNotFoundError) as exc:
-        raise UnsupportedModelError(f"cannot load model {path}: {exc}") from exc
+    except Exception as exc:  # the tokenizers library raises a plain Exception
+        raise UnsupportedModelError(f"cannot load the tokenizer of model {path}: {exc}") from exc
     return LoadedModel(model, tokenizer, folder_key(path), name, path, config)
 
 
