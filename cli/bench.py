@@ -501,7 +501,7 @@ def memory(
     if length <= 0 or interval <= 0:
         raise UserInputError("--minutes, --hours and --interval must be > 0")
     try:
-        limit = None if mem_limit is None else parse_size(mem_limit)
+        limit = o.mem_limit_bytes(mem_limit)
         mem = parse_size(cache_mem)
     except ValueError as exc:
         raise UserInputError(str(exc)) from exc

@@ -18,7 +18,7 @@ from mlxcache_cli import bench, cache_cmd, coerce, models_cmd, regress_cmd, rich
 from mlxcache_cli.chat_cmd import chat_cmd
 from mlxcache_cli.generate import generate
 from mlxcache_cli.json_cmd import json_cmd
-from mlxcache_cli.options import run_options
+from mlxcache_cli.options import check_given, run_options
 from mlxcache_cli.serve_cmd import serve_cmd
 from mlxcache_cli.tools_cmd import tools_cmd
 
@@ -142,6 +142,7 @@ def command(
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> None:
         try:
+            check_given(kwargs)
             if runs_model and following():
                 from mlxcache.distributed import follow
 

@@ -249,3 +249,55 @@ def test_startup_bench_reports_ratios_and_goals(
     assert set(result["commands"]) == {"a", "b"}
     assert set(result["commands"]["a"]) == {"min_s", "median_s", "cpu_s", "ratio"}
     assert result["goals"]["b_le_0.5s"] is False and result["pass"] is False
+
+
+MODEL_COMMANDS = [
+    ["generate", "hi"],
+    ["json", "hi"],
+    ["tools", "--tools", "[]", "hi"],
+    ["chat"],
+    ["serve"],
+    ["models", "info"],
+    *(
+        ["bench", name]
+        for name in (
+            *("decode", "chunks", "chat", "json", "resume", "serve", "reuse"),
+            *("distributed", "spec", "agent", "memory", "startup"),
+        )
+    ),
+]
+
+
+DRAFTING = [c for c in MODEL_COMMANDS if c[0] not in ("models", "bench") or c[1] == "spec"]
+"""The commands that take --draft-model."""
+
+
+@pytest.mark.parametrize(
+    ("command", "flag"),
+    [*((c, "-m") for c in MODEL_COMMANDS), *((c, "--draft-model") for c in DRAFTING)],
+    ids=lambda v: " ".join(v) if isinstance(v, list) else v,
+)
+def test_a_missing_model_is_refused_before_any_work(
+    tmp_path: Path, command: list[str], flag: str
+) -> None:
+    """A model path that names nothing is refused before the command imports model code
+    or runs anything: at once, in one line (issue 53, item 16; issue 55, item 3)."""
+    for missing in (tmp_path / "nope.gguf", tmp_path / "nope"):
+        result = _imports(tmp_path, [*command, flag, str(missing)])
+        assert result == {"code": 2, "heavy": ["rich"]}
+
+
+@pytest.mark.parametrize(
+    "command", [["generate", "hi"], ["serve"], ["bench", "memory"]], ids=" ".join
+)
+def test_a_memory_limit_of_0_is_refused_before_any_work(tmp_path: Path, command: list[str]) -> None:
+    """--mem-limit 0 would mean no limit: refused in one line (issue 53, item 16)."""
+    assert _imports(tmp_path, [*command, "--mem-limit", "0"]) == {"code": 2, "heavy": ["rich"]}
+    done = subprocess.run(
+        [sys.executable, "-m", "mlxcache_cli", *command, "--mem-limit", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == "error: --mem-limit must be above 0 (leave it out for no limit)\n"
