@@ -14,7 +14,7 @@ from typer.core import TyperGroup, TyperOption
 from mlxcache import __version__
 from mlxcache.errors import MlxcacheError, UserInputError
 from mlxcache.launch import following
-from mlxcache_cli import bench, cache_cmd, coerce, models_cmd, regress_cmd, richhelp, ui
+from mlxcache_cli import bench, cache_cmd, coerce, lazycmd, models_cmd, regress_cmd, richhelp, ui
 from mlxcache_cli.chat_cmd import chat_cmd
 from mlxcache_cli.generate import generate
 from mlxcache_cli.json_cmd import json_cmd
@@ -65,6 +65,7 @@ def _flag_display_type(self: TyperOption, ctx: Any) -> str | None:
 TyperOption.display_type_rich = _flag_display_type  # type: ignore[method-assign]
 coerce.install()
 richhelp.install()
+lazycmd.install()
 
 
 MLX_LM_FLAGS = {

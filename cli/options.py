@@ -423,12 +423,12 @@ def check_given(given: dict[str, Any]) -> None:
         ModelNotFoundError: a model spec names nothing (`loader.check_spec`).
         UserInputError: --mem-limit is not a size above 0.
     """
-    from mlxcache.model.loader import check_spec
-
     mem_limit_bytes(given.get("mem_limit"))
     for name in ("model", "draft_model"):
         spec = given.get(name)
         if isinstance(spec, str):
+            from mlxcache.model.loader import check_spec
+
             check_spec(spec, given.get("cache_dir"))
 
 

@@ -301,3 +301,75 @@ def test_a_memory_limit_of_0_is_refused_before_any_work(tmp_path: Path, command:
     )
     assert (done.returncode, done.stdout) == (2, "")
     assert done.stderr == "error: --mem-limit must be above 0 (leave it out for no limit)\n"
+
+
+# Runs the CLI as the `mlxcache` script does, noting whose parameters Typer read (the
+# commands it built); then prints those, the packages outside the standard library and
+# the modules of mlxcache and the CLI it imported, and the standard modules among WATCHED.
+_GRAPH_CHILD = """
+import json, sys, contextlib, io
+import typer.main
+read, get = [], typer.main.get_params_from_function
+def spy(fn):
+    read.append(fn.__name__)
+    return get(fn)
+typer.main.get_params_from_function = spy
+out, sys.argv = sys.argv[1], ["mlxcache", *sys.argv[2:]]
+from mlxcache_cli.main import app
+with contextlib.redirect_stdout(io.StringIO()):
+    try:
+        app()
+    except SystemExit as exc:
+        code = exc.code
+top = {m.split(".")[0] for m in sys.modules}
+packages = sorted(top - set(sys.stdlib_module_names) - {"__main__"})
+ours = sorted(m for m in sys.modules if m.startswith("mlxcache"))
+watched = sorted(top & set(json.loads(out)[1]))
+open(json.loads(out)[0], "w").write(json.dumps([code, read, packages, ours, watched]))
+"""
+WATCHED = ("socket", "ssl", "http", "asyncio", "sqlite3", "multiprocessing", "email", "xml")
+"""Standard modules a command that needs no network, cache or server must not import."""
+INSTALL = {"_distutils_hack", "__editable___mlxcache_0_1_0_finder"}
+"""What an editable install's .pth files import in every process (not the CLI's doing)."""
+HELP_LIBRARY = ["mlxcache", "mlxcache.config", "mlxcache.errors", "mlxcache.launch"]
+HELP_LIBRARY += ["mlxcache.paths", "mlxcache.regress"]
+APP_ITSELF = {"main", "_version", "install_callback", "show_callback"}
+"""The functions whose parameters the app's own options come from (--debug, --version,
+Typer's completion options)."""
+CLI_MODULES = sorted(
+    f"mlxcache_cli.{p.stem}"
+    for p in Path(startup_bench.__file__).parent.glob("*.py")
+    if p.stem not in ("__init__", "__main__", "startup_bench")
+)
+
+
+def _graph(tmp_path: Path, args: list[str]) -> list[Any]:
+    report = tmp_path / "graph.json"
+    spec = json.dumps([str(report), list(WATCHED)])
+    subprocess.run(
+        [sys.executable, "-c", _GRAPH_CHILD, spec, *args],
+        capture_output=True,
+        check=False,
+        timeout=120,
+    )
+    found: list[Any] = json.loads(report.read_text())
+    found[2] = [p for p in found[2] if p not in INSTALL]
+    return found
+
+
+def test_help_imports_and_builds_only_what_it_draws(tmp_path: Path) -> None:
+    """The whole import graph of `mlxcache --help`, so that it cannot creep: the packages
+    (Typer and Rich only), the library's modules (errors, settings and paths), the CLI's
+    modules (every command's, for their names and help), no network or database module;
+    and Typer reads no command's parameters (each command is built when used: `lazycmd`)."""
+    code, read, packages, ours, watched = _graph(tmp_path, ["--help"])
+    assert (code, set(read), watched) == (0, APP_ITSELF, [])
+    assert packages == ["annotated_doc", "mlxcache", "mlxcache_cli", "rich", "shellingham", "typer"]
+    assert ours == sorted([*HELP_LIBRARY, "mlxcache_cli", *CLI_MODULES])
+
+
+def test_a_command_builds_only_itself(tmp_path: Path) -> None:
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"type": "object"}')
+    code, read, *_ = _graph(tmp_path, ["json", "--check", "--schema", str(schema)])
+    assert (code, set(read)) == (0, {*APP_ITSELF, "json_cmd"})
