@@ -24,7 +24,8 @@ _SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}}, "requir
 
 
 def commands(schema: Path, cache_dir: Path | None) -> dict[str, list[str]]:
-    """The fast commands, by name: each must answer without importing mlx_lm."""
+    """The fast commands, by name: each must answer without importing mlx_lm (a model
+    file that is not there is refused before)."""
     cli = [sys.executable, "-m", "mlxcache_cli"]
     where = [] if cache_dir is None else ["--cache-dir", str(cache_dir)]
     return {
@@ -34,6 +35,7 @@ def commands(schema: Path, cache_dir: Path | None) -> dict[str, list[str]]:
         "json --check": [*cli, "json", "--check", "--schema", str(schema)],
         "cache ls": [*cli, "cache", "ls", *where],
         "models ls": [*cli, "models", "ls", *where],
+        "missing model": [*cli, "generate", "-m", str(schema.with_name("missing.gguf")), "hi"],
     }
 
 

@@ -37,6 +37,7 @@ NEEDS = {
     "json --check": SCHEMA_CODE,  # the metaschema check and the grammar compiler
     "cache ls": ("rich",),
     "models ls": ("rich",),
+    "missing model": ("rich",),
 }
 """Of HEAVY, what each fast command imports; the others import none of it."""
 
@@ -74,14 +75,16 @@ def _python(code: str) -> str:
 
 
 @pytest.mark.parametrize(
-    "name", ["--help", "--version", "typo", "json --check", "cache ls", "models ls"]
+    "name",
+    ["--help", "--version", "typo", "json --check", "cache ls", "models ls", "missing model"],
 )
 def test_fast_commands_import_no_model_code(tmp_path: Path, name: str) -> None:
     schema = tmp_path / "schema.json"
     schema.write_text('{"type": "object", "properties": {"a": {"type": "integer"}}}')
     argv = startup_bench.commands(schema, tmp_path / "cache")[name][3:]  # after `-m mlxcache_cli`
     result = _imports(tmp_path, argv)
-    assert result == {"code": 2 if name == "typo" else 0, "heavy": sorted(NEEDS.get(name, ()))}
+    code = 2 if name in ("typo", "missing model") else 0
+    assert result == {"code": code, "heavy": sorted(NEEDS.get(name, ()))}
 
 
 def test_the_server_client_imports_no_model_or_schema_code() -> None:
