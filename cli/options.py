@@ -424,7 +424,8 @@ def check_given(given: dict[str, Any]) -> None:
         UserInputError: --mem-limit is not a size above 0.
     """
     mem_limit_bytes(given.get("mem_limit"))
-    for name in ("model", "draft_model"):
+    # Through a server, --draft-model is refused as such (`remote.in_process_only`).
+    for name in ("model",) if given.get("server") else ("model", "draft_model"):
         spec = given.get(name)
         if isinstance(spec, str):
             from mlxcache.model.loader import check_spec

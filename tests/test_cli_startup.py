@@ -376,3 +376,20 @@ def test_a_command_builds_only_itself(tmp_path: Path) -> None:
     schema.write_text('{"type": "object"}')
     code, read, *_ = _graph(tmp_path, ["json", "--check", "--schema", str(schema)])
     assert (code, set(read)) == (0, {*APP_ITSELF, "json_cmd"})
+
+
+def test_one_shot_times_cached_commands_against_mlx_lm(
+    wide_gguf: Path, cache_root: Path, tmp_path: Path
+) -> None:
+    """`bench startup --one-shot`: generate and json, each after an untimed first run that
+    cached the prompt, and mlx_lm.generate on the same prompt, each command completing."""
+    from mlxcache.model.loader import resolve
+
+    folder = resolve(str(wide_gguf), cache_root)
+    result = startup_bench.one_shot(1, folder, tmp_path)
+    assert result["prompt_tokens"] == 2294  # the tiny model's tokens are characters
+    walls = result["min_s"]
+    assert sorted(walls) == ["generate", "json", "mlx_lm.generate"]
+    ratios = {name: walls[name] / walls["mlx_lm.generate"] for name in ("generate", "json")}
+    assert result["ratio_to_mlx_lm"] == pytest.approx(ratios, abs=0.01)  # of rounded times
+    assert sorted(result["goals"]) == ["generate_le_0.5x", "json_le_0.5x"]

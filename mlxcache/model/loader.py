@@ -214,6 +214,11 @@ def _resolve(spec: str, root: Path, progress: Progress | None, warn: Warn) -> tu
         raise ModelNotFoundError(f"cannot fetch model {spec!r}: {exc}") from exc
 
 
+def resolve(spec: str, cache_root: str | os.PathLike[str] | None = None) -> Path:
+    """The mlx-lm folder `spec` loads (a GGUF converted once), without loading it."""
+    return _resolve(spec, cache_dir(cache_root), None, lambda _msg: None)[1]
+
+
 def load(
     spec: str | None = None,
     *,
