@@ -319,10 +319,19 @@ def startup(
         typer.Option(
             "--model",
             "-m",
-            help="The model the --server runs (default: the embedded one).",
+            help="The model the --server runs and --one-shot times (default: the embedded one).",
             metavar="MODEL",
         ),
     ] = None,
+    one_shot: Annotated[
+        int,
+        typer.Option(
+            "--one-shot",
+            metavar="N",
+            help="Also time N rounds of a cached one-shot generate and json on a ~500-token "
+            "prompt vs mlx_lm.generate on it (goal: <= 0.5x each).",
+        ),
+    ] = 0,
 ) -> None:
     """Wall time of --help, --version, a typo, json --check, cache ls and models ls vs
     `python -c pass`, each in a new process (goal: <= 0.5 s each, fastest round); with
@@ -330,7 +339,9 @@ def startup(
     from mlxcache_cli import startup_bench
 
     o.positive(rounds=rounds)
-    _report(startup_bench.run(rounds, cache_dir, server, model))
+    if one_shot < 0:
+        raise UserInputError(f"--one-shot must be >= 0, got {one_shot}")
+    _report(startup_bench.run(rounds, cache_dir, server, model, one_shot))
 
 
 def distributed(
@@ -528,7 +539,7 @@ def memory(
     if length <= 0 or interval <= 0:
         raise UserInputError("--minutes, --hours and --interval must be > 0")
     try:
-        limit = None if mem_limit is None else parse_size(mem_limit)
+        limit = o.mem_limit_bytes(mem_limit)
         mem = parse_size(cache_mem)
     except ValueError as exc:
         raise UserInputError(str(exc)) from exc

@@ -14,11 +14,11 @@ from typer.core import TyperArgument, TyperGroup, TyperOption
 from mlxcache import __version__
 from mlxcache.errors import MlxcacheError, UserInputError
 from mlxcache.launch import following
-from mlxcache_cli import bench, cache_cmd, coerce, models_cmd, regress_cmd, richhelp, ui
+from mlxcache_cli import bench, cache_cmd, coerce, lazycmd, models_cmd, regress_cmd, richhelp, ui
 from mlxcache_cli.chat_cmd import chat_cmd
 from mlxcache_cli.generate import generate
 from mlxcache_cli.json_cmd import json_cmd
-from mlxcache_cli.options import run_options
+from mlxcache_cli.options import check_given, run_options
 from mlxcache_cli.serve_cmd import serve_cmd
 from mlxcache_cli.tools_cmd import tools_cmd
 
@@ -75,6 +75,7 @@ TyperArgument.display_type_rich = lambda self, ctx: None  # type: ignore[method-
 TyperArgument._usage_display_name = _argument_usage_name  # type: ignore[method-assign]
 coerce.install()
 richhelp.install()
+lazycmd.install()
 
 
 MLX_LM_FLAGS = {
@@ -152,6 +153,7 @@ def command(
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> None:
         try:
+            check_given(kwargs)
             if runs_model and following():
                 from mlxcache.distributed import follow
 

@@ -445,13 +445,54 @@ def cache_config(
             warm_ahead=warm_ahead,
             state_stride=state_stride,
             kv_bits=kv_bits,
-            mem_limit=0 if mem_limit is None else parse_size(mem_limit),
+            mem_limit=mem_limit_bytes(mem_limit) or 0,
             **size,
         )
     except SettingError:
         raise  # names its setting: `ui` prints it as the flag
     except ValueError as exc:  # not a size
         raise UserInputError(str(exc)) from exc
+
+
+def check_given(given: dict[str, Any]) -> None:
+    """A command's arguments that name models (-m, --draft-model, --adapter) or the memory
+    limit, checked before it does anything: a path that names nothing is one line at once,
+    not after the heavy imports or a whole bench's run.
+
+    Raises:
+        ModelNotFoundError: a model spec names nothing (`loader.check_spec`).
+        AdapterError: an adapter folder that is missing or damaged (`check_adapter`).
+        UserInputError: --mem-limit is not a size above 0.
+    """
+    mem_limit_bytes(given.get("mem_limit"))
+    if given.get("adapter") is not None:
+        from mlxcache.model.adapter import check_adapter
+
+        check_adapter(given["adapter"])
+    # Through a server, --draft-model is refused as such (`remote.in_process_only`).
+    for name in ("model",) if given.get("server") else ("model", "draft_model"):
+        spec = given.get(name)
+        if isinstance(spec, str):
+            from mlxcache.model.loader import check_spec
+
+            check_spec(spec, given.get("cache_dir"))
+
+
+def mem_limit_bytes(text: str | None) -> int | None:
+    """--mem-limit in bytes (None: not given, no limit).
+
+    Raises:
+        UserInputError: not a size, or 0 (which would silently mean no limit).
+    """
+    if text is None:
+        return None
+    try:
+        limit = parse_size(text)
+    except ValueError as exc:
+        raise UserInputError(str(exc)) from exc
+    if limit == 0:
+        raise UserInputError("--mem-limit must be above 0 (leave it out for no limit)")
+    return limit
 
 
 def engine(

@@ -4,12 +4,12 @@ commands), and local ranks started as `mlx.launch` would (tests and `bench distr
 
 from __future__ import annotations
 
-import json
 import os
-import socket
-import subprocess
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import subprocess
 
 _RANK_VARS = ("MLX_RANK", "OMPI_COMM_WORLD_RANK")  # set by mlx.launch (ring, jaccl) and mpirun
 
@@ -39,6 +39,11 @@ def local_ranks(
     loopback (what `mlx.launch -n size --backend ring` does), and return them, rank 0
     first. `hostfile` is written with free ports; `envs[r]` is added to rank r's
     environment. The caller waits for (or kills) every process."""
+    # Here: every command imports this module (`following`), and `--help` needs none of it.
+    import json
+    import socket
+    import subprocess
+
     ports = []
     for _ in range(size):  # each bound apart, so the ports differ; freed for the ranks
         with socket.socket() as sock:

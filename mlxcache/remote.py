@@ -13,9 +13,12 @@ must start fast, so nothing of mlx_lm, transformers or an HTTP client package is
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
+import socket
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, fields
@@ -153,12 +156,15 @@ class Server:
         self._idle = _seconds(ENV_SERVER_TIMEOUT, IDLE_TIMEOUT_S)
         self._deadline_s = _seconds(ENV_SERVER_DEADLINE, None)
         self._until: float | None = None  # the running request's deadline (monotonic)
+        self._timer: threading.Timer | None = None  # cuts the request off at `_until`
+        self._expired = False  # the deadline cut the running request's socket
         kind = (
             http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
         )
         self._conn = kind(parts.hostname, port, timeout=CONNECT_TIMEOUT_S)
 
     def close(self) -> None:
+        self._disarm()
         self._conn.close()
 
     def __enter__(self) -> Server:
@@ -182,7 +188,46 @@ class Server:
         if self._conn.sock is not None:
             self._conn.sock.settimeout(timeout)
 
+    def _arm(self) -> None:
+        """Shut the socket down when the deadline passes, on the wall clock: a read blocked
+        in the kernel wakes then, where a per-read timeout never fires (a server trickling
+        a byte every second) and the checks between reads come too late."""
+        self._disarm()
+        if self._until is None or self._conn.sock is None:
+            return
+        left = max(0.0, self._until - time.monotonic())
+        self._timer = threading.Timer(left, self._cut, (self._conn.sock,))
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _cut(self, sock: socket.socket) -> None:
+        if threading.current_thread() is not self._timer:
+            return  # disarmed meanwhile: its request ended in time
+        self._expired = True
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _past(self) -> bool:
+        """Whether the running request's deadline has passed (a read failed or ended
+        because the deadline cut it off, or is about to)."""
+        return self._expired or (self._until is not None and time.monotonic() >= self._until)
+
+    def _stopped(self, exc: Exception) -> ServerError:
+        """The error for a read that failed with `exc`."""
+        if isinstance(exc, TimeoutError):
+            return self._silent()
+        self._conn.close()
+        if self._past():
+            return self._late()
+        return ServerError(f"the server at {self.url} stopped replying: {exc}")
+
     def _late(self) -> ServerError:
+        self._disarm()
         self._conn.close()
         return ServerError(
             f"the server at {self.url} did not finish within ${ENV_SERVER_DEADLINE} "
@@ -191,7 +236,7 @@ class Server:
 
     def _silent(self) -> ServerError:
         self._conn.close()
-        if self._until is not None and time.monotonic() >= self._until:
+        if self._past():
             return self._late()
         return ServerError(
             f"the server at {self.url} sent nothing for {self._idle:g} s "
@@ -207,10 +252,15 @@ class Server:
         if body is not None:
             data = json.dumps(body, ensure_ascii=False).encode()
             headers["Content-Type"] = "application/json"
+        self._disarm()
+        if self._expired:  # cut as its request ended in time: the socket is shut down
+            self._conn.close()
+            self._expired = False
         self._until = None if self._deadline_s is None else time.monotonic() + self._deadline_s
         try:
             if self._conn.sock is None:
                 self._conn.connect()
+            self._arm()
             self._wait()
             self._conn.request(method, self._base + path, data, headers)
             response = self._conn.getresponse()
@@ -218,6 +268,8 @@ class Server:
             raise self._silent() from exc
         except (OSError, http.client.HTTPException) as exc:
             self._conn.close()
+            if self._past():
+                raise self._late() from exc
             reason = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
             raise ServerError(f"cannot reach the server at {self.url}: {reason}") from exc
         except BaseException:  # Ctrl-C mid-exchange: the connection cannot be reused
@@ -251,6 +303,9 @@ class Server:
                 self._wait()
                 chunk = response.read(1 << 16)
                 if not chunk:
+                    if self._expired:  # the deadline's cut ended it
+                        raise self._late()
+                    self._disarm()  # the request is over: the connection may serve the next
                     return b"".join(chunks)
                 size += len(chunk)
                 if size > MAX_BODY:
@@ -259,11 +314,8 @@ class Server:
                         f"the server at {self.url} sent a reply over {MAX_BODY >> 20} MB"
                     )
                 chunks.append(chunk)
-        except TimeoutError as exc:
-            raise self._silent() from exc
         except (OSError, http.client.HTTPException) as exc:
-            self._conn.close()
-            raise ServerError(f"the server at {self.url} stopped replying: {exc}") from exc
+            raise self._stopped(exc) from exc
 
     def get(self, path: str) -> dict[str, Any]:
         """The JSON object at `path`."""
@@ -285,8 +337,10 @@ class Server:
         return _dict(doc, self.url, "its reply")
 
     def stream(self, path: str, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
-        """The server-sent events of a streamed reply to `body`, as they come, until
-        `[DONE]`; leaving early closes the connection (the server cancels the request)."""
+        """The chunks of a streamed completion (chat or text) answering `body`, as they
+        come, until `[DONE]`, each of the shape `chunk` checks (so every command reads them
+        without checking again); leaving early closes the connection (the server cancels
+        the request)."""
         response = self._send("POST", path, {**body, "stream": True})
         done = False
         try:
@@ -294,16 +348,16 @@ class Server:
                 try:
                     self._wait()
                     line = response.readline(MAX_LINE + 1)
+                    if self._expired:  # the deadline's cut ended the read, maybe mid-line
+                        raise self._late()
                     if line.rstrip(b"\r\n") == b"data: [DONE]":
                         # Read the body to its end: the connection then serves the next
                         # request (a chat's next turn).
                         self._read(response)
                         done = True
                         return
-                except TimeoutError as exc:
-                    raise self._silent() from exc
                 except (OSError, http.client.HTTPException) as exc:
-                    raise ServerError(f"the server at {self.url} stopped replying: {exc}") from exc
+                    raise self._stopped(exc) from exc
                 if not line:
                     raise ServerError(f"the server at {self.url} ended the reply early")
                 if len(line) > MAX_LINE:
@@ -312,8 +366,9 @@ class Server:
                     )
                 event = self._event(line)
                 if event is not None:
-                    yield event
+                    yield chunk(event, self.url)
         finally:
+            self._disarm()
             if not done:  # interrupted or failed: a half-read response cannot be reused
                 self._conn.close()
 
@@ -372,12 +427,12 @@ def chat_reply(events: Iterable[dict[str, Any]], url: str) -> dict[str, Any]:
     finish, usage = None, None
     calls: dict[int, dict[str, Any]] = {}
     for event in events:
-        for choice in _list(event.get("choices"), url, "choices"):
-            delta = _dict(choice.get("delta"), url, "a delta")
+        for choice in chunk(event, url).get("choices") or ():
+            delta = choice.get("delta") or {}
             for key in ("content", "reasoning"):
-                if isinstance(delta.get(key), str):
+                if delta.get(key) is not None:
                     message[key] = message.get(key, "") + delta[key]
-            for call in _list(delta.get("tool_calls"), url, "tool_calls"):
+            for call in delta.get("tool_calls") or ():
                 _add_call(calls, _dict(call, url, "a call"), url)
             finish = choice.get("finish_reason") or finish
         usage = event.get("usage") or usage
@@ -386,6 +441,30 @@ def chat_reply(events: Iterable[dict[str, Any]], url: str) -> dict[str, Any]:
             raise ServerError(f"the server at {url} sent a call without a name")
         message["tool_calls"] = [calls[i] for i in sorted(calls)]
     return {"choices": [{"message": message, "finish_reason": finish}], "usage": usage}
+
+
+_TEXTS = ("content", "reasoning", "text", "finish_reason")
+"""A chunk's fields, in a choice or its delta, that are text when present."""
+
+
+def chunk(event: dict[str, Any], url: str) -> dict[str, Any]:
+    """`event`, once it has a completion chunk's shape: `choices` a list of objects, each
+    one's `delta` an object, their texts strings, `tool_calls` a list, `usage` an object
+    (each may be absent or null). The one check of a streamed chunk, for every command.
+
+    Raises:
+        ServerError: a chunk of another shape (`url`: the server that sent it).
+    """
+    for choice in _list(event.get("choices"), url, "choices"):
+        choice = _dict(choice, url, "a choice")
+        delta = choice.get("delta")
+        parts = [choice, _dict(delta, url, "a delta") if delta is not None else {}]
+        if any(not isinstance(p.get(k), str | None) for p in parts for k in _TEXTS):
+            raise ServerError(f"the server at {url} sent a choice whose text is not a string")
+        _list(parts[1].get("tool_calls"), url, "tool_calls")
+    if not isinstance(event.get("usage"), dict | None):
+        raise ServerError(f"the server at {url} sent a usage that is not a JSON object")
+    return event
 
 
 def _add_call(calls: dict[int, dict[str, Any]], call: dict[str, Any], url: str) -> None:

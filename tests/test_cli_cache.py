@@ -154,3 +154,27 @@ def test_cache_ls_explains_its_sizes_and_clear_says_what_it_freed(
     )
     cleared = runner.invoke(app, ["cache", "clear", *d])
     assert cleared.stdout == f"removed 2 entries ({ui.human_bytes(stats['bytes'])} freed)\n"
+
+
+@pytest.mark.parametrize("index", [True, False])
+def test_cache_clear_empties_a_cache_whose_folder_is_a_file(
+    cache_root: Path, tiny_gguf: Path, tmp_path: Path, index: bool
+) -> None:
+    """A regular file where the block folder goes (our own path name) is deleted like a
+    block file: clear empties the cache, its entries counted (issue 53, item 14)."""
+    files = tmp_path / "kv" / "files"
+    if index:
+        gen(tiny_gguf, tmp_path, "abcdefghijklmnop")
+        for block in files.iterdir():
+            block.unlink()
+        files.rmdir()
+    files.parent.mkdir(parents=True, exist_ok=True)
+    files.write_bytes(b"stray")
+    assert run("cache", "clear", "--cache-dir", str(tmp_path)) == (
+        0,
+        f"removed {1 if index else 0} {'entry' if index else 'entries'} (5 B freed)\n",
+        "",
+    )
+    assert not files.is_file()
+    listed = runner.invoke(app, ["cache", "ls", "--json", "--cache-dir", str(tmp_path)])
+    assert json.loads(listed.stdout) == []

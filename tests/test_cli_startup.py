@@ -37,6 +37,7 @@ NEEDS = {
     "json --check": SCHEMA_CODE,  # the metaschema check and the grammar compiler
     "cache ls": ("rich",),
     "models ls": ("rich",),
+    "missing model": ("rich",),
 }
 """Of HEAVY, what each fast command imports; the others import none of it."""
 
@@ -74,14 +75,16 @@ def _python(code: str) -> str:
 
 
 @pytest.mark.parametrize(
-    "name", ["--help", "--version", "typo", "json --check", "cache ls", "models ls"]
+    "name",
+    ["--help", "--version", "typo", "json --check", "cache ls", "models ls", "missing model"],
 )
 def test_fast_commands_import_no_model_code(tmp_path: Path, name: str) -> None:
     schema = tmp_path / "schema.json"
     schema.write_text('{"type": "object", "properties": {"a": {"type": "integer"}}}')
     argv = startup_bench.commands(schema, tmp_path / "cache")[name][3:]  # after `-m mlxcache_cli`
     result = _imports(tmp_path, argv)
-    assert result == {"code": 2 if name == "typo" else 0, "heavy": sorted(NEEDS.get(name, ()))}
+    code = 2 if name in ("typo", "missing model") else 0
+    assert result == {"code": code, "heavy": sorted(NEEDS.get(name, ()))}
 
 
 def test_the_server_client_imports_no_model_or_schema_code() -> None:
@@ -249,3 +252,155 @@ def test_startup_bench_reports_ratios_and_goals(
     assert set(result["commands"]) == {"a", "b"}
     assert set(result["commands"]["a"]) == {"min_s", "median_s", "cpu_s", "ratio"}
     assert result["goals"]["b_le_0.5s"] is False and result["pass"] is False
+
+
+MODEL_COMMANDS = [
+    ["generate", "hi"],
+    ["json", "hi"],
+    ["tools", "--tools", "[]", "hi"],
+    ["chat"],
+    ["serve"],
+    ["models", "info"],
+    *(
+        ["bench", name]
+        for name in (
+            *("decode", "chunks", "chat", "json", "resume", "serve", "reuse"),
+            *("distributed", "spec", "agent", "memory", "startup"),
+        )
+    ),
+]
+
+
+DRAFTING = [c for c in MODEL_COMMANDS if c[0] not in ("models", "bench") or c[1] == "spec"]
+"""The commands that take --draft-model."""
+
+
+@pytest.mark.parametrize(
+    ("command", "flag"),
+    [*((c, "-m") for c in MODEL_COMMANDS), *((c, "--draft-model") for c in DRAFTING)],
+    ids=lambda v: " ".join(v) if isinstance(v, list) else v,
+)
+def test_a_missing_model_is_refused_before_any_work(
+    tmp_path: Path, command: list[str], flag: str
+) -> None:
+    """A model path that names nothing is refused before the command imports model code
+    or runs anything: at once, in one line (issue 53, item 16; issue 55, item 3)."""
+    for missing in (tmp_path / "nope.gguf", tmp_path / "nope"):
+        result = _imports(tmp_path, [*command, flag, str(missing)])
+        assert result == {"code": 2, "heavy": ["rich"]}
+
+
+@pytest.mark.parametrize("command", [["generate", "hi"], ["json", "hi"], ["serve"]], ids=" ".join)
+def test_a_missing_adapter_is_refused_before_any_work(tmp_path: Path, command: list[str]) -> None:
+    """An adapter folder that is missing or has no config is one line before any model code."""
+    (tmp_path / "empty").mkdir()
+    for missing in (tmp_path / "nope", tmp_path / "empty"):
+        assert _imports(tmp_path, [*command, "--adapter", str(missing)]) == {
+            "code": 2,
+            "heavy": ["rich"],
+        }
+
+
+@pytest.mark.parametrize(
+    "command", [["generate", "hi"], ["serve"], ["bench", "memory"]], ids=" ".join
+)
+def test_a_memory_limit_of_0_is_refused_before_any_work(tmp_path: Path, command: list[str]) -> None:
+    """--mem-limit 0 would mean no limit: refused in one line (issue 53, item 16)."""
+    assert _imports(tmp_path, [*command, "--mem-limit", "0"]) == {"code": 2, "heavy": ["rich"]}
+    done = subprocess.run(
+        [sys.executable, "-m", "mlxcache_cli", *command, "--mem-limit", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == "error: --mem-limit must be above 0 (leave it out for no limit)\n"
+
+
+# Runs the CLI as the `mlxcache` script does, noting whose parameters Typer read (the
+# commands it built); then prints those, the packages outside the standard library and
+# the modules of mlxcache and the CLI it imported, and the standard modules among WATCHED.
+_GRAPH_CHILD = """
+import json, sys, contextlib, io
+import typer.main
+read, get = [], typer.main.get_params_from_function
+def spy(fn):
+    read.append(fn.__name__)
+    return get(fn)
+typer.main.get_params_from_function = spy
+out, sys.argv = sys.argv[1], ["mlxcache", *sys.argv[2:]]
+from mlxcache_cli.main import app
+with contextlib.redirect_stdout(io.StringIO()):
+    try:
+        app()
+    except SystemExit as exc:
+        code = exc.code
+top = {m.split(".")[0] for m in sys.modules}
+packages = sorted(top - set(sys.stdlib_module_names) - {"__main__"})
+ours = sorted(m for m in sys.modules if m.startswith("mlxcache"))
+watched = sorted(top & set(json.loads(out)[1]))
+open(json.loads(out)[0], "w").write(json.dumps([code, read, packages, ours, watched]))
+"""
+WATCHED = ("socket", "ssl", "http", "asyncio", "sqlite3", "multiprocessing", "email", "xml")
+"""Standard modules a command that needs no network, cache or server must not import."""
+INSTALL = {"_distutils_hack", "__editable___mlxcache_0_1_0_finder"}
+"""What an editable install's .pth files import in every process (not the CLI's doing)."""
+HELP_LIBRARY = ["mlxcache", "mlxcache.config", "mlxcache.errors", "mlxcache.launch"]
+HELP_LIBRARY += ["mlxcache.paths", "mlxcache.regress"]
+APP_ITSELF = {"main", "_version", "install_callback", "show_callback"}
+"""The functions whose parameters the app's own options come from (--debug, --version,
+Typer's completion options)."""
+CLI_MODULES = sorted(
+    f"mlxcache_cli.{p.stem}"
+    for p in Path(startup_bench.__file__).parent.glob("*.py")
+    if p.stem not in ("__init__", "__main__", "startup_bench")
+)
+
+
+def _graph(tmp_path: Path, args: list[str]) -> list[Any]:
+    report = tmp_path / "graph.json"
+    spec = json.dumps([str(report), list(WATCHED)])
+    subprocess.run(
+        [sys.executable, "-c", _GRAPH_CHILD, spec, *args],
+        capture_output=True,
+        check=False,
+        timeout=120,
+    )
+    found: list[Any] = json.loads(report.read_text())
+    found[2] = [p for p in found[2] if p not in INSTALL]
+    return found
+
+
+def test_help_imports_and_builds_only_what_it_draws(tmp_path: Path) -> None:
+    """The whole import graph of `mlxcache --help`, so that it cannot creep: the packages
+    (Typer and Rich only), the library's modules (errors, settings and paths), the CLI's
+    modules (every command's, for their names and help), no network or database module;
+    and Typer reads no command's parameters (each command is built when used: `lazycmd`)."""
+    code, read, packages, ours, watched = _graph(tmp_path, ["--help"])
+    assert (code, set(read), watched) == (0, APP_ITSELF, [])
+    assert packages == ["annotated_doc", "mlxcache", "mlxcache_cli", "rich", "shellingham", "typer"]
+    assert ours == sorted([*HELP_LIBRARY, "mlxcache_cli", *CLI_MODULES])
+
+
+def test_a_command_builds_only_itself(tmp_path: Path) -> None:
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"type": "object"}')
+    code, read, *_ = _graph(tmp_path, ["json", "--check", "--schema", str(schema)])
+    assert (code, set(read)) == (0, {*APP_ITSELF, "json_cmd"})
+
+
+def test_one_shot_times_cached_commands_against_mlx_lm(
+    wide_gguf: Path, cache_root: Path, tmp_path: Path
+) -> None:
+    """`bench startup --one-shot`: generate and json, each after an untimed first run that
+    cached the prompt, and mlx_lm.generate on the same prompt, each command completing."""
+    from mlxcache.model.loader import resolve
+
+    folder = resolve(str(wide_gguf), cache_root)
+    result = startup_bench.one_shot(1, folder, tmp_path)
+    assert result["prompt_tokens"] == 2294  # the tiny model's tokens are characters
+    walls = result["min_s"]
+    assert sorted(walls) == ["generate", "json", "mlx_lm.generate"]
+    ratios = {name: walls[name] / walls["mlx_lm.generate"] for name in ("generate", "json")}
+    assert result["ratio_to_mlx_lm"] == pytest.approx(ratios, abs=0.01)  # of rounded times
+    assert sorted(result["goals"]) == ["generate_le_0.5x", "json_le_0.5x"]

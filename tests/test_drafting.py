@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import shutil
 from pathlib import Path
 from typing import Any, cast
 
@@ -541,3 +542,21 @@ def test_shared_drafts_are_rank_0s_on_every_rank() -> None:
     leader.close()
     follower.close()
     assert own.closed
+
+
+@pytest.mark.parametrize("role", ["-m", "--draft-model"])
+@pytest.mark.parametrize("content", ["{oops", '{"model": {"type": "Nope"}}', ""])
+def test_a_tokenizer_that_does_not_load_is_one_line(
+    cache_root: Path, tiny: LoadedModel, tmp_path: Path, role: str, content: str
+) -> None:
+    """The tokenizers library raises a plain Exception for a tokenizer.json it cannot read:
+    one error line, as the main model and as the draft model (issue 53, item 15)."""
+    folder = tmp_path / "broken"
+    shutil.copytree(tiny.path, folder)
+    (folder / "tokenizer.json").write_text(content)
+    model = ["-m", str(folder)] if role == "-m" else ["-m", str(tiny.path), role, str(folder)]
+    args = ["generate", "--raw", "ab", *model, "-n", "2", "--cache-dir", str(tmp_path)]
+    result = runner.invoke(app, args)
+    assert (result.exit_code, result.stdout, result.exception.__class__) == (2, "", SystemExit)
+    assert result.stderr.startswith(f"error: cannot load the tokenizer of model {folder}: ")
+    assert len(result.stderr.splitlines()) == 1, result.stderr

@@ -412,3 +412,24 @@ def test_the_package_name_is_a_model_name(cache_root: Path, gemma: LoadedModel) 
     assert loaded.name == "gemma3-270m" and loaded.key == gemma.key
     assert (cache_root / "packages" / "gemma-3-270m-q4_k_m.gguf").is_file()
     assert not list((cache_root / "packages").glob("*.part"))
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused(
+    gemma: LoadedModel, smol: LoadedModel, tmp_path: Path
+) -> None:
+    """Two real models, two vocabularies (Gemma's 262k tokens, SmolLM2's 49k): either
+    drafting for the other is refused in one line, before any forward (issue 53, item 15)."""
+    from mlxcache.config import DraftConfig
+    from mlxcache.errors import UserInputError
+    from mlxcache.runtime import open_engine
+
+    config = CacheConfig(block_size=B, directory=tmp_path)
+    for main, draft in ((gemma, smol), (smol, gemma)):
+        with pytest.raises(UserInputError) as refused:
+            open_engine(
+                str(main.path), config, draft=DraftConfig(mode="model", model=str(draft.path))
+            )
+        assert str(refused.value) == (
+            f"draft model {draft.path.name} does not share {main.path.name}'s vocabulary token "
+            "for token: it cannot draft for it"
+        )

@@ -361,3 +361,109 @@ def test_serve_refuses_a_key_no_client_can_send(tiny_gguf: Path) -> None:
     result = runner.invoke(app, ["serve", "-m", str(tiny_gguf), "--api-key", "a\nb"])
     assert result.exit_code == 2
     assert result.stderr == "error: --api-key must be one line (it holds a line break)\n"
+
+
+def matching(tiny_gguf: Path, *lines: bytes) -> Handler:
+    """A server whose model card matches a command on `tiny_gguf` (defaults), then streams
+    `lines` to the request."""
+    from mlxcache.config import default_block_size
+
+    identity = Wanted(str(tiny_gguf), default_block_size(), True).identity()
+    card = {"data": [{"id": "m", "mlxcache": {**identity, "key": "k", "mlx": "0", "mlx_lm": "0"}}]}
+
+    def handler(conn: socket.socket, request: bytes) -> None:
+        while request.startswith(b"GET"):  # the card, on a connection kept for the request
+            conn.sendall(reply("200 OK", json.dumps(card).encode()))
+            request = conn.recv(1 << 16)
+        conn.sendall(sse(*lines))
+
+    return handler
+
+
+BAD_CHUNKS = [
+    (b'{"choices": "abc"}', "choices that is not a list"),
+    (b'{"choices": ["abc"]}', "a choice that is not a JSON object"),
+    (b'{"choices": [{"delta": {"content": 5}}]}', "a choice whose text is not a string"),
+    (b'{"choices": [{"text": ["x"]}]}', "a choice whose text is not a string"),
+    (b'{"choices": [{"delta": {"tool_calls": "x"}}]}', "tool_calls that is not a list"),
+    (b'{"choices": [], "usage": 7}', "a usage that is not a JSON object"),
+]
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["generate", "hi"],
+        ["generate", "--raw", "hi"],
+        ["json", "--schema", "{}", "hi"],
+        ["tools", "--tools", '[{"name": "f", "parameters": {"type": "object"}}]', "hi"],
+        ["chat"],
+    ],
+    ids=lambda c: " ".join(c[:2]),
+)
+@pytest.mark.parametrize(("event", "message"), BAD_CHUNKS, ids=[m for _, m in BAD_CHUNKS])
+def test_every_command_checks_each_streamed_chunk(
+    fake: Callable[[Handler], str], tiny_gguf: Path, command: list[str], event: bytes, message: str
+) -> None:
+    """A chunk of another shape is one error line for every command through a server,
+    never a traceback (issue 53, item 11)."""
+    url = fake(matching(tiny_gguf, b"data: " + event + b"\n\n", b"data: [DONE]\n\n"))
+    result = runner.invoke(app, [*command, "-m", str(tiny_gguf), "--server", url], input="hi\n")
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    assert result.exit_code == (2 if command == ["chat"] else 1), result.stderr  # chat: piped
+    assert result.stderr.splitlines()[-1] == f"error: the server at {url} sent {message}"
+
+
+def trickling(head: bytes) -> Handler:
+    """Sends `head`, then a byte every 0.2 s for a minute: never silent for a second."""
+
+    def handler(conn: socket.socket, _request: bytes) -> None:
+        conn.sendall(head)
+        for _ in range(300):
+            conn.sendall(b"x")
+            time.sleep(0.2)
+
+    return handler
+
+
+@pytest.mark.parametrize(
+    ("head", "call"),
+    [
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 999\r\n\r\n", lambda s: s.get("/v1/models")),
+        (sse(b"data: "), lambda s: list(s.stream("/v1/chat/completions", {}))),
+        (b"HTTP/1.1 200 OK\r\nX-Slow: ", lambda s: s.get("/v1/models")),  # its headers
+    ],
+    ids=["body", "event", "headers"],
+)
+def test_the_deadline_bounds_a_trickling_request_on_the_wall_clock(
+    fake: Callable[[Handler], str],
+    monkeypatch: pytest.MonkeyPatch,
+    head: bytes,
+    call: Callable[[Server], object],
+) -> None:
+    """A byte every 0.2 s is never a silence of 1 s and never ends a read (a line, a
+    body): the deadline alone ends the request, when it passes (issue 53, item 12)."""
+    monkeypatch.setenv("MLXCACHE_SERVER_DEADLINE", "1.5")
+    server = Server(fake(trickling(head)))
+    start = time.monotonic()
+    with pytest.raises(ServerError, match=r"did not finish within \$MLXCACHE_SERVER_DEADLINE"):
+        call(server)
+    assert time.monotonic() - start < 30  # the trickle lasts a minute
+
+
+def test_a_request_in_time_leaves_the_connection_to_the_next(
+    fake: Callable[[Handler], str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The deadline's watch ends with its request: a kept connection serves the next
+    request after the first's deadline has passed."""
+    monkeypatch.setenv("MLXCACHE_SERVER_DEADLINE", "1")
+
+    def twice(conn: socket.socket, _request: bytes) -> None:
+        for _ in range(2):
+            conn.sendall(reply("200 OK", b'{"data": []}'))
+            conn.recv(1 << 16)  # the next request
+
+    server = Server(fake(twice))
+    assert server.get("/v1/models") == {"data": []}
+    time.sleep(1.5)
+    assert server.get("/v1/models") == {"data": []}

@@ -177,6 +177,24 @@ class DiskTier:
             raise index_error(root, exc) from exc
         self._sweep_temp()
 
+    @classmethod
+    def frozen(cls, root: Path) -> DiskTier:
+        """The index at `root` as its file holds it, read only, without locks or the WAL's
+        shared memory (SQLite's `immutable`): readable on a full disk, where opening it
+        to write fails. Rows only the WAL holds are not seen; only reads work.
+
+        Raises:
+            CacheStoreError: the file cannot be read as an index.
+        """
+        disk = cls.__new__(cls)
+        disk.root, disk.files = root, root / "files"
+        try:
+            uri = f"{(root / INDEX).absolute().as_uri()}?immutable=1"
+            disk._db = sqlite3.connect(uri, uri=True, check_same_thread=False)
+        except sqlite3.Error as exc:
+            raise index_error(root, exc) from exc
+        return disk
+
     def close(self) -> None:
         self._db.close()
 
@@ -418,8 +436,13 @@ class DiskTier:
             except sqlite3.OperationalError as exc:
                 if not disk_full(self.root, exc):
                     raise
-                self._unlink(self._own_files(entry_id))
+                self.delete_own_files(entry_id)
                 self._unlink(self._drop_rows(entry_id))
+
+    def delete_own_files(self, entry_id: int) -> None:
+        """Delete the files of an entry that no other entry uses, its rows left (a read:
+        works on a full disk, and on a `frozen` index); `remove_entry` drops them later."""
+        self._unlink(self._own_files(entry_id))
 
     def _own_files(self, entry_id: int) -> list[str]:
         """The files of an entry that no other entry uses (a read: no page written)."""

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mlxcache.cache.disk import INDEX, DiskEntry, DiskTier, index_error, remove_files, reset
-from mlxcache.errors import CorruptIndexError, DiskFullError
+from mlxcache.errors import CacheStoreError, CorruptIndexError, DiskFullError
 from mlxcache.paths import kv_dir
 
 if TYPE_CHECKING:
@@ -161,6 +161,7 @@ def clear(
     before = _file_bytes(root / "files")
     n, left = 0, list[str]()
     try:
+        _stray_file(root / "files")
         try:
             n, left = _clear(directory, root)
         except DiskFullError:  # the index cannot even open: make room, then clear it
@@ -175,6 +176,16 @@ def clear(
     return {"removed": n, "bytes_freed": max(0, before - _file_bytes(root / "files"))}
 
 
+def _stray_file(files: Path) -> None:
+    """Delete a regular file where the block folder goes (our own path name): the index
+    cannot open while it stands there (links are left, as everywhere)."""
+    try:
+        if files.is_file() and not files.is_symlink():
+            files.unlink()
+    except OSError as exc:
+        raise CacheStoreError(f"cannot delete {files}: {exc}") from exc
+
+
 def _clear(directory: Directory, root: Path) -> tuple[int, list[str]]:
     with _opened(directory) as disk:
         if disk:
@@ -183,9 +194,12 @@ def _clear(directory: Directory, root: Path) -> tuple[int, list[str]]:
 
 
 def _file_bytes(root: Path) -> int:
-    """Bytes of the regular files under `root` (links neither followed nor counted)."""
+    """Bytes of the regular files under `root`, or of `root` if it is one (links neither
+    followed nor counted)."""
     if root.is_symlink():
         return 0
+    if root.is_file():
+        return root.stat().st_size
     total = 0
     for folder, _dirs, files in os.walk(root):  # os.walk follows no link to a directory
         for name in files:
@@ -201,30 +215,74 @@ def prune(max_bytes: int, directory: Directory = None) -> dict[str, int]:
 
     Within a model (namespace) the index's victim order decides; across models, the victim
     whose entry was used longest ago (wall clock: processes share no logical clock).
+
+    On a disk too full for the index to open, the first victims' files go first, one entry
+    at a time until it opens (read from the index as its file holds it); their entries are
+    then removed with the rest.
+
+    Raises:
+        DiskFullError: deleting every entry's files did not make room for the index.
     """
-    with _opened(directory) as disk:
-        if disk is None:
-            return {"removed": 0, "bytes_before": 0, "bytes_after": 0}
-        before = disk.usage()[1]
-        removed = _prune(disk, max_bytes)
-        return {"removed": removed, "bytes_before": before, "bytes_after": disk.usage()[1]}
+    root = kv_dir(directory)
+    freed: list[int] = []  # entries whose files went before the index could open
+    while True:
+        try:
+            with _opened(directory) as disk:
+                if disk is None:
+                    return {"removed": 0, "bytes_before": 0, "bytes_after": 0}
+                before = disk.usage()[1]
+                for entry_id in freed:
+                    disk.remove_entry(entry_id)
+                removed = len(freed) + _prune(disk, max_bytes)
+                return {"removed": removed, "bytes_before": before, "bytes_after": disk.usage()[1]}
+        except DiskFullError as exc:
+            if not _free_next(root, freed):
+                raise DiskFullError(
+                    f"the disk holding {root} is full, and deleting every "
+                    "cached entry's files did not make room for the cache index: free space "
+                    "on it"
+                ) from exc
+
+
+def _free_next(root: Path, freed: list[int]) -> bool:
+    """Delete the files of the entry `prune` evicts first of those not in `freed` (added
+    to it), read from the index as its file holds it; False when none is left."""
+    disk = DiskTier.frozen(root)
+    try:
+        for row in _victims(disk.all_entries()):
+            if row.id not in freed:
+                disk.delete_own_files(row.id)
+                freed.append(row.id)
+                return True
+        return False
+    except sqlite3.Error as exc:
+        raise index_error(root, exc) from exc
+    finally:
+        disk.close()
 
 
 def _prune(disk: DiskTier, max_bytes: int) -> int:
-    from mlxcache.cache.index import PromptIndex  # here: it needs numpy, `cache ls` does not
-
     removed = 0
-    indexes: dict[str, tuple[PromptIndex, dict[Entry, DiskEntry]]] = {}  # per namespace
-    for row in disk.all_entries():  # oldest use first: each index's clock follows it
-        index, rows = indexes.setdefault(row.ns, (PromptIndex(block_size=1), {}))
-        rows[index.add(row.tokens, trimmable=row.trimmable, nbytes=row.nbytes)] = row
-    while disk.usage()[1] > max_bytes:
-        victims = [(idx, rows, v) for idx, rows in indexes.values() if (v := idx.victim())]
-        if not victims:
+    for row in _victims(disk.all_entries()):
+        if disk.usage()[1] <= max_bytes:
             break
-        index, rows, victim = min(victims, key=lambda c: (c[1][c[2]].used_ns, c[1][c[2]].id))
-        row = rows.pop(victim)
-        index.remove(victim)
         disk.remove_entry(row.id)
         removed += 1
     return removed
+
+
+def _victims(rows: list[DiskEntry]) -> Iterator[DiskEntry]:
+    """`rows` (oldest use first) in the order `prune` evicts them."""
+    from mlxcache.cache.index import PromptIndex  # here: it needs numpy, `cache ls` does not
+
+    indexes: dict[str, tuple[PromptIndex, dict[Entry, DiskEntry]]] = {}  # per namespace
+    for row in rows:  # oldest use first: each index's clock follows it
+        index, found = indexes.setdefault(row.ns, (PromptIndex(block_size=1), {}))
+        found[index.add(row.tokens, trimmable=row.trimmable, nbytes=row.nbytes)] = row
+    while True:
+        victims = [(idx, found, v) for idx, found in indexes.values() if (v := idx.victim())]
+        if not victims:
+            return
+        index, found, victim = min(victims, key=lambda c: (c[1][c[2]].used_ns, c[1][c[2]].id))
+        index.remove(victim)
+        yield found.pop(victim)

@@ -173,8 +173,32 @@ def _packaged(spec: str, root: Path) -> Path | None:
     return target
 
 
+def check_spec(spec: str, cache_root: str | os.PathLike[str] | None = None) -> None:
+    """Raise at once what `load(spec)` would raise for a spec that names nothing: before
+    any heavy import, conversion or run (a Hub id is left to `load`: it needs the network).
+
+    Raises:
+        ModelNotFoundError: a path that does not exist, or a name that is not one.
+    """
+    if spec == DEFAULT_MODEL or spec in PACKAGED or spec in PACKAGED.values():
+        return
+    candidate = Path(spec).expanduser()
+    if candidate.suffix.lower() == ".gguf":
+        if not candidate.is_file():
+            raise ModelNotFoundError(f"model file not found: {candidate}")
+        return
+    root = cache_dir(cache_root)
+    if candidate.is_dir() or (
+        "/" not in spec and (root / "models" / spec / "config.json").is_file()
+    ):
+        return
+    if candidate.exists() or spec.startswith((".", "/", "~")) or spec.count("/") != 1:
+        raise not_found(spec, root)
+
+
 def _resolve(spec: str, root: Path, progress: Progress | None, warn: Warn) -> tuple[str, Path]:
     """Turn a model spec into (display name, local mlx-lm folder)."""
+    check_spec(spec, root)
     if spec == DEFAULT_MODEL:
         return DEFAULT_MODEL, _converted(default_model_path(), root, progress, warn)
     packaged = _packaged(spec, root)
@@ -188,8 +212,6 @@ def _resolve(spec: str, root: Path, progress: Progress | None, warn: Warn) -> tu
     kept = root / "models" / spec
     if "/" not in spec and (kept / "config.json").is_file():  # a name `models ls` shows
         return spec, kept
-    if candidate.exists() or spec.startswith((".", "/", "~")) or spec.count("/") != 1:
-        raise not_found(spec, root)
     # A Hub id: needs the network on first use; the files mlx-lm itself would fetch.
     from huggingface_hub import snapshot_download
     from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
@@ -198,6 +220,11 @@ def _resolve(spec: str, root: Path, progress: Progress | None, warn: Warn) -> tu
         return spec, Path(snapshot_download(spec, allow_patterns=DEFAULT_ALLOW_PATTERNS))
     except Exception as exc:  # huggingface_hub raises many types; all mean "not available"
         raise ModelNotFoundError(f"cannot fetch model {spec!r}: {exc}") from exc
+
+
+def resolve(spec: str, cache_root: str | os.PathLike[str] | None = None) -> Path:
+    """The mlx-lm folder `spec` loads (a GGUF converted once), without loading it."""
+    return _resolve(spec, cache_dir(cache_root), None, lambda _msg: None)[1]
 
 
 def load(
@@ -248,8 +275,8 @@ def load(
     extra = {} if template is None else {"chat_template": template}
     try:
         tokenizer = load_tokenizer(path, extra, eos_token_ids=config.get("eos_token_id"))
-    except (ValueError, KeyError, FileNotFoundError) as exc:
-        raise UnsupportedModelError(f"cannot load model {path}: {exc}") from exc
+    except Exception as exc:  # the tokenizers library raises a plain Exception
+        raise UnsupportedModelError(f"cannot load the tokenizer of model {path}: {exc}") from exc
     key = model_key(folder_key(path), checked, template, args)
     return LoadedModel(
         model, with_args(tokenizer, args), key, name, path, config, "", checked, template, args
