@@ -1,0 +1,442 @@
+"""Several models behind one server, under one memory budget (`serve -m A -m B`, `--models`).
+
+Each served model is a `ModelEntry`: its name, its spec, the other names requests may use,
+and how it is loaded. A request names one (or none: the first, the default); a name that
+is not served is refused, so a request never loads a path it names. A model loads when a
+request first asks for it (or at start), on the engine worker's thread, which owns MLX
+and steps every loaded model's engine (`worker`); it is unloaded when the one memory
+budget (`--mem-limit`) needs room for another, least recently used first, or when it has
+been idle for the keep-alive time (Ollama's `keep_alive`). A model in use (a request
+preparing, queued or running on it) is never unloaded. A model that fails to load
+answers every request for it with that one error; the others go on serving.
+
+Each model keeps its own engine, hence its own prompt cache namespace and replies equal to
+its solo replies; the memory tier's budget (`--cache-mem`) is split evenly among the
+served models, and their requests' memory is reserved in one shared account
+(`membudget.MemoryBudget.reserved`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from mlxcache.config import human_bytes
+from mlxcache.engine import Engine
+from mlxcache.errors import (
+    MemoryBusyError,
+    MemoryLimitError,
+    ModelLoadError,
+    ModelNotServedError,
+    UserInputError,
+)
+from mlxcache.membudget import TIER_SHARE, Footprint, MemoryBudget, resident_bytes
+from mlxcache.sysmem import release_unused
+from mlxcache.worker import EngineWorker
+
+LOAD = {"load": True}
+"""Field metadata of a `ModelEntry` option passed to the model's load as a keyword."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelEntry:
+    """One served model: a line of the models file, or one `serve -m SPEC`.
+
+    A field whose metadata is `LOAD` is passed to the load call as a keyword argument of
+    its own name (`load_options`): a new load option is one such field."""
+
+    name: str
+    model: str
+    """The model spec (`mlxcache.model.load`)."""
+    aliases: tuple[str, ...] = ()
+    kv_bits: int | None = None
+    """KV width: the memory and disk tiers' KV quantized to these bits (None: serve's own)."""
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.name, *self.aliases)
+
+    def load_options(self) -> dict[str, Any]:
+        """The keyword arguments the model's load call takes from this entry."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.metadata.get("load")}
+
+
+ENTRY_KEYS = {f.name for f in fields(ModelEntry)}
+
+
+def entries_from(doc: Any, where: str) -> list[ModelEntry]:
+    """The entries of a models file's document: a list of mappings (or `{models: [...]}`),
+    each with `model` and optional `name` (default: the spec's name), `aliases` and
+    `kv_bits`.
+
+    Raises:
+        UserInputError: a wrong shape, a missing spec, an unknown key, a repeated name.
+    """
+    items = doc.get("models") if isinstance(doc, dict) else doc
+    if not isinstance(items, list) or not items:
+        raise UserInputError(f"{where}: expected a non-empty list of models (name, model, ...)")
+    out = []
+    for i, item in enumerate(items):
+        at = f"{where}: model {i + 1}"
+        if not isinstance(item, dict):
+            raise UserInputError(f"{at}: expected a mapping (name: ..., model: ...)")
+        unknown = sorted(str(k) for k in item if k not in ENTRY_KEYS)
+        if unknown:
+            known = ", ".join(sorted(ENTRY_KEYS))
+            raise UserInputError(f"{at}: unknown key {unknown[0]!r} (keys: {known})")
+        spec = item.get("model")
+        if not isinstance(spec, str) or not spec.strip():
+            raise UserInputError(f"{at}: 'model' must be a model spec (a path, a name, a Hub id)")
+        aliases = item.get("aliases", [])
+        if isinstance(aliases, str):
+            aliases = [aliases]
+        if not isinstance(aliases, list) or not all(isinstance(a, str) and a for a in aliases):
+            raise UserInputError(f"{at}: 'aliases' must be a list of names")
+        bits = item.get("kv_bits")
+        if bits is not None and (isinstance(bits, bool) or not isinstance(bits, int)):
+            raise UserInputError(f"{at}: 'kv_bits' must be a whole number of bits")
+        name = item.get("name", spec_name(spec))
+        if not isinstance(name, str) or not name.strip():
+            raise UserInputError(f"{at}: 'name' must be a non-empty name")
+        extra = {k: v for k, v in item.items() if k not in ("name", "model", "aliases", "kv_bits")}
+        out.append(ModelEntry(name, spec, tuple(aliases), bits, **extra))
+    return out
+
+
+def read_models_file(path: Path) -> list[ModelEntry]:
+    """The entries of a YAML models file (see `entries_from`).
+
+    Raises:
+        UserInputError: the file cannot be read or is not such a list.
+    """
+    import yaml
+
+    from mlxcache.fileio import load_yaml
+
+    try:
+        doc = load_yaml(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserInputError(f"cannot read models file {path}: {exc}") from exc
+    except yaml.YAMLError as exc:
+        raise UserInputError(
+            f"models file {path} is not YAML: {' '.join(str(exc).split())}"
+        ) from exc
+    return entries_from(doc, str(path))
+
+
+def spec_name(spec: str) -> str:
+    """The name a model spec is served as by default: its file or folder name for a path,
+    else the spec itself (a packaged name, a Hub id) — what `load` names it."""
+    candidate = Path(spec).expanduser()
+    if candidate.suffix.lower() == ".gguf" or candidate.is_dir():
+        return candidate.name
+    return spec
+
+
+def check_names(entries: list[ModelEntry]) -> None:
+    """Every name and alias must name one model.
+
+    Raises:
+        UserInputError: a name given twice (say which models share it).
+    """
+    seen: dict[str, str] = {}
+    for entry in entries:
+        for name in entry.names:
+            if not name.strip():
+                raise UserInputError(f"model {entry.name!r}: an empty alias")
+            if name in seen:
+                raise UserInputError(
+                    f"the name {name!r} is given to two models ({seen[name]!r} and "
+                    f"{entry.name!r}): give one of them another name"
+                )
+            seen[name] = entry.name
+
+
+@dataclass(slots=True)
+class Resident:
+    """A loaded model: its engine, what it was measured to hold, when it was last used."""
+
+    entry: ModelEntry
+    engine: Engine
+    size: int
+    used: float
+    info: dict[str, Any]
+    """What the opener published about it (the server's identity card)."""
+    pins: int = 0
+
+
+Opener = Callable[[ModelEntry, int], tuple[Engine, dict[str, Any]]]
+"""Open an entry's engine with a memory tier of the given bytes; its published identity."""
+
+
+@dataclass(slots=True)
+class Fleet:
+    """The served models and which of them are loaded (see the module's doc).
+
+    Loading, unloading and their bookkeeping run on the worker's thread (`worker.run`);
+    `lease` is what request handlers call, from any thread.
+
+    Args:
+        entries: the served models, the default first; names checked (`check_names`).
+        worker: the engine worker that owns MLX (no default engine of its own).
+        opener: opens an entry's engine (the CLI's, from serve's options).
+        limit: the memory budget in bytes (`--mem-limit`); None: no limit.
+        keep_alive: unload a model idle this many seconds; None: never.
+        tier_bytes: the memory tier's whole budget, split evenly among the models.
+        clock: seconds, monotonic (tests give their own).
+        meter: the process's memory now (tests give their own account).
+        size_of: the bytes a model will hold once loaded, known before (its weights' files).
+        on_note: told each load and unload, in one line.
+    """
+
+    entries: list[ModelEntry]
+    worker: EngineWorker
+    opener: Opener
+    limit: int | None = None
+    keep_alive: float | None = None
+    tier_bytes: int = 0
+    clock: Callable[[], float] = time.monotonic
+    meter: Callable[[], int] = resident_bytes
+    size_of: Callable[[ModelEntry], int] = field(default=lambda e: 0)
+    on_note: Callable[[str], None] = field(default=lambda _m: None)
+    resident: dict[str, Resident] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)
+    loads: dict[str, int] = field(default_factory=dict)
+    """Loads per model since start (a reload counts)."""
+    base: int = 0
+    _reserved: dict[tuple[int, int], int] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        check_names(self.entries)
+        self.base = self.meter()
+
+    @property
+    def default(self) -> ModelEntry:
+        return self.entries[0]
+
+    def entry(self, requested: str | None) -> ModelEntry:
+        """The entry a request's `model` names (None or empty: the default).
+
+        Raises:
+            ModelNotServedError: no served model goes by that name.
+        """
+        if not requested:
+            return self.default
+        for entry in self.entries:
+            if requested in entry.names:
+                return entry
+        raise ModelNotServedError(f"model {requested!r} is not served here ({self.served()})")
+
+    def served(self) -> str:
+        """What is served, for a 404: each model and its aliases."""
+        parts = []
+        for entry in self.entries:
+            also = (
+                f" (aliases {', '.join(repr(a) for a in entry.aliases)})" if entry.aliases else ""
+            )
+            parts.append(f"{entry.name!r}{also}")
+        return "it serves " + ", ".join(parts) + "; a request never loads a model it names"
+
+    def acquire(self, requested: str | None) -> Resident:
+        """The loaded model a request names (loaded now if it is not), held loaded until
+        `release` (a request submitted meanwhile is then held by its job until it ends).
+
+        Raises:
+            ModelNotServedError: not a served name.
+            ModelLoadError: the model failed to load (now or before).
+            MemoryBusyError: no room can be made now (models in use hold it): retry.
+            MemoryLimitError: the model does not fit the budget even alone.
+        """
+        entry = self.entry(requested)
+        if entry.name in self.failed:
+            raise ModelLoadError(self.failed[entry.name])
+        return self.worker.run(lambda: self._acquire(entry))
+
+    def release(self, resident: Resident) -> None:
+        """`acquire`'s hold ends (any thread)."""
+        with self._lock:
+            resident.pins -= 1
+            resident.used = self.clock()
+
+    @contextlib.contextmanager
+    def lease(self, requested: str | None) -> Iterator[Resident]:
+        """`acquire` and `release` around a block."""
+        resident = self.acquire(requested)
+        try:
+            yield resident
+        finally:
+            self.release(resident)
+
+    def load_all(self) -> None:
+        """Load every model now, in order (`serve --load-all`), as far as the budget lets
+        earlier ones stay; a model that fails raises (the server does not start)."""
+        for entry in self.entries:
+            with self.lease(entry.name):
+                pass
+
+    def expire(self) -> list[str]:
+        """Unload the models idle for the keep-alive time; their names (worker thread)."""
+        if self.keep_alive is None:
+            return []
+        now = self.clock()
+        gone = [r.entry.name for r in self._idle() if now - r.used >= self.keep_alive]
+        for name in gone:
+            self._unload(name, f"idle for {self.keep_alive:g} s")
+        return gone
+
+    def report(self) -> list[dict[str, Any]]:
+        """Every served model: its names, whether loaded, its memory and idle seconds."""
+        now = self.clock()
+        out = []
+        for entry in self.entries:
+            r = self.resident.get(entry.name)
+            row: dict[str, Any] = {
+                "name": entry.name,
+                "model": entry.model,
+                "aliases": list(entry.aliases),
+                "loaded": r is not None,
+                "default": entry is self.default,
+                "loads": self.loads.get(entry.name, 0),
+            }
+            if r is not None:
+                busy = r.pins or self.worker.jobs_on(r.engine)
+                row.update(size_bytes=r.size, idle_s=0.0 if busy else round(now - r.used, 1))
+            if entry.name in self.failed:
+                row["error"] = self.failed[entry.name]
+            out.append(row)
+        return out
+
+    # -- the worker thread ------------------------------------------------------------------
+
+    def _acquire(self, entry: ModelEntry) -> Resident:
+        resident = self.resident.get(entry.name)
+        if resident is None:
+            resident = self._load(entry)
+        with self._lock:
+            resident.pins += 1
+            resident.used = self.clock()
+        return resident
+
+    def _load(self, entry: ModelEntry) -> Resident:
+        if entry.name in self.failed:  # failed while this request waited its turn
+            raise ModelLoadError(self.failed[entry.name])
+        try:
+            size = self.size_of(entry)
+        except Exception as exc:  # the spec names nothing loadable: its load's own error
+            raise self._failure(entry, exc) from exc
+        tier = self.tier_bytes // len(self.entries)
+        if self.limit is not None:
+            self._make_room(entry, size)
+            tier = max(min(tier, (self.limit - self.base - size) // TIER_SHARE), 0)
+        start = self.clock()
+        try:
+            engine, info = self.opener(entry, tier)
+        except Exception as exc:
+            raise self._failure(entry, exc) from exc
+        if self.limit is not None:
+            engine.budget = MemoryBudget(
+                self.limit,
+                self.base + size,
+                Footprint.of(engine.model, engine.loaded.config),
+                engine.cache.block_size,
+                self._reserved,
+            )
+        self.worker.attach(engine)
+        resident = Resident(entry, engine, size, self.clock(), info)
+        self.resident[entry.name] = resident
+        self.loads[entry.name] = self.loads.get(entry.name, 0) + 1
+        self.on_note(f"loaded {entry.name} ({human_bytes(size)}, {self.clock() - start:.1f} s)")
+        return resident
+
+    def _failure(self, entry: ModelEntry, exc: Exception) -> ModelLoadError:
+        """Remember why `entry` cannot load: its requests get this, the others go on."""
+        why = " ".join(str(exc).split()) or type(exc).__name__
+        message = f"model {entry.name!r} cannot be loaded: {why}"
+        self.failed[entry.name] = message
+        self.on_note(message)
+        return ModelLoadError(message)
+
+    def _make_room(self, entry: ModelEntry, size: int) -> None:
+        """Unload idle models, least recently used first, until `entry` fits the budget.
+
+        Raises:
+            MemoryLimitError: it does not fit even with no other model loaded.
+            MemoryBusyError: it would fit, but the models holding the room are in use.
+        """
+        assert self.limit is not None
+        if self.base + size > self.limit:
+            raise MemoryLimitError(
+                f"model {entry.name!r} needs about {human_bytes(size)}, and the memory limit "
+                f"{human_bytes(self.limit)} leaves {human_bytes(max(self.limit - self.base, 0))} "
+                "for models: raise --mem-limit"
+            )
+        while self.meter() + size > self.limit:
+            idle = sorted(self._idle(), key=lambda r: r.used)
+            if not idle:
+                busy = ", ".join(sorted(self.resident))
+                raise MemoryBusyError(
+                    f"model {entry.name!r} needs about {human_bytes(size)} of memory, held now "
+                    f"by models in use ({busy}): retry when their requests end"
+                )
+            victim = idle[0].entry.name
+            del idle  # no reference may outlive the unload: its memory is measured next
+            self._unload(victim, f"least recently used, for {entry.name}")
+
+    def _idle(self) -> list[Resident]:
+        """The loaded models no request holds (one that is held counts as used now)."""
+        now = self.clock()
+        idle = []
+        with self._lock:
+            for r in self.resident.values():
+                if r.pins or self.worker.jobs_on(r.engine):
+                    r.used = now
+                else:
+                    idle.append(r)
+        return idle
+
+    def _unload(self, name: str, why: str) -> None:
+        """Drop a model no request holds: its engine's arrays are freed now."""
+        self.worker.detach(self.resident.pop(name).engine)
+        gc.collect()  # its last references may be in cycles
+        release_unused()
+        self.on_note(f"unloaded {name} ({why})")
+
+    def close(self) -> None:
+        """Forget every loaded model (the worker has stopped)."""
+        self.resident.clear()
+
+
+def weights_bytes(folder: Path) -> int:
+    """The bytes a model folder's weights take once loaded (their files' sizes)."""
+    return sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+
+
+class Ticker:
+    """Calls `fn` every `every` seconds on its own thread until `stop` (keep-alive)."""
+
+    def __init__(self, fn: Callable[[], object], every: float) -> None:
+        self._stop = threading.Event()
+        self._fn = fn
+        self._every = every
+        self._thread = threading.Thread(target=self._run, name="mlxcache-keepalive", daemon=True)
+
+    def start(self) -> Ticker:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._every):
+            with contextlib.suppress(Exception):  # the worker stopped: so will we
+                self._fn()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
