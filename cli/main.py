@@ -255,7 +255,13 @@ command(
     examples="mlxcache models default\nmlxcache models default ./llama-3.2-1b.Q4_0.gguf\n"
     "mlxcache models default --reset",
 )
+command(
+    models_cmd.ps,
+    app=models_app,
+    examples="mlxcache models ps --server http://127.0.0.1:8080",
+)
 app.add_typer(models_app, name="models")
+command(models_cmd.ps, "ps", examples="mlxcache ps --server http://127.0.0.1:8080")
 
 regress_app = typer.Typer(
     help="Byte-identical regression runs against a golden file.", no_args_is_help=True

@@ -23,11 +23,11 @@ import gc
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from mlxcache.config import human_bytes
+from mlxcache.config import CacheConfig, DraftConfig, human_bytes
 from mlxcache.engine import Engine
 from mlxcache.errors import (
     MemoryBusyError,
@@ -411,6 +411,57 @@ class Fleet:
     def close(self) -> None:
         """Forget every loaded model (the worker has stopped)."""
         self.resident.clear()
+
+
+def opener(
+    config: CacheConfig,
+    draft: DraftConfig | None = None,
+    on_warning: Callable[[str], None] | None = None,
+    on_note: Callable[[str], None] | None = None,
+    batch_inexact: bool = False,
+) -> Opener:
+    """How a server opens each of its models: as `serve` opens its one (`open_engine`,
+    what the device computes exactly measured), with the entry's KV width, its share of
+    the memory tier, its load options, and its published identity (`wire.identity`)."""
+
+    def open_entry(entry: ModelEntry, tier: int) -> tuple[Engine, dict[str, Any]]:
+        from mlxcache.runtime import batch_anyway, open_engine
+        from mlxcache.wire import identity
+
+        own = entry_config(config, entry, tier)
+        engine = open_engine(
+            entry.model,
+            own,
+            on_warning=on_warning,
+            invariant=True,
+            draft=draft,
+            on_note=on_note,
+            **entry.load_options(),
+        )
+        inexact = batch_inexact and not engine.batch_decode and batch_anyway(engine)
+        return engine, identity(entry.model, engine, own, not inexact)
+
+    return open_entry
+
+
+def entry_config(config: CacheConfig, entry: ModelEntry, tier: int = 0) -> CacheConfig:
+    """A served model's cache settings: the server's, with the entry's KV width and a
+    memory tier of `tier` bytes; the budget is the fleet's (none of its own).
+
+    Raises:
+        SettingError: the entry's KV width is not one the cache takes.
+    """
+    bits = config.kv_bits if entry.kv_bits is None else entry.kv_bits
+    return replace(config, kv_bits=bits, mem_bytes=tier, mem_limit=0)
+
+
+def folder_size(
+    root: Path | None, on_warning: Callable[[str], None] | None = None
+) -> Callable[[ModelEntry], int]:
+    """`Fleet.size_of` from the models' folders (a GGUF converted first, once)."""
+    from mlxcache.model.loader import model_folder
+
+    return lambda entry: weights_bytes(model_folder(entry.model, root, on_warning))
 
 
 def weights_bytes(folder: Path) -> int:
