@@ -229,6 +229,7 @@ command(bench.startup, app=bench_app, examples="mlxcache bench startup --rounds 
 command(bench.distributed, app=bench_app, examples="mlxcache bench distributed --ranks 1,3")
 command(bench.spec, app=bench_app, examples="mlxcache bench spec --lines 30 --tokens 80")
 command(bench.agent, app=bench_app, examples="mlxcache bench agent --agents 2 --turns 4")
+command(bench.models, app=bench_app, examples="mlxcache bench models --minutes 3")
 command(
     bench.memory,
     app=bench_app,

@@ -209,6 +209,8 @@ class Fleet:
     failed: dict[str, str] = field(default_factory=dict)
     loads: dict[str, int] = field(default_factory=dict)
     """Loads per model since start (a reload counts)."""
+    measured: dict[str, int] = field(default_factory=dict)
+    """What each model was measured to add to the process when it last loaded."""
     base: int = 0
     _reserved: dict[tuple[int, int], int] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -327,29 +329,32 @@ class Fleet:
     def _load(self, entry: ModelEntry) -> Resident:
         if entry.name in self.failed:  # failed while this request waited its turn
             raise ModelLoadError(self.failed[entry.name])
-        try:
-            size = self.size_of(entry)
+        try:  # its weights' files, or what it was measured to take when loaded before
+            size = max(self.size_of(entry), self.measured.get(entry.name, 0))
         except Exception as exc:  # the spec names nothing loadable: its load's own error
             raise self._failure(entry, exc) from exc
         tier = self.tier_bytes // len(self.entries)
         if self.limit is not None:
             self._make_room(entry, size)
             tier = max(min(tier, (self.limit - self.base - size) // TIER_SHARE), 0)
-        start = self.clock()
+        start, before = self.clock(), self.meter()
         try:
             engine, info = self.opener(entry, tier)
         except Exception as exc:
             raise self._failure(entry, exc) from exc
+        # What loading took beyond the weights (the tokenizer, the probes' buffers) counts
+        # from now on: the next time room is made for it, it is made for all of it.
+        self.measured[entry.name] = max(self.meter() - before, size)
         if self.limit is not None:
             engine.budget = MemoryBudget(
                 self.limit,
-                self.base + size,
+                self.base + self.measured[entry.name],
                 Footprint.of(engine.model, engine.loaded.config),
                 engine.cache.block_size,
                 self._reserved,
             )
         self.worker.attach(engine)
-        resident = Resident(entry, engine, size, self.clock(), info)
+        resident = Resident(entry, engine, self.measured[entry.name], self.clock(), info)
         self.resident[entry.name] = resident
         self.loads[entry.name] = self.loads.get(entry.name, 0) + 1
         self.on_note(f"loaded {entry.name} ({human_bytes(size)}, {self.clock() - start:.1f} s)")
@@ -379,6 +384,12 @@ class Fleet:
             )
         while self.meter() + size > self.limit:
             idle = sorted(self._idle(), key=lambda r: r.used)
+            if not self.resident:  # what the process holds beside any model has grown
+                raise MemoryLimitError(
+                    f"model {entry.name!r} needs about {human_bytes(size)}, and the process "
+                    f"holds {human_bytes(self.meter())} with no model loaded: the memory "
+                    f"limit {human_bytes(self.limit)} leaves too little; raise --mem-limit"
+                )
             if not idle:
                 busy = ", ".join(sorted(self.resident))
                 raise MemoryBusyError(

@@ -21,8 +21,8 @@ from mlxcache.engine import Engine
 from mlxcache.errors import RankError, UserInputError
 from mlxcache.fleet import Fleet, Ticker
 from mlxcache.server.app import Settings, create_app
-from mlxcache.server.served import Many
 from mlxcache.server.log import RequestLog
+from mlxcache.server.served import Many
 from mlxcache.worker import EngineWorker
 
 
