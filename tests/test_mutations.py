@@ -22,6 +22,7 @@ from guarantees import (
     check_kept_replies,
     check_kv_apart,
     check_lanes,
+    check_models_interleaved,
     check_probes_apart,
     check_rebuilt_layers,
     check_restore_repeatedly,
@@ -94,6 +95,8 @@ CAUGHT_BY: dict[str, list[tuple[str, str]]] = {
     "capture_without_sync": [("sliding", "batched"), ("recurrent", "batched")],
     "reply_blocks_not_captured": [("sliding", "kept_replies"), ("recurrent", "kept_replies")],
     "state_inside_a_block": [("recurrent", "kept_replies")],
+    "jobs_on_the_first_engine": [("plain", "models_interleaved")],
+    "events_by_lane_id_alone": [("plain", "models_interleaved"), ("sliding", "models_interleaved")],
 }
 
 
@@ -140,6 +143,9 @@ def test_mutant_is_caught(
         "rebuilt_layers": check_rebuilt_layers,
         "kv_apart": check_kv_apart,
         "two_models": lambda rig: check_two_models(rig, other_variants[rig.variant.name]),
+        "models_interleaved": lambda rig: check_models_interleaved(
+            rig, other_variants[rig.variant.name]
+        ),
     }
     for i, (variant, check) in enumerate(CAUGHT_BY[mutant]):
         with pytest.raises(AssertionError):
