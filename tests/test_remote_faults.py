@@ -361,3 +361,14 @@ def test_serve_refuses_a_key_no_client_can_send(tiny_gguf: Path) -> None:
     result = runner.invoke(app, ["serve", "-m", str(tiny_gguf), "--api-key", "a\nb"])
     assert result.exit_code == 2
     assert result.stderr == "error: --api-key must be one line (it holds a line break)\n"
+
+
+def test_a_server_s_card_is_its_model_s_not_an_alias_s(fake: Callable[[Handler], str]) -> None:
+    """A server with --alias lists a card per alias (`alias_of`): the client takes the
+    served model's card; two models' cards are still refused (no one identity)."""
+    mine = {"id": "m", "mlxcache": {"key": "k"}}
+    alias = {"id": "gpt-5", "alias_of": "m", "mlxcache": {"key": "k"}}
+    assert Server(fake(answers(json.dumps({"data": [mine, alias]}).encode()))).card() == mine
+    two = {"data": [mine, {"id": "n", "mlxcache": {"key": "j"}}]}
+    with pytest.raises(ServerError, match="not an mlxcache server this version can use"):
+        Server(fake(answers(json.dumps(two).encode()))).card()

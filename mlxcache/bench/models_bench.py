@@ -2,10 +2,11 @@
 limit that holds one of them plus a cache, requests alternating between them.
 
 Three servers, one after the other, on one cache directory:
-- a preparing one (no limit): converts both models, records their probes, and measures
-  what the idle server holds and what each model adds once loaded;
+- a preparing one (no limit): what the idle server holds; then it converts both models
+  and records their probes (a conversion's memory is not a model's);
 - each model's own server (`serve --models` of it alone, loaded at start): its load time
-  (the baseline of a reload) and its replies to the prompts (what every reply must equal);
+  (the baseline of a reload), what it adds to the idle server, and its replies to the
+  prompts (what every reply must equal);
 - the served pair under `--mem-limit` (default: the idle server, the larger model and
   half the smaller one): requests alternate between the models for `minutes`.
 
@@ -41,12 +42,10 @@ def run(minutes: float, tokens: int, mem_limit: int | None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         common = ["--cache-dir", str(root / "cache"), "-n", str(tokens), "--no-warm-ahead"]
-        sizes = _prepare(root, common)
+        idle = _prepare(root, common)
         own = {m: _solo(root, common, m) for m in MODELS}
-        limit = (
-            mem_limit
-            or sizes["idle"] + max(sizes[m] for m in MODELS) + min(sizes[m] for m in MODELS) // 2
-        )
+        sizes = {m: own[m]["resident"] - idle for m in MODELS}
+        limit = mem_limit or idle + max(sizes.values()) + min(sizes.values()) // 2
         served = _served(root, common, limit, minutes, own)
     reloads = {m: served["loads"][m][1:] for m in MODELS}
     peak = served["peak"]
@@ -55,7 +54,7 @@ def run(minutes: float, tokens: int, mem_limit: int | None) -> dict[str, Any]:
         "models": list(MODELS),
         "minutes": minutes,
         "max_tokens": tokens,
-        "idle_server_mb": round(sizes["idle"] / MiB, 1),
+        "idle_server_mb": round(idle / MiB, 1),
         "model_mb": {m: round(sizes[m] / MiB, 1) for m in MODELS},
         "mem_limit_mb": round(limit / MiB, 1),
         "peak_rss_mb": round(peak / MiB, 1),
@@ -112,32 +111,29 @@ def _text(url: str, model: str, prompt: str) -> str:
     return str(doc["choices"][0]["text"])
 
 
-def _prepare(root: Path, common: list[str]) -> dict[str, int]:
-    """Convert and probe both models; what the idle server holds and each model adds."""
+def _prepare(root: Path, common: list[str]) -> int:
+    """What the idle server holds; both models converted and probed."""
     server = MlxcacheServer(["--models", _models_file(root, "both", MODELS), *common])
     try:
-        sizes = {"idle": int(_ps(server.url)["resident_bytes"])}
-        before = sizes["idle"]
-        for model in reversed(MODELS):  # the smaller first: each adds to the one before
+        idle = int(_ps(server.url)["resident_bytes"])
+        for model in MODELS:
             _text(server.url, model, PROMPTS[0])
-            held = int(_ps(server.url)["resident_bytes"])
-            sizes[model] = held - before
-            before = held
     finally:
         server.stop()
-    return sizes
+    return idle
 
 
 def _solo(root: Path, common: list[str], model: str) -> dict[str, Any]:
-    """A model's own server: its load time and its replies."""
+    """A model's own server: its load time, its replies, and what it then holds."""
     args = ["--models", _models_file(root, model, (model,)), "--load-all", *common]
     server = MlxcacheServer(args)
     try:
         load_s = float(server.wait_for(_LOADED).group(2))
         replies = {p: _text(server.url, model, p) for p in PROMPTS}
+        resident = int(_ps(server.url)["resident_bytes"])
     finally:
         server.stop()
-    return {"load_s": load_s, "replies": replies}
+    return {"load_s": load_s, "replies": replies, "resident": resident}
 
 
 def _served(
