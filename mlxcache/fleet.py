@@ -180,7 +180,7 @@ class Fleet:
     """The served models and which of them are loaded (see the module's doc).
 
     Loading, unloading and their bookkeeping run on the worker's thread (`worker.run`);
-    `lease` is what request handlers call, from any thread.
+    request handlers call `acquire` and `release`, from any thread.
 
     Args:
         entries: the served models, the default first; names checked (`check_names`).
@@ -418,10 +418,6 @@ class Fleet:
         gc.collect()  # its last references may be in cycles
         release_unused()
         self.on_note(f"unloaded {name} ({why})")
-
-    def close(self) -> None:
-        """Forget every loaded model (the worker has stopped)."""
-        self.resident.clear()
 
 
 def opener(

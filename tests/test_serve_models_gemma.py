@@ -56,7 +56,8 @@ def test_smollm2_and_gemma_behind_one_server(cache_root: Path, tmp_path: Path) -
         ]
         del engine
     assert solo["smol"] != solo["gemma"]
-    server = MlxcacheServer(["--models", str(models), "-n", str(TOKENS), "--no-warm-ahead"])
+    # No cache: no device probe of each model (minutes here); `bench models` runs cached.
+    server = MlxcacheServer(["--models", str(models), "-n", str(TOKENS), "--no-cache"])
     try:
         for model, name in (("gemma", "gemma"), ("small", "smol"), ("gemma", "gemma")):
             got = [completion(server.url, model, p) for p in PROMPTS]

@@ -1,9 +1,11 @@
 """`mlxcache bench models`: SmolLM2 and Gemma 3 270M behind one server, under a memory
 limit that holds one of them plus a cache, requests alternating between them.
 
-Three servers, one after the other, on one cache directory:
+Four servers, one after the other, on the cache directory of the user (where the models'
+conversions and the device's probes of them are kept for every later run; no disk tier,
+so no prompt is kept there):
 - a preparing one (no limit): what the idle server holds; then it converts both models
-  and records their probes (a conversion's memory is not a model's);
+  and records their probes, once (a conversion's memory is not a model's);
 - each model's own server (`serve --models` of it alone, loaded at start): its load time
   (the baseline of a reload), what it adds to the idle server, and its replies to the
   prompts (what every reply must equal);
@@ -17,16 +19,19 @@ every reply equals its model's own (goal: all), and errors (goal: none).
 
 from __future__ import annotations
 
+import json
 import re
 import statistics
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from mlxcache.bench.memory_bench import _post
+from mlxcache.errors import ServerError
 from mlxcache.server.process import MlxcacheServer
 
 MODELS = ("gemma3-270m", "smollm2-135m")
@@ -41,7 +46,7 @@ def run(minutes: float, tokens: int, mem_limit: int | None) -> dict[str, Any]:
     """The bench (see the module's doc) as one JSON-able dict."""
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        common = ["--cache-dir", str(root / "cache"), "-n", str(tokens), "--no-warm-ahead"]
+        common = ["--cache-disk", "0", "-n", str(tokens), "--no-warm-ahead"]
         idle = _prepare(root, common)
         own = {m: _solo(root, common, m) for m in MODELS}
         sizes = {m: own[m]["resident"] - idle for m in MODELS}
@@ -90,24 +95,39 @@ def _models_file(root: Path, name: str, models: tuple[str, ...]) -> str:
 
 
 def _ps(url: str) -> dict[str, Any]:
-    import json
-    import urllib.request
-
     with urllib.request.urlopen(url + "/v1/ps", timeout=600) as reply:
         doc: dict[str, Any] = json.load(reply)
     return doc
 
 
+WAIT_S = 3600.0
+"""A bound on one request (a first conversion and probe of Gemma take minutes here)."""
+
+
 def _ask(url: str, model: str, prompt: str) -> tuple[int, dict[str, Any], float]:
-    """(status, body, Retry-After) of a greedy completion of `prompt` by `model`."""
-    return _post(url + "/v1/completions", {"model": model, "prompt": prompt, "temperature": 0})
+    """(status, body, Retry-After) of a greedy completion of `prompt` by `model`.
+
+    Raises:
+        ServerError: the server did not answer.
+    """
+    body = json.dumps({"model": model, "prompt": prompt, "temperature": 0}).encode()
+    request = urllib.request.Request(
+        url + "/v1/completions", body, {"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=WAIT_S) as response:
+            return response.status, json.loads(response.read()), 0.0
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"{}"), float(exc.headers.get("Retry-After") or 1)
+    except OSError as exc:
+        raise ServerError(f"bench models: {model} did not answer: {exc}") from exc
 
 
 def _text(url: str, model: str, prompt: str) -> str:
     """A completion's text (a server that does not answer it fails the bench)."""
     status, doc, _ = _ask(url, model, prompt)
     if status != 200:
-        raise RuntimeError(f"{model}: {status} {doc.get('error', {}).get('message')}")
+        raise ServerError(f"bench models: {model}: {status} {doc.get('error', {}).get('message')}")
     return str(doc["choices"][0]["text"])
 
 
