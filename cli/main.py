@@ -201,7 +201,9 @@ mlxcache tools --tools tools.json --messages prev.json --tool-result get_weather
 command(
     serve_cmd,
     "serve",
-    examples="mlxcache serve\nmlxcache serve --port 9000 --api-key secret -m ./model.gguf",
+    examples="mlxcache serve\nmlxcache serve --port 9000 --api-key secret -m ./model.gguf\n"
+    "mlxcache serve -m smollm2-135m -m gemma3-270m --mem-limit 1G --keep-alive 10m\n"
+    "mlxcache serve --models models.yaml --load-all",
 )
 
 cache_app = typer.Typer(help="Show and manage the prompt cache's disk tier.", no_args_is_help=True)

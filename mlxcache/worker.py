@@ -268,6 +268,20 @@ class EngineWorker:
     def _warming(self) -> bool:
         return any(e.warming for e in self._engines)
 
+    # The loop's own frame lives as long as the worker: an engine it named in a local would
+    # outlive its `detach` (an unloaded model's memory kept). These helpers' locals do not.
+
+    def _step(self) -> None:
+        """One model call of each engine with work (requests waiting for a lane: its
+        warm-ahead and follow lanes wait too)."""
+        for engine in list(self._engines):
+            for event in engine.step(background=not self._pending):
+                self._deliver(engine, event)
+
+    def _release_memory(self) -> None:
+        for engine in self._engines:
+            engine.release_memory()
+
     def _loop(self) -> None:
         # MLX streams are per thread: this one gets its own on the engine's device.
         stream = mx.new_stream(mx.default_device())
@@ -283,17 +297,13 @@ class EngineWorker:
                     # Left idle a moment, it hands freed memory back; back-to-back requests
                     # keep MLX's buffers (a release makes the next prefill fault them in).
                     if not self._read_inbox(block=True, timeout=IDLE_RELEASE_S):
-                        for engine in self._engines:
-                            engine.release_memory()
+                        self._release_memory()
                         released = True
                         continue
                 else:
                     self._read_inbox(block=idle)
                 self._admit()
-                # Requests waiting for a lane: warm-ahead and follow lanes wait too.
-                for engine in list(self._engines):
-                    for event in engine.step(background=not self._pending):
-                        self._deliver(engine, event)
+                self._step()
             for engine in self._engines:
                 engine.cancel_warm()
             self._drain(_cancelled())

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -246,6 +247,9 @@ def test_keep_alive_unloads_an_idle_model(
     assert call(app, "POST", "/v1/completions", completion("alpha")).status == 200
     clock.now = 30.0
     assert call(app, "POST", "/v1/completions", completion("beta")).status == 200
+    engines = fleet.worker.run(
+        lambda: {n: weakref.ref(r.engine) for n, r in fleet.resident.items()}
+    )
     clock.now = 59.0
     assert fleet.worker.run(fleet.expire) == []
     rows = {r["name"]: r for r in call(app, "GET", "/v1/ps").json()["models"]}
@@ -257,6 +261,9 @@ def test_keep_alive_unloads_an_idle_model(
     clock.now = 90.0
     assert fleet.worker.run(fleet.expire) == ["beta"]
     assert fleet.resident == {}
+    # Nothing keeps an unloaded model (its memory is given back): not the worker's loop,
+    # not a finished request's objects.
+    assert {n: ref() for n, ref in engines.items()} == {"alpha": None, "beta": None}
     # Asked for again, it loads again and answers as before.
     assert tokens_of(call(app, "POST", "/v1/completions", completion("alpha")))[1] == solo(
         folders["alpha"]
