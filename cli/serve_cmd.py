@@ -15,7 +15,7 @@ from mlxcache_cli import options as o
 from mlxcache_cli import ui
 
 if TYPE_CHECKING:
-    from mlxcache.fleet import ModelEntry
+    from mlxcache.model_entries import ModelEntry
 
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
 SERVER = ServerConfig  # its class attributes are the defaults
@@ -202,7 +202,7 @@ def served_entries(
 ) -> list[ModelEntry] | None:
     """The models of a server of several (each -m, then the file's; `aliases` name the
     first, the default); None for one model (served as before: `serve -m MODEL`)."""
-    from mlxcache.fleet import ModelEntry, check_names, read_models_file, spec_name
+    from mlxcache.model_entries import ModelEntry, check_names, read_models_file, spec_name
 
     if models_file is None and len(specs) < 2:
         return None

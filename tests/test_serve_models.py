@@ -20,8 +20,9 @@ from mlxcache.bench.families import FAMILIES, build
 from mlxcache.config import CacheConfig
 from mlxcache.engine import Engine, Request
 from mlxcache.errors import MemoryBusyError
-from mlxcache.fleet import Fleet, ModelEntry, entries_from, folder_size, opener, weights_bytes
+from mlxcache.fleet import Fleet, folder_size, opener, weights_bytes
 from mlxcache.model import LoadedModel, load
+from mlxcache.model_entries import ModelEntry, entries_from
 from mlxcache.sampling import SamplingParams
 from mlxcache.server.app import Settings, create_app
 from mlxcache.server.log import RequestLog

@@ -38,6 +38,8 @@ MODELS = ("gemma3-270m", "smollm2-135m")
 """The larger first: the first switch then makes room by the measured size of a model."""
 PROMPTS = ("The capital of France is", "Water boils at", "A cache is")
 GOAL_PEAK = 1.05
+MAX_REFUSED = 50
+"""A 429 is retried after its Retry-After, this many times in all (then it is an error)."""
 MiB = 1 << 20
 _LOADED = re.compile(r"mlxcache: loaded (\S+) \(.*, ([\d.]+) s\)")
 
@@ -170,7 +172,7 @@ def _served(
         while time.monotonic() < until or turn < 2 * len(MODELS):
             model, prompt = MODELS[turn % len(MODELS)], PROMPTS[(turn // 2) % len(PROMPTS)]
             status, doc, wait = _ask(server.url, model, prompt)
-            if status == 429:
+            if status == 429 and out["refused"] < MAX_REFUSED:
                 out["refused"] += 1
                 time.sleep(wait)
                 continue
