@@ -466,6 +466,40 @@ def agent(
     )
 
 
+def models(
+    minutes: Annotated[
+        float, typer.Option("--minutes", help="How long requests alternate.", metavar="M")
+    ] = 3.0,
+    tokens: Annotated[
+        int, typer.Option("--tokens", help="Most tokens per reply.", metavar="N")
+    ] = 8,
+    mem_limit: Annotated[
+        str | None,
+        typer.Option(
+            "--mem-limit",
+            metavar="SIZE",
+            help="The served pair's budget [default: the idle server, the larger model and "
+            "half the smaller, as measured].",
+        ),
+    ] = None,
+) -> None:
+    """SmolLM2 and Gemma 3 270M behind one server under a memory limit that holds one of
+    them: switches, reload time vs each model's own load, peak memory, replies vs solo."""
+    from mlxcache.bench import models_bench
+    from mlxcache.config import parse_size
+
+    o.positive(tokens=tokens)
+    if minutes <= 0:
+        raise UserInputError("--minutes must be > 0")
+    try:
+        limit = None if mem_limit is None else parse_size(mem_limit)
+    except ValueError as exc:
+        raise UserInputError(f"--mem-limit: {exc}") from exc
+    if limit == 0:
+        raise UserInputError("--mem-limit must be > 0")
+    _report(models_bench.run(minutes, tokens, limit))
+
+
 def memory(
     model: o.Model = None,
     only: Annotated[

@@ -213,7 +213,9 @@ mlxcache tools --tools tools.json --messages prev.json --tool-result get_weather
 command(
     serve_cmd,
     "serve",
-    examples="mlxcache serve\nmlxcache serve --port 9000 --api-key secret -m ./model.gguf",
+    examples="mlxcache serve\nmlxcache serve --port 9000 --api-key secret -m ./model.gguf\n"
+    "mlxcache serve -m smollm2-135m -m gemma3-270m --mem-limit 1G --keep-alive 10m\n"
+    "mlxcache serve --models models.yaml --load-all",
 )
 
 cache_app = typer.Typer(help="Show and manage the prompt cache's disk tier.", no_args_is_help=True)
@@ -246,6 +248,7 @@ command(bench.startup, app=bench_app, examples="mlxcache bench startup --rounds 
 command(bench.distributed, app=bench_app, examples="mlxcache bench distributed --ranks 1,3")
 command(bench.spec, app=bench_app, examples="mlxcache bench spec --lines 30 --tokens 80")
 command(bench.agent, app=bench_app, examples="mlxcache bench agent --agents 2 --turns 4")
+command(bench.models, app=bench_app, examples="mlxcache bench models --minutes 3")
 command(
     bench.memory,
     app=bench_app,
@@ -272,7 +275,13 @@ command(
     examples="mlxcache models default\nmlxcache models default ./llama-3.2-1b.Q4_0.gguf\n"
     "mlxcache models default --reset",
 )
+command(
+    models_cmd.ps,
+    app=models_app,
+    examples="mlxcache models ps --server http://127.0.0.1:8080",
+)
 app.add_typer(models_app, name="models")
+command(models_cmd.ps, "ps", examples="mlxcache ps --server http://127.0.0.1:8080")
 
 regress_app = typer.Typer(
     help="Byte-identical regression runs against a golden file.", no_args_is_help=True

@@ -149,3 +149,51 @@ def quantization(value: Any) -> str:
     extra = {k: v for k, v in value.items() if k not in ("bits", "group_size")}
     text += "".join(f", {k} {v}" for k, v in extra.items())
     return text.lstrip(", ") or "none"
+
+
+def ps(
+    server: Annotated[
+        str | None,
+        typer.Option(
+            "--server",
+            envvar="MLXCACHE_SERVER",
+            metavar="URL",
+            help="The running `mlxcache serve` to ask (e.g. http://127.0.0.1:8080).",
+        ),
+    ] = None,
+    as_json: o.Json = False,
+) -> None:
+    """The models a running server serves: which are loaded, their memory and idle time."""
+    from rich.table import Table
+
+    from mlxcache_cli.remote import client
+
+    if server is None:
+        raise UserInputError("ps asks a running server: give --server URL (or $MLXCACHE_SERVER)")
+    with client(server) as remote:
+        doc = remote.get("/v1/ps")
+    rows = doc.get("models") if isinstance(doc, dict) else None
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        raise UserInputError(f"the server at {server} does not list its models (/v1/ps)")
+    if as_json:
+        ui.out_json(doc)
+        return
+    table = Table("NAME", "LOADED", "SIZE", "IDLE", "LOADS", "ALIASES")
+    for row in rows:
+        size = row.get("size_bytes")
+        idle = row.get("idle_s")
+        name = str(row.get("name")) + (" (default)" if row.get("default") else "")
+        table.add_row(
+            name,
+            "failed" if row.get("error") else ("yes" if row.get("loaded") else "no"),
+            ui.human_bytes(size) if isinstance(size, int) else "-",
+            f"{idle:.0f} s" if isinstance(idle, int | float) else "-",
+            str(row.get("loads", "")),
+            ", ".join(str(a) for a in row.get("aliases") or []),
+        )
+    ui.out_table(table)
+    limit = doc.get("mem_limit_bytes")
+    held = doc.get("resident_bytes")
+    if isinstance(held, int):
+        budget = f" of {ui.human_bytes(limit)}" if isinstance(limit, int) else ""
+        ui.info(f"resident: {ui.human_bytes(held)}{budget}")

@@ -77,6 +77,18 @@ ChatTemplateArgs = Annotated[
         rich_help_panel=MODEL_PANEL,
     ),
 ]
+Models = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--model",
+        "-m",
+        metavar="MODEL",
+        help="A .gguf file, an mlx-lm folder, a Hub id or smollm2-135m (the default, unless "
+        "`mlxcache models default` chose another); repeat it to serve several (the first "
+        "is the default).",
+        rich_help_panel=MODEL_PANEL,
+    ),
+]
 MaxTokens = Annotated[
     int,
     typer.Option(
@@ -691,6 +703,9 @@ class RunOptions:
     draft_ngram: int | None
     draft_inexact: bool
     quiet: bool
+    models: tuple[str, ...] = ()
+    """Every --model given, where a command takes several (`with_run_options(models=True)`);
+    `model` is the first."""
 
     def sampling(self) -> SamplingParams:
         return sampling(
@@ -806,12 +821,20 @@ F = TypeVar("F", bound=Callable[..., None])
 
 
 def run_options(kwargs: dict[str, Any]) -> RunOptions:
-    """The shared options taken out of a command's keyword arguments."""
-    return RunOptions(**{name: kwargs.pop(name) for name, _, _ in _RUN_OPTIONS})
+    """The shared options taken out of a command's keyword arguments (a repeated --model
+    as `models`, its first as `model`)."""
+    given = {name: kwargs.pop(name) for name, _, _ in _RUN_OPTIONS}
+    if isinstance(given["model"], list):
+        given["models"] = tuple(given["model"])
+        given["model"] = given["models"][0] if given["models"] else None
+    return RunOptions(**given)
 
 
-def with_run_options(max_tokens: int = _SAMPLING.max_tokens) -> Callable[[F], F]:
-    """Give a command the shared options; it receives them as `run: RunOptions`.
+def with_run_options(
+    max_tokens: int = _SAMPLING.max_tokens, models: bool = False
+) -> Callable[[F], F]:
+    """Give a command the shared options; it receives them as `run: RunOptions`
+    (`models`: --model may be repeated, `RunOptions.models`).
 
     Typer reads a command's options from its signature, so the wrapper's signature is the
     command's own parameters (minus `run`) followed by the shared ones.
@@ -827,7 +850,7 @@ def with_run_options(max_tokens: int = _SAMPLING.max_tokens) -> Callable[[F], F]
                 name,
                 inspect.Parameter.KEYWORD_ONLY,
                 default=defaults.get(name, default),
-                annotation=kind,
+                annotation=Models if models and name == "model" else kind,
             )
             for name, kind, default in _RUN_OPTIONS
         ]

@@ -2,22 +2,27 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 from urllib.parse import urlsplit
 
 import typer
 
-from mlxcache.config import ServerConfig, format_size, parse_size
-from mlxcache.errors import UserInputError
+from mlxcache.config import SamplingParams, ServerConfig, format_size, parse_duration, parse_size
+from mlxcache.errors import SettingError, UserInputError
 from mlxcache_cli import options as o
 from mlxcache_cli import ui
+
+if TYPE_CHECKING:
+    from mlxcache.model_entries import ModelEntry
+    from mlxcache.server.run import Served
 
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
 SERVER = ServerConfig  # its class attributes are the defaults
 
 
-@o.with_run_options()
+@o.with_run_options(models=True)
 def serve_cmd(
     host: Annotated[
         str,
@@ -87,9 +92,36 @@ def serve_cmd(
             "--alias",
             metavar="NAME",
             help="Answer requests naming NAME too (repeatable): for agents whose model name "
-            "is fixed (e.g. claude-sonnet-4-5, gpt-5).",
+            "is fixed (e.g. claude-sonnet-4-5, gpt-5). With several models: a name of the "
+            "default one.",
         ),
     ] = None,
+    models_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--models",
+            metavar="FILE",
+            help="Serve the models a YAML file lists (name, model, aliases, kv_bits each; "
+            "after any -m; the first is the default). See docs/serving-models.md.",
+        ),
+    ] = None,
+    keep_alive: Annotated[
+        str | None,
+        typer.Option(
+            "--keep-alive",
+            metavar="DURATION",
+            help="With several models: unload one idle this long (e.g. 5m, 30s; Ollama's "
+            "keep_alive). Default: kept until --mem-limit needs its room.",
+        ),
+    ] = None,
+    load_all: Annotated[
+        bool,
+        typer.Option(
+            "--load-all",
+            help="With several models: load them all before listening (default: each when "
+            "first asked for).",
+        ),
+    ] = False,
     *,
     run: o.RunOptions,
 ) -> None:
@@ -120,6 +152,26 @@ def serve_cmd(
         if any(c in api_key for c in "\r\n\0"):  # no client can send it in a header
             raise UserInputError("--api-key must be one line (it holds a line break)")
     defaults = run.sampling()
+    entries = served_entries(run.models, models_file, aliases)
+    if entries is not None:
+        limits = (max_queue, max_lanes or SERVER.lanes, body_limit, origins, api_key or None)
+        _serve_models(
+            entries,
+            run,
+            defaults,
+            keep_alive,
+            load_all,
+            batch_inexact,
+            limits,
+            host,
+            port,
+            log_file,
+        )
+        return
+    if keep_alive is not None or load_all:
+        raise UserInputError(
+            "--keep-alive and --load-all are for several models (-m A -m B, --models)"
+        )
     engine = run.engine(invariant=True)
     exact = True
     if batch_inexact and not engine.batch_decode:
@@ -151,15 +203,125 @@ def serve_cmd(
         def announce(url: str) -> None:
             ui.info(f"mlxcache: serving {settings.model_id} on {url}")
 
-        def stopping(in_flight: int) -> None:
-            waits = f"finishing {ui.plural(in_flight, 'request')} in flight" if in_flight else ""
-            ui.info(f"mlxcache: stopping{', ' + waits if waits else ''}")
-
-        served = serve(engine, settings, log, announce, host, port, max_queue, lanes, stopping)
-        drained = f" ({served.drained} finished after the stop began)" if served.drained else ""
-        ui.info(f"mlxcache: stopped, {ui.plural(served.requests, 'request')} served{drained}")
+        _stopped(serve(engine, settings, log, announce, host, port, max_queue, lanes, _stopping))
     finally:
         log.close()
+
+
+def served_entries(
+    specs: tuple[str, ...], models_file: Path | None, aliases: tuple[str, ...]
+) -> list[ModelEntry] | None:
+    """The models of a server of several (each -m, then the file's; `aliases` name the
+    first, the default); None for one model (served as before: `serve -m MODEL`)."""
+    from mlxcache.model_entries import ModelEntry, check_names, read_models_file, spec_name
+
+    if models_file is None and len(specs) < 2:
+        return None
+    entries = [ModelEntry(spec_name(spec), spec) for spec in specs]
+    if models_file is not None:
+        entries += read_models_file(models_file)
+    if aliases:
+        first = entries[0]
+        entries[0] = dataclasses.replace(first, aliases=(*first.aliases, *aliases))
+    check_names(entries)
+    return entries
+
+
+def _serve_models(
+    entries: list[ModelEntry],
+    run: o.RunOptions,
+    defaults: SamplingParams,
+    keep_alive: str | None,
+    load_all: bool,
+    batch_inexact: bool,
+    limits: tuple[int, int, int, tuple[str, ...], str | None],
+    host: str,
+    port: int,
+    log_file: Path | None,
+) -> None:
+    """`serve` of several models (`mlxcache.fleet`)."""
+    from mlxcache.fleet import Fleet, entry_config, folder_size, opener
+    from mlxcache.server.app import Settings
+    from mlxcache.server.log import RequestLog
+    from mlxcache.server.run import serve
+    from mlxcache.worker import EngineWorker
+
+    max_queue, lanes, body_limit, origins, api_key = limits
+    try:
+        idle = None if keep_alive is None else parse_duration(keep_alive)
+    except ValueError as exc:
+        raise UserInputError(f"--keep-alive: {exc}") from exc
+    config = run.cache()
+    if any(run.tailoring().values()):
+        raise UserInputError(
+            "--adapter and --chat-template tailor one model: with several, give each its "
+            "own in the models file (adapter:, chat_template:)"
+        )
+    for entry in entries:
+        try:
+            entry_config(config, entry)  # a bad KV width: refused now, naming its model
+        except SettingError as exc:
+            raise UserInputError(f"model {entry.name!r}: kv_bits: {exc}") from exc
+        if entry.adapter is not None:  # a bad adapter: refused now, not at its first request
+            from mlxcache.errors import AdapterError
+            from mlxcache.model.adapter import check_adapter
+
+            try:
+                check_adapter(entry.adapter)
+            except AdapterError as exc:
+                raise UserInputError(f"model {entry.name!r}: {exc}") from exc
+    if run.split is not None:
+        raise UserInputError("--split runs one model: serve several models without it")
+    open_entry = opener(
+        config, run.drafting(), ui.warn, None if run.quiet else ui.ProbeNotes(), batch_inexact
+    )
+
+    def fleet_of(worker: EngineWorker) -> Fleet:
+        return Fleet(
+            entries,
+            worker,
+            open_entry,
+            limit=config.mem_limit or None,
+            keep_alive=idle,
+            tier_bytes=config.mem_bytes if config.enabled else 0,
+            size_of=folder_size(config.directory, ui.warn),
+            on_note=lambda line: ui.info(f"mlxcache: {line}"),
+        )
+
+    settings = Settings(entries[0].name, defaults, api_key, body_limit, origins)
+    names = ", ".join(e.name for e in entries)
+    log = RequestLog(log_file)
+    try:
+
+        def announce(url: str) -> None:
+            ui.info(f"mlxcache: serving {settings.model_id} on {url} (models: {names})")
+
+        served = serve(
+            None,
+            settings,
+            log,
+            announce,
+            host,
+            port,
+            max_queue,
+            lanes,
+            _stopping,
+            fleet_of=fleet_of,
+            load_all=load_all,
+        )
+        _stopped(served)
+    finally:
+        log.close()
+
+
+def _stopping(in_flight: int) -> None:
+    waits = f"finishing {ui.plural(in_flight, 'request')} in flight" if in_flight else ""
+    ui.info(f"mlxcache: stopping{', ' + waits if waits else ''}")
+
+
+def _stopped(served: Served) -> None:
+    drained = f" ({served.drained} finished after the stop began)" if served.drained else ""
+    ui.info(f"mlxcache: stopped, {ui.plural(served.requests, 'request')} served{drained}")
 
 
 def _origin(value: str) -> str:

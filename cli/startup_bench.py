@@ -170,10 +170,10 @@ def run(
     result: dict[str, Any] = {"bench": "startup", "rounds": rounds, "python_s": round(base, 3)}
     result["commands"] = rows
     if one_shot_rounds:
-        from mlxcache.model.loader import resolve
+        from mlxcache.model.loader import model_folder
 
         with tempfile.TemporaryDirectory(prefix="mlxcache-one-shot-") as work:
-            folder = resolve(model or default_spec(), cache_dir)
+            folder = model_folder(model or default_spec(), cache_dir)
             result["one_shot"] = one_shot(one_shot_rounds, folder, Path(work))
         goals |= result["one_shot"].pop("goals")
     return {**result, "goals": goals, "pass": all(goals.values())}

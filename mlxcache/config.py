@@ -46,6 +46,22 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2)])
 
 
+_SECONDS = {"": 1, "S": 1, "M": 60, "H": 3600}
+
+
+def parse_duration(text: str) -> float:
+    """Seconds from a duration such as `30s`, `5m`, `1.5h` or `90` (seconds), as Ollama's
+    `keep_alive` takes them.
+
+    Raises:
+        ValueError: if `text` is not a duration.
+    """
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([SMH]?)\s*", text.upper())
+    if not m:
+        raise ValueError(f"not a duration: {text!r} (try 30s, 5m or 1h)")
+    return float(m.group(1)) * _SECONDS[m.group(2)]
+
+
 ENV_BLOCK_SIZE = "MLXCACHE_BLOCK_SIZE"
 ENV_SERVER = "MLXCACHE_SERVER"
 """A running `mlxcache serve` for one-shot commands (`mlxcache.remote`; `--server`)."""

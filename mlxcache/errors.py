@@ -148,6 +148,15 @@ class MemoryLimitError(UserInputError):
     """A request that does not fit the memory budget (`--mem-limit`) even alone."""
 
 
+class ModelNotServedError(UserInputError):
+    """A request names a model the server does not serve (it never loads one it names)."""
+
+
+class ModelLoadError(MlxcacheError):
+    """A served model cannot be loaded (a damaged file): its requests get this; the
+    server's other models go on serving."""
+
+
 class EngineStoppedError(MlxcacheError):
     """The engine is shutting down or has stopped: it takes nothing more."""
 

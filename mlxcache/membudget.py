@@ -133,13 +133,16 @@ class MemoryBudget:
         floor: what the process held once the model was loaded (its least).
         footprint: the model's `Footprint`.
         chunk: the prefill chunk (the cache's block size).
+        reserved: what running requests reserved, by (budget, request id): one dict shared
+            by the budgets of several models in one process (`fleet`), so each admits
+            beside the others' requests.
     """
 
     limit: int
     floor: int
     footprint: Footprint
     chunk: int
-    _reserved: dict[int, int] = field(default_factory=dict)
+    reserved: dict[tuple[int, int], int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         mx.set_cache_limit(self.limit // POOL_SHARE)
@@ -155,7 +158,7 @@ class MemoryBudget:
         need = self.need(len(request.tokens), request.sampling.max_tokens)
         if self.floor + need > self.limit:
             raise self._too_big(need)
-        others = sum(list(self._reserved.values()))  # list(): one call, safe across threads
+        others = sum(list(self.reserved.values()))  # list(): one call, safe across threads
         freeable = cache.held() + mx.get_cache_memory()
         if now and others and resident_bytes() - freeable + need + others > self.limit:
             raise MemoryBusyError(
@@ -174,7 +177,7 @@ class MemoryBudget:
             MemoryLimitError: no request runs, and it still does not fit.
         """
         need = self.need(prompt, max_tokens)
-        others = sum(v for r, v in self._reserved.items() if r != rid)
+        others = sum(v for r, v in list(self.reserved.items()) if r != (id(self), rid))
 
         def over() -> int:
             return resident_bytes() + need + others - self.limit
@@ -184,7 +187,7 @@ class MemoryBudget:
             cache.shed(excess)
             release_unused()
         if over() <= 0:
-            self._reserved[rid] = need
+            self.reserved[(id(self), rid)] = need
             return True
         if others:
             return False
@@ -192,7 +195,7 @@ class MemoryBudget:
 
     def release(self, rid: int) -> None:
         """Request `rid` ended: its room is free."""
-        self._reserved.pop(rid, None)
+        self.reserved.pop((id(self), rid), None)
 
     def _too_big(self, need: int) -> MemoryLimitError:
         left = max(self.limit - self.floor, 0)

@@ -403,6 +403,8 @@ class Server:
             ServerError: the server publishes no identity (not mlxcache, or too old).
         """
         cards = self.get("/v1/models").get("data") or []
+        if isinstance(cards, list):  # an alias's card (`alias_of`) repeats its model's
+            cards = [c for c in cards if not (isinstance(c, dict) and "alias_of" in c)]
         if (
             not isinstance(cards, list)
             or len(cards) != 1

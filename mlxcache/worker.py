@@ -4,6 +4,11 @@ MLX streams belong to the thread that made them, so one thread drives the model,
 other threads (a chat prompt waiting for the user, HTTP handlers) talk to it through a
 queue. While no request runs, the worker advances warm-ahead lanes; a request that
 arrives waits at most for the model call in flight.
+
+A server of several models (`mlxcache.fleet`) drives them all from this one thread: each
+request names its engine, engines are attached as they load and detached as they unload
+(on this thread), and each loop steps every engine with work, one model call each, so
+requests of different models run interleaved, each making the calls it makes alone.
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ class _Job:
     handle: Handle
     request: Request
     sink: Sink
+    engine: Engine
     rid: int | None = None  # the engine's lane id, once admitted
 
     def end(self, result: Result) -> Done:
@@ -74,8 +80,9 @@ class EngineWorker:
     """Runs `engine` on its own thread.
 
     Args:
-        engine: the engine; once started, only the worker thread may use it (but its
-            `encoder`, which any thread may use: docs/architecture.md, "Threads").
+        engine: the engine requests run on unless they name another; once started, only
+            the worker thread may use it (but its `encoder`, which any thread may use:
+            docs/architecture.md, "Threads"). None: engines are `attach`ed as they load.
         max_lanes: requests run together (interleaved); more wait in a queue.
         max_queue: requests that may wait; one more raises QueueFullError (0: no limit, as
             chat's one user needs; the server passes its own, `ServerConfig.max_queue`).
@@ -85,7 +92,7 @@ class EngineWorker:
 
     def __init__(
         self,
-        engine: Engine,
+        engine: Engine | None,
         *,
         max_lanes: int = ServerConfig.lanes,
         max_queue: int = 0,
@@ -93,7 +100,8 @@ class EngineWorker:
     ) -> None:
         if max_lanes < 1 or max_queue < 0:
             raise ValueError("max_lanes must be >= 1 and max_queue >= 0")
-        self.engine = engine
+        self._default = engine
+        self._engines: list[Engine] = [] if engine is None else [engine]  # the worker's own
         self.max_lanes = max_lanes
         self.max_queue = max_queue
         self._inbox: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
@@ -101,7 +109,7 @@ class EngineWorker:
         self._lock = threading.Lock()
         self._waiting = 0  # submitted, not yet admitted to the engine
         self._pending: deque[_Job] = deque()
-        self._active: dict[int, _Job] = {}  # engine lane id -> job
+        self._active: dict[tuple[int, int], _Job] = {}  # (id(engine), lane id) -> job
         self._stopping = False
         self.finished = 0
         """Requests that ended (a `Done` delivered), however they ended."""
@@ -113,6 +121,13 @@ class EngineWorker:
         self._thread = threading.Thread(target=self._loop, name="mlxcache-engine", daemon=True)
 
     # -- any thread -------------------------------------------------------------------------
+
+    @property
+    def engine(self) -> Engine:
+        """The engine requests run on unless they name another."""
+        if self._default is None:
+            raise EngineStoppedError("this worker has no default engine")
+        return self._default
 
     def start(self) -> EngineWorker:
         self._thread.start()
@@ -144,8 +159,9 @@ class EngineWorker:
         len() of a dict is atomic)."""
         return self._waiting + len(self._active)
 
-    def submit(self, request: Request, sink: Sink) -> Handle:
-        """Queue a request; `sink` receives its events on the worker thread.
+    def submit(self, request: Request, sink: Sink, engine: Engine | None = None) -> Handle:
+        """Queue a request on `engine` (default: the worker's); `sink` receives its events
+        on the worker thread.
 
         Raises:
             UserInputError: empty prompt.
@@ -155,9 +171,10 @@ class EngineWorker:
             MemoryLimitError, MemoryBusyError: the memory budget cannot take it, or not
                 beside the running requests (`MemoryBudget.check`).
         """
-        self.engine.encoder.prompt(request.tokens)
-        if self.engine.budget is not None:
-            self.engine.budget.check(request, self.engine.cache)
+        engine = engine or self.engine
+        engine.encoder.prompt(request.tokens)
+        if engine.budget is not None:
+            engine.budget.check(request, engine.cache)
         with self._lock:
             if self._stopping:
                 raise EngineStoppedError("the engine is shutting down")
@@ -170,7 +187,7 @@ class EngineWorker:
             handle = Handle(next(self._ids), self)
             # Sent under the lock: the loop's last drain (which sets `_closed` under it)
             # sees every message sent before `_stopping` was set.
-            self._send(("submit", _Job(handle, request, sink)))
+            self._send(("submit", _Job(handle, request, sink, engine)))
         return handle
 
     def generate(self, request: Request) -> Iterator[Event]:
@@ -205,17 +222,30 @@ class EngineWorker:
         """The engine's encoder: any thread may use it (tokenizing needs no MLX)."""
         return self.engine.encoder
 
-    def warm(self, tokens: Any) -> None:
-        """Queue warm-ahead of a token prefix (see `Engine.warm`)."""
-        self._send(("call", lambda e: e.warm(tokens), None))
+    def warm(self, tokens: Any, engine: Engine | None = None) -> None:
+        """Queue warm-ahead of a token prefix on `engine` (see `Engine.warm`); nothing if
+        that engine has been detached (unloaded) meanwhile."""
+        target = engine or self.engine
+
+        def warm() -> None:
+            if any(e is target for e in self._engines):
+                target.warm(tokens)
+
+        self._send(("call", warm, None))
 
     @property
     def warm_ahead(self) -> bool:
         """The engine's setting (set once, at construction: safe to read from here)."""
         return self.engine.warm_ahead
 
-    def call(self, fn: Callable[[Engine], T]) -> T:
-        """Run `fn(engine)` on the worker thread, between two model calls; return its result."""
+    def call(self, fn: Callable[[Engine], T], engine: Engine | None = None) -> T:
+        """Run `fn(engine)` (default: the worker's) on the worker thread, between two model
+        calls; return its result."""
+        target = engine or self.engine
+        return self.run(lambda: fn(target))
+
+    def run(self, fn: Callable[[], T]) -> T:
+        """Run `fn()` on the worker thread, between two model calls; return its result."""
         future: Future[T] = Future()
         with self._lock:
             if self._closed:
@@ -228,6 +258,38 @@ class EngineWorker:
 
     # -- the worker thread ------------------------------------------------------------------
 
+    def attach(self, engine: Engine) -> None:
+        """Step `engine` too from now on (worker thread: from a `run` function)."""
+        self._engines.append(engine)
+
+    def detach(self, engine: Engine) -> None:
+        """Stop stepping `engine` (worker thread); it must have no request (`jobs_on`): its
+        warm-ahead lanes are dropped."""
+        engine.cancel_warm()
+        self._engines = [e for e in self._engines if e is not engine]
+
+    def jobs_on(self, engine: Engine) -> int:
+        """Requests queued or running on `engine` (worker thread)."""
+        jobs = [*self._pending, *self._active.values()]
+        return sum(1 for job in jobs if job.engine is engine)
+
+    def _warming(self) -> bool:
+        return any(e.warming for e in self._engines)
+
+    # The loop's own frame lives as long as the worker: an engine it named in a local would
+    # outlive its `detach` (an unloaded model's memory kept). These helpers' locals do not.
+
+    def _step(self) -> None:
+        """One model call of each engine with work (requests waiting for a lane: its
+        warm-ahead and follow lanes wait too)."""
+        for engine in list(self._engines):
+            for event in engine.step(background=not self._pending):
+                self._deliver(engine, event)
+
+    def _release_memory(self) -> None:
+        for engine in self._engines:
+            engine.release_memory()
+
     def _loop(self) -> None:
         # MLX streams are per thread: this one gets its own on the engine's device.
         stream = mx.new_stream(mx.default_device())
@@ -235,7 +297,7 @@ class EngineWorker:
         released = True  # nothing has run yet
         try:
             while True:
-                idle = not (self._active or self._pending or self.engine.warming)
+                idle = not (self._active or self._pending or self._warming())
                 if self._stopping and not (self._active or self._pending):
                     break
                 released = released and idle
@@ -243,16 +305,15 @@ class EngineWorker:
                     # Left idle a moment, it hands freed memory back; back-to-back requests
                     # keep MLX's buffers (a release makes the next prefill fault them in).
                     if not self._read_inbox(block=True, timeout=IDLE_RELEASE_S):
-                        self.engine.release_memory()
+                        self._release_memory()
                         released = True
                         continue
                 else:
                     self._read_inbox(block=idle)
                 self._admit()
-                # Requests waiting for a lane: warm-ahead and follow lanes wait too.
-                for event in self.engine.step(background=not self._pending):
-                    self._deliver(event)
-            self.engine.cancel_warm()
+                self._step()
+            for engine in self._engines:
+                engine.cancel_warm()
             self._drain(_cancelled())
         except BaseException as exc:
             # A bug here must not leave callers waiting forever: fail what is in flight.
@@ -311,7 +372,7 @@ class EngineWorker:
         elif kind == "call":
             _, fn, future = message
             try:
-                value = fn(self.engine)
+                value = fn()
             except BaseException as exc:
                 if future is not None:
                     future.set_exception(exc)
@@ -333,11 +394,13 @@ class EngineWorker:
             with self._lock:
                 self._waiting -= 1
             try:
-                job.rid = self.engine.submit(job.request)
+                if not any(e is job.engine for e in self._engines):
+                    raise EngineStoppedError("its model was unloaded")  # a fleet pins it: a bug
+                job.rid = job.engine.submit(job.request)
             except Exception as exc:  # checked at submit already; the state may have changed
                 self._send_to(job, job.end(_failed(str(exc))))
                 continue
-            self._active[job.rid] = job
+            self._active[(id(job.engine), job.rid)] = job
 
     def _cancel(self, handle: Handle) -> None:
         job = next((j for j in self._pending if j.handle is handle), None)
@@ -346,19 +409,20 @@ class EngineWorker:
             with self._lock:
                 self._waiting -= 1
         else:
-            rid = next((r for r, j in self._active.items() if j.handle is handle), None)
-            if rid is None:
+            key = next((k for k, j in self._active.items() if j.handle is handle), None)
+            if key is None:
                 return  # already finished
-            self.engine.cancel(rid)
-            job = self._active.pop(rid)
+            job = self._active.pop(key)
+            job.engine.cancel(key[1])
         self._send_to(job, job.end(_cancelled()))
 
-    def _deliver(self, event: Event) -> None:
-        job = self._active.get(event.request_id)
+    def _deliver(self, engine: Engine, event: Event) -> None:
+        key = (id(engine), event.request_id)
+        job = self._active.get(key)
         if job is None:
             return
         if isinstance(event, Done):
-            del self._active[event.request_id]
+            del self._active[key]
             self.finished += 1
         self._send_to(job, event)
 
@@ -366,6 +430,7 @@ class EngineWorker:
         try:
             job.sink(event)
         except Exception:  # a broken consumer must not stop the engine: drop its request
-            if job.rid is not None and job.rid in self._active:
-                self.engine.cancel(job.rid)
-                del self._active[job.rid]
+            key = (id(job.engine), job.rid if job.rid is not None else -1)
+            if key in self._active:
+                job.engine.cancel(key[1])
+                del self._active[key]

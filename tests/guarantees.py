@@ -1209,3 +1209,32 @@ def check_kv_apart(rig: Rig) -> None:
         except Exception as exc:  # blocks of another precision read as its own
             raise AssertionError(f"another KV precision's entries were read: {exc}") from exc
         assert got.stats.cached_tokens == 0, "another KV precision's entries were read"
+
+
+def check_models_interleaved(rig: Rig, other: Variant) -> None:
+    """Two models' requests on one engine worker (a server of several models: one thread
+    owns MLX and steps both engines): run together, interleaved call by call, each reply
+    is its own model's cold reply, token for token."""
+    second = Rig(other, rig.dir / "other", rig.mutant)
+    long, short = prompt(21), prompt(5, seed=3)
+    # Each engine numbers its lanes from 0: the second's first request ends first.
+    engines = [(rig, rig.engine()[0], [long, short]), (second, second.engine()[0], [short, long])]
+    worker = EngineWorker(None, max_lanes=4).start()
+    try:
+        worker.run(lambda: [worker.attach(engine) for _, engine, _ in engines])
+        done: queue.SimpleQueue[tuple[int, Result]] = queue.SimpleQueue()
+        jobs = [(r, engine, p) for r, engine, prompts in engines for p in prompts]
+
+        def sink(i: int) -> Callable[[Event], None]:
+            return lambda event: done.put((i, event.result)) if isinstance(event, Done) else None
+
+        def submit_all() -> None:  # on the worker's thread: all queued before its next step
+            for i, (_, engine, tokens) in enumerate(jobs):
+                worker.submit(Request(tokens, GREEDY), sink(i), engine)
+
+        worker.run(submit_all)
+        results = dict(done.get(timeout=600) for _ in jobs)
+    finally:
+        worker.close()
+    for i, (r, _, tokens) in enumerate(jobs):
+        assert results[i].tokens == r.cold(tokens).tokens, f"request {i}: not its model's reply"

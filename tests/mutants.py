@@ -35,8 +35,9 @@ from mlxcache.config import MAX_DRAFT
 from mlxcache.decode_batch import DecodeBatch
 from mlxcache.encoder import common_prefix
 from mlxcache.engine import Engine
-from mlxcache.events import Event, Prefill, Result, Token
+from mlxcache.events import Done, Event, Prefill, Result, Token
 from mlxcache.ring import TimeBatchRing, TimeRing
+from mlxcache.worker import EngineWorker
 
 Patch = Callable[[Any, str, Any], None]
 
@@ -657,6 +658,34 @@ def adapter_not_applied(patch: Patch) -> None:
     patch(loader_mod, "apply_adapter", lambda model, adapter, name: model)
 
 
+def jobs_on_the_first_engine(patch: Patch) -> None:
+    """A server of several models runs every request on the first model's engine (the
+    worker forgets which engine a request named)."""
+    submit = EngineWorker.submit
+
+    def first(self: EngineWorker, request: Any, sink: Any, engine: Any = None) -> Any:
+        return submit(self, request, sink, self._engines[0])
+
+    patch(EngineWorker, "submit", first)
+
+
+def events_by_lane_id_alone(patch: Patch) -> None:
+    """The worker finds an event's request by its lane id alone: two engines' lanes of
+    one id (each engine counts its own) get each other's tokens."""
+
+    def deliver(self: EngineWorker, engine: Engine, event: Any) -> None:
+        key = next((k for k in self._active if k[1] == event.request_id), None)
+        if key is None:
+            return
+        job = self._active[key]
+        if isinstance(event, Done):
+            del self._active[key]
+            self.finished += 1
+        self._send_to(job, event)
+
+    patch(EngineWorker, "_deliver", deliver)
+
+
 MUTANTS: dict[str, Callable[[Patch], None]] = {
     f.__name__: f
     for f in (
@@ -698,6 +727,8 @@ MUTANTS: dict[str, Callable[[Patch], None]] = {
         pick_with_next_key,
         ring_one_too_wide,
         kv_namespace_without_bits,
+        jobs_on_the_first_engine,
+        events_by_lane_id_alone,
         ring_rotated,
         batched_ring_rotated,
         capture_without_sync,

@@ -27,6 +27,7 @@ from guarantees import (
     check_interrupted_inside_a_chunk,
     check_kept_replies,
     check_lanes,
+    check_models_interleaved,
     check_new_process,
     check_rebuilt_layers,
     check_restore_repeatedly,
@@ -103,6 +104,13 @@ def test_two_models_in_one_directory(
     name: str, variants: dict[str, Variant], other_variants: dict[str, Variant], tmp_path: Path
 ) -> None:
     check_two_models(Rig(variants[name], tmp_path), other_variants[name])
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_two_models_on_one_engine_worker(
+    name: str, variants: dict[str, Variant], other_variants: dict[str, Variant], tmp_path: Path
+) -> None:
+    check_models_interleaved(Rig(variants[name], tmp_path), other_variants[name])
 
 
 def last_logits(loaded: LoadedModel, tokens: list[int], block: int) -> mx.array:

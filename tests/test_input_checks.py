@@ -28,6 +28,15 @@ def wide_schema(properties: int) -> dict[str, Any]:
     }
 
 
+@pytest.fixture(autouse=True)
+def unloadable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`unloadable.gguf` in the working directory: a model path that exists (so `-m` passes
+    the check made before any work) but cannot load, so each test shows its check comes
+    before the model loads."""
+    (tmp_path / "unloadable.gguf").write_bytes(b"not a GGUF file")
+    monkeypatch.chdir(tmp_path)
+
+
 SURROGATE = "weather \\ud800 in Paris?"  # as JSON text: an escape of half a UTF-16 pair
 
 
@@ -43,7 +52,7 @@ def save_session(cache: Path, name: str, **fields: Any) -> None:
         ("abc", ["--version"], (0, f"mlxcache {__version__}\n", "")),
         (
             "0",
-            ["generate", "hi", "-m", "missing.gguf"],
+            ["generate", "hi", "-m", "unloadable.gguf"],
             (2, "", "error: MLXCACHE_BLOCK_SIZE must be a whole number >= 1, got '0'\n"),
         ),
     ],
@@ -75,7 +84,7 @@ def test_tools_share_one_size_bound(tmp_path: Path) -> None:
     each = wide_schema(MAX_SCHEMA_OBJECTS // 2)  # each one alone is within the bound
     tools = tmp_path / "tools.json"
     tools.write_text(json.dumps([{"name": f"f{i}", "parameters": each} for i in range(3)]))
-    assert run("tools", "--tools", str(tools), "hi", "-m", "missing.gguf") == refused(
+    assert run("tools", "--tools", str(tools), "hi", "-m", "unloadable.gguf") == refused(
         f"tools {tools} is too large: more than 2,000 JSON objects (split or simplify it)"
     )
 
@@ -155,7 +164,7 @@ def test_a_damaged_session_is_one_line_before_the_model_loads(
     fields: dict[str, Any], reason: str, tmp_path: Path
 ) -> None:
     save_session(tmp_path, "s", **fields)
-    got = run("chat", "--resume", "s", "--cache-dir", str(tmp_path), "-m", "missing.gguf")
+    got = run("chat", "--resume", "s", "--cache-dir", str(tmp_path), "-m", "unloadable.gguf")
     assert got == refused(f"session 's': not a saved chat session: {reason}")
 
 

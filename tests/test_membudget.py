@@ -46,7 +46,7 @@ def held(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The process's resident memory, as the test sets it (`held[0]`)."""
     value = [BASE]
     monkeypatch.setattr(membudget, "resident_bytes", lambda: value[0])
-    monkeypatch.setattr("mlxcache.server.app.resident_bytes", lambda: value[0])
+    monkeypatch.setattr("mlxcache.server.served.resident_bytes", lambda: value[0])
     return value
 
 
@@ -184,11 +184,11 @@ def test_the_server_refuses_with_429_while_others_hold_the_room(
     with EngineWorker(engine) as worker:
         app = create_app(engine, worker, Settings(tiny.name), RequestLog(stream=io.StringIO()))
         assert call(app, "POST", "/v1/chat/completions", body).status == 200
-        b._reserved[99] = b.limit  # a running request holds all the room
+        b.reserved[(0, 99)] = b.limit  # a running request holds all the room
         busy = call(app, "POST", "/v1/chat/completions", body)
         assert busy.status == 429 and busy.headers["retry-after"] == "1"
         assert busy.json()["error"]["code"] == "memory_busy"
-        del b._reserved[99]
+        del b.reserved[(0, 99)]
         huge = {**body, "max_tokens": 100_000}
         refused = call(app, "POST", "/v1/chat/completions", huge)
         assert refused.status == 400 and refused.json()["error"]["code"] == "memory_limit"
@@ -257,7 +257,7 @@ def test_warm_ahead_runs_only_where_the_budget_has_room_now(
         assert engine.warm(ids) is not None
         list(engine.run(warm=True))
         assert cache.cached_length(np.asarray(ids, np.int32), whole=True) == kept
-        assert not b._reserved  # released when the lane ended
+        assert not b.reserved  # released when the lane ended
 
 
 @pytest.mark.parametrize(

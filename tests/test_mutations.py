@@ -23,6 +23,7 @@ from guarantees import (
     check_kept_replies,
     check_kv_apart,
     check_lanes,
+    check_models_interleaved,
     check_probes_apart,
     check_rebuilt_layers,
     check_restore_repeatedly,
@@ -97,6 +98,8 @@ CAUGHT_BY: dict[str, list[tuple[str, str]]] = {
     "state_inside_a_block": [("recurrent", "kept_replies")],
     "adapter_not_in_key": [("adapter", "adapter_apart"), ("shaped-adapter", "adapter_apart")],
     "adapter_not_applied": [("adapter", "adapter_apart")],
+    "jobs_on_the_first_engine": [("plain", "models_interleaved")],
+    "events_by_lane_id_alone": [("plain", "models_interleaved"), ("sliding", "models_interleaved")],
 }
 
 
@@ -144,6 +147,9 @@ def test_mutant_is_caught(
         "rebuilt_layers": check_rebuilt_layers,
         "kv_apart": check_kv_apart,
         "two_models": lambda rig: check_two_models(rig, other_variants[rig.variant.name]),
+        "models_interleaved": lambda rig: check_models_interleaved(
+            rig, other_variants[rig.variant.name]
+        ),
     }
     for i, (variant, check) in enumerate(CAUGHT_BY[mutant]):
         with pytest.raises(AssertionError):

@@ -467,3 +467,14 @@ def test_a_request_in_time_leaves_the_connection_to_the_next(
     assert server.get("/v1/models") == {"data": []}
     time.sleep(1.5)
     assert server.get("/v1/models") == {"data": []}
+
+
+def test_a_server_s_card_is_its_model_s_not_an_alias_s(fake: Callable[[Handler], str]) -> None:
+    """A server with --alias lists a card per alias (`alias_of`): the client takes the
+    served model's card; two models' cards are still refused (no one identity)."""
+    mine = {"id": "m", "mlxcache": {"key": "k"}}
+    alias = {"id": "gpt-5", "alias_of": "m", "mlxcache": {"key": "k"}}
+    assert Server(fake(answers(json.dumps({"data": [mine, alias]}).encode()))).card() == mine
+    two = {"data": [mine, {"id": "n", "mlxcache": {"key": "j"}}]}
+    with pytest.raises(ServerError, match="not an mlxcache server this version can use"):
+        Server(fake(answers(json.dumps(two).encode()))).card()

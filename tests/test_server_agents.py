@@ -157,6 +157,41 @@ def test_messages_tool_use_round_trip(server: MlxcacheServer) -> None:
     assert len(partial) > 3 and "".join(partial) == json.dumps(use.input, ensure_ascii=False)
 
 
+def test_aliases_are_listed_echoed_and_no_model_means_the_served_one(
+    server: MlxcacheServer,
+) -> None:
+    """Issue 53, item 8: `/v1/models` lists every --alias; a reply names the model as the
+    request did (an alias included), as the real APIs do; a request without `model` gets
+    the served model, as mlx_lm.server's and llama.cpp's do."""
+    listed = [(m.id, getattr(m, "alias_of", None)) for m in oai(server).models.list().data]
+    served = server.model
+    assert listed == [(served, None), *((a, served) for a in ALIASES)]
+    ask = [{"role": "user", "content": ASK}]
+    want = oai(server).chat.completions.create(model=served, messages=ask, max_tokens=6)
+    got = oai(server).chat.completions.create(model=ALIASES[1], messages=ask, max_tokens=6)
+    assert (got.model, got.choices[0].message.content) == (
+        ALIASES[1],
+        want.choices[0].message.content,
+    )
+    message = claude(server).messages.create(model=ALIASES[0], messages=ask, max_tokens=6)
+    assert (message.model, message.content[0].text) == (ALIASES[0], want.choices[0].message.content)
+    with claude(server).messages.stream(model=ALIASES[0], messages=ask, max_tokens=6) as stream:
+        assert stream.get_final_message().model == ALIASES[0]
+    response = oai(server).responses.create(model=ALIASES[1], input=ASK, max_output_tokens=6)
+    assert (response.model, response.output_text) == (ALIASES[1], want.choices[0].message.content)
+    request = urllib.request.Request(
+        server.url + "/v1/chat/completions",
+        json.dumps({"messages": ask, "max_tokens": 6}).encode(),
+        {"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request) as reply:
+        doc = json.load(reply)
+    assert (doc["model"], doc["choices"][0]["message"]["content"]) == (
+        served,
+        want.choices[0].message.content,
+    )
+
+
 def test_messages_errors_are_anthropic_s(server: MlxcacheServer) -> None:
     client = claude(server)
     with pytest.raises(anthropic.NotFoundError) as missing:

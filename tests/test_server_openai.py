@@ -535,7 +535,7 @@ def cached_worker(tiny: LoadedModel, tmp_path: Path) -> Iterator[EngineWorker]:
 def test_metrics_count_requests_tokens_and_the_cache(
     cached_worker: EngineWorker, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("mlxcache.server.app.resident_bytes", lambda: 123_456_789)
+    monkeypatch.setattr("mlxcache.server.served.resident_bytes", lambda: 123_456_789)
     app = app_of(cached_worker, api_key="k")
     key = {"Authorization": "Bearer k"}
     body = {"model": "tiny.gguf", "messages": MESSAGES, "max_tokens": 3}

@@ -222,9 +222,19 @@ def _resolve(spec: str, root: Path, progress: Progress | None, warn: Warn) -> tu
         raise ModelNotFoundError(f"cannot fetch model {spec!r}: {exc}") from exc
 
 
-def resolve(spec: str, cache_root: str | os.PathLike[str] | None = None) -> Path:
-    """The mlx-lm folder `spec` loads (a GGUF converted once), without loading it."""
-    return _resolve(spec, cache_dir(cache_root), None, lambda _msg: None)[1]
+def model_folder(
+    spec: str,
+    cache_root: str | os.PathLike[str] | None = None,
+    on_warning: Warn | None = None,
+) -> Path:
+    """The mlx-lm folder `load(spec)` would read (a GGUF converted first, once), without
+    loading it.
+
+    Raises:
+        ModelNotFoundError, ModelConversionError: as `load`.
+    """
+    warn = on_warning or (lambda _msg: None)
+    return _resolve(spec, cache_dir(cache_root), None, warn)[1]
 
 
 def load(

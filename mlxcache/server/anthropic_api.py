@@ -117,7 +117,7 @@ class OutputConfig(_Body):
 
 class CountRequest(_Body):
     model_config = ConfigDict(extra="allow", strict=True)
-    model: str
+    model: str | None = None
     messages: list[AnthropicMessage] = Field(min_length=1)
     system: str | list[TextBlock] | None = None
     tools: list[Tool] | None = None

@@ -10,7 +10,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
-import mlx.core as mx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel
@@ -34,6 +33,7 @@ from mlxcache.server.metrics import CONTENT_TYPE, Metrics
 from mlxcache.server.openai_format import SSE_DONE, Envelope, Usage, error_event, sse
 from mlxcache.server.prepare import Answer, Plan
 from mlxcache.server.schemas import ChatRequest, CompletionRequest, SamplingFields
+from mlxcache.server.served import One, Served, Target
 from mlxcache.server.stream import Handle, Outcome, Stream, Worker
 from mlxcache.wire import USAGE_FIELD, worded_doc
 
@@ -65,56 +65,38 @@ class Settings:
         return (self.model_id, *self.aliases)
 
 
-def _cache_report(engine: Engine) -> dict[str, Any]:
-    """The cache's counters (`pinned_entries`: pinned by running lanes), whether lanes run,
-    and what the device was measured to allow: a reply's decode KV kept ("decode_kv":
-    "kept", else "re-prefilled"), requests decoding as one batch ("batched_decode"); how
-    a conversation's next turn finds its reply ("next_turn": `lanes.NextTurn`); MLX's
-    own memory beside the cache's: arrays in use and freed buffers it keeps for reuse
-    (given back once no lane runs); the process's resident memory and its budget
-    (`--mem-limit`, null: none)."""
-    return {
-        **engine.cache.report(),
-        "busy": engine.busy,
-        "warming": engine.warming,
-        "decode_kv": "kept" if engine.keep_replies else "re-prefilled",
-        "batched_decode": engine.batch_decode,
-        "next_turn": engine.next_turn.value,
-        "mlx_active_bytes": mx.get_active_memory(),
-        "mlx_buffer_cache_bytes": mx.get_cache_memory(),
-        "resident_bytes": resident_bytes(),
-        "mem_limit_bytes": None if engine.budget is None else engine.budget.limit,
-    }
-
-
-def create_app(engine: Engine, worker: Worker, settings: Settings, log: RequestLog) -> Any:
-    """The ASGI app serving `engine` through `worker` (which must be started)."""
+def create_app(
+    engine: Engine | None,
+    worker: Worker,
+    settings: Settings,
+    log: RequestLog,
+    served: Served | None = None,
+) -> Any:
+    """The ASGI app serving `engine` through `worker` (which must be started), or the
+    models `served` names (a fleet's: `engine` None)."""
     app = FastAPI(title="mlxcache", docs_url=None, redoc_url=None, openapi_url=None)
     errors.install(app)
     metrics = Metrics()
-    # Tokenizer calls run one request at a time (the encoder's lock: see `encoder`); grammar
-    # work runs outside it (see prepare).
-    tokenizing = engine.encoder.lock
+    if served is None:
+        assert engine is not None, "one model, or the served ones"
+        served = One(engine, worker, settings.names, settings.identity)
+    models_served = served
 
-    async def prepared(fn: Callable[..., Plan], body: Any) -> Plan:
-        return await run_in_threadpool(fn, engine, body, settings.defaults, tokenizing)
+    async def prepared(target: Target, fn: Callable[..., Plan], body: Any) -> Plan:
+        # Tokenizer calls run one request at a time per model (the encoder's lock: see
+        # `encoder`); grammar work runs outside it (see prepare).
+        engine = target.engine
+        return await run_in_threadpool(fn, engine, body, settings.defaults, engine.encoder.lock)
 
-    def check_model(model: str) -> None:
-        if model not in settings.names:
-            served = ", ".join(repr(n) for n in settings.names)
-            raise APIError(
-                404,
-                f"model {model!r} is not served here (it answers to {served}; "
-                "serve --alias NAME adds a name)",
-                param="model",
-                code="model_not_found",
-            )
+    async def acquired(model: str | None) -> Target:
+        """The model a request names, held loaded until its `release` (loaded if need be)."""
+        return await run_in_threadpool(models_served.acquire, model)
 
     def note(request: Request, rid: str, outcome: Outcome | None = None) -> None:
         fields = log_fields(request.scope)
         fields["id"] = rid
         if outcome is not None:
-            metrics.completed(outcome.usage)
+            metrics.completed(outcome.usage, fields.get("model"))
             fields.update(
                 prompt_tokens=outcome.usage.prompt_tokens,
                 cached_tokens=outcome.usage.cached_tokens,
@@ -127,38 +109,47 @@ def create_app(engine: Engine, worker: Worker, settings: Settings, log: RequestL
 
     async def warm(plan: Plan, answer: Answer) -> None:
         """Queue warm-ahead of the conversation's next turn (low priority, on the worker)."""
-        if plan.next_turn is None:
+        if plan.next_turn is None or plan.warm_on is None:
             return
         turn = plan.next_turn
-        worker.warm(await run_in_threadpool(turn, answer))
+        plan.warm_on(await run_in_threadpool(turn, answer))
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "model": settings.model_id, "waiting": worker.waiting}
-
-    card = {"id": settings.model_id, "object": "model", "created": 0, "owned_by": "mlxcache"}
-
-    if settings.identity:
-        card["mlxcache"] = settings.identity
+        return {"status": "ok", "model": models_served.default, "waiting": worker.waiting}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": models_served.cards()}
 
     @app.get("/v1/models/{model:path}")  # a model id may hold slashes (org/name)
     async def model_card(model: str) -> dict[str, Any]:
-        check_model(model)
+        card = next((c for c in models_served.cards() if c["id"] == model), None)
+        if card is None:
+            models_served.acquire(model)  # raises its 404: a name not served
+            raise AssertionError(model)  # unreachable: every served name has a card
         return card
+
+    @app.get("/v1/ps")
+    async def ps() -> dict[str, Any]:
+        rows = await run_in_threadpool(models_served.rows)
+        return {"models": rows, **memory_of(await run_in_threadpool(models_served.reports))}
 
     @app.get("/v1/cache")
     async def cache() -> dict[str, Any]:
-        report = await run_in_threadpool(worker.call, _cache_report)
-        return {**report, "waiting": worker.waiting}
+        reports = await run_in_threadpool(models_served.reports)
+        if isinstance(models_served, One):
+            return {**reports[models_served.default], "waiting": worker.waiting}
+        return {"models": reports, **memory_of(reports), "waiting": worker.waiting}
 
     @app.get("/metrics")
     async def metrics_text() -> PlainTextResponse:
-        report = await run_in_threadpool(worker.call, _cache_report)
-        text = metrics.render(report, worker.waiting, report["busy"])
+        reports = await run_in_threadpool(models_served.reports)
+        report = total_of(reports)
+        rows = None
+        if not isinstance(models_served, One):
+            rows = await run_in_threadpool(models_served.rows)
+        text = metrics.render(report, worker.waiting, report["busy"], rows)
         return PlainTextResponse(text, media_type=CONTENT_TYPE)
 
     async def begin(
@@ -173,14 +164,20 @@ def create_app(engine: Engine, worker: Worker, settings: Settings, log: RequestL
         request: Request, body: R, make: Callable[..., Plan], prefix: str
     ) -> tuple[Plan, Envelope, Stream, UsageOf]:
         """`begin` for a body parsed already (the other APIs' routes make a ChatRequest)."""
-        check_model(body.model)
-        plan = await prepared(make, body)
-        env = Envelope(f"{prefix}-{uuid.uuid4().hex[:24]}", settings.model_id)
-        note(request, env.id)
-        if (body.model_extra or {}).get(USAGE_FIELD) is not True:
-            return plan, env, Stream(worker, plan.request, plan.reply_text()), _usage
-        tap = _Tap(worker, plan)
-        return plan, env, Stream(tap, plan.request, plan.reply_text()), tap.usage
+        target = await acquired(body.model)
+        try:
+            plan = await prepared(target, make, body)
+            plan.warm_on = target.worker.warm
+            env = Envelope(f"{prefix}-{uuid.uuid4().hex[:24]}", target.name)
+            log_fields(request.scope)["model"] = target.name
+            note(request, env.id)
+            if (body.model_extra or {}).get(USAGE_FIELD) is not True:
+                stream = Stream(target.worker, plan.request, plan.reply_text())
+                return plan, env, stream, _usage
+            tap = _Tap(target.worker, plan)
+            return plan, env, Stream(tap, plan.request, plan.reply_text()), tap.usage
+        finally:
+            target.release()  # submitted (its job holds the model now) or refused
 
     async def end(request: Request, stream: Stream, env: Envelope) -> Outcome:
         """The outcome of a non-streamed request (its failure raised as an HTTP error)."""
@@ -237,8 +234,11 @@ def create_app(engine: Engine, worker: Worker, settings: Settings, log: RequestL
 
     async def count(request: Request, body: ChatRequest) -> int:
         """The prompt tokens of a chat request (nothing is submitted)."""
-        check_model(body.model)
-        return len((await prepared(prepare.chat, body)).ids)
+        target = await acquired(body.model)
+        try:
+            return len((await prepared(target, prepare.chat, body)).ids)
+        finally:
+            target.release()
 
     async def submit_chat(
         request: Request, body: ChatRequest, prefix: str
@@ -270,6 +270,31 @@ def create_app(engine: Engine, worker: Worker, settings: Settings, log: RequestL
         allow_headers=["*"],
         expose_headers=["Retry-After"],
     )
+
+
+def memory_of(reports: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The process's memory and its budget, from the models' reports (the same for each)."""
+    first = next(iter(reports.values()), None)
+    if first is None:  # no model loaded: nothing holds a budget yet
+        return {"resident_bytes": resident_bytes(), "mem_limit_bytes": None}
+    return {k: first[k] for k in ("resident_bytes", "mem_limit_bytes")}
+
+
+def total_of(reports: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """One cache report for several models: their counters and sizes added up."""
+    if len(reports) == 1:
+        return next(iter(reports.values()))
+    busy = any(r["busy"] for r in reports.values())
+    total: dict[str, Any] = {"busy": busy, **memory_of(reports)}
+    for report in reports.values():
+        for key, value in report.items():
+            if isinstance(value, int) and not isinstance(value, bool) and key not in _PROCESS:
+                total[key] = total.get(key, 0) + value
+    return total
+
+
+_PROCESS = {"resident_bytes", "mem_limit_bytes", "mlx_active_bytes", "mlx_buffer_cache_bytes"}
+"""A cache report's numbers of the whole process (the same in each model's report)."""
 
 
 def _usage(outcome: Outcome) -> Usage:

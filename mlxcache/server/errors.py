@@ -23,6 +23,8 @@ from mlxcache.errors import (
     MemoryBusyError,
     MemoryLimitError,
     MlxcacheError,
+    ModelLoadError,
+    ModelNotServedError,
     QueueFullError,
     UserInputError,
     settings_named,
@@ -111,6 +113,10 @@ def from_domain(exc: MlxcacheError) -> APIError:
         return APIError(400, one_line(str(exc)), code="memory_limit")
     if isinstance(exc, MemoryBusyError):
         return queue_full(one_line(str(exc)), code="memory_busy")
+    if isinstance(exc, ModelNotServedError):
+        return APIError(404, one_line(str(exc)), param="model", code="model_not_found")
+    if isinstance(exc, ModelLoadError):
+        return APIError(500, one_line(str(exc)), type="server_error", code="model_load_failed")
     if isinstance(exc, ContextLengthError):
         return APIError(400, one_line(str(exc)), param="messages", code="context_length_exceeded")
     if isinstance(exc, UserInputError):

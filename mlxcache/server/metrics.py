@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 from starlette.types import Scope
@@ -28,6 +29,7 @@ class Metrics:
         self._lock = threading.Lock()
         self._requests: Counter[tuple[str, str]] = Counter()
         self._tokens: Counter[str] = Counter()
+        self._by_model: Counter[tuple[str, str]] = Counter()  # (model, what) -> count
 
     def request(self, scope: Scope, status: int | str) -> None:
         """Count an answered request (its route's path template, once routed)."""
@@ -35,17 +37,30 @@ class Metrics:
         with self._lock:
             self._requests[(path, str(status))] += 1
 
-    def completed(self, usage: Usage) -> None:
-        """Count a finished completion's tokens."""
+    def completed(self, usage: Usage, model: str | None = None) -> None:
+        """Count a finished completion's tokens (and, by `model`, the name it asked for)."""
         with self._lock:
             self._tokens["prompt"] += usage.prompt_tokens
             self._tokens["generated"] += usage.completion_tokens
+            if model is not None:
+                self._by_model[(model, "completions")] += 1
+                self._by_model[(model, "prompt")] += usage.prompt_tokens
+                self._by_model[(model, "generated")] += usage.completion_tokens
 
-    def render(self, cache: dict[str, Any], waiting: int, busy: bool) -> str:
-        """The exposition text; `cache` is the prompt cache's report (`/v1/cache`)."""
+    def render(
+        self,
+        cache: dict[str, Any],
+        waiting: int,
+        busy: bool,
+        models: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """The exposition text; `cache` is the prompt cache's report (`/v1/cache`, added
+        up over the loaded models); `models`: a server of several models' rows (`/v1/ps`),
+        shown per model."""
         with self._lock:
             requests = sorted(self._requests.items())
             tokens = dict(self._tokens)
+            by_model = dict(self._by_model)
         out: list[str] = []
 
         def metric(name: str, kind: str, about: str, *samples: tuple[str, Any]) -> None:
@@ -103,4 +118,36 @@ class Metrics:
                 "The process's memory budget (--mem-limit).",
                 ("", cache["mem_limit_bytes"]),
             )
+        if models is not None:
+            _per_model(metric, models, by_model)
         return "\n".join(out) + "\n"
+
+
+def _per_model(
+    metric: Callable[..., None],
+    rows: list[dict[str, Any]],
+    counts: dict[tuple[str, str], int],
+) -> None:
+    """Each served model's gauges (loaded, memory, idle time, loads) and counters (by the
+    name requests used: an alias is its own series)."""
+
+    def each(key: str) -> list[tuple[str, Any]]:
+        return [(f'{{model="{r["name"]}"}}', r.get(key) or 0) for r in rows]
+
+    metric(
+        "model_loaded",
+        "gauge",
+        "1 while the model is loaded.",
+        *((f'{{model="{r["name"]}"}}', int(r["loaded"])) for r in rows),
+    )
+    metric("model_bytes", "gauge", "What the loaded model's weights take.", *each("size_bytes"))
+    metric("model_idle_seconds", "gauge", "Seconds since its last request.", *each("idle_s"))
+    metric("model_loads_total", "counter", "Times the model was loaded.", *each("loads"))
+    for what, about in (
+        ("completions", "Finished completions, by the model name requested."),
+        ("prompt", "Prompt tokens of finished completions, by model name requested."),
+        ("generated", "Tokens generated, by the model name requested."),
+    ):
+        samples = sorted((m, n) for (m, w), n in counts.items() if w == what)
+        name = "model_completions_total" if what == "completions" else f"model_{what}_tokens_total"
+        metric(name, "counter", about, *((f'{{model="{m}"}}', n) for m, n in samples))

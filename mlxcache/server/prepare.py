@@ -85,6 +85,8 @@ class Plan:
     ignored: tuple[str, ...] = ()
     """Request fields accepted that change nothing for this model (`effort`): the reply
     names them in its `IGNORED_HEADER`."""
+    warm_on: Callable[[list[int]], None] | None = None
+    """Queues warm-ahead on the engine of the request's model (set once it is chosen)."""
 
     def reply_text(self) -> ReplyText:
         if self.tools is None or self.tools.choice.mode == "none":

@@ -121,7 +121,7 @@ class Reasoning(_Body):
 
 class ResponsesRequest(_Body):
     model_config = ConfigDict(extra="allow", strict=True)
-    model: str
+    model: str | None = None
     input: str | list[Item]
     instructions: str | None = None
     tools: list[FunctionTool] | None = None

@@ -20,8 +20,10 @@ from uvicorn.server import HANDLED_SIGNALS
 from mlxcache.config import ServerConfig
 from mlxcache.engine import Engine
 from mlxcache.errors import RankError, UserInputError
+from mlxcache.fleet import Fleet, Ticker
 from mlxcache.server.app import Settings, create_app
 from mlxcache.server.log import RequestLog
+from mlxcache.server.served import Many
 from mlxcache.worker import EngineWorker
 
 
@@ -98,7 +100,7 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def serve(
-    engine: Engine,
+    engine: Engine | None,
     settings: Settings,
     log: RequestLog,
     on_listen: Callable[[str], None],
@@ -107,14 +109,19 @@ def serve(
     max_queue: int = ServerConfig.max_queue,
     max_lanes: int = ServerConfig.lanes,
     on_stopping: Callable[[int], None] | None = None,
+    fleet_of: Callable[[EngineWorker], Fleet] | None = None,
+    load_all: bool = False,
 ) -> Served:
     """Serve until Ctrl-C / SIGTERM, then drain; SIGTERM is ignored once the drain has
     begun (the process is ending). `port` 0 picks a free port; `on_listen` is told the
     URL once the socket listens, `on_stopping` the requests in flight as the server begins
     to stop (the CLI says both: the library never prints). Returns what it served.
+    Several models: `engine` None, and `fleet_of` makes their fleet on the worker (every
+    model loaded before the socket listens when `load_all`).
 
     Raises:
         RankError: a sharded run lost a rank (`distributed`): the server stopped.
+        ModelLoadError, MemoryLimitError: `load_all`, and a model cannot be loaded.
     """
     sock = bind(host, port)  # before the worker starts: a refusal leaves nothing running
     server: _Server | None = None
@@ -132,8 +139,8 @@ def serve(
             if on_stopping is not None:
                 on_stopping(drained[0])
 
-    with sock, worker:
-        app = create_app(engine, worker, settings, log)
+    with sock, worker, _fleet(worker, fleet_of, load_all) as served:
+        app = create_app(engine, worker, settings, log, served)
         config = uvicorn.Config(
             app,
             host=host,
@@ -148,3 +155,30 @@ def serve(
     if worker.error is not None:
         raise worker.error
     return Served(worker.finished, drained[0] if drained else 0)
+
+
+KEEP_ALIVE_CHECKS = 4
+"""Idle models are looked for this many times per keep-alive time (at most every 5 s)."""
+
+
+@contextlib.contextmanager
+def _fleet(
+    worker: EngineWorker, fleet_of: Callable[[EngineWorker], Fleet] | None, load_all: bool
+) -> Iterator[Many | None]:
+    """The served models of a fleet (None: one model), their keep-alive checked while the
+    block runs."""
+    if fleet_of is None:
+        yield None
+        return
+    fleet = fleet_of(worker)
+    if load_all:
+        fleet.load_all()
+    ticker = None
+    if fleet.keep_alive is not None:
+        every = min(max(fleet.keep_alive / KEEP_ALIVE_CHECKS, 0.25), 5.0)
+        ticker = Ticker(lambda: worker.run(fleet.expire), every).start()
+    try:
+        yield Many(fleet)
+    finally:
+        if ticker is not None:
+            ticker.stop()

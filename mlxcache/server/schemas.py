@@ -126,7 +126,7 @@ Bias = Annotated[float, Field(ge=-100, le=100)]
 class SamplingFields(_Body):
     model_config = ConfigDict(extra="allow", strict=True)  # `model_extra`: see UNSUPPORTED
 
-    model: str
+    model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, ge=0, le=1)
