@@ -49,15 +49,14 @@ OUTPUT = re.compile(r"^# (\{.*\}|\w+\(.*\))$", re.MULTILINE)
 PORT = "8080"
 
 # Replies are kept short: generate and chat get -n 4, json and tools -n 32 (enough for the
-# examples' bounded schemas), given after the block's own options so that they win.
-PRELUDE = """set -euo pipefail
-mlxcache() {
-  case "${1-}" in
-    generate|chat) command mlxcache "$@" -n 4 ;;
-    json|tools) command mlxcache "$@" -n 32 ;;
-    *) command mlxcache "$@" ;;
-  esac
-}
+# examples' bounded schemas), given after the block's own options so that they win. A script
+# (not a shell function) so that `mlxcache serve &` and `kill %1` reach the server itself.
+WRAPPER = """#!/usr/bin/env bash
+case "${{1-}}" in
+  generate|chat) exec {real} "$@" -n 4 ;;
+  json|tools) exec {real} "$@" -n 32 ;;
+  *) exec {real} "$@" ;;
+esac
 """
 
 
@@ -150,10 +149,10 @@ def test_cli_reference_covers_every_command() -> None:
     root = typer.main.get_command(app)
     ctx = root.make_context("mlxcache", [], resilient_parsing=True)
     for name in root.list_commands(ctx):
-        assert f"## `mlxcache {name}`" in reference
+        assert f"\n### `mlxcache {name}`\n" in reference
         group = root.get_command(ctx, name)
         for sub in getattr(group, "commands", {}):
-            assert f"#### `mlxcache {name} {sub}`" in reference
+            assert f"\n#### `mlxcache {name} {sub}`\n" in reference
     # options as -h shows them, defaults included
     assert "| `-n, --max-tokens N` | Most tokens to generate. [default: 256] |" in reference
     assert "mlxcache regress record suite.yaml -o golden.json" in reference
@@ -175,25 +174,30 @@ class Sandbox:
 
     root: Path
     env: dict[str, str]
+    logs: Path
 
     def run(
         self, args: list[str], script: str, timeout: float = 900
-    ) -> subprocess.CompletedProcess:
-        proc = subprocess.Popen(
-            [*args, script],
-            cwd=self.root,
-            env=self.env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,  # its own group: a server a block left behind ends with it
-        )
-        try:
-            out, err = proc.communicate(timeout=timeout)
-        finally:
-            stop_group(proc)
-        return subprocess.CompletedProcess(args, proc.returncode, out, err)
+    ) -> subprocess.CompletedProcess[str]:
+        """`script` run by `args`; its output read from files, so that a server it left
+        running (ended here, with its group) cannot hold the test up."""
+        out, err = self.logs / "stdout", self.logs / "stderr"
+        with out.open("w") as stdout, err.open("w") as stderr:
+            proc = subprocess.Popen(
+                [*args, script],
+                cwd=self.root,
+                env=self.env,
+                stdin=subprocess.DEVNULL,
+                stdout=stdout,
+                stderr=stderr,
+                text=True,
+                start_new_session=True,
+            )
+            try:
+                proc.wait(timeout=timeout)
+            finally:
+                stop_group(proc)
+        return subprocess.CompletedProcess(args, proc.returncode, out.read_text(), err.read_text())
 
 
 def stop_group(proc: subprocess.Popen) -> None:
@@ -215,14 +219,18 @@ def sandbox(tmp_path_factory: pytest.TempPathFactory) -> Sandbox:
                 if not path.exists():
                     path.parent.mkdir(parents=True, exist_ok=True)
                     write_tiny_gguf(path)
+    bin_dir = tmp_path_factory.mktemp("bin")
+    wrapper = bin_dir / "mlxcache"
+    wrapper.write_text(WRAPPER.format(real=Path(sys.executable).parent / "mlxcache"))
+    wrapper.chmod(0o755)
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLXCACHE_")}
     env |= {
         "HOME": str(home),
         "MLXCACHE_CACHE_DIR": str(root / "cache"),
         "MLXCACHE_DATA_DIR": str(root / "data"),
-        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}",
+        "PATH": os.pathsep.join([str(bin_dir), str(Path(sys.executable).parent), env["PATH"]]),
     }
-    return Sandbox(root, env)
+    return Sandbox(root, env, tmp_path_factory.mktemp("logs"))
 
 
 def wait_healthy(port: int, proc: subprocess.Popen, timeout: float = 600) -> None:
@@ -287,11 +295,11 @@ def run_servers(sandbox: Sandbox, block: Block) -> None:
 def run_block(sandbox: Sandbox, block: Block, request: pytest.FixtureRequest) -> None:
     body = block.body
     if PORT in body:  # a block starting its own server gets a free port, others the shared one
-        own = "mlxcache serve" in body
+        own = re.search(r"^mlxcache serve\b", body, re.MULTILINE) is not None
         port = free_port() if own else request.getfixturevalue("shared_server")
         body = body.replace(PORT, str(port))
     if block.lang == "sh":
-        out = sandbox.run(["bash", "-c"], PRELUDE + body)
+        out = sandbox.run(["bash", "-c"], "set -euo pipefail\n" + body)
     else:
         out = sandbox.run([sys.executable, "-c"], body)
     assert out.returncode == 0, f"{block.where}: exit {out.returncode}\n{out.stdout}\n{out.stderr}"
