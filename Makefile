@@ -19,7 +19,7 @@ CHECK := (not model and not slow and not gemma) or check
 # Both cores: tests are independent (each worker has its own session fixtures and temp dirs).
 WORKERS := -n 2
 
-.PHONY: setup demo check test gemma wheel-check lint bench clean
+.PHONY: setup demo check test gemma wheel-check lint docs bench clean
 
 # What `make demo` needs: the app and the embedded model.
 $(VENV)/.app: pyproject.toml Makefile
@@ -66,10 +66,16 @@ wheel-check: $(VENV)/.dev
 	cd $(WHEEL_CHECK) && venv/bin/mlxcache regress --help > /dev/null
 	cd $(WHEEL_CHECK) && venv/bin/mlxcache generate --raw "The capital of France is" -n 4
 
+# The documentation site, into site/: strict, so a broken link or anchor fails. Its home page
+# is README.md and its CLI reference is rendered from the app (docs/hooks.py).
+docs: $(VENV)/.app
+	$(PIP) install -q -e ".[docs]"
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
+
 lint: $(VENV)/.dev
 	$(VENV)/bin/ruff check mlxcache cli tests examples
 	$(VENV)/bin/ruff format --check mlxcache cli tests examples
 	$(VENV)/bin/mypy
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build site *.egg-info
