@@ -285,3 +285,28 @@ def test_a_difference_says_what_differs() -> None:
     assert _describe("g", changed).splitlines()[0] == (
         "    g: output 0, first different token #1 (2 -> 5)"
     )
+
+
+def test_the_drafted_variant_measures_this_device_once(
+    tiny_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The drafted variant's verify probe is recorded in the user's cache directory (not
+    the run's scratch one), so a second run reads it instead of measuring again."""
+    from mlxcache import invariance
+
+    monkeypatch.setenv("MLXCACHE_CACHE_DIR", str(tmp_path / "cache"))
+    measured: list[int] = []
+    width = invariance.verify_width
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        measured.append(1)
+        return width(*args, **kwargs)
+
+    monkeypatch.setattr(invariance, "verify_width", counted)
+    cases = suite.load(tiny_suite(tmp_path, tiny_gguf))
+    for run in range(2):
+        work = tmp_path / f"work{run}"
+        work.mkdir()
+        LocalRunner(cases, work, block_size=4).run("drafted")
+        assert len(measured) == 1, run  # measured by the first run alone
+    assert (tmp_path / "cache" / invariance.PROBES).is_file()

@@ -35,6 +35,7 @@ from mlxcache.model import LoadedModel, load
 from mlxcache.modes import json_mode
 from mlxcache.modes.tool_chat import ToolsTask
 from mlxcache.modes.tools import ToolChoice, parse_tools
+from mlxcache.paths import cache_dir
 from mlxcache.regress import VARIANTS
 from mlxcache.regress.golden import golden_adapter
 from mlxcache.regress.suite import SAMPLING_KEYS, Case, Messages, Output, Suite, turns
@@ -167,7 +168,10 @@ class LocalRunner:
                 drafting = None
                 if drafted:
                     lookup = DraftConfig(mode="lookup")
-                    drafting = Drafting(loaded, lookup, self.block_size, self.work_dir)
+                    # The device's verify record lives with the user's cache (keyed by model
+                    # and device), not in this run's scratch directory: measured once.
+                    record = cache_dir()
+                    drafting = Drafting(loaded, lookup, self.block_size, record)
                 engines[case.runs_on] = Engine(loaded, cache, drafting=drafting)
             return engines[case.runs_on]
 
