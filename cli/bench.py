@@ -478,7 +478,7 @@ def models(
         typer.Option(
             "--mem-limit",
             metavar="SIZE",
-            help="The served pair's budget [default: the idle server, the larger model and "
+            help="The served pair's budget \\[default: the idle server, the larger model and "
             "half the smaller, as measured].",
         ),
     ] = None,

@@ -477,14 +477,16 @@ def check_given(given: dict[str, Any]) -> None:
         UserInputError: --mem-limit is not a size above 0.
     """
     mem_limit_bytes(given.get("mem_limit"))
+    if given.get("check"):  # `json --check` compiles a schema and loads no model
+        return
     if given.get("adapter") is not None:
         from mlxcache.model.adapter import check_adapter
 
         check_adapter(given["adapter"])
     # Through a server, --draft-model is refused as such (`remote.in_process_only`).
     for name in ("model",) if given.get("server") else ("model", "draft_model"):
-        spec = given.get(name)
-        if isinstance(spec, str):
+        specs = given.get(name)  # serve's -m may be given more than once: a list
+        for spec in [specs] if isinstance(specs, str) else specs or ():
             from mlxcache.model.loader import check_spec
 
             check_spec(spec, given.get("cache_dir"))

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from cli_run import unloadable
 from test_sampling import openai_penalties
 from typer.testing import CliRunner
 
@@ -61,11 +62,12 @@ def test_presence_and_frequency_penalties(cache_root: Path, tiny_gguf: Path, tin
 @pytest.mark.parametrize(
     ("flag", "value"), [("--presence-penalty", "2.5"), ("--frequency-penalty", "-3")]
 )
-def test_out_of_range_penalties_are_refused(command: str, flag: str, value: str) -> None:
+def test_out_of_range_penalties_are_refused(
+    command: str, flag: str, value: str, tmp_path: Path
+) -> None:
     tool = '[{"type": "function", "function": {"name": "f"}}]'
     args = {"generate": [], "json": ["--schema", '{"type": "object"}'], "tools": ["--tools", tool]}
-    result = runner.invoke(
-        app, [command, "hi", "-m", "/nonexistent.gguf", *args[command], flag, value]
-    )
+    model = unloadable(tmp_path)
+    result = runner.invoke(app, [command, "hi", "-m", str(model), *args[command], flag, value])
     line = f"error: {flag} must be in [-2, 2], got {float(value)}\n"
     assert (result.exit_code, result.stdout, result.stderr) == (2, "", line)

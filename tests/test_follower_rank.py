@@ -41,9 +41,11 @@ def followed(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, ...]]:
 def test_a_model_running_command_follows_with_its_own_options(
     followed: list[tuple[Any, ...]], argv: list[str], tmp_path: Path
 ) -> None:
-    code, out, err = run(*argv, "-m", "some.gguf", "-n", "7", "--cache-dir", str(tmp_path))
+    model = tmp_path / "some.gguf"  # it exists: the path check made before any work passes
+    model.write_bytes(b"")
+    code, out, err = run(*argv, "-m", str(model), "-n", "7", "--cache-dir", str(tmp_path))
     assert (code, out, err) == (0, "", "")  # the body (and its input checks) is rank 0's
-    assert followed == [("engine", "some.gguf", 7, tmp_path)]
+    assert followed == [("engine", str(model), 7, tmp_path)]
 
 
 def test_a_command_without_a_model_runs_on_every_rank(

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cli_run import refused, run
+from cli_run import refused, run, unloadable
 
 from mlxcache import __version__
 from mlxcache.modes import chat
@@ -29,11 +29,10 @@ def wide_schema(properties: int) -> dict[str, Any]:
 
 
 @pytest.fixture(autouse=True)
-def unloadable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`unloadable.gguf` in the working directory: a model path that exists (so `-m` passes
-    the check made before any work) but cannot load, so each test shows its check comes
-    before the model loads."""
-    (tmp_path / "unloadable.gguf").write_bytes(b"not a GGUF file")
+def in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`unloadable.gguf` (`cli_run.unloadable`) in the working directory: each test shows
+    its check comes before the model loads."""
+    unloadable(tmp_path)
     monkeypatch.chdir(tmp_path)
 
 

@@ -13,6 +13,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 import pytest
+from cli_run import unloadable
 from grammar_accepts import accepts
 from tinymodel import write_tiny_gguf
 from typer.testing import CliRunner
@@ -327,7 +328,8 @@ def test_the_default_budget_is_half_of_what_the_context_leaves(tiny: LoadedModel
 
 
 def test_cli_think_budget_is_checked_before_the_model_loads(tmp_path: Path) -> None:
-    base = ["json", "hi", "--schema", json.dumps(SCHEMA), "-m", str(tmp_path / "none.gguf")]
+    model = unloadable(tmp_path)
+    base = ["json", "hi", "--schema", json.dumps(SCHEMA), "-m", str(model)]
     for extra, message in (
         (["--think-budget", "9"], "--think-budget goes with --think"),
         (
