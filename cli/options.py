@@ -428,7 +428,7 @@ def cache_config(
 def engine(
     model: str | None,
     config: CacheConfig,
-    invariant: bool = False,
+    invariant: bool | None = None,
     split: str | None = None,
     draft: DraftConfig | None = None,
     quiet: bool = False,
@@ -436,7 +436,8 @@ def engine(
     """Open the engine (no `model`: the one `mlxcache models default` chose), with a
     progress bar on stderr if a GGUF needs converting and the device's probes shown as
     they measure (`ui.ProbeNotes`; neither `quiet`); `invariant`, `split` and `draft`: see
-    `open_engine` (chat and serve ask for `invariant`)."""
+    `open_engine` (chat and serve ask for `invariant`: measured where not recorded; the
+    one-shot commands use the recorded answer, the canonical path where none is)."""
     from mlxcache.distributed import SPLITS
     from mlxcache.model.loader import default_spec
     from mlxcache.runtime import open_engine
@@ -661,7 +662,7 @@ class RunOptions:
             inexact=self.draft_inexact,
         )
 
-    def engine(self, invariant: bool = False) -> Engine:
+    def engine(self, invariant: bool | None = None) -> Engine:
         return engine(self.model, self.cache(), invariant, self.split, self.drafting(), self.quiet)
 
 

@@ -28,6 +28,7 @@ import mlxcache.sampling as sampling_mod
 from mlxcache.cache import blocks
 from mlxcache.cache.disk import DiskTier, digest_tokens
 from mlxcache.cache.layout import Layout
+from mlxcache.cache.live import Live
 from mlxcache.cache.memory import MemoryTier, state_name
 from mlxcache.cache.store import PromptCache
 from mlxcache.config import MAX_DRAFT
@@ -646,6 +647,12 @@ def kv_namespace_without_bits(patch: Patch) -> None:
     patch(Layout, "name", property(lambda self: "" if self.plain else "layout-v1"))
 
 
+def live_not_rewound(patch: Patch) -> None:
+    """The next turn takes the last reply's live layers as they are, not rewound to where
+    its prompt leaves them (an edited turn attends over the old reply's KV too)."""
+    patch(Live, "take", lambda self, k: self.layers)
+
+
 MUTANTS: dict[str, Callable[[Patch], None]] = {
     f.__name__: f
     for f in (
@@ -692,5 +699,6 @@ MUTANTS: dict[str, Callable[[Patch], None]] = {
         capture_without_sync,
         reply_blocks_not_captured,
         state_inside_a_block,
+        live_not_rewound,
     )
 }

@@ -94,6 +94,7 @@ CAUGHT_BY: dict[str, list[tuple[str, str]]] = {
     "capture_without_sync": [("sliding", "batched"), ("recurrent", "batched")],
     "reply_blocks_not_captured": [("sliding", "kept_replies"), ("recurrent", "kept_replies")],
     "state_inside_a_block": [("recurrent", "kept_replies")],
+    "live_not_rewound": [("plain", "kept_replies"), ("quantized", "kept_replies")],
 }
 
 

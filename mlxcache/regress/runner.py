@@ -37,7 +37,7 @@ from mlxcache.modes.tool_chat import ToolsTask
 from mlxcache.modes.tools import ToolChoice, parse_tools
 from mlxcache.regress import VARIANTS
 from mlxcache.regress.suite import SAMPLING_KEYS, Case, Messages, Output, Suite, turns
-from mlxcache.runtime import make_cache
+from mlxcache.runtime import make_cache, measured
 
 Steps = units.Steps[list[Output]]
 
@@ -167,7 +167,16 @@ class LocalRunner:
                 if drafted:
                     lookup = DraftConfig(mode="lookup")
                     drafting = Drafting(loaded, lookup, self.block_size, self.work_dir)
-                engines[case.model] = Engine(loaded, cache, drafting=drafting)
+                # The recorded probe answer (a file read): a reply's decode KV kept
+                # where the device computes it exactly, as chat keeps it.
+                allowed = measured(loaded, config, measure=False)
+                engines[case.model] = Engine(
+                    loaded,
+                    cache,
+                    drafting=drafting,
+                    keep_replies=allowed["decode"],
+                    batch_decode=allowed["batch"],
+                )
             return engines[case.model]
 
         return engine_for, caches
