@@ -78,3 +78,19 @@ def test_without_the_probe_the_reply_layers_are_not_held(
     joined = _joins(monkeypatch)
     got = engine.complete(follow)
     assert got.stats.cached_tokens == 4 and joined == [4]
+
+
+def test_memory_shed_drops_the_live_layers_first(
+    tiny: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """They sit outside the budget: a shed (the memory limit's admission) lets them go;
+    the next turn then restores the kept blocks and the reply's tail, as exactly."""
+    cache = _cache(tiny, tmp_path)
+    engine = Engine(tiny, cache, keep_replies=True)
+    first = engine.complete(Request(PROMPT, PARAMS, stop_tokens=ENDLESS))
+    follow = Request([*PROMPT, *first.tokens, 11, 12], PARAMS, stop_tokens=ENDLESS)
+    cache.shed(0)
+    joined = _joins(monkeypatch)
+    got = engine.complete(follow)
+    assert joined == [12] and got.stats.cached_tokens == len(PROMPT) + len(first.tokens)
+    assert got.tokens == Engine(tiny, NoCache(tiny.model, 4)).complete(follow).tokens
