@@ -512,7 +512,7 @@ def mem_limit_bytes(text: str | None) -> int | None:
 def engine(
     model: str | None,
     config: CacheConfig,
-    invariant: bool = False,
+    invariant: bool | None = None,
     split: str | None = None,
     draft: DraftConfig | None = None,
     quiet: bool = False,
@@ -521,8 +521,9 @@ def engine(
     """Open the engine (no `model`: the one `mlxcache models default` chose), with a
     progress bar on stderr if a GGUF needs converting and the device's probes shown as
     they measure (`ui.ProbeNotes`; neither `quiet`); `invariant`, `split` and `draft`: see
-    `open_engine` (chat and serve ask for `invariant`); `tailoring`: its adapter and chat
-    template arguments (`RunOptions.tailoring`)."""
+    `open_engine` (chat and serve ask for `invariant`: measured where not recorded; the
+    one-shot commands use the recorded answer, the canonical path where none is);
+    `tailoring`: its adapter and chat template arguments (`RunOptions.tailoring`)."""
     from mlxcache.distributed import SPLITS
     from mlxcache.model.loader import default_spec
     from mlxcache.runtime import open_engine
@@ -762,7 +763,7 @@ class RunOptions:
             "chat_template_args": self.chat_template_args,
         }
 
-    def engine(self, invariant: bool = False) -> Engine:
+    def engine(self, invariant: bool | None = None) -> Engine:
         return engine(
             self.model,
             self.cache(),

@@ -310,6 +310,18 @@ def _recorded(
     return found
 
 
+def recorded_probe(loaded: LoadedModel, block_size: int, directory: Path) -> dict[str, bool] | None:
+    """`probe`'s answer where `directory` records it (a file read: no forward), else None."""
+    known = _known(directory, _key(loaded, block_size))
+    if not all(isinstance(known.get(k), bool) for k in PROBED):
+        return None
+    return {k: known[k] for k in PROBED}
+
+
+PROBED = ("decode", "batch")
+"""The fields `probe` records."""
+
+
 def probe(
     loaded: LoadedModel, block_size: int, directory: Path, on_note: Note | None = None
 ) -> dict[str, bool]:
@@ -329,9 +341,7 @@ def probe(
         2,
         run,
     )
-    return _recorded(
-        loaded, block_size, directory, {"decode": bool, "batch": bool}, measure, on_note
-    )
+    return _recorded(loaded, block_size, directory, dict.fromkeys(PROBED, bool), measure, on_note)
 
 
 VERIFY_WIDTHS = (2, 3, 5, MAX_DRAFT + 1)

@@ -348,6 +348,7 @@ def keep_reply(work: Work, prompt: np.ndarray, reply: list[int], lease: Lease) -
     if len(ids) // block > prompt.size // block:
         lease.keep(ids[: len(ids) // block * block])
     lease.keep_tail(ids, None)
+    lease.keep_live(ids)  # the next turn continues from these layers themselves
 
 
 def warm_lane(work: Work, rid: int, tokens: np.ndarray) -> Generator[Event, None, None]:
@@ -362,6 +363,8 @@ def warm_lane(work: Work, rid: int, tokens: np.ndarray) -> Generator[Event, None
         ) as lease:
             if lease.length < len(tokens):
                 yield from prefill_blocks(work, rid, tokens, lease, lease.length, len(tokens))
+            if work.keep_replies:  # the turn it warms continues from these layers
+                lease.keep_live(tokens)
     finally:
         if work.budget is not None:
             work.budget.release(rid)

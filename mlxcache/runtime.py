@@ -19,7 +19,7 @@ from mlxcache.draft import same_vocabulary
 from mlxcache.drafting import Drafting, DraftModel
 from mlxcache.engine import Engine
 from mlxcache.errors import Setting, UserInputError, Worded
-from mlxcache.invariance import Note, probe
+from mlxcache.invariance import Note, probe, recorded_probe
 from mlxcache.launch import launched_rank
 from mlxcache.membudget import budgeted
 from mlxcache.model import LoadedModel, load
@@ -52,7 +52,7 @@ def open_engine(
     cache_config: CacheConfig | None = None,
     progress: Progress | None = None,
     on_warning: Callable[[str], None] | None = None,
-    invariant: bool = False,
+    invariant: bool | None = None,
     split: str | None = None,
     on_rank_lost: Callable[[str | None], None] | None = None,
     draft: DraftConfig | None = None,
@@ -73,8 +73,11 @@ def open_engine(
             a warm-ahead lane failed).
         invariant: use what this device was measured to compute exactly (`invariance`:
             the probe runs once per model, device and versions): keep each reply's decode
-            KV for the next turn, and decode concurrent requests as one batch. Chat and
-            serve ask for it.
+            KV for the next turn, and decode concurrent requests as one batch. True:
+            measured now where no answer is recorded (chat and serve ask for it); None
+            (the default): the recorded answer, read from the cache dir, and the canonical
+            path where none is recorded (nothing measured: one-shot commands start at
+            once); False: the canonical path.
         split: in a process started by `mlx.launch`, how the model is sharded across the
             processes ("tensor" or "pipeline"; default: tensor where the model supports
             it). The engine then runs as one rank of the run (`distributed`): on rank 0,
@@ -121,7 +124,9 @@ def open_engine(
             Worded("a memory limit (", Setting("mem_limit"), ") is ignored under mlx.launch")
         )
     prompts = make_cache(loaded, config, on_warning)
-    allowed = measured(loaded, config, on_note) if invariant and ranks is None else NOTHING_MEASURED
+    allowed = NOTHING_MEASURED
+    if invariant is not False and ranks is None:
+        allowed = measured(loaded, config, on_note, measure=invariant is True)
     # No probe in a sharded run (its forwards are one rank's): the canonical path. A cache
     # that keeps nothing resumes nothing on every rank: nothing to agree on.
     if ranks is not None and not isinstance(prompts, NoCache):
@@ -215,16 +220,20 @@ NOTHING_MEASURED = {"decode": False, "batch": False}
 
 
 def measured(
-    loaded: LoadedModel, config: CacheConfig, on_note: Note | None = None
+    loaded: LoadedModel, config: CacheConfig, on_note: Note | None = None, measure: bool = True
 ) -> dict[str, bool]:
     """What the device allows for `loaded` (`invariance.probe`): "decode", a reply's decode
     KV may be kept as canonical; "batch", requests may decode as one batch. Both False
     but for a model the store keeps block by block (`Layout`) with the prompt cache on
-    (whose directory keeps the record)."""
+    (whose directory keeps the record). `measure` False: the recorded answer only (a file
+    read), both False where none is recorded."""
     layout = Layout.of(new_layers(loaded.model), config.block_size)
     if not config.enabled or layout is None:
         return NOTHING_MEASURED
-    return probe(loaded, config.block_size, cache_dir(config.directory), noted(loaded, on_note))
+    directory = cache_dir(config.directory)
+    if not measure:
+        return recorded_probe(loaded, config.block_size, directory) or NOTHING_MEASURED
+    return probe(loaded, config.block_size, directory, noted(loaded, on_note))
 
 
 NOTED_PARAMETERS = 10_000_000

@@ -29,6 +29,7 @@ import mlxcache.sampling as sampling_mod
 from mlxcache.cache import blocks
 from mlxcache.cache.disk import DiskTier, digest_tokens
 from mlxcache.cache.layout import Layout
+from mlxcache.cache.live import Live
 from mlxcache.cache.memory import MemoryTier, state_name
 from mlxcache.cache.store import PromptCache
 from mlxcache.config import MAX_DRAFT
@@ -686,6 +687,12 @@ def events_by_lane_id_alone(patch: Patch) -> None:
     patch(EngineWorker, "_deliver", deliver)
 
 
+def live_not_rewound(patch: Patch) -> None:
+    """The next turn takes the last reply's live layers as they are, not rewound to where
+    its prompt leaves them (an edited turn attends over the old reply's KV too)."""
+    patch(Live, "take", lambda self, k: self.layers)
+
+
 MUTANTS: dict[str, Callable[[Patch], None]] = {
     f.__name__: f
     for f in (
@@ -736,5 +743,6 @@ MUTANTS: dict[str, Callable[[Patch], None]] = {
         state_inside_a_block,
         adapter_not_in_key,
         adapter_not_applied,
+        live_not_rewound,
     )
 }

@@ -55,6 +55,13 @@ def test_chat_bench(cache_root: Path, tmp_path: Path) -> None:
     assert all(row["cached"] > 0 for row in waited[1:])
     assert result["goals"]["a_prefills_at_most_a_block_plus_the_turn"] is True
     assert result["generate_twice"]["share"] >= 0.75
+    # Replies kept (the tiny model passes the probe on CPU): no way prefills a token more
+    # than mlx-lm keeping its whole cache, the next turn sent at once and without
+    # warm-ahead included.
+    if mx.default_device() == mx.cpu:
+        for way in "abd":
+            assert result["goals"][f"{way}_prefills_at_most_mlx_lm"] is True, way
+    assert len(result["prefilled_per_turn"]["c"]) == 5
 
 
 def test_chunks_bench(cache_root: Path, tiny_gguf: Path) -> None:

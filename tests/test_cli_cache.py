@@ -11,6 +11,7 @@ from tinymodel import write_tiny_gguf
 from typer.testing import CliRunner
 
 from mlxcache.cache.disk import DiskTier
+from mlxcache.invariance import PROBES, probe
 from mlxcache.model import load
 from mlxcache_cli import ui
 from mlxcache_cli.main import app
@@ -178,3 +179,19 @@ def test_cache_clear_empties_a_cache_whose_folder_is_a_file(
     assert not files.is_file()
     listed = runner.invoke(app, ["cache", "ls", "--json", "--cache-dir", str(tmp_path)])
     assert json.loads(listed.stdout) == []
+
+
+def test_a_one_shot_reads_the_recorded_probe_and_never_measures_it(
+    cache_root: Path, tiny_gguf: Path, tmp_path: Path
+) -> None:
+    """Nothing recorded: `generate` measures nothing and keeps the prompt's blocks only.
+    Recorded (as chat or serve records it): it keeps its reply's decode KV too."""
+    text = "abcdefghijklmnop"  # 15 tokens, then 3 drawn and the last one fed: 18
+    fresh, recorded = tmp_path / "fresh", tmp_path / "recorded"
+    gen(tiny_gguf, fresh, text)
+    assert not (fresh / PROBES).exists()
+    assert max(r["tokens"] for r in cache("ls", "--cache-dir", str(fresh))) == 12
+    if not probe(load(str(tiny_gguf), cache_root=cache_root), 4, recorded)["decode"]:
+        pytest.skip("decode KV is not canonical on this device")
+    gen(tiny_gguf, recorded, text)
+    assert max(r["tokens"] for r in cache("ls", "--cache-dir", str(recorded))) == 16

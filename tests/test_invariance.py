@@ -110,13 +110,20 @@ def test_the_answers_are_recorded_per_model_and_block_size(
     assert calls == [4, 8, 4]
 
 
-def test_open_engine_uses_the_probe_only_when_asked(tiny_gguf: Path, tmp_path: Path) -> None:
+def test_open_engine_measures_only_when_asked_and_reads_the_record_by_default(
+    tiny_gguf: Path, tmp_path: Path
+) -> None:
     config = CacheConfig(block_size=4, directory=tmp_path)
-    plain = open_engine(str(tiny_gguf), config)
+    plain = open_engine(str(tiny_gguf), config)  # nothing recorded: nothing measured
     assert not plain.keep_replies and not plain.batch_decode
+    assert not (tmp_path / invariance.PROBES).exists()
     on_cpu = mx.default_device() == mx.cpu
     asked = open_engine(str(tiny_gguf), config, invariant=True)
     assert asked.keep_replies == asked.batch_decode == on_cpu
+    # Recorded now: the default reads it (one-shot commands, regress, the library).
+    recorded = open_engine(str(tiny_gguf), config)
+    assert recorded.keep_replies == recorded.batch_decode == on_cpu
+    assert not open_engine(str(tiny_gguf), config, invariant=False).keep_replies
     off = CacheConfig(enabled=False, block_size=4, directory=tmp_path)
     assert not open_engine(str(tiny_gguf), off, invariant=True).keep_replies
 

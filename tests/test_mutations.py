@@ -100,6 +100,7 @@ CAUGHT_BY: dict[str, list[tuple[str, str]]] = {
     "adapter_not_applied": [("adapter", "adapter_apart")],
     "jobs_on_the_first_engine": [("plain", "models_interleaved")],
     "events_by_lane_id_alone": [("plain", "models_interleaved"), ("sliding", "models_interleaved")],
+    "live_not_rewound": [("plain", "kept_replies"), ("quantized", "kept_replies")],
 }
 
 

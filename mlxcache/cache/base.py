@@ -35,6 +35,8 @@ class Keeper(Protocol):
 
     def keep_tail(self, tokens: np.ndarray, lease: Lease, logits: Any) -> None: ...
 
+    def keep_live(self, tokens: np.ndarray, lease: Lease) -> None: ...
+
     def release(self, lease: Lease) -> None: ...
 
 
@@ -89,6 +91,13 @@ class Lease:
         reply's decode KV): only for resuming mid-block (`restore(anywhere=True)`)."""
         self._check()
         self.keeper.keep_tail(tokens, self, logits)
+
+    def keep_live(self, tokens: np.ndarray) -> None:
+        """Hand `layers` (holding exactly the KV of `tokens`, decode KV measured canonical)
+        to the cache by reference: the next turn that follows them continues from them
+        (`restore(anywhere=True)`). The lane must not touch them afterwards."""
+        self._check()
+        self.keeper.keep_live(tokens, self)
 
     def release(self) -> None:
         """Unpin the entry and forget what was staged and not kept."""
@@ -194,6 +203,9 @@ class _Nothing:
         return None
 
     def keep_tail(self, tokens: np.ndarray, lease: Lease, logits: Any) -> None:
+        return None
+
+    def keep_live(self, tokens: np.ndarray, lease: Lease) -> None:
         return None
 
     def release(self, lease: Lease) -> None:

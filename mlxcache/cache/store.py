@@ -32,6 +32,7 @@ from mlxcache.cache.disk import (
 from mlxcache.cache.index import Entry, Match, PromptIndex
 from mlxcache.cache.layout import Layout, kv_tag
 from mlxcache.cache.layout import nbytes as block_nbytes
+from mlxcache.cache.live import Live, rewinds
 from mlxcache.cache.memory import Kept, MemoryTier, state_name
 from mlxcache.config import CacheConfig
 from mlxcache.errors import CacheStoreError, CorruptCacheFileError
@@ -67,6 +68,10 @@ class PromptCache:
         fresh = new_layers(model)
         self.layout = Layout.of(fresh, config.block_size)
         self.trimmable = self.layout is not None
+        self._rewinds = rewinds(fresh)
+        # The last reply's layers, by reference (`keep_live`): outside the budget, like a
+        # lane's own layers; one conversation at a time, dropped first when memory is shed.
+        self._live: Live | None = None
         # Whole-state checkpoints name their KV quantization alone (a layout names it too).
         shape = self.layout.name if self.layout is not None else kv_tag(fresh)
         self.ns = kv.namespace(model_key, config.block_size, shape)
@@ -100,10 +105,12 @@ class PromptCache:
         shape-invariant): the prefix may end inside a block, where a kept block or tail
         stops following it. `whole`: the prefix may be all of `tokens` (no logits wanted,
         so no remembered tail either)."""
-        resume = self._restore(with_probe(tokens) if whole else tokens)
+        resume = self._take_live(tokens, whole) if anywhere else None
+        if resume is None:
+            resume = self._restore(with_probe(tokens) if whole else tokens)
+            if anywhere and resume.logits is None:
+                self._continue(resume, tokens, whole)
         self._open.add(resume)
-        if anywhere and resume.logits is None:
-            self._continue(resume, tokens, whole)
         if count:
             self.stats.hits += resume.length > 0
             self.stats.misses += resume.length == 0
@@ -124,6 +131,23 @@ class PromptCache:
         self.layout.append(resume.layers, piece)
         resume.length += k
         resume.tier = resume.tier or "memory"
+
+    def _take_live(self, tokens: np.ndarray, whole: bool) -> Lease | None:
+        """A lease on the live layers (`keep_live`) rewound to as far as they follow
+        `tokens` (one token short of the end unless `whole`), where nothing kept reaches
+        further (this very prompt's tail brings its logits too): no block is restored,
+        joined or copied."""
+        live = self._live
+        if live is None:
+            return None
+        k = live.reach(tokens, len(tokens) - (0 if whole else 1))
+        if not whole and self.mem.tail(tokens) is not None:
+            return None
+        if k == 0 or k < self.cached_length(tokens, whole):
+            return None
+        self._live = None
+        self.mem.reserve_prefill(tokens, k, None)
+        return Lease(self, live.take(k), k, tier="memory")
 
     def _restore(self, tokens: np.ndarray) -> Lease:
         self._sync_disk()
@@ -177,6 +201,11 @@ class PromptCache:
         if self.mem.keep_tail(tokens, lease.layers, logits):
             self._fit(prompt=None)
 
+    def keep_live(self, tokens: np.ndarray, lease: Lease) -> None:
+        """Hold the lease's layers (exactly the KV of `tokens`) for the next turn, where
+        they rewind by an offset; they replace the live layers held before."""
+        self._live = Live(np.array(tokens, np.int32), lease.layers) if self._rewinds else None
+
     def release(self, lease: Lease) -> None:
         self._open.discard(lease)
         self.mem.release(lease)
@@ -215,6 +244,7 @@ class PromptCache:
     def shed(self, n_bytes: int) -> int:
         """Free about `n_bytes` of the memory tier (its copies on disk stay resumable);
         returns the bytes freed."""
+        self._live = None  # outside the budget's count, but first to go
         return self.mem.shed(n_bytes)
 
     def report(self) -> dict[str, Any]:

@@ -39,7 +39,7 @@ from mlxcache.paths import cache_dir
 from mlxcache.regress import VARIANTS
 from mlxcache.regress.golden import golden_adapter
 from mlxcache.regress.suite import SAMPLING_KEYS, Case, Messages, Output, Suite, turns
-from mlxcache.runtime import make_cache
+from mlxcache.runtime import make_cache, measured
 
 Steps = units.Steps[list[Output]]
 
@@ -172,7 +172,16 @@ class LocalRunner:
                     # and device), not in this run's scratch directory: measured once.
                     record = cache_dir()
                     drafting = Drafting(loaded, lookup, self.block_size, record)
-                engines[case.runs_on] = Engine(loaded, cache, drafting=drafting)
+                # The recorded probe answer (a file read): a reply's decode KV kept
+                # where the device computes it exactly, as chat keeps it.
+                allowed = measured(loaded, config, measure=False)
+                engines[case.runs_on] = Engine(
+                    loaded,
+                    cache,
+                    drafting=drafting,
+                    keep_replies=allowed["decode"],
+                    batch_decode=allowed["batch"],
+                )
             return engines[case.runs_on]
 
         return engine_for, caches
