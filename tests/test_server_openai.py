@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 from asgi import Reply, call
+from cli_run import unloadable
 from shapemodel import shaped
 from test_sampling import openai_penalties
 from typer.testing import CliRunner
@@ -630,8 +631,11 @@ mlxcache_resident_bytes 123456789
         (["--max-lanes", "0"], "--max-lanes must be >= 1, got 0"),
     ],
 )
-def test_serve_refuses_bad_penalties_and_origins_before_loading(args: list[str], line: str) -> None:
-    result = CliRunner().invoke(cli, ["serve", "--model", "/nonexistent.gguf", *args])
+def test_serve_refuses_bad_penalties_and_origins_before_loading(
+    args: list[str], line: str, tmp_path: Path
+) -> None:
+    model = str(unloadable(tmp_path))
+    result = CliRunner().invoke(cli, ["serve", "--model", model, *args])
     assert (result.exit_code, result.stdout, result.stderr) == (2, "", f"error: {line}\n")
 
 
