@@ -419,6 +419,7 @@ def spec(
     from mlxcache.bench import spec_bench
 
     o.positive(lines=lines, tokens=tokens, draft_tokens=draft_tokens, rounds=rounds)
+    _check_suite(suite)
     if sweep:
         for row in spec_bench.sweep(model, lines, tokens, suite, cache_dir):
             ui.out_json(row)
@@ -573,6 +574,7 @@ def memory(
         raise UserInputError(f"--only takes {','.join(memory_bench.PARTS)}, got {only!r}")
     o.positive(conversations=conversations, concurrency=concurrency, turns=turns, tokens=tokens)
     o.positive(context_tokens=context_tokens, document_tokens=document_tokens)
+    _check_suite(suite)
     length = 60 * hours if hours is not None else minutes
     if length <= 0 or interval <= 0:
         raise UserInputError("--minutes, --hours and --interval must be > 0")
@@ -595,3 +597,16 @@ def memory(
             suite=suite,
         )
     )
+
+
+def _check_suite(suite: Path | None) -> None:
+    """A --suite read and checked before the bench does any work (a bad one is one line at
+    once, not after minutes of the bench's other workloads).
+
+    Raises:
+        UserInputError: the file cannot be read or is not a suite.
+    """
+    if suite is not None:
+        from mlxcache.regress.suite import load
+
+        load(suite)

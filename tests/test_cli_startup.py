@@ -405,3 +405,20 @@ def test_one_shot_times_cached_commands_against_mlx_lm(
     ratios = {name: walls[name] / walls["mlx_lm.generate"] for name in ("generate", "json")}
     assert result["ratio_to_mlx_lm"] == pytest.approx(ratios, abs=0.01)  # of rounded times
     assert sorted(result["goals"]) == ["generate_le_0.5x", "json_le_0.5x"]
+
+
+@pytest.mark.parametrize("bench", ["spec", "memory"])
+def test_a_bad_bench_suite_is_refused_before_any_work(tmp_path: Path, bench: str) -> None:
+    """A --suite that is missing or not a suite is one line at once: the bench runs none
+    of its workloads first (issue 53, item 16)."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("cases: 3\n")
+    for suite, said in ((tmp_path / "nope.yaml", "cannot read suite"), (bad, str(bad))):
+        done = subprocess.run(
+            [sys.executable, "-m", "mlxcache_cli", "bench", bench, "--suite", str(suite)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert (done.returncode, done.stdout) == (2, ""), done.stderr
+        assert len(done.stderr.splitlines()) == 1 and said in done.stderr, done.stderr
