@@ -491,18 +491,11 @@ def models(
     """SmolLM2 and Gemma 3 270M behind one server under a memory limit that holds one of
     them: switches, reload time vs each model's own load, peak memory, replies vs solo."""
     from mlxcache.bench import models_bench
-    from mlxcache.config import parse_size
 
     o.positive(tokens=tokens)
     if minutes <= 0:
         raise UserInputError("--minutes must be > 0")
-    try:
-        limit = None if mem_limit is None else parse_size(mem_limit)
-    except ValueError as exc:
-        raise UserInputError(f"--mem-limit: {exc}") from exc
-    if limit == 0:
-        raise UserInputError("--mem-limit must be > 0")
-    _report(models_bench.run(minutes, tokens, limit))
+    _report(models_bench.run(minutes, tokens, o.mem_limit_bytes(mem_limit)))
 
 
 def memory(
@@ -578,8 +571,8 @@ def memory(
     length = 60 * hours if hours is not None else minutes
     if length <= 0 or interval <= 0:
         raise UserInputError("--minutes, --hours and --interval must be > 0")
+    limit = o.mem_limit_bytes(mem_limit)
     try:
-        limit = o.mem_limit_bytes(mem_limit)
         mem = parse_size(cache_mem)
     except ValueError as exc:
         raise UserInputError(str(exc)) from exc

@@ -342,7 +342,9 @@ def test_metrics_and_ps_show_each_model(
     assert sorted(cache["models"]) == ["alpha"]
 
 
-def test_models_files_are_checked_before_anything_runs(tmp_path: Path) -> None:
+def test_models_files_are_checked_before_anything_runs(
+    tmp_path: Path, folders: dict[str, Path]
+) -> None:
     assert entries_from([{"model": "smollm2-135m", "aliases": "small"}], "f") == [
         ModelEntry("smollm2-135m", "smollm2-135m", ("small",))
     ]
@@ -357,15 +359,27 @@ def test_models_files_are_checked_before_anything_runs(tmp_path: Path) -> None:
         ("- {name: a, model: x, kv_bits: 5}\n", "model 'a': kv_bits: KV bits must be one of 4, 8"),
         ("models: 3\n", "expected a non-empty list of models"),
         ("[unclosed\n", "is not YAML"),
+        (f"- {{name: a, model: {folders['alpha']}, adapter: 3}}\n", "'adapter' must be text"),
+        (
+            f"- {{name: a, model: {folders['alpha']}, chat_template_args: x}}\n",
+            "'chat_template_args' must be a mapping",
+        ),
+        (f"- {{name: a, model: {folders['alpha']}, adapter: empty}}\n", "model 'a': "),
+        (f"- {{name: a, model: {folders['alpha']}, adapter: nope}}\n", "model 'a': "),
     ]
+    (tmp_path / "empty").mkdir()
     for text, said in cases:
         path = tmp_path / "models.yaml"
         path.write_text(text)
         result = CliRunner().invoke(cli, ["serve", "--models", str(path)])
         assert result.exit_code == 2, (text, result.output)
         assert said in result.stderr and "Traceback" not in result.stderr, (text, result.stderr)
+        assert len(result.stderr.splitlines()) == 1, result.stderr
     result = CliRunner().invoke(cli, ["serve", "--keep-alive", "5m"])
     assert result.exit_code == 2 and "--keep-alive and --load-all are for several" in result.stderr
+    two = ["-m", str(folders["alpha"]), "-m", str(folders["beta"])]
+    result = CliRunner().invoke(cli, ["serve", *two, "--chat-template", "x"])
+    assert result.exit_code == 2 and "tailor one model" in result.stderr
 
 
 def test_an_adapter_is_a_model_of_its_own(
@@ -399,29 +413,3 @@ def test_an_adapter_is_a_model_of_its_own(
     keys = {c["id"]: c["mlxcache"]["key"] for c in call(app, "GET", "/v1/models").json()["data"]}
     assert keys == {"base": load(str(folders["alpha"])).key, "tuned": tuned_model.key}
     assert keys["base"] != keys["tuned"]
-
-
-def test_adapters_of_a_models_file_are_checked_before_anything_runs(
-    tmp_path: Path, folders: dict[str, Path]
-) -> None:
-    (tmp_path / "empty").mkdir()
-    cases = [
-        (f"- {{name: a, model: {folders['alpha']}, adapter: 3}}\n", "'adapter' must be text"),
-        (
-            f"- {{name: a, model: {folders['alpha']}, chat_template_args: x}}\n",
-            "'chat_template_args' must be a mapping",
-        ),
-        (f"- {{name: a, model: {folders['alpha']}, adapter: empty}}\n", "model 'a': "),
-        (f"- {{name: a, model: {folders['alpha']}, adapter: nope}}\n", "model 'a': "),
-    ]
-    for text, said in cases:
-        path = tmp_path / "models.yaml"
-        path.write_text(text)
-        result = CliRunner().invoke(cli, ["serve", "--models", str(path)])
-        assert result.exit_code == 2, (text, result.output)
-        assert said in result.stderr and "Traceback" not in result.stderr, (text, result.stderr)
-        assert len(result.stderr.splitlines()) == 1, result.stderr
-    result = CliRunner().invoke(
-        cli, ["serve", "-m", "a.gguf", "-m", "b.gguf", "--chat-template", "{{ x }}"]
-    )
-    assert result.exit_code == 2
