@@ -20,7 +20,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import numpy as np
@@ -31,7 +31,7 @@ from mlx_lm.models.cache import (
     make_prompt_cache,
 )
 from mlx_lm.sample_utils import make_logits_processors
-from shapemodel import checkpointed, shaped
+from shapemodel import Shaped, checkpointed, shaped
 from spy import Spy, spied
 
 from mlxcache.cache.base import NoCache, is_trimmable
@@ -43,6 +43,7 @@ from mlxcache.draft import Drafter
 from mlxcache.drafting import Drafting, Plan
 from mlxcache.engine import Engine, Request
 from mlxcache.events import Done, Event, Result, Token
+from mlxcache.invariance import batch_verify_probe, probe, verify_probe
 from mlxcache.model import LoadedModel, load
 from mlxcache.model.kvquant import quantize_kv
 from mlxcache.prefill import prefill
@@ -52,7 +53,8 @@ from mlxcache.types import new_layers
 from mlxcache.worker import EngineWorker
 
 B = 4
-KV_GROUP = 32  # the quantized variant's group: its heads are 32 wide
+KV_GROUP = 32  # the quantized variant's group; its heads are 64 wide: 64 fits too
+KV_GROUPS = (32, 64)
 GREEDY = SamplingParams(max_tokens=6)
 CHILD = Path(__file__).with_name("exact_child.py")
 
@@ -65,7 +67,7 @@ def prompt(n: int, seed: int = 0) -> list[int]:
 class Variant:
     """A model under test: `source` is what `load` takes (a child process loads it too);
     `is_checkpointed`: its first layer's cache has no block layout (whole-state
-    checkpoints); `kv_bits`: its KV quantized (`--kv-bits`, groups of `KV_GROUP`)."""
+    checkpoints); `kv_bits`: its KV quantized (`--kv-bits`, groups of `kv_group`)."""
 
     name: str
     source: str
@@ -73,6 +75,7 @@ class Variant:
     is_checkpointed: bool
     loaded: LoadedModel
     kv_bits: int | None = None
+    kv_group: int = KV_GROUP
 
     @classmethod
     def of(
@@ -82,11 +85,13 @@ class Variant:
         is_shaped: bool,
         is_checkpointed: bool = False,
         kv_bits: int | None = None,
+        kv_group: int = KV_GROUP,
     ) -> Variant:
-        loaded = plain if kv_bits is None else quantize_kv(plain, kv_bits, KV_GROUP)
+        loaded = plain if kv_bits is None else quantize_kv(plain, kv_bits, kv_group)
         loaded = checkpointed(loaded) if is_checkpointed else loaded
         loaded = shaped(loaded) if is_shaped else loaded
-        return cls(name, str(plain.path), is_shaped, is_checkpointed, loaded, kv_bits)
+        source = str(plain.path)
+        return cls(name, source, is_shaped, is_checkpointed, loaded, kv_bits, kv_group)
 
     @classmethod
     def all(
@@ -350,6 +355,7 @@ class Rig:
             "shaped": self.variant.is_shaped,
             "checkpointed": self.variant.is_checkpointed,
             "kv_bits": self.variant.kv_bits,
+            "kv_group": self.variant.kv_group,
             "dir": str(self.dir),
             "prompts": prompts,
             "mutant": self.mutant,
@@ -874,11 +880,11 @@ def check_two_models(rig: Rig, other: Variant) -> None:
 
 
 def load_variant(
-    source: str, is_shaped: bool, is_checkpointed: bool, kv_bits: int | None
+    source: str, is_shaped: bool, is_checkpointed: bool, kv_bits: int | None, kv_group: int
 ) -> Variant:
     """A variant as a child process loads it."""
     plain = load(source)
-    return Variant.of("child", plain, is_shaped, is_checkpointed, kv_bits)
+    return Variant.of("child", plain, is_shaped, is_checkpointed, kv_bits, kv_group)
 
 
 class Oracle:
@@ -1051,8 +1057,6 @@ def check_probes_apart(rig: Rig) -> None:
     measured in a cache directory where an exact model's answers are recorded already (the
     same block size, device and versions) is still refused decode KV, batching and
     drafting."""
-    from mlxcache.invariance import probe, verify_probe
-
     plain = load(rig.variant.source)
     assert probe(plain, B, rig.dir)["decode"] and verify_probe(plain, B, rig.dir).width > 1
     found = probe(rig.variant.loaded, B, rig.dir)
@@ -1153,20 +1157,97 @@ def _is(a: Any, b: Any) -> bool:
     return arrays[0]
 
 
+def _other_kv(variant: Variant) -> list[tuple[int | None, int]]:
+    """The KV widths (bits, group size) of `variant`'s model other than its own: full
+    precision, the other bit width, the other group size, and both."""
+    assert variant.kv_bits is not None, "a check of quantized variants"
+    bits = 4 if variant.kv_bits == 8 else 8
+    group = next(g for g in KV_GROUPS if g != variant.kv_group)
+    return [(None, KV_GROUP), (bits, variant.kv_group), (variant.kv_bits, group), (bits, group)]
+
+
 def check_kv_apart(rig: Rig) -> None:
-    """A quantized variant's entries are its own: the same model at full precision and at
-    the other bit width, on the same directory, resume nothing of them."""
-    assert rig.variant.kv_bits is not None, "a check of quantized variants"
+    """A quantized variant's entries are its own: the same model at full precision, at the
+    other bit width, the other group size and both, on the same directory (in this process
+    and in new ones), resume nothing of them and keep their own, and the variant's own
+    entries stay intact."""
     engine, spy = rig.engine()
     tokens = prompt(5 * B + 2, seed=90)
-    run(engine, spy, tokens)
+    rig.warm(engine, spy, tokens)
     base = load(rig.variant.source)
-    other_bits = 4 if rig.variant.kv_bits == 8 else 8
-    config = CacheConfig(block_size=B, directory=rig.dir, state_stride=1)
-    for other in (base, quantize_kv(base, other_bits, KV_GROUP)):
-        cache = PromptCache(other.model, other.key, config, root=rig.dir / "kv")
+    for bits, group in _other_kv(rig.variant):
+        other = Rig(Variant.of("other", base, False, kv_bits=bits, kv_group=group), rig.dir)
+        other.mutant = rig.mutant
+        other_engine, other_spy = other.engine()
         try:
-            got = Engine(other, cache).complete(Request(tokens, GREEDY))
-        except Exception as exc:  # blocks of another precision read as its own
-            raise AssertionError(f"another KV precision's entries were read: {exc}") from exc
-        assert got.stats.cached_tokens == 0, "another KV precision's entries were read"
+            other.warm(other_engine, other_spy, tokens)  # resumes nothing, keeps its own
+            (again,) = other.child([tokens])  # a new process resumes its own entries
+        except Exception as exc:  # blocks of another width read as its own: wrong or failing
+            raise AssertionError(f"KV q{bits}g{group} read another's entries: {exc}") from exc
+        other.check(again, tokens, other.geo.resume(tokens), other.cold(tokens))
+    reopened, spy2 = rig.engine()
+    rig.warm(reopened, spy2, tokens)  # the variant's own entries, intact
+
+
+def check_probes_kv_apart(rig: Rig) -> None:
+    """Probe answers are kept per KV width: where the model's answers at another width
+    (full precision, the other bits, the other group size) are recorded, the same model
+    quantized with kernels whose bits depend on the call's shape (a stand-in for a device's
+    quantized kernels; the same model key) is still refused decode KV, batching and
+    drafting."""
+    base = load(rig.variant.source)
+    mine = quantize_kv(base, cast(int, rig.variant.kv_bits), rig.variant.kv_group)
+    stand_in = dataclasses.replace(mine, model=Shaped(mine.model))
+    for i, (bits, group) in enumerate(_other_kv(rig.variant)):
+        directory = rig.dir / f"probes-{i}"
+        exact = base if bits is None else quantize_kv(base, bits, group)
+        assert probe(exact, B, directory)["decode"] and verify_probe(exact, B, directory).width > 1
+        batch_verify_probe(exact, B, directory)  # recorded too (1: quantized KV never batches)
+        found = probe(stand_in, B, directory)
+        where = f"KV q{bits}g{group}'s probe answers were read"
+        assert not found["decode"] and not found["batch"], where
+        assert verify_probe(stand_in, B, directory).width == 1, where
+        assert batch_verify_probe(stand_in, B, directory) == 1, where
+
+
+class Uneven:
+    """A stand-in device whose forwards of `failing` rows compute other bits (as a kernel
+    chosen by the call's shape may): its verify probe passes some widths and not others."""
+
+    def __init__(self, model: Any, failing: set[int]) -> None:
+        self._model, self.failing = model, failing
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+    def __call__(self, x: mx.array, cache: list[Any]) -> mx.array:
+        out = self._model(x, cache=cache)
+        return out * (1 + 1e-3) if int(x.shape[1]) in self.failing else out
+
+
+def check_uneven_widths(rig: Rig) -> None:
+    """On a device whose verify forwards of 3 rows are inexact and of 2, 5 and 9 exact, the
+    probe records each width's verdict, drafting uses width 2 only (a plan of k drafts
+    runs every width up to k + 1), and a drafted reply is the plain one."""
+    stand_in = dataclasses.replace(
+        rig.variant.loaded,
+        model=Uneven(rig.variant.loaded.model, {3}),
+        key=rig.variant.loaded.key + "-uneven",
+    )
+    drafting = Drafting(stand_in, DraftConfig(mode="lookup", tokens=4, ngram=1), B, rig.dir)
+    assert drafting.verify().passed == {2: True, 3: False, 5: True, 9: True}
+    plan = drafting.plan()
+    assert plan is not None and plan.k == 1, f"drafting planned {plan} past a failing width"
+    tokens = prompt(9, seed=95)
+    params = SamplingParams(max_tokens=10, temperature=0.8, seed=6)
+    cold = Engine(stand_in, NoCache(stand_in.model, B))
+    plain = scored(list(cold.generate(Request(tokens, params, logprobs=2))))
+    reply = [t for t, logprob, _ in plain if logprob is not None]
+    oracle = Oracle(len(tokens), reply, len(stand_in.tokenizer))
+    drafting.drafter = lambda _plan, _share=None: oracle  # type: ignore[method-assign]
+    engine, _spy = Rig(dataclasses.replace(rig.variant, loaded=stand_in), rig.dir).engine()
+    engine.drafting = drafting
+    got = list(engine.generate(Request(tokens, params, logprobs=2, draft="lookup")))
+    assert scored(got) == plain, "a drafted reply differs from the plain one"
+    done = next(e for e in got if isinstance(e, Done)).result
+    assert done.stats.drafted_tokens > 0, "nothing was drafted"

@@ -646,6 +646,32 @@ def kv_namespace_without_bits(patch: Patch) -> None:
     patch(Layout, "name", property(lambda self: "" if self.plain else "layout-v1"))
 
 
+def kv_namespace_without_group(patch: Patch) -> None:
+    """Quantized blocks filed by their bit width alone: two group sizes share entries."""
+    quant = lambda self: "".join(sorted({f"q{bits}" for _group, bits in self._quant.values()}))  # noqa: E731
+    name = property(lambda self: "" if self.plain else f"layout-v1-{quant(self)}")
+    patch(Layout, "name", name)
+
+
+def probe_key_without_kv(patch: Patch) -> None:
+    """Probe records keyed without the KV quantization: a quantized engine reads the
+    full-precision answers (kernels of another kind)."""
+    patch(invariance, "kv_tag", lambda layers: "")
+
+
+def probe_key_without_group(patch: Patch) -> None:
+    """Probe records keyed by the KV bit width alone, not its group size."""
+    tag = invariance.kv_tag
+    patch(invariance, "kv_tag", lambda layers: tag(layers).split("g")[0])
+
+
+def verify_widest_passed(patch: Patch) -> None:
+    """Drafting uses the widest verify width that passed, though a narrower one failed (a
+    plan of k drafts also runs the widths below k + 1)."""
+    widest = property(lambda self: max([1, *(w for w, ok in self.passed.items() if ok)]))
+    patch(invariance.Verify, "width", widest)
+
+
 MUTANTS: dict[str, Callable[[Patch], None]] = {
     f.__name__: f
     for f in (
@@ -687,6 +713,10 @@ MUTANTS: dict[str, Callable[[Patch], None]] = {
         pick_with_next_key,
         ring_one_too_wide,
         kv_namespace_without_bits,
+        kv_namespace_without_group,
+        probe_key_without_kv,
+        probe_key_without_group,
+        verify_widest_passed,
         ring_rotated,
         batched_ring_rotated,
         capture_without_sync,

@@ -11,7 +11,15 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from guarantees import GREEDY, KV_GROUP, Rig, Variant, check_kv_apart, prompt
+from guarantees import (
+    GREEDY,
+    KV_GROUP,
+    Rig,
+    Variant,
+    check_kv_apart,
+    check_probes_kv_apart,
+    prompt,
+)
 from tinymodel import write_sliding
 from typer.testing import CliRunner
 
@@ -29,8 +37,15 @@ runner = CliRunner()
 B = 4
 
 
-def test_precisions_keep_apart(variants: dict[str, Variant], tmp_path: Path) -> None:
-    check_kv_apart(Rig(variants["quantized"], tmp_path))
+@pytest.mark.parametrize("name", ["quantized", "shaped-quantized"])
+def test_precisions_keep_apart(name: str, variants: dict[str, Variant], tmp_path: Path) -> None:
+    """Bits and group sizes (heads of 64: groups of 32 and 64), in one process and in new
+    ones."""
+    check_kv_apart(Rig(variants[name], tmp_path))
+
+
+def test_probe_answers_are_per_kv_width(variants: dict[str, Variant], tmp_path: Path) -> None:
+    check_probes_kv_apart(Rig(variants["quantized"], tmp_path))
 
 
 @pytest.mark.parametrize("bits", [8, 4])

@@ -23,11 +23,13 @@ from guarantees import (
     check_kv_apart,
     check_lanes,
     check_probes_apart,
+    check_probes_kv_apart,
     check_rebuilt_layers,
     check_restore_repeatedly,
     check_sparse_states,
     check_two_block_sizes,
     check_two_models,
+    check_uneven_widths,
     check_warm,
     check_warm_ahead,
 )
@@ -89,6 +91,10 @@ CAUGHT_BY: dict[str, list[tuple[str, str]]] = {
     "pick_with_next_key": [("plain", "drafted"), ("recurrent", "drafted")],
     "ring_one_too_wide": [("sliding", "rebuilt_layers")],
     "kv_namespace_without_bits": [("quantized", "kv_apart")],
+    "kv_namespace_without_group": [("quantized", "kv_apart")],
+    "probe_key_without_kv": [("quantized", "probes_kv_apart")],
+    "probe_key_without_group": [("quantized", "probes_kv_apart")],
+    "verify_widest_passed": [("plain", "uneven_widths"), ("recurrent", "uneven_widths")],
     "ring_rotated": [("sliding", "kept_replies")],
     "batched_ring_rotated": [("sliding", "batched")],
     "capture_without_sync": [("sliding", "batched"), ("recurrent", "batched")],
@@ -139,6 +145,8 @@ def test_mutant_is_caught(
         "sparse_states": check_sparse_states,
         "rebuilt_layers": check_rebuilt_layers,
         "kv_apart": check_kv_apart,
+        "probes_kv_apart": check_probes_kv_apart,
+        "uneven_widths": check_uneven_widths,
         "two_models": lambda rig: check_two_models(rig, other_variants[rig.variant.name]),
     }
     for i, (variant, check) in enumerate(CAUGHT_BY[mutant]):
