@@ -357,7 +357,7 @@ def verify_probe(
             "verify_costs": {str(w): c for w, c in costs.items()},
         }
 
-    fields = {"verify": dict, "verify_costs": dict}
+    fields: dict[str, type] = {"verify": dict, "verify_costs": dict}
     what = "how exactly this device verifies drafts"
     found = _recorded(
         loaded,
