@@ -12,6 +12,7 @@ raises AssertionError when a guarantee breaks:
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import queue
@@ -26,6 +27,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import (
     ArraysCache,
+    KVCache,
     QuantizedKVCache,
     RotatingKVCache,
     make_prompt_cache,
@@ -40,7 +42,7 @@ from mlxcache.config import CacheConfig, DraftConfig
 from mlxcache.decode import Share
 from mlxcache.decode_batch import batchable
 from mlxcache.draft import Drafter
-from mlxcache.drafting import Drafting, Plan
+from mlxcache.drafting import Drafting, DraftModel, Plan
 from mlxcache.engine import Engine, Request
 from mlxcache.events import Done, Event, Result, Token
 from mlxcache.invariance import batch_verify_probe, probe, verify_probe
@@ -894,9 +896,12 @@ class Oracle:
     def __init__(self, prompt_len: int, reply: list[int], vocab: int) -> None:
         self.prompt_len, self.reply, self.vocab = prompt_len, reply, vocab
         self.proposed = 0
+        self.starts: list[int] = []
+        """Where each verify round began: the reply position its first row picks."""
 
     def propose(self, tokens: np.ndarray, k: int) -> list[int]:
         at = len(tokens) - self.prompt_len
+        self.starts.append(at)
         drafts = [
             (t + 1) % self.vocab if (at + j) % 3 == 2 else t
             for j, t in enumerate(self.reply[at : at + k])
@@ -1251,3 +1256,124 @@ def check_uneven_widths(rig: Rig) -> None:
     assert scored(got) == plain, "a drafted reply differs from the plain one"
     done = next(e for e in got if isinstance(e, Done)).result
     assert done.stats.drafted_tokens > 0, "nothing was drafted"
+
+
+def _stop_cases(pieces: list[str]) -> dict[int, str]:
+    """A stop string of two characters for each reply position p whose text first shows it
+    once token p is added (a stop ending at every token the text allows)."""
+    text = "".join(pieces)
+    ends = list(itertools.accumulate(len(piece) for piece in pieces))
+    cases = {}
+    for p, end in enumerate(ends):
+        stop = text[end - 2 : end]
+        if p and end >= 2 and ends[p - 1] < end and text.find(stop) + 2 == end:
+            cases[p] = stop
+    return cases
+
+
+def _where(p: int, stop_start: int, ends: list[int], starts: list[int]) -> set[str]:
+    """Where a stop ending at reply position p falls among the verify rounds (`starts`: each
+    round's first position): at a round's first row, inside a round, across rounds."""
+    first = next(q for q, end in enumerate(ends) if end > stop_start)
+
+    def round_of(q: int) -> int:
+        return max((s for s in starts if s <= q), default=-1)
+
+    kinds = {"start"} if p in starts else {"inside"} if round_of(p) >= 0 else set()
+    return kinds | ({"across"} if round_of(first) != round_of(p) else set())
+
+
+def _done(events: list[Event]) -> tuple[list[int], str, str | None]:
+    result = next(e for e in events if isinstance(e, Done)).result
+    return result.tokens, result.finish_reason, result.stop_string
+
+
+def check_drafted_stops(rig: Rig) -> None:
+    """A drafted reply with a stop string is the plain reply with the same stop (tokens,
+    log-probabilities, end), for a stop ending at every token of the reply: at a verify
+    round's first row, inside a round (accepted drafts after it), and spanning two rounds;
+    with drafts accepted and rejected at every row (the oracle), prompt lookup, and a draft
+    model (the target's own weights: every draft accepted) where one applies."""
+    engine, _spy = rig.engine()
+    assert isinstance(engine.cache, PromptCache)
+    allowed = measured(engine.loaded, engine.cache.config)
+    engine.batch_decode, engine.keep_replies = allowed["batch"], allowed["decode"]
+    loaded = rig.variant.loaded
+    cold = Engine(loaded, NoCache(loaded.model, B))
+    width = Drafting(engine.loaded, DraftConfig(mode="lookup"), B, rig.dir).verify().width
+    p = prompt(9, seed=33)
+    seeded = SamplingParams(max_tokens=14, temperature=0.7, seed=8)
+    whole = list(cold.generate(Request(p, seeded, logprobs=2)))
+    reply = [e.token for e in whole if isinstance(e, Token) and e.logprob is not None]
+    pieces = [e.text for e in whole if isinstance(e, Token) and e.logprob is not None]
+    ends = list(itertools.accumulate(len(piece) for piece in pieces))
+    kinds: set[str] = set()
+    for at, stop in _stop_cases(pieces).items():
+        oracle = Oracle(len(p), reply, len(loaded.tokenizer))
+        engine.drafting = OracleDrafting(engine.loaded, rig.dir, oracle)
+        asked = Request(p, seeded, stop_strings=(stop,), logprobs=2, draft="lookup")
+        plain = list(cold.generate(dataclasses.replace(asked, draft=None)))
+        got = list(engine.generate(asked))
+        where = f"a stop ending at reply token {at}"
+        assert _done(plain)[1:] == ("stop", stop), f"{where} did not stop the plain reply"
+        assert scored(got) == scored(plain), f"{where}: the drafted reply differs"
+        assert _done(got) == _done(plain), f"{where}: the drafted reply ends otherwise"
+        kinds |= _where(at, ends[at] - 2, ends, oracle.starts)
+    if width > 1:
+        assert kinds >= {"start", "inside", "across"}, f"stops fell only {kinds}"
+    greedy = SamplingParams(max_tokens=14)
+    whole = list(cold.generate(Request(p, greedy, logprobs=2)))
+    pieces = [e.text for e in whole if isinstance(e, Token) and e.logprob is not None]
+    for mode, drafting in _real_drafters(rig, engine).items():
+        engine.drafting = drafting
+        for at, stop in _stop_cases(pieces).items():
+            asked = Request(p, greedy, stop_strings=(stop,), logprobs=2, draft=mode)
+            plain = list(cold.generate(dataclasses.replace(asked, draft=None)))
+            got = list(engine.generate(asked))
+            where = f"{mode}: a stop ending at reply token {at}"
+            assert scored(got) == scored(plain), f"{where}: the drafted reply differs"
+            assert _done(got) == _done(plain), f"{where}: the drafted reply ends otherwise"
+
+
+def _real_drafters(rig: Rig, engine: Engine) -> dict[str, Drafting]:
+    """Prompt lookup, and the model drafting for itself where it may draft (plain KV)."""
+    config = DraftConfig(mode="lookup", tokens=4, ngram=1)
+    out = {"lookup": Drafting(engine.loaded, config, B, rig.dir)}
+    if all(type(c) is KVCache for c in new_layers(rig.variant.loaded.model)):
+        out["model"] = _self_drafting(rig, engine)
+    return out
+
+
+def _self_drafting(rig: Rig, engine: Engine) -> Drafting:
+    """Drafting by a draft model with the target's own weights, on its own prompt cache."""
+    loaded = rig.variant.loaded
+    config = CacheConfig(block_size=B, directory=rig.dir)
+    cache = PromptCache(loaded.model, loaded.key, config, root=rig.dir / "draft-kv")
+    asked = DraftConfig(mode="model", model=loaded.name, tokens=4)
+    return Drafting(engine.loaded, asked, B, rig.dir, DraftModel(loaded, cache))
+
+
+def check_self_drafted(rig: Rig) -> None:
+    """A draft model with the target's own weights drafts what greedy decoding picks: every
+    draft is accepted, on a first prompt and on a next turn that resumes from the draft
+    model's prompt cache (a draft model whose KV kept a stale position drafts from other
+    positions, and is caught here by its acceptance, not only by a slower run), and the
+    reply is the plain one."""
+    assert all(type(c) is KVCache for c in new_layers(rig.variant.loaded.model)), "plain KV"
+    engine, _spy = rig.engine()
+    cold = Engine(rig.variant.loaded, NoCache(rig.variant.loaded.model, B))
+    engine.drafting = _self_drafting(rig, engine)
+    tokens = prompt(2 * B + 1, seed=34)
+    for turn in range(2):
+        greedy = SamplingParams(max_tokens=10)
+        plain = list(cold.generate(Request(tokens, greedy, logprobs=2)))
+        got = list(engine.generate(Request(tokens, greedy, logprobs=2, draft="model")))
+        assert scored(got) == scored(plain), f"turn {turn}: the drafted reply differs"
+        stats = next(e for e in got if isinstance(e, Done)).result.stats
+        if engine.drafting.verify().width > 1:
+            assert stats.draft == "model" and stats.drafted_tokens > 0, "nothing was drafted"
+            assert stats.accepted_tokens == stats.drafted_tokens, (
+                f"turn {turn}: {stats.accepted_tokens} of {stats.drafted_tokens} drafts accepted"
+            )
+        reply = [t for t, logprob, _ in scored(plain) if logprob is not None]
+        tokens = [*tokens, *reply, *prompt(B + 2, seed=35 + turn)]

@@ -672,6 +672,20 @@ def verify_widest_passed(patch: Patch) -> None:
     patch(invariance.Verify, "width", widest)
 
 
+def drafts_past_a_stop_string(patch: Patch) -> None:
+    """A verify round reads on past the row whose pick ended the reply at a stop string:
+    the accepted drafts after it join the reply."""
+    accepts = decode_mod.accepts
+    patch(decode_mod, "reads_on", lambda reply, token, drafts, i: accepts(token, drafts, i))
+
+
+def draft_prompt_not_prefilled(patch: Patch) -> None:
+    """The draft model takes the prompt as fed though its KV holds only what its cache
+    resumed: its positions are stale, its drafts are from elsewhere (the reply stays
+    plain: only its acceptance shows it)."""
+    patch(draft_mod, "prefill", lambda *args, **kwargs: iter(()))
+
+
 MUTANTS: dict[str, Callable[[Patch], None]] = {
     f.__name__: f
     for f in (
@@ -717,6 +731,8 @@ MUTANTS: dict[str, Callable[[Patch], None]] = {
         probe_key_without_kv,
         probe_key_without_group,
         verify_widest_passed,
+        drafts_past_a_stop_string,
+        draft_prompt_not_prefilled,
         ring_rotated,
         batched_ring_rotated,
         capture_without_sync,

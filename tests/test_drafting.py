@@ -19,6 +19,7 @@ from guarantees import (
     Rig,
     Variant,
     check_probes_apart,
+    check_self_drafted,
     check_uneven_widths,
     prompt,
     run_together,
@@ -52,6 +53,13 @@ def test_drafting_uses_only_widths_that_passed(
     name: str, variants: dict[str, Variant], tmp_path: Path
 ) -> None:
     check_uneven_widths(Rig(variants[name], tmp_path))
+
+
+@pytest.mark.parametrize("name", ["plain", "shaped"])
+def test_a_draft_model_drafting_for_itself_has_every_draft_accepted(
+    name: str, variants: dict[str, Variant], tmp_path: Path
+) -> None:
+    check_self_drafted(Rig(variants[name], tmp_path))
 
 
 # -- the lookup drafter ---------------------------------------------------------------------
