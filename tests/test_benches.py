@@ -108,12 +108,14 @@ def test_spec_bench(
 
 
 def test_spec_bench_fails_on_a_broken_json_reply(
-    cache_root: Path, wide_gguf: Path, tmp_path: Path
+    cache_root: Path, wide_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The random model cannot complete the products list in 12 tokens: the bench stops
     with the reply's error, never times it."""
     from mlxcache.bench import spec_bench
     from mlxcache.errors import OutputError
+
+    monkeypatch.setattr(spec_bench, "JSON_TOKENS", 0)  # --tokens alone: 12
 
     suite = tmp_path / "short.yaml"
     suite.write_text(SHORT_SUITE)
