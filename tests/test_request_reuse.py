@@ -94,3 +94,18 @@ def test_regress_runs_a_json_case_twice_with_new_requests(
     first = run_sequential(lambda _c: engine, (case,))
     assert run_sequential(lambda _c: engine, (case,)) == first
     assert all(o["finish_reason"] == "stop" for o in first["yes-no"])
+
+
+def test_the_worker_fails_a_used_request_and_goes_on(tiny: LoadedModel) -> None:
+    """Through the engine thread (serve, chat's backend), a used request fails with the
+    same words, and the next request runs."""
+    from mlxcache.errors import GenerationError
+    from mlxcache.worker import EngineWorker
+
+    engine = Engine(tiny)
+    used = _json_request(engine)
+    with EngineWorker(engine) as worker:
+        first = worker.complete(used)
+        with pytest.raises(GenerationError, match="submitted before"):
+            worker.complete(used)
+        assert worker.complete(_json_request(engine)).tokens == first.tokens
