@@ -18,6 +18,7 @@ from guarantees import (
     OracleDrafting,
     Rig,
     Variant,
+    check_drafted_stops,
     check_probes_apart,
     check_self_drafted,
     check_uneven_widths,
@@ -316,6 +317,13 @@ def test_every_family_drafts_exactly_or_not_at_all(
     replies, widths = run_together(batched, [request, other])
     assert replies == alone
     assert (max(widths) > 1) == (plan is not None)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_family_drafts_to_a_stop_string_as_plain_decoding(
+    family: str, families: dict[str, LoadedModel], tmp_path: Path
+) -> None:
+    check_drafted_stops(Rig(Variant.of(family, families[family], False), tmp_path))
 
 
 def _cache(loaded: LoadedModel, config: CacheConfig) -> Any:
