@@ -389,7 +389,12 @@ def spec(
         int, typer.Option("--lines", help="Lines of the code file to rewrite.", metavar="N")
     ] = 60,
     tokens: Annotated[
-        int, typer.Option("--tokens", help="Most tokens per reply.", metavar="N")
+        int,
+        typer.Option(
+            "--tokens",
+            help="Most tokens per reply (a JSON reply: at least 160, room for its document).",
+            metavar="N",
+        ),
     ] = 160,
     draft_tokens: Annotated[
         int, typer.Option("--draft-tokens", help="Tokens drafted per verify.", metavar="K")

@@ -369,7 +369,7 @@ def _drafted(
                 if taken is None:
                     break
                 yield taken
-                if reply.stops.stopped or not accepts(token, drafts, i):
+                if not reads_on(reply, token, drafts, i):
                     break
                 stats.accepted_tokens += 1
                 i += 1
@@ -387,6 +387,13 @@ def _drafted(
 def accepts(token: int, drafts: list[int], i: int) -> bool:
     """Whether row i's pick accepts the i-th draft (and the next row is read)."""
     return i < len(drafts) and token == drafts[i]
+
+
+def reads_on(reply: _Reply, token: int, drafts: list[int], i: int) -> bool:
+    """Whether a verify round reads row i + 1: row i's pick accepts its draft and did not
+    end the reply at a stop string (the rows after a stop lie past the reply's end, as
+    plain decoding never computes them)."""
+    return not reply.stops.stopped and accepts(token, drafts, i)
 
 
 def _scored(logp: mx.array, token: int, top: int) -> tuple[float, tuple[tuple[int, float], ...]]:

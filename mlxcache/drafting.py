@@ -182,7 +182,7 @@ class Drafting:
                 widths = sorted(found.costs)
                 mine = np.array([found.costs[w] for w in widths], np.float64)
                 lead = self._from_leader(mine, "the verify costs")
-                found = Verify(found.width, dict(zip(widths, lead.tolist(), strict=True)))
+                found = Verify(found.passed, dict(zip(widths, lead.tolist(), strict=True)))
             self._verify = found
         return self._verify
 

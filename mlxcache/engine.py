@@ -148,10 +148,14 @@ class Engine:
             UserInputError: empty prompt.
             ContextLengthError: the prompt leaves no room in the model's context.
             MemoryLimitError: it would not fit the memory budget even alone.
+            UserInputError: its stateful logits processors served an earlier submission
+                (`lanes.take_processors`).
         """
         tokens = self.encoder.prompt(request.tokens)
         if self.budget is not None:
             self.budget.check(request, self.cache, now=False)
+        plan = self.drafting.plan(request.draft, batch=self.batch_decode)
+        lanes.take_processors(request)  # the last check: a refused request takes nothing
         block = self.cache.block_size
         for rid, lane in self._sched.lanes(*BACKGROUND):
             stop, rewarm = lanes.overtaken(lane, tokens, block)
@@ -159,7 +163,6 @@ class Engine:
                 self.cancel(rid)
             if rewarm:  # its warm-ahead goes on later, from what it kept
                 self.warm(lane.tokens)
-        plan = self.drafting.plan(request.draft, batch=self.batch_decode)
         rid = next(self._ids)
         follow = lanes.follow_of(
             request, tokens, self.next_turn, block, self.loaded.context_length - 1

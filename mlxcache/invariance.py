@@ -45,10 +45,11 @@ from mlxcache.ring import TimeRing
 from mlxcache.types import LayerCache, Model, new_layers
 
 PROBES = "probes.json"
-PROBE_VERSION = "p3"
+PROBE_VERSION = "p4"
 """What the probes measure, in their records' keys: "p2" probed every block layout (sliding
 windows kept in time order, recurrent state), "p3" drafted rows of every batchable layout
-in a decode batch; older records are not read."""
+in a decode batch, "p4" records the verify probe's verdict per width; older records are
+not read."""
 
 
 Tick = Callable[[], None]
@@ -223,13 +224,27 @@ def _rows_match(model: Model, at_prefix: Callable[[], list[LayerCache]], width: 
     return bool(mx.array_equal(out, solo[r][1][at[r]]).item())
 
 
-def _key(loaded: LoadedModel, block_size: int) -> str:
+def key_parts(loaded: LoadedModel, block_size: int) -> dict[str, str]:
+    """Everything a probe's verdict depends on, each a part of its record's key (a part
+    left out would let one setting read another's answers: tests/test_invariance.py
+    varies each)."""
     import mlx_lm
 
-    device = str(mx.default_device())
-    version = getattr(mx, "__version__", "?")
-    quant = kv_tag(new_layers(loaded.model))  # quantized attention: other kernels
-    key = f"{loaded.key}|{block_size}|{device}|{version}|{mlx_lm.__version__}|{PROBE_VERSION}"
+    return {
+        "model": loaded.key,  # the weights (a sharded run: its topology too)
+        "block_size": str(block_size),  # the probes' canonical prefill chunks
+        "device": str(mx.default_device()),  # its kernels
+        "mlx": getattr(mx, "__version__", "?"),
+        "mlx_lm": mlx_lm.__version__,  # the model classes and caches
+        "probe": PROBE_VERSION,  # what the probes measure
+        "kv": kv_tag(new_layers(loaded.model)),  # quantized attention (bits, group): other kernels
+    }
+
+
+def _key(loaded: LoadedModel, block_size: int) -> str:
+    parts = key_parts(loaded, block_size)
+    quant = parts.pop("kv")
+    key = "|".join(parts.values())
     return f"{key}|{quant}" if quant else key
 
 
@@ -350,11 +365,28 @@ VERIFY_WIDTHS = (2, 3, 5, MAX_DRAFT + 1)
 
 @dataclass(frozen=True, slots=True)
 class Verify:
-    """What the verify probe found: the widest forward whose rows are bitwise one-row
-    decode steps (1: none is), and each probed width's forward time in one-row steps'."""
+    """What the verify probe found: each probed width's verdict (its rows bitwise one-row
+    decode steps) and its forward time in one-row steps'."""
 
-    width: int
+    passed: dict[int, bool]
     costs: dict[int, float]
+
+    @property
+    def width(self) -> int:
+        """The widest drafting may use: a probed width that passed with every narrower one
+        (1: width 2 failed). A verify forward carries up to k drafts, and fewer where lookup
+        finds fewer or the reply's budget ends, so every width up to k + 1 runs."""
+        return _contiguous(self.passed)
+
+
+def _contiguous(passed: dict[int, bool]) -> int:
+    """The widest width that passed with every narrower one (1: the narrowest failed)."""
+    width = 1
+    for w in sorted(passed):
+        if not passed[w]:
+            break
+        width = w
+    return width
 
 
 def verify_probe(
@@ -365,8 +397,11 @@ def verify_probe(
     every rank must make the same forwards)."""
 
     def run(tick: Tick) -> dict[str, Any]:
-        width, costs = verify_width(loaded.model, block_size, tick)
-        return {"verify": width, "verify_costs": {str(w): c for w, c in costs.items()}}
+        passed, costs = verify_width(loaded.model, block_size, tick)
+        return {
+            "verify": {str(w): ok for w, ok in passed.items()},
+            "verify_costs": {str(w): c for w, c in costs.items()},
+        }
 
     measure = Measure(
         "how exactly this device verifies drafts",
@@ -379,12 +414,26 @@ def verify_probe(
         loaded,
         block_size,
         directory,
-        {"verify": int, "verify_costs": dict},
+        {"verify": dict, "verify_costs": dict},
         measure,
         on_note,
-        lambda known: _read_costs(known["verify_costs"]) is not None,
+        lambda known: (
+            _read_costs(known["verify_costs"]) is not None
+            and _read_passed(known["verify"]) is not None
+        ),
     )
-    return Verify(found["verify"], cast(dict[int, float], _read_costs(found["verify_costs"])))
+    costs = cast(dict[int, float], _read_costs(found["verify_costs"]))
+    return Verify(cast(dict[int, bool], _read_passed(found["verify"])), costs)
+
+
+def _read_passed(recorded: dict[Any, Any]) -> dict[int, bool] | None:
+    """A record's verdict per width, or None where it is damaged."""
+    try:
+        passed = {int(w): ok for w, ok in recorded.items()}
+    except (TypeError, ValueError):
+        return None
+    whole = sorted(passed) == list(VERIFY_WIDTHS)
+    return passed if whole and all(isinstance(ok, bool) for ok in passed.values()) else None
 
 
 def _read_costs(recorded: dict[Any, Any]) -> dict[int, float] | None:
@@ -398,9 +447,9 @@ def _read_costs(recorded: dict[Any, Any]) -> dict[int, float] | None:
 
 def verify_width(
     model: Model, block_size: int, tick: Tick = _nothing
-) -> tuple[int, dict[int, float]]:
-    """The widest of `VERIFY_WIDTHS` whose drafting is bitwise plain decoding (1 where none
-    is), and the time of a forward of each of them over a one-row step's.
+) -> tuple[dict[int, bool], dict[int, float]]:
+    """Whether drafting at each of `VERIFY_WIDTHS` is bitwise plain decoding, and the time
+    of a forward of each of them over a one-row step's.
 
     For each width w, from a prefix prefilled canonically (long enough that any ring
     buffer has wrapped): a verify forward of w rows, all accepted; a second one of which
@@ -436,12 +485,11 @@ def verify_width(
         at = w + kept
         return same(layers, at, 1) and same(layers, at + 1, 1) and same(layers, at + 2, w)
 
-    passed = []
+    passed = {}
     for w in VERIFY_WIDTHS:
-        if passes(w):
-            passed.append(w)
+        passed[w] = passes(w)
         tick()
-    return max(passed, default=1), _costs(model, at_prefix, list(VERIFY_WIDTHS))
+    return passed, _costs(model, at_prefix, list(VERIFY_WIDTHS))
 
 
 def batch_verify_probe(
@@ -462,14 +510,18 @@ def batch_verify_probe(
 def batch_verify_width(model: Model, block_size: int) -> int:
     """The widest of `VERIFY_WIDTHS` at which drafted rows in a `DecodeBatch` are bitwise
     one-row steps (`_rows_match`: rows of different widths, all, some and none of their
-    drafts accepted, the rejected drafts and the padding taken out of the caches); 1 where
-    no width passes or the model's caches do not batch."""
+    drafts accepted, the rejected drafts and the padding taken out of the caches), every
+    narrower one passing too (a batch's forward is as wide as its widest row: any width up
+    to k + 1 runs); 1 where width 2 fails or the model's caches do not batch."""
     at_prefix = _batch_prefix(model, block_size)
     if at_prefix is None:
         return 1
-    return next(
-        (w for w in sorted(VERIFY_WIDTHS, reverse=True) if _rows_match(model, at_prefix, w)), 1
-    )
+    passed: dict[int, bool] = {}
+    for w in VERIFY_WIDTHS:  # the narrowest first: a failure ends the search
+        passed[w] = _rows_match(model, at_prefix, w)
+        if not passed[w]:
+            break
+    return _contiguous(passed)
 
 
 def _costs(

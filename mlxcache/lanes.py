@@ -13,6 +13,8 @@ from __future__ import annotations
 import contextlib
 import enum
 import time
+import types
+import weakref
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -26,7 +28,7 @@ from mlxcache.decode_batch import DecodeBatch
 from mlxcache.draft import Checkpoint
 from mlxcache.drafting import Drafting, Plan
 from mlxcache.encoder import Encoder, common_prefix
-from mlxcache.errors import GenerationError, MemoryLimitError
+from mlxcache.errors import GenerationError, MemoryLimitError, UserInputError
 from mlxcache.events import Done, Event, Prefill, Result, Stats, Token
 from mlxcache.membudget import MemoryBudget
 from mlxcache.model import LoadedModel
@@ -56,6 +58,29 @@ class Request:
     draft: str | None = None
     """Speculative decoding: "auto", "lookup", "model" or "off" (`drafting`); None: the
     engine's setting. A drafted reply is the plain one, bit for bit."""
+
+
+_TAKEN: weakref.WeakSet[Any] = weakref.WeakSet()
+"""The stateful logits processors a submission has taken (see `take_processors`)."""
+
+
+def take_processors(request: Request) -> None:
+    """Mark `request`'s stateful logits processors as serving its reply: the one place
+    that decides reuse. A processor object (a grammar matcher, a thinking budget) advances
+    with the reply it serves, so a request is reusable only without one; plain functions
+    (mlx-lm's penalties and bias) read the tokens they are given and hold no state.
+
+    Raises:
+        UserInputError: a processor of `request` served an earlier submission (its state
+            is that run's: the reply would degenerate silently).
+    """
+    stateful = [p for p in request.processors if not isinstance(p, types.FunctionType)]
+    if any(p in _TAKEN for p in stateful):
+        raise UserInputError(
+            "this request was submitted before: its logits processors (a grammar, a thinking "
+            "budget) hold that run's state; build a new request for each submission"
+        )
+    _TAKEN.update(stateful)
 
 
 class NextTurn(enum.Enum):

@@ -76,9 +76,10 @@ def recurrent(tiny: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> Lo
 
 @pytest.fixture(scope="session")
 def quantizable(tmp_path_factory: pytest.TempPathFactory, cache_root: Path) -> LoadedModel:
-    """The tiny model with two attention heads of 32 (a quantization group fits them)."""
+    """The tiny model with one attention head of 64 (quantization groups of 32 and of 64
+    fit it)."""
     path = tmp_path_factory.mktemp("heads") / "heads.gguf"
-    write_tiny_gguf(path, heads=2, kv_heads=1)
+    write_tiny_gguf(path, heads=1, kv_heads=1)
     return load(str(path), cache_root=cache_root)
 
 
@@ -120,7 +121,7 @@ def other_variants(
 
     sliding = load(str(write_sliding(other.path, folder / "sliding")))
     recurrent = load(str(build(folder / "lfm2", other.path, FAMILIES["lfm2"], seed=9)))
-    write_tiny_gguf(folder / "heads.gguf", seed=9, heads=2, kv_heads=1)
+    write_tiny_gguf(folder / "heads.gguf", seed=9, heads=1, kv_heads=1)
     quantizable = load(str(folder / "heads.gguf"), cache_root=cache_root)
     # The adapter's other: the same base weights under another adapter (its own namespace).
     from adapters import write_adapter

@@ -20,6 +20,7 @@ def main(spec: dict[str, object]) -> None:
         bool(spec["shaped"]),
         bool(spec["checkpointed"]),
         None if bits is None else int(str(bits)),
+        int(str(spec["kv_group"])),
         None if spec["adapter"] is None else str(spec["adapter"]),
     )
     engine, spy = Rig(variant, Path(str(spec["dir"]))).engine()

@@ -12,6 +12,7 @@ raises AssertionError when a guarantee breaks:
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import queue
@@ -20,18 +21,19 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import (
     ArraysCache,
+    KVCache,
     QuantizedKVCache,
     RotatingKVCache,
     make_prompt_cache,
 )
 from mlx_lm.sample_utils import make_logits_processors
-from shapemodel import checkpointed, shaped
+from shapemodel import Shaped, checkpointed, shaped
 from spy import Spy, spied
 
 from mlxcache.cache.base import NoCache, is_trimmable
@@ -40,9 +42,10 @@ from mlxcache.config import CacheConfig, DraftConfig
 from mlxcache.decode import Share
 from mlxcache.decode_batch import batchable
 from mlxcache.draft import Drafter
-from mlxcache.drafting import Drafting, Plan
+from mlxcache.drafting import Drafting, DraftModel, Plan
 from mlxcache.engine import Engine, Request
 from mlxcache.events import Done, Event, Result, Token
+from mlxcache.invariance import batch_verify_probe, probe, verify_probe
 from mlxcache.model import LoadedModel, load
 from mlxcache.model.kvquant import quantize_kv
 from mlxcache.prefill import prefill
@@ -52,7 +55,8 @@ from mlxcache.types import new_layers
 from mlxcache.worker import EngineWorker
 
 B = 4
-KV_GROUP = 32  # the quantized variant's group: its heads are 32 wide
+KV_GROUP = 32  # the quantized variant's group; its heads are 64 wide: 64 fits too
+KV_GROUPS = (32, 64)
 GREEDY = SamplingParams(max_tokens=6)
 CHILD = Path(__file__).with_name("exact_child.py")
 
@@ -65,7 +69,7 @@ def prompt(n: int, seed: int = 0) -> list[int]:
 class Variant:
     """A model under test: `source` is what `load` takes (a child process loads it too);
     `is_checkpointed`: its first layer's cache has no block layout (whole-state
-    checkpoints); `kv_bits`: its KV quantized (`--kv-bits`, groups of `KV_GROUP`); its
+    checkpoints); `kv_bits`: its KV quantized (`--kv-bits`, groups of `kv_group`); its
     adapter's folder, if it has one (`load(source, adapter=)`)."""
 
     name: str
@@ -75,6 +79,7 @@ class Variant:
     loaded: LoadedModel
     kv_bits: int | None = None
     adapter: str | None = None
+    kv_group: int = KV_GROUP
 
     @classmethod
     def of(
@@ -84,12 +89,23 @@ class Variant:
         is_shaped: bool,
         is_checkpointed: bool = False,
         kv_bits: int | None = None,
+        kv_group: int = KV_GROUP,
     ) -> Variant:
-        loaded = plain if kv_bits is None else quantize_kv(plain, kv_bits, KV_GROUP)
+        loaded = plain if kv_bits is None else quantize_kv(plain, kv_bits, kv_group)
         loaded = checkpointed(loaded) if is_checkpointed else loaded
         loaded = shaped(loaded) if is_shaped else loaded
         adapter = None if plain.adapter is None else str(plain.adapter.path)
-        return cls(name, str(plain.path), is_shaped, is_checkpointed, loaded, kv_bits, adapter)
+        source = str(plain.path)
+        return cls(
+            name,
+            source,
+            is_shaped,
+            is_checkpointed,
+            loaded,
+            kv_bits,
+            adapter=adapter,
+            kv_group=kv_group,
+        )
 
     @classmethod
     def all(
@@ -357,6 +373,7 @@ class Rig:
             "checkpointed": self.variant.is_checkpointed,
             "kv_bits": self.variant.kv_bits,
             "adapter": self.variant.adapter,
+            "kv_group": self.variant.kv_group,
             "dir": str(self.dir),
             "prompts": prompts,
             "mutant": self.mutant,
@@ -885,11 +902,12 @@ def load_variant(
     is_shaped: bool,
     is_checkpointed: bool,
     kv_bits: int | None,
+    kv_group: int,
     adapter: str | None = None,
 ) -> Variant:
     """A variant as a child process loads it."""
     plain = load(source, adapter=adapter)
-    return Variant.of("child", plain, is_shaped, is_checkpointed, kv_bits)
+    return Variant.of("child", plain, is_shaped, is_checkpointed, kv_bits, kv_group)
 
 
 def check_adapter_apart(rig: Rig) -> None:
@@ -927,9 +945,12 @@ class Oracle:
     def __init__(self, prompt_len: int, reply: list[int], vocab: int) -> None:
         self.prompt_len, self.reply, self.vocab = prompt_len, reply, vocab
         self.proposed = 0
+        self.starts: list[int] = []
+        """Where each verify round began: the reply position its first row picks."""
 
     def propose(self, tokens: np.ndarray, k: int) -> list[int]:
         at = len(tokens) - self.prompt_len
+        self.starts.append(at)
         drafts = [
             (t + 1) % self.vocab if (at + j) % 3 == 2 else t
             for j, t in enumerate(self.reply[at : at + k])
@@ -1090,8 +1111,6 @@ def check_probes_apart(rig: Rig) -> None:
     measured in a cache directory where an exact model's answers are recorded already (the
     same block size, device and versions) is still refused decode KV, batching and
     drafting."""
-    from mlxcache.invariance import probe, verify_probe
-
     plain = load(rig.variant.source)
     assert probe(plain, B, rig.dir)["decode"] and verify_probe(plain, B, rig.dir).width > 1
     found = probe(rig.variant.loaded, B, rig.dir)
@@ -1192,23 +1211,221 @@ def _is(a: Any, b: Any) -> bool:
     return arrays[0]
 
 
+def _other_kv(variant: Variant) -> list[tuple[int | None, int]]:
+    """The KV widths (bits, group size) of `variant`'s model other than its own: full
+    precision, the other bit width, the other group size, and both."""
+    assert variant.kv_bits is not None, "a check of quantized variants"
+    bits = 4 if variant.kv_bits == 8 else 8
+    group = next(g for g in KV_GROUPS if g != variant.kv_group)
+    return [(None, KV_GROUP), (bits, variant.kv_group), (variant.kv_bits, group), (bits, group)]
+
+
 def check_kv_apart(rig: Rig) -> None:
-    """A quantized variant's entries are its own: the same model at full precision and at
-    the other bit width, on the same directory, resume nothing of them."""
-    assert rig.variant.kv_bits is not None, "a check of quantized variants"
+    """A quantized variant's entries are its own: the same model at full precision, at the
+    other bit width, the other group size and both, on the same directory (in this process
+    and in new ones), resume nothing of them and keep their own, and the variant's own
+    entries stay intact."""
     engine, spy = rig.engine()
     tokens = prompt(5 * B + 2, seed=90)
-    run(engine, spy, tokens)
+    rig.warm(engine, spy, tokens)
     base = load(rig.variant.source)
-    other_bits = 4 if rig.variant.kv_bits == 8 else 8
-    config = CacheConfig(block_size=B, directory=rig.dir, state_stride=1)
-    for other in (base, quantize_kv(base, other_bits, KV_GROUP)):
-        cache = PromptCache(other.model, other.key, config, root=rig.dir / "kv")
+    for bits, group in _other_kv(rig.variant):
+        other = Rig(Variant.of("other", base, False, kv_bits=bits, kv_group=group), rig.dir)
+        other.mutant = rig.mutant
+        other_engine, other_spy = other.engine()
         try:
-            got = Engine(other, cache).complete(Request(tokens, GREEDY))
-        except Exception as exc:  # blocks of another precision read as its own
-            raise AssertionError(f"another KV precision's entries were read: {exc}") from exc
-        assert got.stats.cached_tokens == 0, "another KV precision's entries were read"
+            other.warm(other_engine, other_spy, tokens)  # resumes nothing, keeps its own
+            (again,) = other.child([tokens])  # a new process resumes its own entries
+        except Exception as exc:  # blocks of another width read as its own: wrong or failing
+            raise AssertionError(f"KV q{bits}g{group} read another's entries: {exc}") from exc
+        other.check(again, tokens, other.geo.resume(tokens), other.cold(tokens))
+    reopened, spy2 = rig.engine()
+    rig.warm(reopened, spy2, tokens)  # the variant's own entries, intact
+
+
+def check_probes_kv_apart(rig: Rig) -> None:
+    """Probe answers are kept per KV width: where the model's answers at another width
+    (full precision, the other bits, the other group size) are recorded, the same model
+    quantized with kernels whose bits depend on the call's shape (a stand-in for a device's
+    quantized kernels; the same model key) is still refused decode KV, batching and
+    drafting."""
+    base = load(rig.variant.source)
+    mine = quantize_kv(base, cast(int, rig.variant.kv_bits), rig.variant.kv_group)
+    stand_in = dataclasses.replace(mine, model=Shaped(mine.model))
+    for i, (bits, group) in enumerate(_other_kv(rig.variant)):
+        directory = rig.dir / f"probes-{i}"
+        exact = base if bits is None else quantize_kv(base, bits, group)
+        assert probe(exact, B, directory)["decode"] and verify_probe(exact, B, directory).width > 1
+        batch_verify_probe(exact, B, directory)  # recorded too (1: quantized KV never batches)
+        found = probe(stand_in, B, directory)
+        where = f"KV q{bits}g{group}'s probe answers were read"
+        assert not found["decode"] and not found["batch"], where
+        assert verify_probe(stand_in, B, directory).width == 1, where
+        assert batch_verify_probe(stand_in, B, directory) == 1, where
+
+
+class Uneven:
+    """A stand-in device whose forwards of `failing` rows compute other bits (as a kernel
+    chosen by the call's shape may): its verify probe passes some widths and not others."""
+
+    def __init__(self, model: Any, failing: set[int]) -> None:
+        self._model, self.failing = model, failing
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+    def __call__(self, x: mx.array, cache: list[Any]) -> mx.array:
+        out = self._model(x, cache=cache)
+        return out * (1 + 1e-3) if int(x.shape[1]) in self.failing else out
+
+
+def check_uneven_widths(rig: Rig) -> None:
+    """On a device whose verify forwards of 3 rows are inexact and of 2, 5 and 9 exact, the
+    probe records each width's verdict, drafting uses width 2 only (a plan of k drafts
+    runs every width up to k + 1), and a drafted reply is the plain one."""
+    stand_in = dataclasses.replace(
+        rig.variant.loaded,
+        model=Uneven(rig.variant.loaded.model, {3}),
+        key=rig.variant.loaded.key + "-uneven",
+    )
+    drafting = Drafting(stand_in, DraftConfig(mode="lookup", tokens=4, ngram=1), B, rig.dir)
+    assert drafting.verify().passed == {2: True, 3: False, 5: True, 9: True}
+    plan = drafting.plan()
+    assert plan is not None and plan.k == 1, f"drafting planned {plan} past a failing width"
+    tokens = prompt(9, seed=95)
+    params = SamplingParams(max_tokens=10, temperature=0.8, seed=6)
+    cold = Engine(stand_in, NoCache(stand_in.model, B))
+    plain = scored(list(cold.generate(Request(tokens, params, logprobs=2))))
+    reply = [t for t, logprob, _ in plain if logprob is not None]
+    oracle = Oracle(len(tokens), reply, len(stand_in.tokenizer))
+    drafting.drafter = lambda _plan, _share=None: oracle  # type: ignore[method-assign]
+    engine, _spy = Rig(dataclasses.replace(rig.variant, loaded=stand_in), rig.dir).engine()
+    engine.drafting = drafting
+    got = list(engine.generate(Request(tokens, params, logprobs=2, draft="lookup")))
+    assert scored(got) == plain, "a drafted reply differs from the plain one"
+    done = next(e for e in got if isinstance(e, Done)).result
+    assert done.stats.drafted_tokens > 0, "nothing was drafted"
+
+
+def _stop_cases(pieces: list[str]) -> dict[int, str]:
+    """A stop string of two characters for each reply position p whose text first shows it
+    once token p is added (a stop ending at every token the text allows)."""
+    text = "".join(pieces)
+    ends = list(itertools.accumulate(len(piece) for piece in pieces))
+    cases = {}
+    for p, end in enumerate(ends):
+        stop = text[end - 2 : end]
+        if p and end >= 2 and ends[p - 1] < end and text.find(stop) + 2 == end:
+            cases[p] = stop
+    return cases
+
+
+def _where(p: int, stop_start: int, ends: list[int], starts: list[int]) -> set[str]:
+    """Where a stop ending at reply position p falls among the verify rounds (`starts`: each
+    round's first position): at a round's first row, inside a round, across rounds."""
+    first = next(q for q, end in enumerate(ends) if end > stop_start)
+
+    def round_of(q: int) -> int:
+        return max((s for s in starts if s <= q), default=-1)
+
+    kinds = {"start"} if p in starts else {"inside"} if round_of(p) >= 0 else set()
+    return kinds | ({"across"} if round_of(first) != round_of(p) else set())
+
+
+def _done(events: list[Event]) -> tuple[list[int], str, str | None]:
+    result = next(e for e in events if isinstance(e, Done)).result
+    return result.tokens, result.finish_reason, result.stop_string
+
+
+def check_drafted_stops(rig: Rig) -> None:
+    """A drafted reply with a stop string is the plain reply with the same stop (tokens,
+    log-probabilities, end), for a stop ending at every token of the reply: at a verify
+    round's first row, inside a round (accepted drafts after it), and spanning two rounds;
+    with drafts accepted and rejected at every row (the oracle), prompt lookup, and a draft
+    model (the target's own weights: every draft accepted) where one applies."""
+    engine, _spy = rig.engine()
+    assert isinstance(engine.cache, PromptCache)
+    allowed = measured(engine.loaded, engine.cache.config)
+    engine.batch_decode, engine.keep_replies = allowed["batch"], allowed["decode"]
+    loaded = rig.variant.loaded
+    cold = Engine(loaded, NoCache(loaded.model, B))
+    width = Drafting(engine.loaded, DraftConfig(mode="lookup"), B, rig.dir).verify().width
+    p = prompt(9, seed=33)
+    seeded = SamplingParams(max_tokens=14, temperature=0.7, seed=8)
+    whole = list(cold.generate(Request(p, seeded, logprobs=2)))
+    reply = [e.token for e in whole if isinstance(e, Token) and e.logprob is not None]
+    pieces = [e.text for e in whole if isinstance(e, Token) and e.logprob is not None]
+    ends = list(itertools.accumulate(len(piece) for piece in pieces))
+    kinds: set[str] = set()
+    for at, stop in _stop_cases(pieces).items():
+        oracle = Oracle(len(p), reply, len(loaded.tokenizer))
+        engine.drafting = OracleDrafting(engine.loaded, rig.dir, oracle)
+        asked = Request(p, seeded, stop_strings=(stop,), logprobs=2, draft="lookup")
+        plain = list(cold.generate(dataclasses.replace(asked, draft=None)))
+        got = list(engine.generate(asked))
+        where = f"a stop ending at reply token {at}"
+        assert _done(plain)[1:] == ("stop", stop), f"{where} did not stop the plain reply"
+        assert scored(got) == scored(plain), f"{where}: the drafted reply differs"
+        assert _done(got) == _done(plain), f"{where}: the drafted reply ends otherwise"
+        kinds |= _where(at, ends[at] - 2, ends, oracle.starts)
+    if width > 1:
+        assert kinds >= {"start", "inside", "across"}, f"stops fell only {kinds}"
+    greedy = SamplingParams(max_tokens=14)
+    whole = list(cold.generate(Request(p, greedy, logprobs=2)))
+    pieces = [e.text for e in whole if isinstance(e, Token) and e.logprob is not None]
+    for mode, drafting in _real_drafters(rig, engine).items():
+        engine.drafting = drafting
+        for at, stop in _stop_cases(pieces).items():
+            asked = Request(p, greedy, stop_strings=(stop,), logprobs=2, draft=mode)
+            plain = list(cold.generate(dataclasses.replace(asked, draft=None)))
+            got = list(engine.generate(asked))
+            where = f"{mode}: a stop ending at reply token {at}"
+            assert scored(got) == scored(plain), f"{where}: the drafted reply differs"
+            assert _done(got) == _done(plain), f"{where}: the drafted reply ends otherwise"
+
+
+def _real_drafters(rig: Rig, engine: Engine) -> dict[str, Drafting]:
+    """Prompt lookup, and the model drafting for itself where it may draft (plain KV)."""
+    config = DraftConfig(mode="lookup", tokens=4, ngram=1)
+    out = {"lookup": Drafting(engine.loaded, config, B, rig.dir)}
+    if all(type(c) is KVCache for c in new_layers(rig.variant.loaded.model)):
+        out["model"] = _self_drafting(rig, engine)
+    return out
+
+
+def _self_drafting(rig: Rig, engine: Engine) -> Drafting:
+    """Drafting by a draft model with the target's own weights, on its own prompt cache."""
+    loaded = rig.variant.loaded
+    config = CacheConfig(block_size=B, directory=rig.dir)
+    cache = PromptCache(loaded.model, loaded.key, config, root=rig.dir / "draft-kv")
+    asked = DraftConfig(mode="model", model=loaded.name, tokens=4)
+    return Drafting(engine.loaded, asked, B, rig.dir, DraftModel(loaded, cache))
+
+
+def check_self_drafted(rig: Rig) -> None:
+    """A draft model with the target's own weights drafts what greedy decoding picks: every
+    draft is accepted, on a first prompt and on a next turn that resumes from the draft
+    model's prompt cache (a draft model whose KV kept a stale position drafts from other
+    positions, and is caught here by its acceptance, not only by a slower run), and the
+    reply is the plain one."""
+    assert all(type(c) is KVCache for c in new_layers(rig.variant.loaded.model)), "plain KV"
+    engine, _spy = rig.engine()
+    cold = Engine(rig.variant.loaded, NoCache(rig.variant.loaded.model, B))
+    engine.drafting = _self_drafting(rig, engine)
+    tokens = prompt(2 * B + 1, seed=34)
+    for turn in range(2):
+        greedy = SamplingParams(max_tokens=10)
+        plain = list(cold.generate(Request(tokens, greedy, logprobs=2)))
+        got = list(engine.generate(Request(tokens, greedy, logprobs=2, draft="model")))
+        assert scored(got) == scored(plain), f"turn {turn}: the drafted reply differs"
+        stats = next(e for e in got if isinstance(e, Done)).result.stats
+        if engine.drafting.verify().width > 1:
+            assert stats.draft == "model" and stats.drafted_tokens > 0, "nothing was drafted"
+            assert stats.accepted_tokens == stats.drafted_tokens, (
+                f"turn {turn}: {stats.accepted_tokens} of {stats.drafted_tokens} drafts accepted"
+            )
+        reply = [t for t, logprob, _ in scored(plain) if logprob is not None]
+        tokens = [*tokens, *reply, *prompt(B + 2, seed=35 + turn)]
 
 
 def check_models_interleaved(rig: Rig, other: Variant) -> None:

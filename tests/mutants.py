@@ -693,6 +693,46 @@ def live_not_rewound(patch: Patch) -> None:
     patch(Live, "take", lambda self, k: self.layers)
 
 
+def kv_namespace_without_group(patch: Patch) -> None:
+    """Quantized blocks filed by their bit width alone: two group sizes share entries."""
+    quant = lambda self: "".join(sorted({f"q{bits}" for _group, bits in self._quant.values()}))  # noqa: E731
+    name = property(lambda self: "" if self.plain else f"layout-v1-{quant(self)}")
+    patch(Layout, "name", name)
+
+
+def probe_key_without_kv(patch: Patch) -> None:
+    """Probe records keyed without the KV quantization: a quantized engine reads the
+    full-precision answers (kernels of another kind)."""
+    patch(invariance, "kv_tag", lambda layers: "")
+
+
+def probe_key_without_group(patch: Patch) -> None:
+    """Probe records keyed by the KV bit width alone, not its group size."""
+    tag = invariance.kv_tag
+    patch(invariance, "kv_tag", lambda layers: tag(layers).split("g")[0])
+
+
+def verify_widest_passed(patch: Patch) -> None:
+    """Drafting uses the widest verify width that passed, though a narrower one failed (a
+    plan of k drafts also runs the widths below k + 1)."""
+    widest = property(lambda self: max([1, *(w for w, ok in self.passed.items() if ok)]))
+    patch(invariance.Verify, "width", widest)
+
+
+def drafts_past_a_stop_string(patch: Patch) -> None:
+    """A verify round reads on past the row whose pick ended the reply at a stop string:
+    the accepted drafts after it join the reply."""
+    accepts = decode_mod.accepts
+    patch(decode_mod, "reads_on", lambda reply, token, drafts, i: accepts(token, drafts, i))
+
+
+def draft_prompt_not_prefilled(patch: Patch) -> None:
+    """The draft model takes the prompt as fed though its KV holds only what its cache
+    resumed: its positions are stale, its drafts are from elsewhere (the reply stays
+    plain: only its acceptance shows it)."""
+    patch(draft_mod, "prefill", lambda *args, **kwargs: iter(()))
+
+
 MUTANTS: dict[str, Callable[[Patch], None]] = {
     f.__name__: f
     for f in (
@@ -736,6 +776,12 @@ MUTANTS: dict[str, Callable[[Patch], None]] = {
         kv_namespace_without_bits,
         jobs_on_the_first_engine,
         events_by_lane_id_alone,
+        kv_namespace_without_group,
+        probe_key_without_kv,
+        probe_key_without_group,
+        verify_widest_passed,
+        drafts_past_a_stop_string,
+        draft_prompt_not_prefilled,
         ring_rotated,
         batched_ring_rotated,
         capture_without_sync,

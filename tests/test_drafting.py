@@ -19,7 +19,10 @@ from guarantees import (
     OracleDrafting,
     Rig,
     Variant,
+    check_drafted_stops,
     check_probes_apart,
+    check_self_drafted,
+    check_uneven_widths,
     prompt,
     run_together,
     scored,
@@ -45,6 +48,20 @@ B = 4
 
 def test_probe_answers_are_per_model(variants: dict[str, Variant], tmp_path: Path) -> None:
     check_probes_apart(Rig(variants["shaped"], tmp_path))
+
+
+@pytest.mark.parametrize("name", ["plain", "sliding", "recurrent"])
+def test_drafting_uses_only_widths_that_passed(
+    name: str, variants: dict[str, Variant], tmp_path: Path
+) -> None:
+    check_uneven_widths(Rig(variants[name], tmp_path))
+
+
+@pytest.mark.parametrize("name", ["plain", "shaped"])
+def test_a_draft_model_drafting_for_itself_has_every_draft_accepted(
+    name: str, variants: dict[str, Variant], tmp_path: Path
+) -> None:
+    check_self_drafted(Rig(variants[name], tmp_path))
 
 
 # -- the lookup drafter ---------------------------------------------------------------------
@@ -124,14 +141,16 @@ def test_lookup_plans_the_probed_width_and_records_it(tiny: LoadedModel, tmp_pat
     assert Drafting(tiny, asked, B, tmp_path).plan() == Plan("lookup", 6, ngram=2)
     record = json.loads((tmp_path / PROBES).read_text())
     ((key, found),) = record.items()
-    assert found["verify"] == 9 and sorted(found["verify_costs"], key=int) == ["2", "3", "5", "9"]
+    assert found["verify"] == {"2": True, "3": True, "5": True, "9": True}
+    assert sorted(found["verify_costs"], key=int) == ["2", "3", "5", "9"]
     assert all(c > 0 for c in found["verify_costs"].values())
 
     def planned(width: int, costs: list[float], **config: Any) -> Plan | None:
         """The plan read back from a record (no forward is made)."""
         times = dict(zip(("2", "3", "5", "9"), costs, strict=True))
+        passed = {str(w): w <= width for w in VERIFY_WIDTHS}
         (tmp_path / PROBES).write_text(
-            json.dumps({key: {**found, "verify": width, "verify_costs": times}})
+            json.dumps({key: {**found, "verify": passed, "verify_costs": times}})
         )
         return Drafting(tiny, DraftConfig(mode="lookup", **config), B, tmp_path).plan()
 
@@ -151,6 +170,11 @@ def test_lookup_plans_the_probed_width_and_records_it(tiny: LoadedModel, tmp_pat
         (tmp_path / PROBES).write_text(json.dumps({key: {**found, "verify_costs": damaged}}))
         again = Drafting(tiny, asked, B, tmp_path).verify()
         assert again.width == 9 and sorted(again.costs) == list(VERIFY_WIDTHS)
+    for verdicts in (9, {"2": True}, {"2": 1, "3": True, "5": True, "9": True}):
+        (tmp_path / PROBES).write_text(json.dumps({key: {**found, "verify": verdicts}}))
+        assert Drafting(tiny, asked, B, tmp_path).verify().passed == dict.fromkeys(
+            VERIFY_WIDTHS, True
+        )
 
 
 def test_choose_takes_the_pair_cheapest_per_token() -> None:
@@ -183,7 +207,8 @@ def test_auto_drafts_where_the_recorded_costs_say_it_pays(
 
     def auto(costs: list[float], width: int = 9) -> Plan | None:
         times = dict(zip(("2", "3", "5", "9"), costs, strict=True))
-        record = {key: {"verify": width, "verify_costs": times}}
+        passed = {str(w): w <= width for w in VERIFY_WIDTHS}
+        record = {key: {"verify": passed, "verify_costs": times}}
         (tmp_path / PROBES).write_text(json.dumps(record))
         return Drafting(tiny, DraftConfig(), B, tmp_path).plan()
 
@@ -293,6 +318,13 @@ def test_every_family_drafts_exactly_or_not_at_all(
     replies, widths = run_together(batched, [request, other])
     assert replies == alone
     assert (max(widths) > 1) == (plan is not None)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_family_drafts_to_a_stop_string_as_plain_decoding(
+    family: str, families: dict[str, LoadedModel], tmp_path: Path
+) -> None:
+    check_drafted_stops(Rig(Variant.of(family, families[family], False), tmp_path))
 
 
 def _cache(loaded: LoadedModel, config: CacheConfig) -> Any:

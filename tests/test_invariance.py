@@ -231,3 +231,38 @@ def test_a_kept_reply_holds_every_token_drawn(
     again = engine.complete(follow)
     assert again.stats.cached_tokens == len(fed)
     assert again.tokens == cold.complete(follow).tokens
+
+
+def test_every_part_a_probe_verdict_depends_on_keys_its_record(
+    tiny: LoadedModel, quantizable: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each part of `invariance.key_parts` changed alone gives another record key, so an
+    answer recorded under one is never read under another (every part is varied here: a
+    new one must be added). Read and recorded answers apart: tests/guarantees.py
+    (`check_probes_apart`, `check_probes_kv_apart`)."""
+    import mlx_lm
+
+    from mlxcache.model.kvquant import quantize_kv
+
+    def patched(target: Any, name: str, value: Any) -> list[str]:
+        monkeypatch.setattr(target, name, value, raising=False)
+        return [invariance._key(quantizable, 4)]
+
+    varied: dict[str, Any] = {
+        "model": lambda: [invariance._key(tiny, 4)],
+        "block_size": lambda: [invariance._key(quantizable, 8)],
+        "device": lambda: patched(mx, "default_device", lambda: mx.Device(mx.gpu)),
+        "mlx": lambda: patched(mx, "__version__", "0.0.0-other"),
+        "mlx_lm": lambda: patched(mlx_lm, "__version__", "0.0.0-other"),
+        "probe": lambda: patched(invariance, "PROBE_VERSION", "p-other"),
+        "kv": lambda: [
+            invariance._key(quantize_kv(quantizable, bits, group), 4)
+            for bits, group in [(8, 32), (4, 32), (8, 64)]
+        ],
+    }
+    assert sorted(invariance.key_parts(quantizable, 4)) == sorted(varied)
+    base = invariance._key(quantizable, 4)
+    for part, vary in varied.items():
+        keys = vary()
+        monkeypatch.undo()
+        assert base not in keys and len(set(keys)) == len(keys), f"{part}: keys {keys}"

@@ -11,7 +11,15 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from guarantees import GREEDY, KV_GROUP, Rig, Variant, check_kv_apart, prompt
+from guarantees import (
+    GREEDY,
+    KV_GROUP,
+    Rig,
+    Variant,
+    check_kv_apart,
+    check_probes_kv_apart,
+    prompt,
+)
 from tinymodel import write_sliding
 from typer.testing import CliRunner
 
@@ -29,8 +37,15 @@ runner = CliRunner()
 B = 4
 
 
-def test_precisions_keep_apart(variants: dict[str, Variant], tmp_path: Path) -> None:
-    check_kv_apart(Rig(variants["quantized"], tmp_path))
+@pytest.mark.parametrize("name", ["quantized", "shaped-quantized"])
+def test_precisions_keep_apart(name: str, variants: dict[str, Variant], tmp_path: Path) -> None:
+    """Bits and group sizes (heads of 64: groups of 32 and 64), in one process and in new
+    ones."""
+    check_kv_apart(Rig(variants[name], tmp_path))
+
+
+def test_probe_answers_are_per_kv_width(variants: dict[str, Variant], tmp_path: Path) -> None:
+    check_probes_kv_apart(Rig(variants["quantized"], tmp_path))
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -39,7 +54,7 @@ def test_resumed_equals_cold_and_blocks_cost_less(
 ) -> None:
     """At each bit width a prompt resumed from memory and from disk replies as a cold run
     at that width, and a token's kept KV costs 8-bit at most a third of full precision's,
-    4-bit at most a fifth (heads of 32, groups of 32: 160 and 96 bytes against 512)."""
+    4-bit at most a fifth (heads of 64, groups of 32)."""
     model = quantize_kv(quantizable, bits, KV_GROUP)
     config = CacheConfig(block_size=B, directory=tmp_path)
     params = SamplingParams(max_tokens=8, temperature=0.9, seed=2)
@@ -118,9 +133,14 @@ def test_the_cli_quantizes_resumes_and_refuses_bad_settings(
     assert docs[0]["tokens"] == docs[1]["tokens"]
     full = json.loads(runner.invoke(app, args).stdout)
     assert full["stats"]["cached_tokens"] == 0  # full precision reads none of its entries
+    wide = [*args, "--kv-bits", "8", "--kv-group-size", "64"]  # heads of 64: groups of 64 fit
+    for cached in (0, 24):  # none of 32's entries, then its own
+        doc = json.loads(runner.invoke(app, wide).stdout)
+        assert (doc["stats"]["cached_tokens"], doc["tokens"]) == (cached, docs[0]["tokens"])
     listed = runner.invoke(app, ["cache", "ls", "--json", "--cache-dir", str(tmp_path)])
     name = quantizable.path.name
-    assert sorted({row["model"] for row in json.loads(listed.stdout)}) == [name, f"{name} (q8g32)"]
+    models = sorted({row["model"] for row in json.loads(listed.stdout)})
+    assert models == [name, f"{name} (q8g32)", f"{name} (q8g64)"]
     for extra, line in [
         (["--kv-bits", "3"], "error: --kv-bits must be one of 4, 8, got 3\n"),
         (
@@ -128,10 +148,9 @@ def test_the_cli_quantizes_resumes_and_refuses_bad_settings(
             "error: --kv-group-size must be one of 32, 64, 128, got 48\n",
         ),
         (
-            ["--kv-bits", "8", "--kv-group-size", "64"],
-            f"error: --kv-group-size 64 does not divide {quantizable.path.name}'s attention head "
-            "size (32): "
-            "try --kv-group-size 32\n",
+            ["--kv-bits", "8", "--kv-group-size", "128"],
+            f"error: --kv-group-size 128 does not divide {quantizable.path.name}'s attention "
+            "head size (64): try --kv-group-size 64\n",
         ),
     ]:
         result = runner.invoke(app, [*args, *extra])

@@ -9,6 +9,10 @@ against plain decoding, against `mlx_lm.stream_generate` with the same draft mod
 that applies, and byte equality with plain decoding (goal: every byte). With `--draft
 auto`, never slower than plain. One JSON line per workload, then a summary line.
 
+Every submission is a new request (a JSON request's grammar matcher serves one reply:
+`lanes.take_processors`), and every JSON reply timed is checked against its schema: a
+bench that times broken replies fails (`OutputError`).
+
 `sweep` measures the drafting defaults: each workload's plain replies once, then every
 lookup n-gram size and k replayed over them (`draft.replay`: exact, no forward made), with
 each k's decode time against plain decoding on this device as the verify probe's measured
@@ -28,10 +32,12 @@ from mlxcache.config import MAX_DRAFT, CacheConfig, DraftConfig
 from mlxcache.draft import Lookup, replay
 from mlxcache.drafting import Drafting, DraftModel, choose, cost_of
 from mlxcache.engine import Engine, Request
+from mlxcache.errors import OutputError
 from mlxcache.events import Result
 from mlxcache.model import LoadedModel, load
-from mlxcache.modes.json_mode import JsonTask, request
+from mlxcache.modes.json_mode import JsonTask, read_reply, request
 from mlxcache.regress.runner import run_sequential, steps
+from mlxcache.regress.suite import Case
 from mlxcache.regress.suite import load as load_suite
 from mlxcache.runtime import make_cache
 from mlxcache.sampling import SamplingParams
@@ -87,13 +93,33 @@ PRODUCTS = {
 }
 
 
+JSON_TOKENS = 160
+"""The JSON workload's least token budget, whatever `tokens`: its schema bounds the
+document (four records, names of at most 16 characters, numbers' digits capped; SmolLM2
+writes 87 and 109 tokens), and a reply cut off is not a valid one to time."""
+
+
 def _json(engine: Engine, tokens: int) -> list[Request]:
     task = JsonTask.create(PRODUCTS)
     asks = ["List four fruits a shop sells.", "List four tools a shop sells."]
-    params = SamplingParams(max_tokens=tokens)
+    params = SamplingParams(max_tokens=max(tokens, JSON_TOKENS))
     return [
         request(engine, engine.encoder.encode_chat(task.messages(a)), task, params) for a in asks
     ]
+
+
+Check = Callable[[Result], str | None]
+"""Why a reply is not what its workload asks for (None: it is)."""
+
+
+def _unchecked(_result: Result) -> str | None:
+    return None
+
+
+def _schema_check(schema: dict[str, Any]) -> Check:
+    """A reply's error against `schema` (`json_mode.read_reply`: cut off, or invalid)."""
+    task = JsonTask.create(schema)
+    return lambda result: read_reply(task, result).error
 
 
 def _chat(engine: Engine, tokens: int) -> list[Request]:
@@ -136,23 +162,34 @@ class Tally:
 def _interleaved(
     engines: dict[str, Engine],
     tallies: dict[str, Tally],
-    asked: dict[str, list[Request]],
-    rounds: int,
-) -> dict[str, list[Result]]:
-    """Each drafter's requests (`asked`: the same ones, each made on its engine) run
-    request by request and round by round, every drafter in turn, in reverse order every
-    other round: noise from elsewhere on the machine, and what the drafter before left in
-    memory, fall on all of them alike. The first round's results, per drafter."""
-    first: dict[str, list[Result]] = {d: [] for d in engines}
+    asked: dict[str, list[list[Request]]],
+    check: Check,
+) -> dict[str, list[list[Result]]]:
+    """Each drafter's requests (`asked[drafter][round]`: the same ones, each made anew for
+    its round on its engine) run request by request and round by round, every drafter in
+    turn, in reverse order every other round: noise from elsewhere on the machine, and what
+    the drafter before left in memory, fall on all of them alike. Each round's results, per
+    drafter.
+
+    Raises:
+        OutputError: a reply fails its workload's `check` (a bench that times broken
+            replies fails).
+    """
     order = list(engines)
-    for i in range(len(asked[order[0]])):
+    rounds = len(asked[order[0]])
+    got: dict[str, list[list[Result]]] = {d: [[] for _ in range(rounds)] for d in engines}
+    for i in range(len(asked[order[0]][0])):
         for r in range(rounds):
             for d in order if r % 2 == 0 else order[::-1]:
-                result = engines[d].complete(asked[d][i])
+                result = engines[d].complete(asked[d][r][i])
+                problem = check(result)
+                if problem is not None:
+                    raise OutputError(
+                        f"bench spec: a {d} reply (round {r + 1}) is broken: {problem}"
+                    )
                 tallies[d].add(result, timed=r == 0)
-                if r == 0:
-                    first[d].append(result)
-    return first
+                got[d][r].append(result)
+    return got
 
 
 def _engine(loaded: LoadedModel, config: CacheConfig, drafting: Drafting | None) -> Engine:
@@ -212,20 +249,16 @@ def run(
     rows = []
     for name, work in _workloads(lines, tokens, suite).items():
         tallies = {d: Tally(rounds) for d in engines}
-        if isinstance(work, Path):  # each case's steps in lockstep, every drafter's own
+        if isinstance(work, Path):
             for case in load_suite(work).cases:
-                gens = {d: steps(e, case) for d, e in engines.items()}
-                asked = {d: next(g) for d, g in gens.items()}
-                with contextlib.suppress(StopIteration):  # the case's last step
-                    while True:
-                        got = _interleaved(engines, tallies, asked, rounds)
-                        asked = {d: g.send(got[d]) for d, g in gens.items()}
+                _regress_case(engines, tallies, case, rounds)
         else:
-            asked = {d: work(e) for d, e in engines.items()}
-            for d, engine in engines.items():  # the prompts are kept: timed rounds resume them
-                for req in asked[d]:
+            make, check = work
+            for engine in engines.values():  # the prompts are kept: timed rounds resume them
+                for req in make(engine):
                     engine.complete(req)
-            _interleaved(engines, tallies, asked, rounds)
+            asked = {d: [make(e) for _ in range(rounds)] for d, e in engines.items()}
+            _interleaved(engines, tallies, asked, check)
         row = _row(name, tallies)
         if name == "code":
             req = _code(engines["plain"], lines, tokens)[0]
@@ -237,20 +270,36 @@ def run(
     yield _summary(rows, found.width, found.costs, draft_model is None)
 
 
+def _regress_case(
+    engines: dict[str, Engine], tallies: dict[str, Tally], case: Case, rounds: int
+) -> None:
+    """A regress case's steps in lockstep: every drafter and round its own run of the case
+    (its own requests, each step's made from its own earlier replies)."""
+    schema = case.data.get("schema") if case.kind == "json" else None
+    check = _unchecked if schema is None else _schema_check(schema)
+    gens = {d: [steps(e, case) for _ in range(rounds)] for d, e in engines.items()}
+    asked = {d: [next(g) for g in gs] for d, gs in gens.items()}
+    with contextlib.suppress(StopIteration):  # the case's last step
+        while True:
+            got = _interleaved(engines, tallies, asked, check)
+            asked = {d: [g.send(got[d][r]) for r, g in enumerate(gs)] for d, gs in gens.items()}
+
+
 def _total(rows: list[dict[str, Any]], drafter: str) -> float:
     """A drafter's decode seconds over every workload."""
     return float(sum(r[drafter]["decode_s"] for r in rows))
 
 
-Workload = Callable[[Engine], list[Request]] | Path
-"""A workload's requests (made on the engine that runs them), or a regress suite's file."""
+Workload = tuple[Callable[[Engine], list[Request]], Check] | Path
+"""A workload's requests (made anew on the engine that runs them, for each submission) and
+what its replies must be, or a regress suite's file."""
 
 
 def _workloads(lines: int, tokens: int, suite: Path | None) -> dict[str, Workload]:
     workloads: dict[str, Workload] = {
-        "code": lambda e: _code(e, lines, tokens),
-        "json": lambda e: _json(e, tokens),
-        "chat": lambda e: _chat(e, tokens),
+        "code": (lambda e: _code(e, lines, tokens), _unchecked),
+        "json": (lambda e: _json(e, tokens), _schema_check(PRODUCTS)),
+        "chat": (lambda e: _chat(e, tokens), _unchecked),
     }
     suite_path = suite_or_smoke(suite)
     if suite_path is not None:
@@ -350,7 +399,7 @@ def sweep(
         if isinstance(work, Path):
             run_sequential(lambda _c, r=recorder: r, load_suite(work).cases)  # type: ignore[misc]
         else:
-            for req in work(engine):
+            for req in work[0](engine):
                 recorder.complete(req)
     table: dict[tuple[int, int], list[dict[str, Any]]] = {}
     for name, kept in replies.items():
