@@ -178,7 +178,7 @@ command(
     generate,
     examples="""
 mlxcache generate "Why is the sky blue?"
-mlxcache generate -s @system.txt -n 512 -f notes.txt
+mlxcache generate -s @examples/rules.txt -n 512 -f examples/bio.txt
 git diff | mlxcache generate --raw --stop "\\n\\n" -
 mlxcache generate --json --temp 0.7 --top-k 40 --seed 1 "A haiku about caches"
 """,
@@ -197,17 +197,18 @@ command(
     json_cmd,
     "json",
     examples="""
-mlxcache json --schema person.json "Ada Lovelace, born 1815 in London"
-mlxcache json -f letter.txt   # no --schema: any JSON object
-mlxcache json --schema person.json --instructions @rules.txt --input people.jsonl -o out.jsonl
+mlxcache json --schema examples/person.json "Ada Lovelace, born 1815 in London"
+mlxcache json -f examples/bio.txt   # no --schema: any JSON object
+mlxcache json --schema examples/person.json --input examples/people.jsonl -o out.jsonl
 """,
 )
 command(
     tools_cmd,
     "tools",
     examples="""
-mlxcache tools --tools tools.json "What is the weather in Paris?"
-mlxcache tools --tools tools.json --messages prev.json --tool-result get_weather='{"c": 21}'
+mlxcache tools --tools examples/tools.json "What is the weather in Paris?"
+mlxcache tools --tools examples/tools.json --json "Weather in Paris?" | jq .messages > conv.json
+mlxcache tools --tools examples/tools.json --messages conv.json --tool-result get_weather='{"c": 21}'
 """,
 )
 command(
@@ -289,12 +290,12 @@ regress_app = typer.Typer(
 command(
     regress_cmd.record,
     app=regress_app,
-    examples="mlxcache regress record suite.yaml -o golden.json",
+    examples="mlxcache regress record examples/quick.yaml -o quick.golden.json",
 )
 command(
     regress_cmd.check,
     app=regress_app,
-    examples="mlxcache regress check suite.yaml golden.json\n"
-    "mlxcache regress check suite.yaml golden.json --variants cold,warm --json",
+    examples="mlxcache regress check examples/quick.yaml quick.golden.json\n"
+    "mlxcache regress check examples/quick.yaml quick.golden.json --variants cold,warm --json",
 )
 app.add_typer(regress_app, name="regress")

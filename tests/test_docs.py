@@ -155,7 +155,7 @@ def test_cli_reference_covers_every_command() -> None:
             assert f"\n#### `mlxcache {name} {sub}`\n" in reference
     # options as -h shows them, defaults included
     assert "| `-n, --max-tokens N` | Most tokens to generate. [default: 256] |" in reference
-    assert "mlxcache regress record suite.yaml -o golden.json" in reference
+    assert "mlxcache regress record examples/quick.yaml -o quick.golden.json" in reference
 
 
 # --- with the model: the blocks run ------------------------------------------------------
