@@ -37,10 +37,11 @@ from mlxcache.drafting import Drafting
 from mlxcache.encoder import Encoder, common_prefix
 from mlxcache.errors import GenerationError
 from mlxcache.events import Done, Event, Result, Stats
-from mlxcache.lanes import Lane, NextTurn, Request
+from mlxcache.lanes import Lane, NextTurn
 from mlxcache.membudget import MemoryBudget
 from mlxcache.model import LoadedModel
 from mlxcache.peers import Peers, told
+from mlxcache.request import Request, take_processors
 from mlxcache.scheduler import BACKGROUND, BATCH, LaneKind, Scheduler, Step
 from mlxcache.sysmem import release_unused
 from mlxcache.types import Model
@@ -145,17 +146,16 @@ class Engine:
         computed, so the request resumes from it.
 
         Raises:
-            UserInputError: empty prompt.
+            UserInputError: empty prompt, or stateful logits processors that served an
+                earlier submission (`request.take_processors`).
             ContextLengthError: the prompt leaves no room in the model's context.
             MemoryLimitError: it would not fit the memory budget even alone.
-            UserInputError: its stateful logits processors served an earlier submission
-                (`lanes.take_processors`).
         """
         tokens = self.encoder.prompt(request.tokens)
         if self.budget is not None:
             self.budget.check(request, self.cache, now=False)
         plan = self.drafting.plan(request.draft, batch=self.batch_decode)
-        lanes.take_processors(request)  # the last check: a refused request takes nothing
+        take_processors(request)  # the last check: a refused request takes nothing
         block = self.cache.block_size
         for rid, lane in self._sched.lanes(*BACKGROUND):
             stop, rewarm = lanes.overtaken(lane, tokens, block)
@@ -226,8 +226,8 @@ class Engine:
         return [] if turn is None else list(self._turn(turn))
 
     def release_memory(self) -> None:
-        """If no lane runs, hand freed memory back to the system (`sysmem`): `run` and
-        `generate` do when they end; a caller of `step` when it is left idle."""
+        """If no lane runs, hand freed memory back to the system (`sysmem`), as `run` and
+        `generate` do when they end and a caller of `step` does when it is left idle."""
         if not self._sched:
             release_unused()
 
@@ -280,11 +280,8 @@ class Engine:
     ) -> Event | Step | None:
         """The lane's next event (sending it `value`); `Step.JOINED` when it joined the
         decode batch to wait for its next forward; None once it has ended (a warm lane,
-        or a broken one).
-
-        A lane's forwards are its own until the scheduler says otherwise
-        (`Scheduler.alone`), and every forward of a request run `alone`.
-        """
+        or a broken one). A lane's forwards are its own until the scheduler says otherwise
+        (`Scheduler.alone`), and every forward of a request run `alone`."""
         try:
             own = alone or self._sched.alone(rid)
             return lanes.advance(lane, rid, value, own, self.model, self._batch)

@@ -13,10 +13,8 @@ from __future__ import annotations
 import contextlib
 import enum
 import time
-import types
-import weakref
 from collections.abc import Callable, Generator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, cast
 
 import mlx.core as mx
@@ -28,59 +26,15 @@ from mlxcache.decode_batch import DecodeBatch
 from mlxcache.draft import Checkpoint
 from mlxcache.drafting import Drafting, Plan
 from mlxcache.encoder import Encoder, common_prefix
-from mlxcache.errors import GenerationError, MemoryLimitError, UserInputError
+from mlxcache.errors import GenerationError, MemoryLimitError
 from mlxcache.events import Done, Event, Prefill, Result, Stats, Token
 from mlxcache.membudget import MemoryBudget
 from mlxcache.model import LoadedModel
 from mlxcache.model.kvquant import kv_width
 from mlxcache.prefill import prefill
-from mlxcache.sampling import LogitsProcessor, SamplingParams
+from mlxcache.request import Request
 from mlxcache.scheduler import LaneKind, Phase, Step
 from mlxcache.types import Model, held
-
-
-@dataclass(slots=True)
-class Request:
-    """One generation: prompt token ids, sampling, and optional logits processors."""
-
-    tokens: Sequence[int] | np.ndarray
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    processors: list[LogitsProcessor] = field(default_factory=list)
-    stop_tokens: frozenset[int] | None = None
-    """Token ids that end the reply; default: the tokenizer's end-of-turn ids."""
-    stop_strings: tuple[str, ...] = ()
-    """Texts that end the reply; the reply's text stops before the first one."""
-    follow: bool = False
-    """The client may send the next turn the moment this reply ends: the engine keeps the
-    reply for it by its own mechanism (`NextTurn`), a follow lane where that is FOLLOW."""
-    logprobs: int | None = None
-    """k: every Token carries its log-probability and the k most likely tokens' (`decode`)."""
-    draft: str | None = None
-    """Speculative decoding: "auto", "lookup", "model" or "off" (`drafting`); None: the
-    engine's setting. A drafted reply is the plain one, bit for bit."""
-
-
-_TAKEN: weakref.WeakSet[Any] = weakref.WeakSet()
-"""The stateful logits processors a submission has taken (see `take_processors`)."""
-
-
-def take_processors(request: Request) -> None:
-    """Mark `request`'s stateful logits processors as serving its reply: the one place
-    that decides reuse. A processor object (a grammar matcher, a thinking budget) advances
-    with the reply it serves, so a request is reusable only without one; plain functions
-    (mlx-lm's penalties and bias) read the tokens they are given and hold no state.
-
-    Raises:
-        UserInputError: a processor of `request` served an earlier submission (its state
-            is that run's: the reply would degenerate silently).
-    """
-    stateful = [p for p in request.processors if not isinstance(p, types.FunctionType)]
-    if any(p in _TAKEN for p in stateful):
-        raise UserInputError(
-            "this request was submitted before: its logits processors (a grammar, a thinking "
-            "budget) hold that run's state; build a new request for each submission"
-        )
-    _TAKEN.update(stateful)
 
 
 class NextTurn(enum.Enum):

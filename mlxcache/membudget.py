@@ -34,7 +34,7 @@ from mlxcache.sysmem import release_unused
 from mlxcache.types import Model, as_module, new_layers
 
 if TYPE_CHECKING:
-    from mlxcache.lanes import Request
+    from mlxcache.request import Request
 
 COPIES = 4
 """A prompt's KV exists up to this many more times while its request runs: the copy

@@ -1,5 +1,6 @@
-"""The import graph: no cycle, and no layer imports one above it (function-level imports
-count too: a lazy import is still a dependency)."""
+"""The import graph: no cycle, and no layer imports one above it (function-level and
+type-only imports count too: a lazy import is still a dependency, and a type named across
+a cycle is a design that has not settled where the type lives)."""
 
 from __future__ import annotations
 
@@ -49,34 +50,31 @@ def _modules() -> dict[str, Path]:
     return found
 
 
-def _imports(name: str, file: Path) -> set[str]:
-    """Every module `file` imports, at any depth but under `if TYPE_CHECKING`."""
+def _imports(name: str, file: Path, modules: set[str]) -> set[str]:
+    """Every module `file` imports, at any depth, under `if TYPE_CHECKING` too. `from
+    package import module` is an edge to the module alone (the package's `__init__` runs
+    first for any of its modules: no dependency of this one)."""
     package = name if file.name == "__init__.py" else name.rpartition(".")[0]
     out: set[str] = set()
-
-    def visit(node: ast.AST) -> None:
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
-                continue
-            if isinstance(child, ast.Import):
-                out.update(alias.name for alias in child.names)
-            elif isinstance(child, ast.ImportFrom):
-                base = child.module or ""
-                if child.level:
-                    up = package.split(".")[: len(package.split(".")) - child.level + 1]
-                    base = ".".join([*up, *([child.module] if child.module else [])])
+    for node in ast.walk(ast.parse(file.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*up, *([node.module] if node.module else [])])
+            named = {f"{base}.{alias.name}" for alias in node.names}
+            out |= named
+            if not named <= modules:
                 out.add(base)
-                out.update(f"{base}.{alias.name}" for alias in child.names)
-            visit(child)
-
-    visit(ast.parse(file.read_text()))
     return out
 
 
 @pytest.fixture(scope="module")
 def graph() -> dict[str, set[str]]:
     modules = _modules()
-    return {name: _imports(name, file) for name, file in modules.items()}
+    return {name: _imports(name, file, set(modules)) for name, file in modules.items()}
 
 
 def _within(name: str, prefix: str) -> bool:

@@ -1,4 +1,4 @@
-"""A request is reusable, or refuses reuse, by one rule (`lanes.take_processors`): its
+"""A request is reusable, or refuses reuse, by one rule (`request.take_processors`): its
 stateful logits processors (a grammar matcher, a thinking budget) serve one reply; a second
 submission of them is a clear error, never a silently degenerate reply. Front ends that
 submit the same work again build a new request each time."""

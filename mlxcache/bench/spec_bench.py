@@ -10,7 +10,7 @@ that applies, and byte equality with plain decoding (goal: every byte). With `--
 auto`, never slower than plain. One JSON line per workload, then a summary line.
 
 Every submission is a new request (a JSON request's grammar matcher serves one reply:
-`lanes.take_processors`), and every JSON reply timed is checked against its schema: a
+`request.take_processors`), and every JSON reply timed is checked against its schema: a
 bench that times broken replies fails (`OutputError`).
 
 `sweep` measures the drafting defaults: each workload's plain replies once, then every

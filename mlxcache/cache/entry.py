@@ -1,16 +1,18 @@
-"""`Entry`: one kept prompt of a `PromptIndex`, and the bookkeeping its structures share.
+"""`Entry`: one kept prompt of a `PromptIndex`, and the bookkeeping its structures share;
+`Node`: one node of the radix tree (`radix.py` keeps the tree's shape and walks). Both are
+here so that the tree and the entries it holds need no import of each other.
 
-Its public fields describe the prompt. The index-structure fields (last group below) belong
+An entry's public fields describe the prompt. The index-structure fields (last group below) belong
 to the index and the two structures it drives, the radix tree (`radix.py`: `node`, `tail`)
 and the victim order (`order.py`: `group`, `victim_class`); only `PromptIndex` changes them.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import numpy as np
+import numpy.typing as npt
 
-if TYPE_CHECKING:
-    from mlxcache.cache.radix import Node, Tokens
+Tokens = npt.NDArray[np.int32]
 
 EXTENDED, REST = 0, 1
 """Victim classes, evicted in this order (see `order.victim_key`)."""
@@ -67,3 +69,23 @@ class Entry:
     def __repr__(self) -> str:
         flags = "".join(f for f, on in (("t", self.trimmable), ("p", self.pins)) if on)
         return f"Entry(born={self.born}, len={len(self.tokens)}, used={self.last_used}, {flags})"
+
+
+class Node:
+    """One prefix of `depth` whole blocks, reached from `parent` by the blocks in `key`,
+    with the aggregates lookups read."""
+
+    __slots__ = ("best", "children", "depth", "entries", "key", "nt", "parent")
+
+    def __init__(self, parent: Node | None, key: bytes, depth: int) -> None:
+        self.parent = parent
+        self.key = key
+        self.depth = depth
+        self.children: dict[bytes, Node] = {}  # by the first block of their key
+        self.entries: dict[bytes, Entry] = {}
+        # The trimmable entry of the subtree needing the least rewinding (the
+        # shortest, then the newest): what a lookup resuming at this depth returns, or
+        # anywhere on the edge above it (no entry hangs or branches there).
+        self.best: Entry | None = None
+        # Non-trimmable entries in the subtree: lets walks stop where none are left.
+        self.nt = 0

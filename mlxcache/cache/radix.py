@@ -18,15 +18,13 @@ the entries make it.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 
-if TYPE_CHECKING:
-    from mlxcache.cache.entry import Entry
+from mlxcache.cache.entry import Entry, Node, Tokens
 
-Tokens = npt.NDArray[np.int32]
 TOKEN_BYTES = 4
 _MAX_ID = 2**31 - 1
 _INT32 = np.dtype(np.int32)
@@ -54,26 +52,6 @@ def common_prefix(a: Sequence[int] | np.ndarray, b: Sequence[int] | np.ndarray) 
     n = min(len(a), len(b))
     diff = np.nonzero(np.asarray(a[:n]) != np.asarray(b[:n]))[0]
     return int(diff[0]) if diff.size else n
-
-
-class Node:
-    """One prefix of `depth` whole blocks, reached from `parent` by the blocks in `key`,
-    with the aggregates lookups read."""
-
-    __slots__ = ("best", "children", "depth", "entries", "key", "nt", "parent")
-
-    def __init__(self, parent: Node | None, key: bytes, depth: int) -> None:
-        self.parent = parent
-        self.key = key
-        self.depth = depth
-        self.children: dict[bytes, Node] = {}  # by the first block of their key
-        self.entries: dict[bytes, Entry] = {}
-        # The trimmable entry of the subtree needing the least rewinding (the
-        # shortest, then the newest): what a lookup resuming at this depth returns, or
-        # anywhere on the edge above it (no entry hangs or branches there).
-        self.best: Entry | None = None
-        # Non-trimmable entries in the subtree: lets walks stop where none are left.
-        self.nt = 0
 
 
 class Walk(NamedTuple):
