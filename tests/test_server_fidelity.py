@@ -20,6 +20,7 @@ from typing import Any
 import anthropic
 import openai
 import pytest
+from test_server_agents import ASK, WEATHER
 from tinymodel import write_tiny_gguf
 
 from mlxcache.server.process import MlxcacheServer, running
@@ -28,16 +29,6 @@ pytestmark = pytest.mark.slow  # a server in a child process
 
 BLOCK = 16
 CLAUDE, GPT = "claude-sonnet-4-5", "gpt-5"
-ASK = "Name a color and a fruit."
-WEATHER = {
-    "name": "get_weather",
-    "description": "Current weather for a city.",
-    "parameters": {
-        "type": "object",
-        "properties": {"city": {"type": "string", "maxLength": 8}},
-        "required": ["city"],
-    },
-}
 CUT = 120
 """Tokens that hold the model's first call whole (83 tokens) and cut its second."""
 
