@@ -191,7 +191,7 @@ def test_a_golden_records_its_adapter_and_another_adapter_is_the_cause(
     assert code == 1
     lines = out.splitlines()
     assert lines[:2] == ["adapter-changed        tuned", "ok                     base"]
-    assert re.fullmatch(r"2 cases under 1 variant: 1 passed, 1 failed \(\d+\.\d\d s\)", lines[2])
+    assert re.fullmatch(r"2 cases under 1 variant: 1 passed, 1 failed \(\d+\.\d+ s\)", lines[2])
     warnings = [line for line in err.splitlines() if line.startswith("warning:")]
     assert warnings[0] == (
         f"warning: case 'tuned' was recorded with adapter {lora.name} ({digest[:12]}) and now "
