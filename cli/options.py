@@ -531,19 +531,30 @@ def engine(
     if split is not None and split not in SPLITS:
         raise UserInputError(f"--split must be one of {', '.join(SPLITS)}, got {split!r}")
     spec = model or default_spec()
-    with ui.progress_bar(piped="converting the model (once)") as update:
+    notes = None if quiet else ui.ProbeNotes()
+    with ui.progress_bar(piped="converting the model (once)") as update, _closed(notes):
         return open_engine(
             spec,
             config,
             progress=None if quiet else update,
             on_warning=ui.warn,
-            on_note=None if quiet else ui.ProbeNotes(),
+            on_note=notes,
             invariant=invariant,
             split=split,
             on_rank_lost=_rank_lost,
             draft=draft,
             **(tailoring or {}),
         )
+
+
+@contextmanager
+def _closed(notes: ui.ProbeNotes | None) -> Iterator[None]:
+    """`notes`' bar stopped however the block ends (a probe that raised sends no end)."""
+    try:
+        yield
+    finally:
+        if notes is not None:
+            notes.close()
 
 
 def _rank_lost(message: str | None) -> None:

@@ -16,7 +16,7 @@ from mlxcache_cli import ui
 
 if TYPE_CHECKING:
     from mlxcache.model_entries import ModelEntry
-    from mlxcache.server.run import Served
+    from mlxcache.server.run import ServeSummary
 
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
 SERVER = ServerConfig  # its class attributes are the defaults
@@ -319,7 +319,7 @@ def _stopping(in_flight: int) -> None:
     ui.info(f"mlxcache: stopping{', ' + waits if waits else ''}")
 
 
-def _stopped(served: Served) -> None:
+def _stopped(served: ServeSummary) -> None:
     drained = f" ({served.drained} finished after the stop began)" if served.drained else ""
     ui.info(f"mlxcache: stopped, {ui.plural(served.requests, 'request')} served{drained}")
 

@@ -122,7 +122,9 @@ def _checked(argv: list[str]) -> str:
     """
     from mlxcache.errors import GenerationError
 
-    done = subprocess.run(argv, capture_output=True, text=True, check=False)
+    done = subprocess.run(
+        argv, capture_output=True, text=True, check=False, stdin=subprocess.DEVNULL
+    )
     if done.returncode != 0:
         said = (done.stderr.strip().splitlines() or ["no message"])[-1]
         raise GenerationError(f"{' '.join(argv[2:4])} failed: {said}")

@@ -335,6 +335,12 @@ class ProbeNotes:
             self._bar = self._task = None
             info(f"measured {event.what} for {event.model} in {seconds(event.elapsed_s)}")
 
+    def close(self) -> None:
+        """Stop a bar still drawn (its probe failed or was interrupted: no last event)."""
+        if self._bar is not None:
+            self._bar.stop()
+        self._bar = self._task = None
+
     def _start(self, total: int) -> None:
         from rich.errors import LiveError
 

@@ -148,7 +148,13 @@ class Fleet:
         return self.worker.run(lambda: self._acquire(entry))
 
     def release(self, resident: Resident) -> None:
-        """`acquire`'s hold ends (any thread)."""
+        """`acquire`'s hold ends (any thread), on the worker thread after what the holder
+        sent it before: a request submitted under the hold is then a job of the worker's,
+        which keeps the model loaded (`_idle`), never a message still in its inbox that a
+        model switch queued earlier could overtake by unloading it."""
+        self.worker.later(lambda: self._unpin(resident))
+
+    def _unpin(self, resident: Resident) -> None:
         with self._lock:
             resident.pins -= 1
             resident.used = self.clock()

@@ -4,6 +4,7 @@ checked to name one model each (`mlxcache.fleet` serves them)."""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -108,13 +109,21 @@ def read_models_file(path: Path) -> list[ModelEntry]:
         raise UserInputError(
             f"models file {path} is not YAML: {' '.join(str(exc).split())}"
         ) from exc
-    # An adapter named relative to the file is found beside it, wherever serve runs.
-    return [
-        replace(e, adapter=str(path.parent / e.adapter))
-        if e.adapter is not None and not Path(e.adapter).expanduser().is_absolute()
-        else e
-        for e in entries_from(doc, str(path))
-    ]
+    return [_beside(path.parent, e) for e in entries_from(doc, str(path))]
+
+
+def _beside(folder: Path, entry: ModelEntry) -> ModelEntry:
+    """`entry` with the files it names relative to its models file found beside that file,
+    wherever serve runs: its adapter, and its chat template where such a file is there
+    (else the template is Jinja text, or a path from the working directory)."""
+    if entry.adapter is not None and not Path(entry.adapter).expanduser().is_absolute():
+        entry = replace(entry, adapter=str(folder / entry.adapter))
+    template = entry.chat_template
+    if template is not None and "\n" not in template and not Path(template).is_absolute():
+        with contextlib.suppress(OSError):  # text too long to be a path: Jinja
+            if (folder / template).is_file():
+                entry = replace(entry, chat_template=str(folder / template))
+    return entry
 
 
 def spec_name(spec: str) -> str:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import types
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,8 +37,11 @@ class Request:
     engine's setting. A drafted reply is the plain one, bit for bit."""
 
 
-_TAKEN: weakref.WeakSet[Any] = weakref.WeakSet()
-"""The stateful logits processors a submission has taken (see `take_processors`)."""
+_TAKEN: dict[int, Callable[[], Any]] = {}
+"""The stateful logits processors a submission has taken, by identity (see
+`take_processors`): a weak reference each, dropped with its processor, or the processor
+itself where it takes no weak reference. By identity, not by hash: a processor need not be
+hashable (an `eq` dataclass is not)."""
 
 
 def take_processors(request: Request) -> None:
@@ -52,9 +55,23 @@ def take_processors(request: Request) -> None:
             is that run's: the reply would degenerate silently).
     """
     stateful = [p for p in request.processors if not isinstance(p, types.FunctionType)]
-    if any(p in _TAKEN for p in stateful):
+    if any(_taken(p) for p in stateful):
         raise UserInputError(
             "this request was submitted before: its logits processors (a grammar, a thinking "
             "budget) hold that run's state; build a new request for each submission"
         )
-    _TAKEN.update(stateful)
+    for p in stateful:
+        _take(p)
+
+
+def _taken(processor: Any) -> bool:
+    ref = _TAKEN.get(id(processor))
+    return ref is not None and ref() is processor
+
+
+def _take(processor: Any) -> None:
+    key = id(processor)
+    try:
+        _TAKEN[key] = weakref.ref(processor, lambda _ref: _TAKEN.pop(key, None))
+    except TypeError:  # no weak reference to it: kept itself, so its id is never reused
+        _TAKEN[key] = lambda: processor

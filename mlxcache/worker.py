@@ -253,6 +253,16 @@ class EngineWorker:
             self._send(("call", fn, future))
         return future.result()
 
+    def later(self, fn: Callable[[], object]) -> None:
+        """Queue `fn()` for the worker thread without waiting: it runs after every message
+        sent before it (a request submitted first is the worker's job by then); at once
+        when the worker has stopped."""
+        with self._lock:
+            if not self._closed:
+                self._send(("call", fn, None))
+                return
+        fn()
+
     def _send(self, message: tuple[Any, ...]) -> None:
         self._inbox.put(message)
 
@@ -395,7 +405,7 @@ class EngineWorker:
                 self._waiting -= 1
             try:
                 if not any(e is job.engine for e in self._engines):
-                    raise EngineStoppedError("its model was unloaded")  # a fleet pins it: a bug
+                    raise EngineStoppedError("its model was unloaded")  # held by a fleet: a bug
                 job.rid = job.engine.submit(job.request)
             except Exception as exc:  # checked at submit already; the state may have changed
                 self._send_to(job, job.end(_failed(str(exc))))
@@ -423,10 +433,11 @@ class EngineWorker:
             return
         if isinstance(event, Done):
             del self._active[key]
-            self.finished += 1
         self._send_to(job, event)
 
     def _send_to(self, job: _Job, event: Event) -> None:
+        if isinstance(event, Done):  # every way a request ends comes through here
+            self.finished += 1
         try:
             job.sink(event)
         except Exception:  # a broken consumer must not stop the engine: drop its request

@@ -681,7 +681,6 @@ def events_by_lane_id_alone(patch: Patch) -> None:
         job = self._active[key]
         if isinstance(event, Done):
             del self._active[key]
-            self.finished += 1
         self._send_to(job, event)
 
     patch(EngineWorker, "_deliver", deliver)

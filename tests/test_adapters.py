@@ -381,3 +381,11 @@ def test_every_model_running_command_takes_an_adapter_and_a_template(command: li
     assert code == 0
     for option in ("--adapter", "--adapter-path", "--chat-template", "--chat-template-args"):
         assert re.search(re.escape(option) + r"(?![-\w])", out), f"{command} has no {option}"
+
+
+def test_a_template_too_long_for_a_path_is_template_text() -> None:
+    """A one-line template longer than a file name may be is Jinja text, not an OS error."""
+    from mlxcache.model.template import template_text
+
+    text = "{{ messages[0]['content'] }}" + "x" * 300
+    assert template_text(text) == text

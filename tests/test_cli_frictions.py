@@ -383,3 +383,17 @@ def test_quiet_hides_a_conversions_progress(
     assert capsys.readouterr().err == ""
     options.engine("m.gguf", CacheConfig())
     assert capsys.readouterr().err == "converting the model (once): weights, 300 steps...\n"
+
+
+def test_a_setting_added_since_a_golden_ran_at_its_default(tmp_path: Path) -> None:
+    """A golden recorded before a sampling setting existed ran at that setting's default:
+    it is not a changed setting (every old golden would fail otherwise)."""
+    reply = {"text": "a b c", "tokens": [1, 2, 3], "finish_reason": "length"}
+    out = tmp_path / "g.json"
+    golden.record(_Runner(_suite(tmp_path, 0.0), reply), out, ("cold",))
+    doc = json.loads(out.read_text())
+    for case in doc["cases"].values():
+        del case["sampling"]["min_p"]  # as if min_p came later
+    out.write_text(json.dumps(doc))
+    report = golden.check(_Runner(_suite(tmp_path, 0.0), reply), out, ("cold",))
+    assert {c["status"] for c in report.cases.values()} == {"ok"}

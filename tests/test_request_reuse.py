@@ -5,7 +5,9 @@ submit the same work again build a new request each time."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
+from typing import Any
 
 import pytest
 from mlx_lm.sample_utils import make_logits_processors
@@ -109,3 +111,40 @@ def test_the_worker_fails_a_used_request_and_goes_on(tiny: LoadedModel) -> None:
         with pytest.raises(GenerationError, match="submitted before"):
             worker.complete(used)
         assert worker.complete(_json_request(engine)).tokens == first.tokens
+
+
+@dataclasses.dataclass
+class _EqProcessor:
+    """A processor a library user may write: an `eq` dataclass (not hashable)."""
+
+    calls: int = 0
+
+    def __call__(self, tokens: Any, logits: Any) -> Any:
+        self.calls += 1
+        return logits
+
+
+class _SlotsProcessor:
+    """A processor with `__slots__` and no `__weakref__` (no weak reference to it)."""
+
+    __slots__ = ("calls",)
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, tokens: Any, logits: Any) -> Any:
+        self.calls += 1
+        return logits
+
+
+@pytest.mark.parametrize("make", [_EqProcessor, _SlotsProcessor])
+def test_any_processor_object_serves_one_reply(tiny: LoadedModel, make: Any) -> None:
+    """Reuse is told by the processor's identity: one that is not hashable, or takes no
+    weak reference, is refused the second time too (never a TypeError)."""
+    engine = Engine(tiny)
+    processor = make()
+    engine.complete(Request([5, 6, 7], PARAMS, [processor]))
+    assert processor.calls > 0
+    with pytest.raises(UserInputError, match="submitted before"):
+        engine.submit(Request([5, 6, 7], PARAMS, [processor]))
+    assert engine.complete(Request([5, 6, 7], PARAMS, [make()])).tokens

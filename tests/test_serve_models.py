@@ -413,3 +413,31 @@ def test_an_adapter_is_a_model_of_its_own(
     keys = {c["id"]: c["mlxcache"]["key"] for c in call(app, "GET", "/v1/models").json()["data"]}
     assert keys == {"base": load(str(folders["alpha"])).key, "tuned": tuned_model.key}
     assert keys["base"] != keys["tuned"]
+
+
+def test_a_card_of_no_served_name_is_a_404_that_loads_nothing(
+    make_fleet: Callable[..., Fleet], folders: dict[str, Path]
+) -> None:
+    fleet = make_fleet(entries(folders, "alpha", "beta"))
+    app = app_of(fleet)
+    for path in ("/v1/models/", "/v1/models/gpt-4o"):
+        reply = call(app, "GET", path)
+        assert reply.status == 404, reply.body
+        assert "is not served here (it serves 'alpha', 'a1'" in reply.json()["error"]["message"]
+    assert fleet.loads == {} and not fleet.resident
+
+
+def test_a_models_file_finds_its_chat_template_beside_it(tmp_path: Path) -> None:
+    """A template file named relative to the models file is read beside it; Jinja text
+    stays text."""
+    from mlxcache.model_entries import read_models_file
+
+    (tmp_path / "t.jinja").write_text("{{ messages }}")
+    models = tmp_path / "models.yaml"
+    models.write_text(
+        "- {name: a, model: x, chat_template: t.jinja}\n"
+        "- {name: b, model: y, chat_template: '{{ messages }}'}\n"
+    )
+    a, b = read_models_file(models)
+    assert a.chat_template == str(tmp_path / "t.jinja")
+    assert b.chat_template == "{{ messages }}"

@@ -113,6 +113,7 @@ def apply_adapter(model: Model, adapter: Adapter, model_name: str) -> Model:
         raise AdapterError(f"adapter {adapter.path}: damaged {WEIGHTS} ({exc})") from exc
     if not isinstance(weights, dict) or not weights:
         raise AdapterError(f"adapter {adapter.path}: {WEIGHTS} holds no tensors")
+    del weights  # checked: `load_adapters` reads them again (a full fine-tune's twice over)
     try:
         load_adapters(as_module(model), str(adapter.path))
     except (ValueError, KeyError, TypeError) as exc:

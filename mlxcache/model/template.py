@@ -27,7 +27,7 @@ def template_text(value: str | None) -> str | None:
     if value is None:
         return None
     path = Path(value).expanduser() if len(value) < _MAX_PATH and "\n" not in value else None
-    if path is not None and path.is_file():
+    if path is not None and _is_file(path):
         try:
             value = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
@@ -90,3 +90,12 @@ def with_args(tokenizer: Any, args: Mapping[str, Any]) -> Any:
     out.__dict__.update(tokenizer.__dict__)
     out._template_args = dict(args)
     return out
+
+
+def _is_file(path: Path) -> bool:
+    """Whether `path` is a file; False for text the OS cannot take as a path (a name part
+    longer than it allows: a one-line template is Jinja text, not a file)."""
+    try:
+        return path.is_file()
+    except OSError:
+        return False

@@ -12,6 +12,7 @@ from mlxcache.errors import UserInputError
 from mlxcache.fileio import loads_json, write_atomic
 from mlxcache.regress import VARIANTS
 from mlxcache.regress.suite import Case, Output, Suite
+from mlxcache.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from mlxcache.model.adapter import Adapter
@@ -113,10 +114,12 @@ def changed_settings(recorded: Any, case: Case) -> dict[str, dict[str, Any]]:
     if not isinstance(recorded, dict):
         return {}
     now = settings(case)
+    # A setting added since the golden was recorded ran at its default then.
+    then = {**dataclasses.asdict(SamplingParams()), **recorded}
     return {
-        k: {"golden": recorded.get(k), "now": now.get(k)}
-        for k in sorted(now.keys() | recorded.keys())
-        if recorded.get(k) != now.get(k)
+        k: {"golden": then.get(k), "now": now.get(k)}
+        for k in sorted(now.keys() | then.keys())
+        if then.get(k) != now.get(k)
     }
 
 
@@ -283,7 +286,8 @@ def _adapter_changed(
     digest = then.get("digest") if isinstance(then, dict) else None
     if digest == (now or {}).get("digest"):
         return False
-    entry["status"] = "adapter-changed"
+    if entry["status"] == "ok":  # variants that disagree: that bug comes first
+        entry["status"] = "adapter-changed"
     entry["adapter_changed"] = {"golden": then, "now": now}
     report.notes.insert(
         0,

@@ -97,7 +97,7 @@ class ServerRunner:
         return {c.name: str(self.identity["key"]) for c in self.suite.cases}
 
     def adapters(self) -> dict[str, dict[str, str] | None]:
-        """The server's adapter (its card's), for every case (`golden.adapter_of`)."""
+        """The server's adapter (its card's), for every case (`golden.golden_adapter`)."""
         card = self.identity.get("adapter")
         served = {"name": str(card["name"]), "digest": str(card["digest"])} if card else None
         return {c.name: served for c in self.suite.cases}

@@ -241,7 +241,7 @@ class LocalRunner:
         return {c.name: self.model(c).key for c in self.suite.cases}
 
     def adapters(self) -> dict[str, dict[str, str] | None]:
-        """The adapter every case's model runs with (`golden.adapter_of`), None for none."""
+        """The adapter every case's model runs with (`golden.golden_adapter`), None for none."""
         return {c.name: golden_adapter(self.model(c).adapter) for c in self.suite.cases}
 
     def versions(self) -> dict[str, str]:

@@ -19,6 +19,7 @@ from starlette.middleware.cors import CORSMiddleware
 from mlxcache.config import ServerConfig
 from mlxcache.engine import Engine
 from mlxcache.engine import Request as EngineRequest
+from mlxcache.errors import ModelNotServedError
 from mlxcache.events import Done, Event
 from mlxcache.membudget import resident_bytes
 from mlxcache.modes.call_stream import CallDelta
@@ -31,7 +32,7 @@ from mlxcache.server.log import RequestLog, log_fields
 from mlxcache.server.logprobs import Formatter, Scored
 from mlxcache.server.metrics import CONTENT_TYPE, Metrics
 from mlxcache.server.openai_format import SSE_DONE, Envelope, Usage, error_event, sse
-from mlxcache.server.prepare import Answer, Plan
+from mlxcache.server.prepare import IGNORED_HEADER, Answer, Plan
 from mlxcache.server.schemas import ChatRequest, CompletionRequest, SamplingFields
 from mlxcache.server.served import One, Served, Target
 from mlxcache.server.stream import Handle, Outcome, Stream, Worker
@@ -124,10 +125,11 @@ def create_app(
 
     @app.get("/v1/models/{model:path}")  # a model id may hold slashes (org/name)
     async def model_card(model: str) -> dict[str, Any]:
-        card = next((c for c in models_served.cards() if c["id"] == model), None)
-        if card is None:
-            models_served.acquire(model)  # raises its 404: a name not served
-            raise AssertionError(model)  # unreachable: every served name has a card
+        cards = models_served.cards()
+        card = next((c for c in cards if c["id"] == model), None)
+        if card is None:  # a 404 naming what is served; nothing loaded or held for it
+            served = ", ".join(repr(c["id"]) for c in cards)
+            raise ModelNotServedError(f"model {model!r} is not served here (it serves {served})")
         return card
 
     @app.get("/v1/ps")
@@ -268,7 +270,7 @@ def create_app(
         allow_origins=list(settings.cors_origins),
         allow_methods=["GET", "POST"],
         allow_headers=["*"],
-        expose_headers=["Retry-After"],
+        expose_headers=["Retry-After", IGNORED_HEADER],
     )
 
 

@@ -28,7 +28,7 @@ from mlxcache.worker import EngineWorker
 
 
 @dataclass(frozen=True, slots=True)
-class Served:
+class ServeSummary:
     """What a server did, told when it stopped: `requests` that ended while it ran, of
     which `drained` were in flight (running or waiting) when it began to stop."""
 
@@ -111,7 +111,7 @@ def serve(
     on_stopping: Callable[[int], None] | None = None,
     fleet_of: Callable[[EngineWorker], Fleet] | None = None,
     load_all: bool = False,
-) -> Served:
+) -> ServeSummary:
     """Serve until Ctrl-C / SIGTERM, then drain; SIGTERM is ignored once the drain has
     begun (the process is ending). `port` 0 picks a free port; `on_listen` is told the
     URL once the socket listens, `on_stopping` the requests in flight as the server begins
@@ -154,7 +154,7 @@ def serve(
         server.run(sockets=[sock])
     if worker.error is not None:
         raise worker.error
-    return Served(worker.finished, drained[0] if drained else 0)
+    return ServeSummary(worker.finished, drained[0] if drained else 0)
 
 
 KEEP_ALIVE_CHECKS = 4
