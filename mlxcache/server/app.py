@@ -125,11 +125,12 @@ def create_app(
 
     @app.get("/v1/models/{model:path}")  # a model id may hold slashes (org/name)
     async def model_card(model: str) -> dict[str, Any]:
-        cards = models_served.cards()
-        card = next((c for c in cards if c["id"] == model), None)
-        if card is None:  # a 404 naming what is served; nothing loaded or held for it
-            served = ", ".join(repr(c["id"]) for c in cards)
-            raise ModelNotServedError(f"model {model!r} is not served here (it serves {served})")
+        card = next((c for c in models_served.cards() if c["id"] == model), None)
+        if card is None and not model:  # a request without a model gets the default; no card
+            raise ModelNotServedError("no model named: GET /v1/models lists what is served")
+        if card is None:
+            models_served.acquire(model)  # raises its 404 naming what is served, loads nothing
+            raise AssertionError(model)  # unreachable: every served name has a card
         return card
 
     @app.get("/v1/ps")
