@@ -20,7 +20,7 @@ from mlxcache.engine import Engine, Request
 from mlxcache.errors import EngineStoppedError, QueueFullError
 from mlxcache.events import Done, Event, Result, Stats, Token
 from mlxcache.model import LoadedModel
-from mlxcache.server import app as server_app
+from mlxcache.server import service as server_app
 from mlxcache.server.app import Settings, create_app
 from mlxcache.server.log import RequestLog
 
@@ -189,7 +189,7 @@ def test_a_stream_cancelled_as_its_events_end_leaves_no_task_exception(steps: in
         asyncio.get_running_loop().set_exception_handler(
             lambda _loop, context: logged.append(context["message"])
         )
-        kept = server_app._kept_alive(events())
+        kept = server_app.kept_alive(events())
         assert await anext(kept) == "a"
         handler = asyncio.ensure_future(anext(kept))
         for _ in range(steps):

@@ -8,20 +8,21 @@ the chat completion's (and `mlxcache generate/tools`'s) for the same conversatio
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Literal
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from mlxcache.modes.call_stream import CallDelta
 from mlxcache.server import errors
+from mlxcache.server.blocks import Block as Out
+from mlxcache.server.blocks import BlockEvent, Closed, Delta, Opened, rendered
 from mlxcache.server.errors import APIError
-from mlxcache.server.front import Converted, Routes, ignored, parsed
+from mlxcache.server.front import Converted, ignored, parsed
 from mlxcache.server.openai_format import Envelope, Usage
 from mlxcache.server.prepare import Answer, Plan
 from mlxcache.server.schemas import tagged
+from mlxcache.server.service import Service, UsageOf
 from mlxcache.server.stream import Outcome, Stream
 from mlxcache.wire import USAGE_FIELD
 
@@ -320,120 +321,101 @@ def event(kind: str, data: dict[str, Any]) -> str:
     return f"event: {kind}\ndata: {json.dumps({'type': kind, **data}, ensure_ascii=False)}\n\n"
 
 
-async def events(
-    stream: Stream,
-    plan: Plan,
-    env: Envelope,
-    usage_of: Callable[[Outcome], Usage],
-    warm: Callable[[Plan, Answer], Awaitable[None]],
-) -> AsyncIterator[str | Outcome]:
-    """A streamed reply: message_start, a ping, a content block per part (thinking, text,
-    each tool use) with its deltas, message_delta (stop reason, usage), message_stop.
-    message_start waits for the prompt's lookup: its usage splits the cached tokens out
-    as message_delta's does."""
-    looked_up = Usage(len(plan.ids), 0, await stream.looked_up())
-    start: dict[str, Any] = {
-        "id": env.id,
-        "type": "message",
-        "role": "assistant",
-        "model": env.model,
-        "content": [],
-        "stop_reason": None,
-        "stop_sequence": None,
-        "usage": usage(looked_up),
-    }
-    yield event("message_start", {"message": start})
-    yield event("ping", {})
-    index, open_kind = -1, ""
+class Renderer:
+    """A streamed reply: message_start, a ping, a content block per block (thinking,
+    text, each tool use) with its deltas, message_delta (stop reason, usage),
+    message_stop. message_start waits for the prompt's lookup: its usage splits the cached
+    tokens out as message_delta's does."""
 
-    def opened(kind: str) -> list[str]:
-        """Events that close the open block and open one of `kind`, if it is not open."""
-        nonlocal index, open_kind
-        if open_kind == kind:
-            return []
-        out = [event("content_block_stop", {"index": index})] if open_kind else []
-        index, open_kind = index + 1, kind
-        block = (
-            {"type": "thinking", "thinking": ""}
-            if kind == "reasoning"
-            else {"type": "text", "text": ""}
-        )
-        return [*out, event("content_block_start", {"index": index, "content_block": block})]
+    def __init__(self, stream: Stream, plan: Plan, env: Envelope, usage_of: UsageOf) -> None:
+        self.stream, self.plan, self.env, self.usage_of = stream, plan, env, usage_of
+        self.open: Out | None = None
 
-    def delta(kind: str, text: str) -> str:
-        body = (
-            {"type": "thinking_delta", "thinking": text}
-            if kind == "reasoning"
-            else {"type": "text_delta", "text": text}
-        )
-        return event("content_block_delta", {"index": index, "delta": body})
+    async def head(self) -> list[str]:
+        looked_up = Usage(len(self.plan.ids), 0, await self.stream.looked_up())
+        start: dict[str, Any] = {
+            "id": self.env.id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.env.model,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": usage(looked_up),
+        }
+        return [event("message_start", {"message": start}), event("ping", {})]
 
-    def tool(call: CallDelta) -> list[str]:
-        """A call's block opened when it begins (closing the open one), its arguments'
-        deltas into it while it is open."""
-        nonlocal index, open_kind
-        out: list[str] = []
-        if call.name is not None:
-            if open_kind:
-                out.append(event("content_block_stop", {"index": index}))
-            index, open_kind = index + 1, f"tool {call.index}"
-            use = {"type": "tool_use", "id": tool_use_id(env, call.index), "name": call.name}
-            block = {"index": index, "content_block": {**use, "input": {}}}
-            out.append(event("content_block_start", block))
-        if call.arguments and open_kind == f"tool {call.index}":
-            partial = {"type": "input_json_delta", "partial_json": call.arguments}
-            out.append(event("content_block_delta", {"index": index, "delta": partial}))
-        return out
-
-    async for piece in stream.deltas():
-        lines = tool(piece) if isinstance(piece, CallDelta) else [*opened(piece[0]), delta(*piece)]
-        for line in lines:
-            yield line
-    end = stream.ending(plan.answer)
-    outcome, answer = end.outcome, end.answer
-    yield outcome
-    if answer is None:
-        failure = {"type": "api_error", "message": errors.one_line(outcome.error or "")}
-        yield event("error", {"error": failure})
-        return
-    for kind, rest in (("reasoning", end.reasoning), ("content", end.content)):
-        if rest or (kind == "content" and not answer.calls and index < 0):
-            for item in opened(kind):
-                yield item
-            if rest:
-                yield delta(kind, rest)
-    for call in end.calls:
-        for line in tool(call):
-            yield line
-    if open_kind:
-        yield event("content_block_stop", {"index": index})
-    reason = {"stop_reason": stop_reason(answer, outcome), "stop_sequence": outcome.stop_sequence}
-    yield event("message_delta", {"delta": reason, "usage": usage(usage_of(outcome))})
-    yield event("message_stop", {})
-    await warm(plan, answer)
+    def __call__(self, ev: BlockEvent) -> list[str]:
+        if isinstance(ev, Opened):
+            self.open = b = ev.block
+            start = {"index": b.index, "content_block": _opened(self.env, b)}
+            return [event("content_block_start", start)]
+        if isinstance(ev, Delta):
+            if not ev.text or ev.block != self.open:  # a call's rest once another opened
+                return []
+            delta = {"index": ev.block.index, "delta": _delta(ev.block, ev.text)}
+            return [event("content_block_delta", delta)]
+        if isinstance(ev, Closed):
+            self.open = None
+            return [event("content_block_stop", {"index": ev.block.index})]
+        outcome, answer = ev.ending.outcome, ev.ending.answer
+        if answer is None:
+            failure = {"type": "api_error", "message": errors.one_line(outcome.error or "")}
+            return [event("error", {"error": failure})]
+        reason = {
+            "stop_reason": stop_reason(answer, outcome),
+            "stop_sequence": outcome.stop_sequence,
+        }
+        u = usage(self.usage_of(outcome))
+        return [event("message_delta", {"delta": reason, "usage": u}), event("message_stop", {})]
 
 
-def install(app: FastAPI, routes: Routes) -> None:
-    """The Messages API's routes on `app`, over the chat completion path `routes`."""
+def _opened(env: Envelope, block: Out) -> dict[str, Any]:
+    if block.kind == "reasoning":
+        return {"type": "thinking", "thinking": ""}
+    if block.kind == "content":
+        return {"type": "text", "text": ""}
+    use = {"type": "tool_use", "id": tool_use_id(env, block.call), "name": block.name}
+    return {**use, "input": {}}
 
-    @app.post("/v1/messages")
+
+def _delta(block: Out, text: str) -> dict[str, Any]:
+    if block.kind == "reasoning":
+        return {"type": "thinking_delta", "thinking": text}
+    if block.kind == "content":
+        return {"type": "text_delta", "text": text}
+    return {"type": "input_json_delta", "partial_json": text}
+
+
+def router(service: Service) -> APIRouter:
+    """The Messages API's routes, over the chat completion path of `service`."""
+    routes = APIRouter()
+
+    @routes.post("/v1/messages")
     async def messages(request: Request) -> Any:
         body: MessagesRequest = await parsed(request, MessagesRequest)
         chat = to_chat(body)
         with chat.named():
-            plan, env, stream, usage_of = await routes.submit(request, chat.request(), "msg")
+            plan, env, stream, usage_of = await service.submit_chat(request, chat.request(), "msg")
         # Thinking asked for by `thinking` or by an effort: named as the request set it.
         effort = "thinking" if body.thinking is not None else "output_config.effort"
         headers = ignored(plan, {"reasoning_effort": effort})
         if body.stream:
-            replies = events(stream, plan, env, usage_of, routes.warm)
-            return routes.stream(replies, stream, request, env.id, headers)
-        outcome, answer = await routes.answered(request, plan, stream, env)
+
+            async def done(answer: Answer) -> None:
+                await service.warm(plan, answer)
+
+            render = Renderer(stream, plan, env, usage_of)
+            replies = rendered(stream, plan.answer, render, done)
+            return service.stream(replies, stream, request, env.id, headers)
+        outcome, answer = await service.answered(request, plan, stream, env)
         return JSONResponse(message(env, answer, outcome, usage_of(outcome)), headers=headers)
 
-    @app.post("/v1/messages/count_tokens")
+    @routes.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> dict[str, Any]:
         body: CountRequest = await parsed(request, CountRequest)
         chat = to_chat(body)
         with chat.named():
-            return {"input_tokens": await routes.count(request, chat.request())}
+            return {"input_tokens": await service.count(chat.request())}
+
+    return routes

@@ -1,42 +1,23 @@
 """What the routes of the other APIs (Anthropic's Messages, OpenAI's Responses) share with
-chat completions: one request path, handed to them by `app.create_app`."""
+chat completions: a body parsed, a converted request whose errors name the route's own
+fields, the ignored-fields header."""
 
 from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 
 from mlxcache.errors import MlxcacheError
 from mlxcache.server import errors
 from mlxcache.server.errors import APIError
-from mlxcache.server.openai_format import Envelope, Usage
-from mlxcache.server.prepare import IGNORED_HEADER, Answer, Plan
+from mlxcache.server.prepare import IGNORED_HEADER, Plan
 from mlxcache.server.schemas import ChatRequest
-from mlxcache.server.stream import Outcome, Stream
-
-UsageOf = Callable[[Outcome], Usage]
-
-
-@dataclass(frozen=True, slots=True)
-class Routes:
-    """Submit a ChatRequest (its plan, envelope, stream and usage), answer it (not
-    streamed: its outcome and answer, the next turn warmed), warm a next turn, count a
-    prompt, and answer with a stream of server-sent events."""
-
-    submit: Callable[[Request, ChatRequest, str], Awaitable[tuple[Plan, Envelope, Stream, UsageOf]]]
-    answered: Callable[[Request, Plan, Stream, Envelope], Awaitable[tuple[Outcome, Answer]]]
-    warm: Callable[[Plan, Answer], Awaitable[None]]
-    count: Callable[[Request, ChatRequest], Awaitable[int]]
-    stream: Callable[
-        [AsyncIterator[str | Outcome], Stream, Request, str, dict[str, str]], StreamingResponse
-    ]
 
 
 async def parsed(request: Request, schema: type[Any]) -> Any:

@@ -13,23 +13,24 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from threading import Lock
 from typing import TYPE_CHECKING, Any, Literal
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from mlxcache.modes.call_stream import CallDelta
 from mlxcache.server import errors
+from mlxcache.server.blocks import Block, BlockEvent, Closed, Delta, End, Opened, rendered
 from mlxcache.server.errors import APIError
-from mlxcache.server.front import Converted, Routes, ignored, parsed
+from mlxcache.server.front import Converted, ignored, parsed
 from mlxcache.server.openai_format import Envelope, Usage
-from mlxcache.server.prepare import Answer, Plan
+from mlxcache.server.prepare import Answer
 from mlxcache.server.schemas import tagged
-from mlxcache.server.stream import Outcome, Stream
+from mlxcache.server.service import Service
+from mlxcache.server.stream import Outcome
 from mlxcache.wire import USAGE_FIELD
 
 NAMES = {"reasoning_effort": "reasoning.effort", "verbosity": "text.verbosity"}
@@ -386,151 +387,101 @@ class Events:
         return f"event: {kind}\ndata: {json.dumps(doc, ensure_ascii=False)}\n\n"
 
 
-async def events(
-    stream: Stream,
-    plan: Plan,
-    env: Envelope,
-    body: ResponsesRequest,
-    usage_of: Callable[[Outcome], Usage],
-    done: Callable[[Answer], Awaitable[None]],
-) -> AsyncIterator[str | Outcome]:
-    """response.created, in_progress; a thinking section as a reasoning item (when the
-    answer starts); the message item with its text deltas as they come; each function call
-    as it is written, its arguments' deltas as they come; response.completed (or
-    incomplete). Output indexes are the final Response's."""
-    ev = Events()
-    yield ev("response.created", {"response": response(env, body, "in_progress", [])})
-    yield ev("response.in_progress", {"response": response(env, body, "in_progress", [])})
-    index = msg_at = -1
-    text = reasoning = ""
-    thought = False
-    message = "unopened"  # -> "open" -> "done"
-    item_id = f"msg_{env.id}"
-    calls = stream.calls
-    call_at: dict[int, int] = {}  # a call's output index
+class Renderer:
+    """response.created, in_progress; a thinking section as a reasoning item, whole, once
+    it ends; the message item with its text deltas as they come; each function call as it
+    is written, its arguments' deltas as they come, done at the end; response.completed
+    (or incomplete, or failed)."""
 
-    def reasoned(final: str) -> list[str]:
-        """The reasoning item, once, when there is one."""
-        nonlocal index, thought
-        if thought or not final:
-            return []
-        index, thought = index + 1, True
-        item = {"type": "reasoning", "id": f"rs_{env.id}", "summary": []}
-        done_item = {**item, "summary": [{"type": "summary_text", "text": final}]}
-        return [
-            ev("response.output_item.added", {"output_index": index, "item": item}),
-            ev("response.output_item.done", {"output_index": index, "item": done_item}),
-        ]
+    def __init__(
+        self, env: Envelope, body: ResponsesRequest, usage_of: Callable[[Outcome], Usage]
+    ) -> None:
+        self.env, self.body, self.usage_of, self.ev = env, body, usage_of, Events()
 
-    def where() -> dict[str, Any]:
-        return {"item_id": item_id, "output_index": msg_at, "content_index": 0}
+    async def head(self) -> list[str]:
+        now = {"response": response(self.env, self.body, "in_progress", [])}
+        return [self.ev("response.created", now), self.ev("response.in_progress", now)]
 
-    def open_message() -> list[str]:
-        nonlocal index, msg_at, message
-        if message != "unopened":
-            return []
-        opening = reasoned(reasoning)
-        index = msg_at = index + 1
-        message = "open"
-        added = {"output_index": index, "item": _message_item(env, "", "in_progress")}
-        return [
-            *opening,
-            ev("response.output_item.added", added),
-            ev("response.content_part.added", {**where(), "part": _text_part("")}),
-        ]
+    def _item(self, kind: str, block: Block, item: dict[str, Any]) -> str:
+        return self.ev(f"response.output_item.{kind}", {"output_index": block.index, "item": item})
 
-    def close_message(final: str) -> list[str]:
-        nonlocal message
-        if message != "open":
-            return []
-        message = "done"
-        done_item = _message_item(env, final, "completed")
-        return [
-            ev("response.output_text.done", {**where(), "text": final}),
-            ev("response.content_part.done", {**where(), "part": _text_part(final)}),
-            ev("response.output_item.done", {"output_index": msg_at, "item": done_item}),
-        ]
+    def _where(self, block: Block) -> dict[str, Any]:
+        return {"item_id": f"msg_{self.env.id}", "output_index": block.index, "content_index": 0}
 
-    def called(call: CallDelta) -> list[str]:
-        """A function call item added when the call begins (the message before it done),
-        then its arguments' deltas."""
-        nonlocal index
-        out: list[str] = []
-        if call.name is not None:
-            out += close_message(text)
-            index = call_at[call.index] = index + 1
-            item = _call_item(env, call.index, call.name, "", "in_progress")
-            out.append(ev("response.output_item.added", {"output_index": index, "item": item}))
-        if call.arguments:
-            at = {"item_id": f"fc_{env.id}_{call.index}", "output_index": call_at[call.index]}
+    def __call__(self, e: BlockEvent) -> list[str]:
+        ev, env = self.ev, self.env
+        if isinstance(e, Opened) and e.block.kind == "content":
+            part = {**self._where(e.block), "part": _text_part("")}
+            added = self._item("added", e.block, _message_item(env, "", "in_progress"))
+            return [added, ev("response.content_part.added", part)]
+        if isinstance(e, Opened) and e.block.kind == "call":
+            item = _call_item(env, e.block.call, e.block.name, "", "in_progress")
+            return [self._item("added", e.block, item)]
+        if isinstance(e, Delta) and e.block.kind == "content":
+            return [ev("response.output_text.delta", {**self._where(e.block), "delta": e.text})]
+        if isinstance(e, Delta) and e.block.kind == "call" and e.text:
+            at = {"item_id": f"fc_{env.id}_{e.block.call}", "output_index": e.block.index}
+            return [ev("response.function_call_arguments.delta", {**at, "delta": e.text})]
+        if isinstance(e, Closed) and e.block.kind == "reasoning":  # its item comes whole
+            thought: dict[str, Any] = {"type": "reasoning", "id": f"rs_{env.id}", "summary": []}
+            summary = [{"type": "summary_text", "text": e.text}]
+            return [
+                self._item("added", e.block, thought),
+                self._item("done", e.block, {**thought, "summary": summary}),
+            ]
+        if isinstance(e, Closed) and e.block.kind == "content":
+            at, done_item = self._where(e.block), _message_item(env, e.text, "completed")
+            return [
+                ev("response.output_text.done", {**at, "text": e.text}),
+                ev("response.content_part.done", {**at, "part": _text_part(e.text)}),
+                self._item("done", e.block, done_item),
+            ]
+        return self._end(e) if isinstance(e, End) else []
+
+    def _end(self, e: End) -> list[str]:
+        outcome, answer = e.ending.outcome, e.ending.answer
+        if answer is None:
+            failed = response(self.env, self.body, "failed", [])
+            failed["error"] = {
+                "code": "server_error",
+                "message": errors.one_line(outcome.error or ""),
+            }
+            return [self.ev("response.failed", {"response": failed})]
+        out = []
+        for call in e.calls:  # cut off or unreadable: incomplete, its arguments not done
+            b = call.block
+            at = {"item_id": f"fc_{self.env.id}_{b.call}", "output_index": b.index}
+            if call.whole:
+                out.append(
+                    self.ev(
+                        "response.function_call_arguments.done", {**at, "arguments": call.arguments}
+                    )
+                )
+            status = "completed" if call.whole else "incomplete"
             out.append(
-                ev("response.function_call_arguments.delta", {**at, "delta": call.arguments})
+                self._item("done", b, _call_item(self.env, b.call, b.name, call.arguments, status))
             )
-        return out
-
-    async for piece in stream.deltas():
-        if isinstance(piece, CallDelta):
-            for line in called(piece):
-                yield line
-            continue
-        kind, delta = piece
-        if kind != "content":
-            reasoning += delta  # its item comes whole, before the answer's
-            continue
-        for line in open_message():
-            yield line
-        text += delta
-        yield ev("response.output_text.delta", {**where(), "delta": delta})
-    end = stream.ending(plan.answer)
-    outcome, answer = end.outcome, end.answer
-    yield outcome
-    if answer is None:
-        failed = response(env, body, "failed", [])
-        failed["error"] = {"code": "server_error", "message": errors.one_line(outcome.error or "")}
-        yield ev("response.failed", {"response": failed})
-        return
-    for line in reasoned(answer.reasoning or ""):
-        yield line
-    if (answer.content or not answer.calls) and message != "done":
-        for line in open_message():
-            yield line
-        if end.content:
-            yield ev("response.output_text.delta", {**where(), "delta": end.content})
-        for line in close_message(answer.content):
-            yield line
-    for call in end.calls:
-        calls.add(call)
-        for line in called(call):
-            yield line
-    for i in range(calls.begun):
-        whole = i < len(answer.calls)  # else cut off, or unreadable
-        name, arguments = calls.name(i), calls.arguments(i)
-        at = {"item_id": f"fc_{env.id}_{i}", "output_index": call_at[i]}
-        if whole:
-            yield ev("response.function_call_arguments.done", {**at, "arguments": arguments})
-        status = "completed" if whole else "incomplete"
-        item = _call_item(env, i, name, arguments, status)
-        yield ev("response.output_item.done", {"output_index": call_at[i], "item": item})
-    status, why = finished(answer)
-    final = response(env, body, status, _items(env, answer), usage_of(outcome), why)
-    yield ev(
-        "response.completed" if status == "completed" else "response.incomplete",
-        {"response": final},
-    )
-    await done(answer)
+        status, why = finished(answer)
+        items = _items(self.env, answer)
+        final = response(self.env, self.body, status, items, self.usage_of(outcome), why)
+        kind = "response.completed" if status == "completed" else "response.incomplete"
+        return [*out, self.ev(kind, {"response": final})]
 
 
-def install(app: FastAPI, routes: Routes) -> None:
-    """The Responses API's route on `app`, over the chat completion path `routes`."""
+def router(service: Service) -> APIRouter:
+    """The Responses API's route, over the chat completion path of `service`."""
+    routes = APIRouter()
     store = Store()
 
-    @app.post("/v1/responses")
+    @routes.post("/v1/responses")
     async def responses(request: Request) -> Any:
         body: ResponsesRequest = await parsed(request, ResponsesRequest)
         history = [] if body.previous_response_id is None else store.get(body.previous_response_id)
         chat = to_chat(body, history)
         with chat.chat.named():
-            plan, env, stream, usage_of = await routes.submit(request, chat.chat.request(), "resp")
+            plan, env, stream, usage_of = await service.submit_chat(
+                request, chat.chat.request(), "resp"
+            )
 
         def kept(answer: Answer) -> None:
             if body.store:
@@ -538,14 +489,16 @@ def install(app: FastAPI, routes: Routes) -> None:
 
         async def done(answer: Answer) -> None:
             kept(answer)
-            await routes.warm(plan, answer)
+            await service.warm(plan, answer)
 
         headers = ignored(plan, NAMES)
         if body.stream:
-            replies = events(stream, plan, env, body, usage_of, done)
-            return routes.stream(replies, stream, request, env.id, headers)
-        outcome, answer = await routes.answered(request, plan, stream, env)
+            replies = rendered(stream, plan.answer, Renderer(env, body, usage_of), done)
+            return service.stream(replies, stream, request, env.id, headers)
+        outcome, answer = await service.answered(request, plan, stream, env)
         kept(answer)
         status, why = finished(answer)
         doc = response(env, body, status, _items(env, answer), usage_of(outcome), why)
         return JSONResponse(doc, headers=headers)
+
+    return routes
