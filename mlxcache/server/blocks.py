@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from mlxcache.modes.call_stream import CallDelta
+from mlxcache.server import errors
 from mlxcache.server.prepare import Answer
 from mlxcache.server.stream import Ending, Outcome, Stream
 
@@ -164,13 +165,24 @@ async def rendered(
 ) -> AsyncIterator[str | Outcome]:
     """The text `render` makes of the reply's block events, with its outcome (for the
     request log) before the text of its end; then `done` (the next turn warmed) with
-    the answer, once the client has all of it."""
-    for line in await render.head():
-        yield line
-    async for event in block_events(stream, answer_of):
-        if isinstance(event, End):
-            yield event.ending.outcome
-        for line in render(event):
+    the answer, once the client has all of it. A fault of the server's own before the end
+    ends the reply as a failed request does (an error, in the log and to the client)."""
+    ended = False
+    try:
+        for line in await render.head():
             yield line
-        if isinstance(event, End) and event.ending.answer is not None:
-            await done(event.ending.answer)
+        async for event in block_events(stream, answer_of):
+            if isinstance(event, End):
+                ended = True
+                yield event.ending.outcome
+            for line in render(event):
+                yield line
+            if isinstance(event, End) and event.ending.answer is not None:
+                await done(event.ending.answer)
+    except Exception as exc:
+        if ended:  # the client has it all: only warming the next turn failed
+            raise
+        failure = stream.failed(errors.internal(exc))
+        yield failure.outcome
+        for line in render(End(failure)):
+            yield line

@@ -188,6 +188,11 @@ def parse_json(raw: bytes) -> Any:
         raise APIError(400, "the request body is not UTF-8", code="invalid_json") from None
 
 
+def internal(exc: Exception) -> str:
+    """A fault of the server's own, in one line."""
+    return one_line(f"internal error: {type(exc).__name__}: {exc}")
+
+
 class ClientGone(Exception):
     """The client disconnected before its (non-streamed) reply was ready."""
 
@@ -223,5 +228,4 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         # The client gets one line; uvicorn logs the traceback on the server's stderr.
-        message = one_line(f"internal error: {type(exc).__name__}: {exc}")
-        return answer(request, APIError(500, message, type="server_error"))
+        return answer(request, APIError(500, internal(exc), type="server_error"))

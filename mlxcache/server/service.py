@@ -263,12 +263,18 @@ class _Sent:
         self.finished = False
 
     async def __aiter__(self) -> AsyncIterator[str]:
-        async for item in kept_alive(self.events):
-            if isinstance(item, Outcome):
+        try:
+            async for item in kept_alive(self.events):
+                if isinstance(item, Outcome):
+                    self.finished = True
+                    self.noted(item)
+                else:
+                    yield item
+        except Exception as exc:
+            if not self.finished:  # a fault of the server's own, not a client gone
                 self.finished = True
-                self.noted(item)
-            else:
-                yield item
+                self.noted(self.stream.failed(errors.internal(exc)).outcome)
+            raise
 
     def ended(self, scope: Any) -> None:
         # However the reply ended unfinished (the client gone mid-stream, or before its

@@ -172,6 +172,16 @@ class Stream:
             self.reply.text, result.finish_reason, usage, self._ttft, error, result.stop_string
         )
 
+    def failed(self, error: str) -> Ending:
+        """The ending of a reply the server failed to send (`error`: why), its request
+        cancelled if it still runs."""
+        self.close()
+        if self._done is not None:
+            usage = self.outcome().usage
+        else:
+            usage = Usage(self._prompt_tokens, 0, self._cached or 0)
+        return Ending(Outcome(self.reply.text, "error", usage, self._ttft, error), None)
+
     def ending(self, answer_of: Callable[[str, str], Answer]) -> Ending:
         """The finished request's last parts (after `deltas()` ended); `answer_of` reads
         the answer from the reply's text and finish reason (`Plan.answer`)."""
