@@ -388,10 +388,9 @@ class Events:
 
 
 class Renderer:
-    """response.created, in_progress; a thinking section as a reasoning item, whole, once
-    it ends; the message item with its text deltas as they come; each function call as it
-    is written, its arguments' deltas as they come, done at the end; response.completed
-    (or incomplete, or failed)."""
+    """response.created, in_progress; a reasoning item, whole, once the thinking ends; the
+    message item and its text deltas; each function call as it is written and its
+    arguments' deltas, done at the end; response.completed (or incomplete, or failed)."""
 
     def __init__(
         self, env: Envelope, body: ResponsesRequest, usage_of: Callable[[Outcome], Usage]
@@ -402,70 +401,69 @@ class Renderer:
         now = {"response": response(self.env, self.body, "in_progress", [])}
         return [self.ev("response.created", now), self.ev("response.in_progress", now)]
 
-    def _item(self, kind: str, block: Block, item: dict[str, Any]) -> str:
+    def _item(self, kind: str, block: Block, text: str, status: str) -> str:
+        item = _item_of(self.env, block, text, status)
         return self.ev(f"response.output_item.{kind}", {"output_index": block.index, "item": item})
 
-    def _where(self, block: Block) -> dict[str, Any]:
-        return {"item_id": f"msg_{self.env.id}", "output_index": block.index, "content_index": 0}
-
     def __call__(self, e: BlockEvent) -> list[str]:
-        ev, env = self.ev, self.env
-        if isinstance(e, Opened) and e.block.kind == "content":
-            part = {**self._where(e.block), "part": _text_part("")}
-            added = self._item("added", e.block, _message_item(env, "", "in_progress"))
-            return [added, ev("response.content_part.added", part)]
-        if isinstance(e, Opened) and e.block.kind == "call":
-            item = _call_item(env, e.block.call, e.block.name, "", "in_progress")
-            return [self._item("added", e.block, item)]
-        if isinstance(e, Delta) and e.block.kind == "content":
-            return [ev("response.output_text.delta", {**self._where(e.block), "delta": e.text})]
-        if isinstance(e, Delta) and e.block.kind == "call" and e.text:
-            at = {"item_id": f"fc_{env.id}_{e.block.call}", "output_index": e.block.index}
-            return [ev("response.function_call_arguments.delta", {**at, "delta": e.text})]
-        if isinstance(e, Closed) and e.block.kind == "reasoning":  # its item comes whole
-            thought: dict[str, Any] = {"type": "reasoning", "id": f"rs_{env.id}", "summary": []}
-            summary = [{"type": "summary_text", "text": e.text}]
-            return [
-                self._item("added", e.block, thought),
-                self._item("done", e.block, {**thought, "summary": summary}),
-            ]
-        if isinstance(e, Closed) and e.block.kind == "content":
-            at, done_item = self._where(e.block), _message_item(env, e.text, "completed")
+        if isinstance(e, End):
+            return self._end(e)
+        b, at, ev = e.block, _at(self.env, e.block), self.ev
+        if isinstance(e, Opened) and b.kind != "reasoning":  # a reasoning item comes whole
+            added = [self._item("added", b, "", "in_progress")]
+            part = {**at, "part": _text_part("")}
+            return (
+                [*added, ev("response.content_part.added", part)] if b.kind == "content" else added
+            )
+        if isinstance(e, Delta) and e.text and b.kind != "reasoning":
+            kind = "output_text" if b.kind == "content" else "function_call_arguments"
+            return [ev(f"response.{kind}.delta", {**at, "delta": e.text})]
+        if isinstance(e, Closed) and b.kind == "reasoning":
+            return [self._item("added", b, "", "in_progress"), self._item("done", b, e.text, "")]
+        if isinstance(e, Closed) and b.kind == "content":
             return [
                 ev("response.output_text.done", {**at, "text": e.text}),
                 ev("response.content_part.done", {**at, "part": _text_part(e.text)}),
-                self._item("done", e.block, done_item),
+                self._item("done", b, e.text, "completed"),
             ]
-        return self._end(e) if isinstance(e, End) else []
+        return []
 
     def _end(self, e: End) -> list[str]:
         outcome, answer = e.ending.outcome, e.ending.answer
         if answer is None:
             failed = response(self.env, self.body, "failed", [])
-            failed["error"] = {
-                "code": "server_error",
-                "message": errors.one_line(outcome.error or ""),
-            }
+            error = errors.one_line(outcome.error or "")
+            failed["error"] = {"code": "server_error", "message": error}
             return [self.ev("response.failed", {"response": failed})]
         out = []
-        for call in e.calls:  # cut off or unreadable: incomplete, its arguments not done
-            b = call.block
-            at = {"item_id": f"fc_{self.env.id}_{b.call}", "output_index": b.index}
-            if call.whole:
-                out.append(
-                    self.ev(
-                        "response.function_call_arguments.done", {**at, "arguments": call.arguments}
-                    )
-                )
-            status = "completed" if call.whole else "incomplete"
-            out.append(
-                self._item("done", b, _call_item(self.env, b.call, b.name, call.arguments, status))
-            )
+        for c in e.calls:  # cut off or unreadable: incomplete, its arguments never done
+            if c.whole:
+                done = {**_at(self.env, c.block), "arguments": c.arguments}
+                out.append(self.ev("response.function_call_arguments.done", done))
+            status = "completed" if c.whole else "incomplete"
+            out.append(self._item("done", c.block, c.arguments, status))
         status, why = finished(answer)
         items = _items(self.env, answer)
         final = response(self.env, self.body, status, items, self.usage_of(outcome), why)
         kind = "response.completed" if status == "completed" else "response.incomplete"
         return [*out, self.ev(kind, {"response": final})]
+
+
+def _at(env: Envelope, block: Block) -> dict[str, Any]:
+    """How an event about `block` names its item."""
+    if block.kind == "call":
+        return {"item_id": f"fc_{env.id}_{block.call}", "output_index": block.index}
+    return {"item_id": f"msg_{env.id}", "output_index": block.index, "content_index": 0}
+
+
+def _item_of(env: Envelope, block: Block, text: str, status: str) -> dict[str, Any]:
+    """`block`'s output item with `text` (in progress: none yet)."""
+    if block.kind == "call":
+        return _call_item(env, block.call, block.name, text, status)
+    if block.kind == "content":
+        return _message_item(env, text, status)
+    summary = [{"type": "summary_text", "text": text}] if text else []
+    return {"type": "reasoning", "id": f"rs_{env.id}", "summary": summary}
 
 
 def router(service: Service) -> APIRouter:
