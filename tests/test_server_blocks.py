@@ -329,3 +329,24 @@ def test_a_stream_broken_by_a_server_fault_is_logged_as_an_error(
         "internal error: ValueError: no answer"
         in reply.events()[-1 if path != "/v1/chat/completions" else -2]
     )
+
+
+def test_a_text_completion_stream_broken_by_a_server_fault_is_logged_as_an_error(
+    opens: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Any stream (here /v1/completions, which renders no blocks): the fault reaches the
+    server (a traceback in its log, the connection closed), and the request's log line
+    says it failed, not that its client left."""
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise ValueError("no chunk")
+
+    monkeypatch.setattr("mlxcache.server.openai_format.Envelope.completion_chunk", broken)
+    log = io.StringIO()
+    app = app_of(opens, Scripted("Hello there", "stop"), log)
+    body = {"model": opens.name, "prompt": "hi", "stream": True}
+    with pytest.raises(ValueError, match="no chunk"):
+        call(app, "POST", "/v1/completions", body)
+    line = log.getvalue().splitlines()[0]
+    assert " POST /v1/completions 200 " in line, line
+    assert line.endswith("finish=error error=internal error: ValueError: no chunk"), line

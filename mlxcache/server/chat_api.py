@@ -3,7 +3,7 @@ streamed or not."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -19,14 +19,14 @@ from mlxcache.server.schemas import ChatRequest, CompletionRequest
 from mlxcache.server.service import Service, UsageOf
 from mlxcache.server.stream import Outcome, Stream
 
-LogprobsOf = Any
-"""A reply's `Formatter.chat` or `.completion` (list[Scored] -> dict), or None."""
+LogprobsOf = Callable[[list[Scored]], dict[str, Any]] | None
+"""A reply's `Formatter.chat` or `.completion` (None: no logprobs asked for)."""
 
 
 def _new_logprobs(stream: Stream, logprobs_of: LogprobsOf) -> dict[str, Any] | None:
     """The logprobs of the tokens that came since the last chunk (a chunk whose tokens'
     text is held back carries none: a later chunk carries them)."""
-    scores: list[Scored] = stream.new_scores()
+    scores = stream.new_scores()
     return logprobs_of(scores) if logprobs_of is not None and scores else None
 
 
