@@ -20,7 +20,7 @@ from asgi import call
 from mlxcache.engine import Engine, Request
 from mlxcache.events import Done, Event, Result, Stats, Token
 from mlxcache.model import LoadedModel
-from mlxcache.server import blocks, service
+from mlxcache.server import blocks
 from mlxcache.server.app import Settings, create_app
 from mlxcache.server.log import RequestLog
 from mlxcache.server.stream import Outcome
@@ -226,10 +226,11 @@ def test_a_call_cut_off_is_left_out_of_the_answer_and_said_so_in_the_stream(
 
 
 async def _read_the_end_then_leave(app: Any, path: str, body: dict[str, Any]) -> bytes:
-    """A client that reads until the stream's last event and then leaves at once, while
-    the server is held just after sending it (its next turn being warmed)."""
+    """A client that reads until the stream's last event and leaves at once: the server's
+    send of that event returns only once the client's leaving has cancelled the reply (a
+    connection lost before the app resumes), so its generator never runs past the last
+    event."""
     gone = asyncio.Event()
-    held = asyncio.Event()
     got: list[bytes] = []
     incoming = [{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}]
 
@@ -243,31 +244,22 @@ async def _read_the_end_then_leave(app: Any, path: str, body: dict[str, Any]) ->
         got.append(message.get("body", b""))
         if LAST[path] in b"".join(got):
             gone.set()
+            await asyncio.Event().wait()  # cancelled when the server sees the client gone
 
-    async def hold(self: Any, plan: Any, answer: Any) -> None:
-        held.set()
-        await asyncio.Event().wait()  # until the client's leaving cancels it
-
-    saved = service.Service.warm
-    service.Service.warm = hold  # type: ignore[method-assign]
-    try:
-        scope = {"type": "http", "method": "POST", "path": path, "headers": []}
-        await app({**scope, "query_string": b""}, receive, send)
-    finally:
-        service.Service.warm = saved  # type: ignore[method-assign]
-    assert held.is_set() and gone.is_set()
+    scope = {"type": "http", "method": "POST", "path": path, "headers": []}
+    await app({**scope, "query_string": b""}, receive, send)
+    assert gone.is_set()
     return b"".join(got)
 
 
-def _logged_as_received(model: LoadedModel, path: str) -> str:
+def _logged_as_received(model: LoadedModel, path: str) -> tuple[str, list[str]]:
+    """The log line and /metrics of a stream whose client left once it had the end."""
     log = io.StringIO()
     app = app_of(model, Scripted("</think>Hello there", "stop"), log)
     body = {"model": model.name, **ROUTES[path], "stream": True}
     asyncio.run(_read_the_end_then_leave(app, path, body))
-    metrics = call(app, "GET", "/metrics").body.decode()
-    served = f'mlxcache_requests_total{{path="{path}",status="200"}} 1'
-    assert served in metrics.splitlines()
-    return log.getvalue().splitlines()[0]
+    metrics = call(app, "GET", "/metrics").body.decode().splitlines()
+    return log.getvalue().splitlines()[0], metrics
 
 
 @pytest.mark.parametrize("path", ROUTES)
@@ -275,11 +267,13 @@ def test_a_client_that_read_the_last_event_is_logged_with_its_counts(
     opens: LoadedModel, path: str
 ) -> None:
     """Issue 53 item 9: the client has the whole stream and leaves before the server's
-    generator ends (held warming the next turn, the one wait after the last event); the
-    log and /metrics say what it received: 200, its token counts, its finish. The outcome
-    is noted before the last event is rendered (`blocks.rendered`), so this holds however
-    the client's leaving and the server's ending interleave."""
-    line = _logged_as_received(opens, path)
+    generator runs again; the log and /metrics say what it received: 200, its token
+    counts, its finish. The outcome is noted before the text of the end is rendered
+    (`blocks.rendered`), so this holds however the client's leaving and the server's
+    ending interleave."""
+    line, metrics = _logged_as_received(opens, path)
+    assert f'mlxcache_requests_total{{path="{path}",status="200"}} 1' in metrics
+    assert "mlxcache_generated_tokens_total 7" in metrics
     assert re.search(rf" POST {path} 200 prompt=\d+ cached=0 generated=7 .* finish=stop$", line)
 
 
@@ -289,23 +283,34 @@ def test_the_log_check_sees_an_outcome_noted_after_the_last_event(
     """The check above has teeth: a stream that noted its outcome only after its last
     event (the order this design rules out) is logged as a client gone, counts lost."""
 
-    async def late(
-        stream: Any, answer_of: Any, render: Any, done: Any
-    ) -> AsyncIterator[str | Outcome]:
+    async def late(*args: Any) -> AsyncIterator[str | Outcome]:
         outcome = None
-        async for item in rendered(stream, answer_of, render, done):
+        async for item in rendered(*args):
             if isinstance(item, Outcome):
                 outcome = item
                 continue
             yield item
-            if outcome is not None and LAST["/v1/chat/completions"] in item.encode():
-                await done(None)
+            if outcome is not None and item == "data: [DONE]\n\n":
                 yield outcome
 
     rendered = blocks.rendered
     monkeypatch.setattr("mlxcache.server.chat_api.rendered", late)
-    line = _logged_as_received(opens, "/v1/chat/completions")
+    line, metrics = _logged_as_received(opens, "/v1/chat/completions")
     assert "finish=disconnected" in line and "generated=" not in line
+    assert "mlxcache_generated_tokens_total 0" in metrics
+
+
+def test_a_response_whose_client_left_at_once_can_be_followed_up(opens: LoadedModel) -> None:
+    """A Responses client that has `response.completed` may leave and send
+    `previous_response_id` at once: the response was stored before that event went out."""
+    app = app_of(opens, Scripted("</think>Hello there", "stop"))
+    body = {"model": opens.name, "input": "hi", "stream": True}
+    sent = asyncio.run(_read_the_end_then_leave(app, "/v1/responses", body))
+    rid = re.search(rb'"id": "(resp-\w+)"', sent).group(1).decode()  # type: ignore[union-attr]
+    follow = {"model": opens.name, "input": "and?", "previous_response_id": rid}
+    reply = call(app, "POST", "/v1/responses", follow)
+    assert reply.status == 200, reply.body
+    assert reply.json()["previous_response_id"] == rid
 
 
 @pytest.mark.parametrize("path", ROUTES)

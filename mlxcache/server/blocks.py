@@ -162,11 +162,13 @@ async def rendered(
     answer_of: Callable[[str, str], Answer],
     render: Renderer,
     done: Callable[[Answer], Awaitable[None]],
+    keep: Callable[[Answer], None] | None = None,
 ) -> AsyncIterator[str | Outcome]:
     """The text `render` makes of the reply's block events, with its outcome (for the
-    request log) before the text of its end; then `done` (the next turn warmed) with
-    the answer, once the client has all of it. A fault of the server's own before the end
-    ends the reply as a failed request does (an error, in the log and to the client)."""
+    request log) and `keep` of its answer (a stored response) before the text of its end:
+    a client that has the end may leave at once, and the generator never resumes. Then
+    `done` (the next turn warmed) with the answer. A fault of the server's own before the
+    end ends the reply as a failed request does (an error, in the log and to the client)."""
     ended = False
     try:
         for line in await render.head():
@@ -174,6 +176,8 @@ async def rendered(
         async for event in block_events(stream, answer_of):
             if isinstance(event, End):
                 ended = True
+                if keep is not None and event.ending.answer is not None:
+                    keep(event.ending.answer)
                 yield event.ending.outcome
             for line in render(event):
                 yield line

@@ -486,12 +486,12 @@ def router(service: Service) -> APIRouter:
                 store.put(env.id, [*chat.messages, _assistant(answer, env)])
 
         async def done(answer: Answer) -> None:
-            kept(answer)
             await service.warm(plan, answer)
 
         headers = ignored(plan, NAMES)
-        if body.stream:
-            replies = rendered(stream, plan.answer, Renderer(env, body, usage_of), done)
+        if body.stream:  # stored before response.completed: a client may follow up at once
+            render = Renderer(env, body, usage_of)
+            replies = rendered(stream, plan.answer, render, done, kept)
             return service.stream(replies, stream, request, env.id, headers)
         outcome, answer = await service.answered(request, plan, stream, env)
         kept(answer)
