@@ -274,6 +274,9 @@ def test_a_client_that_read_the_last_event_is_logged_with_its_counts(
     line, metrics = _logged_as_received(opens, path)
     assert f'mlxcache_requests_total{{path="{path}",status="200"}} 1' in metrics
     assert "mlxcache_generated_tokens_total 7" in metrics
+    assert [m for m in metrics if m.startswith("mlxcache_completions_total")] == [
+        'mlxcache_completions_total{finish_reason="stop"} 1'
+    ]
     assert re.search(rf" POST {path} 200 prompt=\d+ cached=0 generated=7 .* finish=stop$", line)
 
 
@@ -298,6 +301,7 @@ def test_the_log_check_sees_an_outcome_noted_after_the_last_event(
     line, metrics = _logged_as_received(opens, "/v1/chat/completions")
     assert "finish=disconnected" in line and "generated=" not in line
     assert "mlxcache_generated_tokens_total 0" in metrics
+    assert 'mlxcache_completions_total{finish_reason="disconnected"} 1' in metrics
 
 
 def test_a_response_whose_client_left_at_once_can_be_followed_up(opens: LoadedModel) -> None:
@@ -318,7 +322,8 @@ def test_a_stream_broken_by_a_server_fault_is_logged_as_an_error(
     opens: LoadedModel, path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A fault of the server's own mid-stream (here: reading the answer) is an error in
-    the log, not a client gone; the client's stream ends in the route's error event."""
+    the log and /metrics, not a client gone; the client's stream ends in the route's error
+    event."""
 
     def broken(self: Any, text: str, finish_reason: str) -> Any:
         raise ValueError("no answer")
@@ -330,10 +335,10 @@ def test_a_stream_broken_by_a_server_fault_is_logged_as_an_error(
     line = log.getvalue().splitlines()[0]
     assert "disconnected" not in line
     assert line.endswith("finish=error error=internal error: ValueError: no answer"), line
-    assert (
-        "internal error: ValueError: no answer"
-        in reply.events()[-1 if path != "/v1/chat/completions" else -2]
-    )
+    last = reply.events()[-2 if path == "/v1/chat/completions" else -1]  # chat: then [DONE]
+    assert "internal error: ValueError: no answer" in last
+    metrics = call(app, "GET", "/metrics").body.decode().splitlines()
+    assert 'mlxcache_completions_total{finish_reason="error"} 1' in metrics
 
 
 def test_a_text_completion_stream_broken_by_a_server_fault_is_logged_as_an_error(
@@ -355,3 +360,5 @@ def test_a_text_completion_stream_broken_by_a_server_fault_is_logged_as_an_error
     line = log.getvalue().splitlines()[0]
     assert " POST /v1/completions 200 " in line, line
     assert line.endswith("finish=error error=internal error: ValueError: no chunk"), line
+    metrics = call(app, "GET", "/metrics").body.decode().splitlines()
+    assert 'mlxcache_completions_total{finish_reason="error"} 1' in metrics

@@ -61,6 +61,7 @@ class Service:
         if outcome is None:
             return
         self.metrics.completed(outcome.usage, fields.get("model"))
+        self.metrics.ended(outcome.finish_reason)
         fields.update(
             prompt_tokens=outcome.usage.prompt_tokens,
             cached_tokens=outcome.usage.cached_tokens,
@@ -111,7 +112,11 @@ class Service:
 
     async def end(self, request: Request, stream: Stream, env: Envelope) -> Outcome:
         """The outcome of a non-streamed request (its failure raised as an HTTP error)."""
-        outcome = await _finish(stream, request)
+        try:
+            outcome = await _finish(stream, request)
+        except errors.ClientGone:
+            self.metrics.ended("disconnected")
+            raise
         self.note(request, env.id, outcome)
         if outcome.error is not None:
             raise APIError(500, errors.one_line(outcome.error), type="server_error")
@@ -137,7 +142,7 @@ class Service:
         """SSE from an event generator whose items are text to send or the final outcome
         (`headers`: more response headers), for the request `stream` runs."""
         sse_headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})}
-        sent = _Sent(events, stream, lambda outcome: self.note(request, rid, outcome))
+        sent = _Sent(events, stream, lambda outcome: self.note(request, rid, outcome), self.metrics)
         return _Streamed(sent, media_type="text/event-stream", headers=sse_headers)
 
 
@@ -258,8 +263,9 @@ class _Sent:
         events: AsyncIterator[str | Outcome],
         stream: Stream,
         noted: Callable[[Outcome], None],
+        metrics: Metrics,
     ) -> None:
-        self.events, self.stream, self.noted = events, stream, noted
+        self.events, self.stream, self.noted, self.metrics = events, stream, noted, metrics
         self.finished = False
 
     async def __aiter__(self) -> AsyncIterator[str]:
@@ -282,6 +288,7 @@ class _Sent:
         if not self.finished:
             self.stream.close()
             log_fields(scope)["finish_reason"] = "disconnected"
+            self.metrics.ended("disconnected")
 
 
 class _Streamed(StreamingResponse):
