@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Literal, Protocol, cast
 
 from mlxcache.modes.call_stream import CallDelta
 from mlxcache.server import errors
@@ -142,7 +142,7 @@ async def block_events(
         if isinstance(piece, CallDelta):
             events = blocks.call(piece)
         else:
-            events = blocks.text(piece[0], piece[1])  # type: ignore[arg-type]
+            events = blocks.text(cast(Kind, piece[0]), piece[1])  # "reasoning" or "content"
         for event in events:
             yield event
     for event in blocks.end(stream.ending(answer_of)):
