@@ -231,33 +231,29 @@ class Engine:
         if not self._sched:
             release_unused()
 
-    def _turn(
-        self, rid: int, alone: bool = False, value: mx.array | None = None
-    ) -> Iterator[Event]:
+    def _turn(self, rid: int, value: mx.array | None = None) -> Iterator[Event]:
         """Advance lane `rid` by one turn (sending it `value` first: its logits from the
         decode batch's forward) and yield the request events it produced. After each
         advance the scheduler moves the lane on and says whether the turn goes on
-        (`Scheduler.advanced`). `alone` (`generate`): every forward is the lane's own,
-        none joins the decode batch.
+        (`Scheduler.advanced`).
 
         Events are yielded as they come, so a consumer that stops (`generate` closed) stops
         the turn between two of them; the lane is still queued then, for `cancel`.
         """
         lane = self._sched[rid]
-        batch = self.batch_decode and not alone and not lane.solo
         again = True
         while again:
-            got = self._advance(rid, lane, value, alone)
+            got = self._advance(rid, lane, value)
             value = None
             step = lanes.step_of(got)
             if step is Step.ENDED:
-                self._sched.advanced(rid, step, batch)  # forgotten before its Done is seen
+                self._sched.advanced(rid, step, self.batch_decode)  # forgotten before its Done
                 if got is not None and lane.kind is LaneKind.REQUEST:
                     yield cast(Event, got)
                 return
             if lane.kind is LaneKind.REQUEST and not isinstance(got, Step):
                 yield cast(Event, got)  # background work produces no events
-            again = self._sched.advanced(rid, step, batch)
+            again = self._sched.advanced(rid, step, self.batch_decode)
 
     def _batch_step(self) -> list[Event]:
         """One forward for every request in the batch, then each on to its next one."""
@@ -275,16 +271,12 @@ class Engine:
             events.extend(self._turn(rid, value=logits[i]))
         return events
 
-    def _advance(
-        self, rid: int, lane: Lane, value: mx.array | None = None, alone: bool = False
-    ) -> Event | Step | None:
+    def _advance(self, rid: int, lane: Lane, value: mx.array | None) -> Event | Step | None:
         """The lane's next event (sending it `value`); `Step.JOINED` when it joined the
         decode batch to wait for its next forward; None once it has ended (a warm lane,
-        or a broken one). A lane's forwards are its own until the scheduler says otherwise
-        (`Scheduler.alone`), and every forward of a request run `alone`."""
+        or a broken one). Whose forward it makes is the scheduler's (`Scheduler.own`)."""
         try:
-            own = alone or self._sched.alone(rid)
-            return lanes.advance(lane, rid, value, own, self.model, self._batch)
+            return lanes.advance(lane, rid, value, self._sched.own(rid), self.model, self._batch)
         except Exception as exc:
             return self._failed(rid, lane, exc)
 
@@ -319,9 +311,10 @@ class Engine:
         `Done` whose result carries the error, so the other lanes go on.
         """
         rid = self.submit(request)
+        self._sched[rid].solo = True  # every forward its own, none the batch's
         try:
             while rid in self._sched:
-                turn = self._turn(rid, alone=True) if self.ranks is None else self._whole_turn(rid)
+                turn = self._turn(rid) if self.ranks is None else self._whole_turn(rid)
                 for event in turn:
                     if isinstance(event, Done) and event.result.error is not None:
                         raise GenerationError(event.result.error)
@@ -333,7 +326,7 @@ class Engine:
     @told
     def _whole_turn(self, rid: int) -> list[Event]:
         """`generate`'s turn in a sharded run: made whole, as the other ranks make it."""
-        return list(self._turn(rid, alone=True))
+        return list(self._turn(rid))
 
     @told
     def cancel(self, rid: int) -> None:

@@ -101,7 +101,9 @@ class Lane:
     kind: LaneKind
     phase: Phase = Phase.RESTORING  # moved on by the scheduler (`Scheduler.advanced`)
     follow: Follow | None = None  # a follow lane's state
-    solo: bool = False  # a drafted request whose forwards are its own (not `Plan.batched`)
+    # Every forward its own, never the batch's: a request run alone (`Engine.generate`), or
+    # a drafted one whose verify forwards cannot be rows of the batch (not `Plan.batched`).
+    solo: bool = False
     left: int | None = None  # a request's prompt tokens to prefill, once looked up
     # Batched drafting: the caches before its last verify forward made alone, and its inputs.
     mark: tuple[Checkpoint, list[int]] | None = None

@@ -116,6 +116,12 @@ class Schedulable(Protocol):
     def phase(self, phase: Phase) -> None: ...
 
     @property
+    def solo(self) -> bool:
+        """Whether every forward of the lane is its own: it never joins the decode batch (a
+        request run alone, or a drafted one whose verify forwards cannot be rows of it)."""
+        ...
+
+    @property
     def left(self) -> int | None:
         """A request's prompt tokens not prefilled yet; None before its prompt is looked up
         in the cache (or for a background lane)."""
@@ -237,8 +243,8 @@ class Scheduler(Generic[L]):
         """Lane `rid` was advanced and gave `step`: its next phase and place. Returns
         whether it is advanced again in this turn: a request's first token comes with its
         prompt's last chunk, and a request that gave a token joins the decode batch at
-        once when there is one (`batch`: the engine decodes in a batch, and this turn is
-        not a lone request's)."""
+        once when there is one (`batch`: the engine decodes in a batch) and it is not
+        `solo`."""
         lane = self._lanes[rid]
         if step is Step.ENDED:
             lane.phase = Phase.DONE
@@ -264,18 +270,18 @@ class Scheduler(Generic[L]):
             return False
         lane.phase = Phase.DECODING
         self.requeue(rid)
-        return batch
+        return batch and not lane.solo
 
     def batch_forward(self, rid: int) -> None:
         """The decode batch's forward gave request `rid` its logits: it decodes its token
         (then `advanced` says it joins the batch again, or it ends)."""
         self._lanes[rid].phase = Phase.DECODING
 
-    def alone(self, rid: int) -> bool:
-        """Whether lane `rid`'s forwards are its own (not the batch's): a request's
-        until its first token, a background lane's always."""
+    def own(self, rid: int) -> bool:
+        """Whether lane `rid`'s next forward is its own (not the batch's): a request's
+        until its first token, a solo request's and a background lane's always."""
         lane = self._lanes[rid]
-        return lane.kind is not LaneKind.REQUEST or lane.phase in PROMPT_PHASES
+        return lane.solo or lane.kind is not LaneKind.REQUEST or lane.phase in PROMPT_PHASES
 
     def requeue(self, rid: int) -> None:
         """The lane had its turn and goes on: a lane of the round to its back; a warm lane
