@@ -21,7 +21,18 @@ import mlx.core as mx
 import numpy as np
 
 from mlxcache.cache.base import Lease, NoCache, PrefixCache
-from mlxcache.decode import Capture, Forward, Leave, Rewind, Share, Sync, decode
+from mlxcache.decode import (
+    Ask,
+    Capture,
+    Forward,
+    Leave,
+    Reply,
+    Rewind,
+    Share,
+    Sync,
+    Way,
+    decode,
+)
 from mlxcache.decode_batch import DecodeBatch
 from mlxcache.draft import Checkpoint
 from mlxcache.drafting import Drafting, Plan
@@ -276,33 +287,18 @@ def request_lane(
         else:
             logits = yield from prefill_blocks(work, rid, tokens, lease, lease.length, keep_at)
             lease.keep_tail(tokens, logits)
-        stop = req.stop_tokens
-        if stop is None:
-            stop = frozenset(work.loaded.tokenizer.eos_token_ids)
         stats.draft = "" if plan is None else plan.kind
-        result = yield from decode(
-            work.model,
+        reply = Reply.of(
             work.loaded.tokenizer,
             rid,
             tokens,
-            lease.layers,
-            logits,
-            sampling=req.sampling,
-            processors=req.processors,
-            stop_tokens=stop,
-            stop_strings=req.stop_strings,
-            budget=work.encoder.reply_room(tokens, req.sampling.max_tokens),
-            stats=stats,
-            start=start,
-            out=None if follow is None else follow.reply,
-            logprobs=req.logprobs,
-            batched=work.batch_decode and (plan is None or plan.batched),
-            share=work.share,
-            to_end=work.keep_replies,
-            drafter=None if plan is None else work.drafting.drafter(plan, work.share),
-            draft=0 if plan is None else plan.k,
-            capture=Capture(block, lease.capture) if work.keep_replies else None,
+            ask_of(work, req, tokens),
+            way_of(work, plan, Capture(block, lease.capture)),
+            stats,
+            start,
+            None if follow is None else follow.reply,
         )
+        result = yield from decode(work.model, lease.layers, logits, reply)
         if work.keep_replies:
             ended = [] if result.stop_token is None else [result.stop_token]
             keep_reply(work, tokens, [*result.tokens, *ended], lease)
@@ -317,6 +313,29 @@ def request_lane(
         if follow is not None:  # however the request ended: its follow lane may finish
             follow.closed = True
     yield Done(rid, result)  # after the release: a finished request holds no pin
+
+
+def ask_of(work: Work, req: Request, tokens: np.ndarray) -> Ask:
+    """What `req` asks of its reply (the model's end tokens unless it names its own)."""
+    stop = req.stop_tokens
+    if stop is None:
+        stop = frozenset(work.loaded.tokenizer.eos_token_ids)
+    budget = work.encoder.reply_room(tokens, req.sampling.max_tokens)
+    return Ask(req.sampling, req.processors, stop, req.stop_strings, budget, req.logprobs)
+
+
+def way_of(work: Work, plan: Plan | None, capture: Capture) -> Way:
+    """How a reply's forwards are made: in the decode batch where the engine batches them
+    (and its plan's verify forwards can be rows of it), drafted by its plan, and fed to
+    its end with its blocks captured where its KV is kept (`Engine.keep_replies`)."""
+    return Way(
+        batched=work.batch_decode and (plan is None or plan.batched),
+        share=work.share,
+        to_end=work.keep_replies,
+        drafter=None if plan is None else work.drafting.drafter(plan, work.share),
+        draft=0 if plan is None else plan.k,
+        capture=capture if work.keep_replies else None,
+    )
 
 
 def keep_reply(work: Work, prompt: np.ndarray, reply: list[int], lease: Lease) -> None:

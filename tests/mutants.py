@@ -38,6 +38,7 @@ from mlxcache.encoder import common_prefix
 from mlxcache.engine import Engine
 from mlxcache.events import Done, Event, Prefill, Result, Token
 from mlxcache.ring import TimeBatchRing, TimeRing
+from mlxcache.sampling import make_processors
 from mlxcache.worker import EngineWorker
 
 Patch = Callable[[Any, str, Any], None]
@@ -70,18 +71,17 @@ def keep_decode_kv(patch: Patch) -> None:
     """After a reply, the store also keeps the reply's KV (computed by decode steps)."""
     seen: dict[int, np.ndarray] = {}  # id(layers) -> the tokens they hold
 
-    def noting(decode: Callable[..., Generator[Event, None, Result]]) -> Any:
-        def wrapped(*args: Any, **kwargs: Any) -> Generator[Event, None, Result]:
-            result = yield from decode(*args, **kwargs)
-            prompt = next(a for a in args if isinstance(a, np.ndarray))
-            layers = next(a for a in args if isinstance(a, list) and hasattr(a[0], "offset"))
-            reply = np.asarray(result.tokens, np.int32)
-            seen[id(layers)] = np.concatenate([prompt, reply])[: int(layers[0].offset)]
-            return result
+    decode = lanes_mod.decode
 
-        return wrapped
+    def noting(
+        model: Any, layers: Any, logits: Any, reply: decode_mod.Reply
+    ) -> Generator[Event, None, Result]:
+        result = yield from decode(model, layers, logits, reply)
+        ids = np.concatenate([reply.host[: reply.prompt], np.asarray(result.tokens, np.int32)])
+        seen[id(layers)] = ids[: int(layers[0].offset)]
+        return result
 
-    patch(lanes_mod, "decode", noting(lanes_mod.decode))
+    patch(lanes_mod, "decode", noting)
     release = PromptCache.release
 
     def release_keeping(self: PromptCache, resume: Any) -> None:
@@ -97,7 +97,7 @@ def keep_decode_kv(patch: Patch) -> None:
 def penalty_without_cached_prompt(patch: Patch) -> None:
     """The decode loop (its repetition penalty) sees only the prompt tokens the request
     prefilled, not those it resumed from the cache."""
-    restore = PromptCache.restore
+    restore, decode = PromptCache.restore, lanes_mod.decode
     starts: dict[int, int] = {}  # id(layers) -> the resume point they were restored at
 
     def restore_noting(
@@ -111,13 +111,17 @@ def penalty_without_cached_prompt(patch: Patch) -> None:
         starts[id(resume.layers)] = resume.length
         return resume
 
-    decode: Callable[..., Generator[Event, None, Result]] = lanes_mod.decode
-
-    def decode_uncached(*args: Any, **kwargs: Any) -> Generator[Event, None, Result]:
-        at = next(i for i, a in enumerate(args) if isinstance(a, np.ndarray))
-        layers = next(a for a in args if isinstance(a, list) and hasattr(a[0], "offset"))
-        prompt = args[at][starts.get(id(layers), 0) :]
-        return (yield from decode(*args[:at], prompt, *args[at + 1 :], **kwargs))
+    def decode_uncached(
+        model: Any, layers: Any, logits: Any, reply: decode_mod.Reply
+    ) -> Generator[Event, None, Result]:
+        start = starts.get(id(layers), 0)
+        reply.host, reply.prompt, reply.fed = (
+            reply.host[start:],
+            reply.prompt - start,
+            reply.fed - start,
+        )
+        reply.procs = [*make_processors(reply.ask.sampling, reply.prompt), *reply.ask.processors]
+        return (yield from decode(model, layers, logits, reply))
 
     patch(PromptCache, "restore", restore_noting)
     patch(lanes_mod, "decode", decode_uncached)
@@ -481,12 +485,8 @@ def resume_anywhere_unprobed(patch: Patch) -> None:
 
 def reply_end_not_fed(patch: Patch) -> None:
     """A kept reply's KV stops short of its last token: the next turn prefills it again."""
-    decode: Callable[..., Generator[Event, None, Result]] = lanes_mod.decode
-
-    def short(*args: Any, **kwargs: Any) -> Generator[Event, None, Result]:
-        return (yield from decode(*args, **{**kwargs, "to_end": False}))
-
-    patch(lanes_mod, "decode", short)
+    way_of = lanes_mod.way_of
+    patch(lanes_mod, "way_of", lambda *args: replace(way_of(*args), to_end=False))
 
 
 def accept_one_row_late(patch: Patch) -> None:
@@ -535,11 +535,11 @@ def state_not_restored(patch: Patch) -> None:
 def grammar_over_drafts(patch: Patch) -> None:
     """The history the processors read runs ahead over the drafts (written into it as the
     verify feeds them): a grammar consumes rejected tokens, penalties count them."""
-    drafted = decode_mod._drafted
+    drafted = decode_mod.Reply.drafted
 
-    def ahead(
-        model: Any, layers: Any, logits: Any, reply: Any, pick: Any, drafter: Any, *rest: Any
-    ) -> Generator[Token, Any, mx.array]:
+    def ahead(reply: Any, *args: Any) -> Generator[Token, Any, mx.array]:
+        drafter = reply.way.drafter
+
         class Ahead:
             def propose(self, tokens: np.ndarray, k: int) -> list[int]:
                 drafts = drafter.propose(tokens, k)
@@ -553,32 +553,32 @@ def grammar_over_drafts(patch: Patch) -> None:
 
         reply.ahead = 0
         reply.tokens = lambda: reply.host[: reply.prompt + len(reply.out) + reply.ahead]
-        return (yield from drafted(model, layers, logits, reply, pick, Ahead(), *rest))
+        reply.way = replace(reply.way, drafter=Ahead())
+        return (yield from drafted(reply, *args))
 
-    patch(decode_mod, "_drafted", ahead)
+    patch(decode_mod.Reply, "drafted", ahead)
 
 
 def pick_with_next_key(patch: Patch) -> None:
     """A verify row's pick draws with the next position's key (a key is used up before
     it, as when keys are split for every row of a round up front)."""
-    drafted = decode_mod._drafted
+    drafted = decode_mod.Reply.drafted
 
-    def next_key(
-        model: Any, layers: Any, logits: Any, reply: Any, pick: Any, *rest: Any
-    ) -> Generator[Token, Any, mx.array]:
-        calls = [0]
+    def next_key(reply: Any, *args: Any) -> Generator[Token, Any, mx.array]:
+        calls, pick = [0], reply.pick
 
         def late(row: mx.array) -> mx.array:
             calls[0] += 1
             if calls[0] > 1:  # a verify row (the first pick is the prompt's)
                 pick(row)  # this position's key, thrown away
-                if reply.logprobs is not None:
+                if reply.ask.logprobs is not None:
                     reply.drawn_from.pop()
             return pick(row)
 
-        return (yield from drafted(model, layers, logits, reply, late, *rest))
+        reply.pick = late
+        return (yield from drafted(reply, *args))
 
-    patch(decode_mod, "_drafted", next_key)
+    patch(decode_mod.Reply, "drafted", next_key)
 
 
 def ring_one_too_wide(patch: Patch) -> None:
@@ -617,12 +617,8 @@ def capture_without_sync(patch: Patch) -> None:
 def reply_blocks_not_captured(patch: Patch) -> None:
     """A kept reply's blocks are not noted as decode reaches them: on sliding-window and
     recurrent models the reply keeps nothing past the prompt's blocks."""
-    decode: Callable[..., Generator[Event, None, Result]] = lanes_mod.decode
-
-    def uncaptured(*args: Any, **kwargs: Any) -> Generator[Event, None, Result]:
-        return (yield from decode(*args, **{**kwargs, "capture": None}))
-
-    patch(lanes_mod, "decode", uncaptured)
+    way_of = lanes_mod.way_of
+    patch(lanes_mod, "way_of", lambda *args: replace(way_of(*args), capture=None))
 
 
 def state_inside_a_block(patch: Patch) -> None:
