@@ -92,10 +92,11 @@ class Ask:
 class Way:
     """How a reply's forwards are made. `batched`: each forward is asked of the engine
     (`Forward`), and `Leave` comes after the last. `share` (a sharded run): every pick
-    becomes rank 0's, and a pick that fails there fails on every rank. `to_end`: the layers
-    end up holding the KV of every token drawn, the last one (an end token too) included,
-    as mlx-lm's do: where decode KV is kept, the next turn resumes after the whole reply
-    instead of prefilling its last token in its own TTFT. `drafter` with `draft` k >= 1:
+    becomes rank 0's, and a pick that fails there fails on every rank.
+    `decode_matches_prefill` (so the reply's KV is kept): the layers end up holding the KV
+    of every token drawn, the last one (an end token too) included, as mlx-lm's do: the
+    next turn resumes after the whole reply instead of prefilling its last token in its
+    own TTFT. `drafter` with `draft` k >= 1:
     speculative decoding (`Reply.drafted`; batched, rejected drafts go with `Rewind`).
     `capture` (decode KV kept): told each time a one-token step leaves the layers holding
     a whole number of blocks (`Capture`); a verify forward that passes a boundary does not
@@ -103,7 +104,7 @@ class Way:
 
     batched: bool = False
     share: Share | None = None
-    to_end: bool = False
+    decode_matches_prefill: bool = False
     drafter: Drafter | None = None
     draft: int = 0
     capture: Capture | None = None
@@ -384,7 +385,7 @@ def decode(
     if tail is not None:
         yield tail
     reply.stats.generated_tokens = len(reply.out)
-    if way.to_end and not fed:  # after every piece of text: the client has it all already
+    if way.decode_matches_prefill and not fed:  # after every piece: the client has it all
         yield from reply.feed(model, layers, last)  # its logits are not needed
         if not way.batched:
             mx.eval([c.state for c in layers])  # the KV only: no LM head

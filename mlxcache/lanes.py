@@ -15,12 +15,13 @@ import enum
 import time
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import mlx.core as mx
 import numpy as np
 
 from mlxcache.cache.base import Lease, NoCache, PrefixCache
+from mlxcache.config import default_block_size
 from mlxcache.decode import (
     Ask,
     Capture,
@@ -45,7 +46,7 @@ from mlxcache.model.kvquant import kv_width
 from mlxcache.prefill import prefill
 from mlxcache.request import Request
 from mlxcache.scheduler import LaneKind, Phase, Step
-from mlxcache.types import Model, held
+from mlxcache.types import Model, positions
 
 
 class NextTurn(enum.Enum):
@@ -62,13 +63,13 @@ class NextTurn(enum.Enum):
     """Warm-ahead prefills the reply once it ended (a state that cannot be rewound)."""
 
 
-def next_turn_of(cache: PrefixCache, keep_replies: bool, warm_ahead: bool) -> NextTurn:
+def next_turn_of(cache: PrefixCache, decode_matches_prefill: bool, warm_ahead: bool) -> NextTurn:
     """The mechanism for a cache and what the device and settings allow: kept replies need
     nothing more; else a follow lane on trimmable KV, warm-ahead after the reply on
     states that cannot be trimmed (a follow lane could not rewind them between blocks)."""
     if isinstance(cache, NoCache):
         return NextTurn.OFF
-    if keep_replies:
+    if decode_matches_prefill:
         return NextTurn.KEPT
     if not warm_ahead:
         return NextTurn.OFF
@@ -125,16 +126,37 @@ class Lane:
         return f is None or f.closed or f.ready() > f.done
 
 
+class Settings(Protocol):
+    """What a lane reads of the engine when it is queued (`Work.of`)."""
+
+    @property
+    def loaded(self) -> LoadedModel: ...
+    @property
+    def encoder(self) -> Encoder: ...
+    @property
+    def cache(self) -> PrefixCache: ...
+    @property
+    def decode_matches_prefill(self) -> bool: ...
+    @property
+    def batch_decode(self) -> bool: ...
+    @property
+    def ranks(self) -> Share | None: ...
+    @property
+    def drafting(self) -> Drafting: ...
+    @property
+    def budget(self) -> MemoryBudget | None: ...
+
+
 @dataclass(frozen=True, slots=True)
 class Work:
     """What a lane runs on, fixed when it is queued: the model, its cache, and what the
-    device was measured to allow (`Engine.keep_replies`, `Engine.batch_decode`); `share`:
-    a sharded run's picks (`decode.Share`); `drafting`: how replies are drafted."""
+    device was measured to allow (`Engine.decode_matches_prefill`, `Engine.batch_decode`);
+    `share`: a sharded run's picks (`decode.Share`); `drafting`: how replies are drafted."""
 
     loaded: LoadedModel
     encoder: Encoder
     cache: PrefixCache
-    keep_replies: bool
+    decode_matches_prefill: bool
     batch_decode: bool
     share: Share | None
     drafting: Drafting
@@ -143,6 +165,35 @@ class Work:
     @property
     def model(self) -> Model:
         return self.loaded.model
+
+    @classmethod
+    def of(cls, engine: Settings) -> Work:
+        """What a lane queued now runs on: the engine's model, cache and settings as they are."""
+        e = engine
+        return cls(
+            e.loaded,
+            e.encoder,
+            e.cache,
+            e.decode_matches_prefill,
+            e.batch_decode,
+            e.ranks,
+            e.drafting,
+            e.budget,
+        )
+
+
+def cache_of(loaded: LoadedModel, cache: PrefixCache | None, block_size: int | None) -> PrefixCache:
+    """An engine's cache: `cache`, or one that keeps nothing with prefill chunks of
+    `block_size` (default: the device's default block size).
+
+    Raises:
+        ValueError: a block size below 1, or one that differs from the cache's.
+    """
+    if block_size is not None and block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    if cache is not None and block_size not in (None, cache.block_size):
+        raise ValueError(f"block_size {block_size} differs from the cache's {cache.block_size}")
+    return cache or NoCache(loaded.model, block_size or default_block_size())
 
 
 def warm_prefix(
@@ -256,6 +307,11 @@ def request(
     return Lane(gen, tokens, LaneKind.REQUEST, solo=bool(plan and not plan.batched))
 
 
+def follow(work: Work, rid: int, tokens: np.ndarray, f: Follow) -> Lane:
+    """The follow lane of a request of prompt `tokens` (`follow_lane`)."""
+    return Lane(follow_lane(work, rid, f), tokens, LaneKind.FOLLOW, follow=f)
+
+
 def request_lane(
     work: Work,
     rid: int,
@@ -271,7 +327,7 @@ def request_lane(
     try:
         while work.budget and not work.budget.admit(rid, n, req.sampling.max_tokens, work.cache):
             yield Step.CHUNK  # running requests hold the room: a turn without work
-        lease = work.cache.restore(tokens, anywhere=work.keep_replies)
+        lease = work.cache.restore(tokens, decode_matches_prefill=work.decode_matches_prefill)
         stats.cached_tokens = lease.length
         stats.prefilled_tokens = n - lease.length
         stats.miss_reason = "" if lease.length else miss_reason(work, n)
@@ -299,7 +355,7 @@ def request_lane(
             None if follow is None else follow.reply,
         )
         result = yield from decode(work.model, lease.layers, logits, reply)
-        if work.keep_replies:
+        if work.decode_matches_prefill:
             ended = [] if result.stop_token is None else [result.stop_token]
             keep_reply(work, tokens, [*result.tokens, *ended], lease)
     except GenerationError as exc:
@@ -327,24 +383,24 @@ def ask_of(work: Work, req: Request, tokens: np.ndarray) -> Ask:
 def way_of(work: Work, plan: Plan | None, capture: Capture) -> Way:
     """How a reply's forwards are made: in the decode batch where the engine batches them
     (and its plan's verify forwards can be rows of it), drafted by its plan, and fed to
-    its end with its blocks captured where its KV is kept (`Engine.keep_replies`)."""
+    its end with its blocks captured where its KV is kept (`Engine.decode_matches_prefill`)."""
     return Way(
         batched=work.batch_decode and (plan is None or plan.batched),
         share=work.share,
-        to_end=work.keep_replies,
+        decode_matches_prefill=work.decode_matches_prefill,
         drafter=None if plan is None else work.drafting.drafter(plan, work.share),
         draft=0 if plan is None else plan.k,
-        capture=capture if work.keep_replies else None,
+        capture=capture if work.decode_matches_prefill else None,
     )
 
 
 def keep_reply(work: Work, prompt: np.ndarray, reply: list[int], lease: Lease) -> None:
     """Keep the full blocks of prompt + reply (its end token included) that the lease's
     layers hold past the prompt's own, and the rest as a tail to resume mid-block from
-    (decode KV, canonical on this device: see `keep_replies`)."""
+    (decode KV, canonical on this device: see `decode_matches_prefill`)."""
     block = work.cache.block_size
     ids = np.concatenate([prompt, np.asarray(reply, np.int32)])
-    ids = ids[: held(lease.layers, len(ids))]
+    ids = ids[: positions(lease.layers, len(ids))]
     if len(ids) // block > prompt.size // block:
         lease.keep(ids[: len(ids) // block * block])
     lease.keep_tail(ids, None)
@@ -359,11 +415,11 @@ def warm_lane(work: Work, rid: int, tokens: np.ndarray) -> Generator[Event, None
         return
     try:
         with work.cache.restore(
-            tokens, count=False, anywhere=work.keep_replies, whole=True
+            tokens, count=False, decode_matches_prefill=work.decode_matches_prefill, whole=True
         ) as lease:
             if lease.length < len(tokens):
                 yield from prefill_blocks(work, rid, tokens, lease, lease.length, len(tokens))
-            if work.keep_replies:  # the turn it warms continues from these layers
+            if work.decode_matches_prefill:  # the turn it warms continues from these layers
                 lease.keep_live(tokens)
     finally:
         if work.budget is not None:
@@ -427,7 +483,9 @@ def prefill_blocks(
     at_chunk_end = False  # the layers hold exactly `done` tokens
     try:
         # A resume inside a block only where decode KV is canonical: see `restore`.
-        chunks = prefill(work.model, lease.layers, tokens, start, block, work.keep_replies)
+        chunks = prefill(
+            work.model, lease.layers, tokens, start, block, work.decode_matches_prefill
+        )
         for stop, out in chunks:
             done, logits, at_chunk_end = stop, out, True
             if stop % block == 0 and stop <= keep_at:

@@ -23,7 +23,7 @@ generator and tells the scheduler what became of it (`requeue`, `finish`, `cance
 - **the warm queue**: warm-ahead lanes, oldest first. The oldest runs until it ends (one
   restored KV copy at a time), and only when the round has nothing to run.
 
-Warm and follow lanes are the background kinds (`BACKGROUND`): `next_turn(background=False)`
+Warm and follow lanes are the background kinds (`BACKGROUND`): `whose_turn(background=False)`
 (requests are waiting to start) gives them no turn at all.
 
 With batched decode, requests past their first token wait in the engine's decode batch
@@ -95,7 +95,7 @@ BACKGROUND = (LaneKind.WARM, LaneKind.FOLLOW)
 
 
 class Batch(enum.Enum):
-    """The decode batch's turn (`Scheduler.next_turn`)."""
+    """The decode batch's turn (`Scheduler.whose_turn`)."""
 
     TURN = "batch"
 
@@ -172,7 +172,7 @@ class Scheduler(Generic[L]):
         if follows is not None:
             self._follower[follows] = rid
 
-    def next_turn(self, background: bool = True, batch: bool = False) -> int | Batch | None:
+    def whose_turn(self, background: bool = True, batch: bool = False) -> int | Batch | None:
         """Whose turn it is: a lane's id, `BATCH`, or None (nothing to run).
 
         The first lane of the round that may run (see the module's doc); while the decode

@@ -104,10 +104,10 @@ def penalty_without_cached_prompt(patch: Patch) -> None:
         self: PromptCache,
         tokens: np.ndarray,
         count: bool = True,
-        anywhere: bool = False,
+        decode_matches_prefill: bool = False,
         whole: bool = False,
     ) -> Any:
-        resume = restore(self, tokens, count, anywhere, whole)
+        resume = restore(self, tokens, count, decode_matches_prefill, whole)
         starts[id(resume.layers)] = resume.length
         return resume
 
@@ -171,10 +171,10 @@ def partial_last_block(patch: Patch) -> None:
         self: PromptCache,
         tokens: np.ndarray,
         count: bool = True,
-        anywhere: bool = False,
+        decode_matches_prefill: bool = False,
         whole: bool = False,
     ) -> Any:
-        resume = restore(self, tokens, count, anywhere, whole)
+        resume = restore(self, tokens, count, decode_matches_prefill, whole)
         prompts[id(resume.layers)] = np.asarray(tokens)
         return resume
 
@@ -213,7 +213,7 @@ def unaligned_chunks(patch: Patch) -> None:
     """Prefill chunks of B counted back from the end, not from absolute multiples of B."""
 
     def schedule(
-        start: int, end: int, block_size: int, anywhere: bool = False
+        start: int, end: int, block_size: int, decode_matches_prefill: bool = False
     ) -> list[tuple[int, int]]:
         stops = list(range(end, start, -block_size))[::-1]
         return list(zip([start, *stops[:-1]], stops, strict=True))
@@ -312,13 +312,13 @@ def tail_of_a_prefix(patch: Patch) -> None:
         self: PromptCache,
         tokens: np.ndarray,
         count: bool = True,
-        anywhere: bool = False,
+        decode_matches_prefill: bool = False,
         whole: bool = False,
     ) -> Any:
         for k in range(len(tokens) - 1, self.block_size - 1, -1):
             if not whole and self.mem.tail(tokens[:k]) is not None:
                 return restore(self, tokens[:k], count)
-        return restore(self, tokens, count, anywhere, whole)
+        return restore(self, tokens, count, decode_matches_prefill, whole)
 
     patch(PromptCache, "restore", restore_prefix)
 
@@ -338,10 +338,10 @@ def keep_decode_on_cancel(patch: Patch) -> None:
         self: PromptCache,
         tokens: np.ndarray,
         count: bool = True,
-        anywhere: bool = False,
+        decode_matches_prefill: bool = False,
         whole: bool = False,
     ) -> Any:
-        resume = restore(self, tokens, count, anywhere, whole)
+        resume = restore(self, tokens, count, decode_matches_prefill, whole)
         restored[np.asarray(tokens, np.int32).tobytes()] = resume
         return resume
 
@@ -469,15 +469,20 @@ def resume_anywhere_unprobed(patch: Patch) -> None:
         self: PromptCache,
         tokens: Any,
         count: bool = True,
-        anywhere: bool = False,
+        decode_matches_prefill: bool = False,
         whole: bool = False,
     ) -> Any:
         return restore(self, tokens, count, True, whole)
 
     def anywhere_prefill(
-        model: Any, layers: Any, tokens: Any, start: int, block_size: int, anywhere: bool = False
+        model: Any,
+        layers: Any,
+        tokens: Any,
+        start: int,
+        block_size: int,
+        decode_matches_prefill: bool = False,
     ) -> Any:
-        return run(model, layers, tokens, start, block_size, anywhere=True)
+        return run(model, layers, tokens, start, block_size, decode_matches_prefill=True)
 
     patch(PromptCache, "restore", anywhere_restore)
     patch(lanes_mod, "prefill", anywhere_prefill)
@@ -486,7 +491,7 @@ def resume_anywhere_unprobed(patch: Patch) -> None:
 def reply_end_not_fed(patch: Patch) -> None:
     """A kept reply's KV stops short of its last token: the next turn prefills it again."""
     way_of = lanes_mod.way_of
-    patch(lanes_mod, "way_of", lambda *args: replace(way_of(*args), to_end=False))
+    patch(lanes_mod, "way_of", lambda *args: replace(way_of(*args), decode_matches_prefill=False))
 
 
 def accept_one_row_late(patch: Patch) -> None:

@@ -27,7 +27,7 @@ def turns(sched: Scheduler[FakeLane], n: int, **kwargs: bool) -> list[int | Batc
     """n turns, each lane requeued after its turn (as the engine does for a lane that goes on)."""
     out: list[int | Batch | None] = []
     for _ in range(n):
-        turn = sched.next_turn(**kwargs)
+        turn = sched.whose_turn(**kwargs)
         out.append(turn)
         if isinstance(turn, int):
             sched.requeue(turn)
@@ -210,7 +210,7 @@ def prefills(sched: Scheduler[FakeLane], n: int, chunk: int = 10) -> list[int]:
     then its first token comes with its last chunk and it decodes."""
     out: list[int] = []
     for _ in range(n):
-        rid = sched.next_turn()
+        rid = sched.whose_turn()
         assert isinstance(rid, int)
         out.append(rid)
         lane = sched[rid]
