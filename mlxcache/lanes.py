@@ -464,6 +464,43 @@ def follow_lane(work: Work, rid: int, f: Follow) -> Generator[Event, None, None]
             lease.release()
 
 
+@dataclass(slots=True)
+class Prefilling:
+    """A prompt's prefill as data: `tokens[start:]` go into the lease's layers in canonical
+    chunks; `tokens[:done]` are in them (`at_end`: exactly those, the chunk that reached
+    `done` complete), `tokens[:keep_at]` are kept once reached, `kept`: how far they are."""
+
+    lease: Lease
+    tokens: np.ndarray
+    block: int
+    start: int
+    keep_at: int
+    done: int
+    kept: int
+    at_end: bool = False
+
+    def reached(self, stop: int) -> None:
+        """A chunk ended at `stop`: a block it ends is captured, and the prompt is kept
+        at `keep_at` (tried once: not again while unwinding if it fails)."""
+        self.done, self.at_end = stop, True
+        if stop % self.block == 0 and stop <= self.keep_at:
+            self.lease.capture(stop)
+        if stop == self.keep_at and self.keep_at > self.start:
+            self.kept = self.keep_at
+            self.lease.keep(self.tokens[: self.keep_at])
+
+    def stopped(self, trimmable: bool) -> None:
+        """Cancelled between chunks (GeneratorExit) or interrupted inside one: what is fully
+        computed is canonical KV, kept. A trimmable cache cuts it out of any state; a
+        whole-state checkpoint needs the layers to hold exactly `done` tokens."""
+        usable = self.done % self.block == 0 and (trimmable or self.at_end)
+        if self.done > self.kept and usable:
+            # Best effort while unwinding: a failed keep must not replace what stopped
+            # the lane (a cancel, Ctrl-C) nor fail the request that pre-empted it.
+            with contextlib.suppress(Exception):
+                self.lease.keep(self.tokens[: self.done])
+
+
 def prefill_blocks(
     work: Work,
     rid: int,
@@ -473,38 +510,25 @@ def prefill_blocks(
     keep_at: int,
 ) -> Generator[Event, None, mx.array]:
     """Prefill tokens[start:] into the lease's layers canonically and keep
-    tokens[:keep_at]; returns the last logits.
+    tokens[:keep_at]; returns the last logits (`Prefilling`).
 
     Stopped early (cancelled, interrupted), it keeps the full blocks it computed.
     """
     n, block = int(tokens.size), work.cache.block_size
-    done = kept = start
+    state = Prefilling(lease, tokens, block, start, keep_at, start, start)
     logits = None
-    at_chunk_end = False  # the layers hold exactly `done` tokens
     try:
         # A resume inside a block only where decode KV is canonical: see `restore`.
         chunks = prefill(
             work.model, lease.layers, tokens, start, block, work.decode_matches_prefill
         )
         for stop, out in chunks:
-            done, logits, at_chunk_end = stop, out, True
-            if stop % block == 0 and stop <= keep_at:
-                lease.capture(stop)
-            if stop == keep_at and keep_at > start:
-                kept = keep_at  # tried once: not again while unwinding if it fails
-                lease.keep(tokens[:keep_at])
+            logits = out
+            state.reached(stop)
             yield Prefill(rid, stop, n, start)
-            at_chunk_end = False
+            state.at_end = False
     except BaseException:
-        # Cancelled between chunks (GeneratorExit) or interrupted inside one: what is
-        # fully computed is canonical KV. A trimmable cache cuts it out of any state; a
-        # whole-state checkpoint needs the layers to hold exactly `done` tokens.
-        usable = done % block == 0 and (work.cache.trimmable or at_chunk_end)
-        if done > kept and usable:
-            # Best effort while unwinding: a failed keep must not replace what stopped
-            # the lane (a cancel, Ctrl-C) nor fail the request that pre-empted it.
-            with contextlib.suppress(Exception):
-                lease.keep(tokens[:done])
+        state.stopped(work.cache.trimmable)
         raise
     if logits is None:  # prefill() always ends with the logits chunk
         raise GenerationError("prefill produced no logits")
