@@ -169,16 +169,15 @@ class Work:
     @classmethod
     def of(cls, engine: Settings) -> Work:
         """What a lane queued now runs on: the engine's model, cache and settings as they are."""
-        e = engine
         return cls(
-            e.loaded,
-            e.encoder,
-            e.cache,
-            e.decode_matches_prefill,
-            e.batch_decode,
-            e.ranks,
-            e.drafting,
-            e.budget,
+            engine.loaded,
+            engine.encoder,
+            engine.cache,
+            engine.decode_matches_prefill,
+            engine.batch_decode,
+            engine.ranks,
+            engine.drafting,
+            engine.budget,
         )
 
 
