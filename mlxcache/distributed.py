@@ -333,7 +333,7 @@ def _leader_host() -> str | None:
         return None
 
 
-_SETTINGS = ("keep_replies", "batch_decode")
+_SETTINGS = ("decode_matches_prefill", "batch_decode")
 
 
 def _settings(engine: Engine) -> dict[str, Any]:
@@ -398,9 +398,13 @@ class AgreedCache:
         self.trimmable = inner.trimmable
 
     def restore(
-        self, tokens: np.ndarray, count: bool = True, anywhere: bool = False, whole: bool = False
+        self,
+        tokens: np.ndarray,
+        count: bool = True,
+        decode_matches_prefill: bool = False,
+        whole: bool = False,
     ) -> Lease:
-        lease = self.inner.restore(tokens, count, anywhere, whole)
+        lease = self.inner.restore(tokens, count, decode_matches_prefill, whole)
         mine = (lease.length, lease.logits is not None)
         if self._ranks.agree(mine, "looking up the prompt") is not None:
             return lease

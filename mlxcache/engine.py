@@ -30,8 +30,8 @@ import mlx.core as mx
 import numpy as np
 
 from mlxcache import lanes
-from mlxcache.cache.base import NoCache, PrefixCache
-from mlxcache.config import WARM_AHEAD, default_block_size
+from mlxcache.cache.base import PrefixCache
+from mlxcache.config import WARM_AHEAD
 from mlxcache.decode_batch import DecodeBatch
 from mlxcache.drafting import Drafting
 from mlxcache.encoder import Encoder, common_prefix
@@ -69,9 +69,9 @@ class Engine:
             default block size); given with a cache, it must equal the cache's.
         warm_ahead: whether front ends queue warm-ahead after each reply
             (`modes.chat.warm_next_turn`); `warm` itself always queues work.
-        keep_replies: keep a reply's own KV as its decode steps computed it; only where
-            the device was measured to compute decode KV bitwise as canonical prefill
-            does (`invariance`), for a model of plain or quantized KV.
+        decode_matches_prefill: the device was measured to compute decode KV bitwise as
+            canonical prefill does (`invariance`), for a model of plain or quantized KV: a
+            reply's own KV is kept as its decode steps computed it.
         batch_decode: requests past their first token decode as one batch; only where the
             device was measured to give each row the bits it gets alone (`decode_batch`).
         budget: the process's memory budget (`membudget.MemoryBudget`); None: no limit.
@@ -87,23 +87,19 @@ class Engine:
         *,
         block_size: int | None = None,
         warm_ahead: bool = WARM_AHEAD,
-        keep_replies: bool = False,
+        decode_matches_prefill: bool = False,
         batch_decode: bool = False,
         on_warning: Callable[[str], None] | None = None,
         ranks: Peers | None = None,
         drafting: Drafting | None = None,
         budget: MemoryBudget | None = None,
     ) -> None:
-        if block_size is not None and block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
-        if cache is not None and block_size not in (None, cache.block_size):
-            raise ValueError(f"block_size {block_size} differs from the cache's {cache.block_size}")
         self.loaded = loaded
         self.encoder = Encoder.of(loaded)
         """Messages and text to token ids (front ends use it, from any thread)."""
-        self.cache: PrefixCache = cache or NoCache(loaded.model, block_size or default_block_size())
+        self.cache: PrefixCache = lanes.cache_of(loaded, cache, block_size)
         self.warm_ahead = warm_ahead
-        self.keep_replies = keep_replies
+        self.decode_matches_prefill = decode_matches_prefill
         self.batch_decode = batch_decode
         self._batch = DecodeBatch()
         self._warn = on_warning or (lambda _msg: None)
@@ -118,25 +114,12 @@ class Engine:
     @property
     def next_turn(self) -> NextTurn:
         """How a conversation's next turn finds this engine's replies kept (`NextTurn`)."""
-        return lanes.next_turn_of(self.cache, self.keep_replies, self.warm_ahead)
+        return lanes.next_turn_of(self.cache, self.decode_matches_prefill, self.warm_ahead)
 
     @property
     def model(self) -> Model:
         """The mlx-lm model module (forward calls go through this attribute)."""
         return self.loaded.model
-
-    def _work(self) -> lanes.Work:
-        """What a lane queued now runs on: the model, the cache, the settings as they are."""
-        return lanes.Work(
-            self.loaded,
-            self.encoder,
-            self.cache,
-            self.keep_replies,
-            self.batch_decode,
-            self.ranks,
-            self.drafting,
-            self.budget,
-        )
 
     @told
     def submit(self, request: Request) -> int:
@@ -167,22 +150,18 @@ class Engine:
         follow = lanes.follow_of(
             request, tokens, self.next_turn, block, self.loaded.context_length - 1
         )
-        work = self._work()
+        work = lanes.Work.of(self)
         self._sched.add(rid, lanes.request(work, rid, tokens, request, follow, plan))
         if follow is not None:
             fid = next(self._ids)
-            gen = lanes.follow_lane(work, fid, follow)
-            self._sched.add(fid, Lane(gen, tokens, LaneKind.FOLLOW, follow=follow), follows=rid)
+            self._sched.add(fid, lanes.follow(work, fid, tokens, follow), follows=rid)
         return rid
 
     @told
     def warm(self, tokens: Sequence[int] | np.ndarray) -> int | None:
-        """Queue low-priority work: prefill `tokens`' full blocks and keep them.
-
-        Runs only while no request does (`step`, `run(warm=True)`); a prefix already
-        cached costs a lookup. Returns the lane id, or None when there is nothing to do
-        (no cache, or shorter than one block).
-        """
+        """Queue low-priority work: prefill `tokens`' full blocks and keep them, while no
+        request runs (`step`, `run(warm=True)`). Returns the lane id, or None when there is
+        nothing to do (no cache, or shorter than one block)."""
         ids = lanes.warm_prefix(tokens, self.cache, self.loaded.context_length - 1)
         if ids is None:
             return None
@@ -190,7 +169,9 @@ class Engine:
             if common_prefix(lane.tokens, ids) == len(lane.tokens):  # the same or a shorter prefix
                 self.cancel(rid)
         rid = next(self._ids)
-        self._sched.add(rid, Lane(lanes.warm_lane(self._work(), rid, ids), ids, LaneKind.WARM))
+        self._sched.add(
+            rid, Lane(lanes.warm_lane(lanes.Work.of(self), rid, ids), ids, LaneKind.WARM)
+        )
         return rid
 
     @property
@@ -209,18 +190,10 @@ class Engine:
 
     @told
     def step(self, background: bool = True) -> list[Event]:
-        """One lane's turn, one model call: the next request lane (or follow lane with work,
-        while no request is prefilling), round robin, a prefill turn going to the prompt
-        due first; else the oldest warm lane with work.
-        A request's last prefill chunk comes with its first token (and the next decode
-        step queued behind it). With batched decode, requests past their first token take
-        their steps together (`_batch_step`), every other turn while lanes are prefilling.
-        `background` False (requests are waiting to start): warm and follow lanes get no
-        turn. See `scheduler.Scheduler.next_turn`.
-
-        Returns the events of requests it produced (warm and follow lanes produce none).
-        """
-        turn = self._sched.next_turn(background, batch=len(self._batch) > 0)
+        """One turn, one model call: a lane's (`Scheduler.whose_turn`), or the decode
+        batch's (`_batch_step`). `background` False (requests are waiting to start): warm
+        and follow lanes get no turn. Returns the events of requests it produced."""
+        turn = self._sched.whose_turn(background, batch=len(self._batch) > 0)
         if turn is BATCH:
             return self._batch_step()
         return [] if turn is None else list(self._turn(turn))
@@ -231,33 +204,29 @@ class Engine:
         if not self._sched:
             release_unused()
 
-    def _turn(
-        self, rid: int, alone: bool = False, value: mx.array | None = None
-    ) -> Iterator[Event]:
+    def _turn(self, rid: int, value: mx.array | None = None) -> Iterator[Event]:
         """Advance lane `rid` by one turn (sending it `value` first: its logits from the
-        decode batch's forward) and yield the request events it produced. After each
-        advance the scheduler moves the lane on and says whether the turn goes on
-        (`Scheduler.advanced`). `alone` (`generate`): every forward is the lane's own,
-        none joins the decode batch.
-
-        Events are yielded as they come, so a consumer that stops (`generate` closed) stops
-        the turn between two of them; the lane is still queued then, for `cancel`.
-        """
+        decode batch's forward) and yield its request events, as they come: a consumer
+        that stops (`generate` closed) stops the turn between two, the lane still queued
+        for `cancel`. The scheduler says whether the turn goes on (`Scheduler.advanced`)."""
         lane = self._sched[rid]
-        batch = self.batch_decode and not alone and not lane.solo
         again = True
         while again:
-            got = self._advance(rid, lane, value, alone)
+            try:  # whose forward it makes is the scheduler's (`Scheduler.own`)
+                own = self._sched.own(rid)
+                got = lanes.advance(lane, rid, value, own, self.model, self._batch)
+            except Exception as exc:
+                got = self._failed(rid, lane, exc)
             value = None
             step = lanes.step_of(got)
             if step is Step.ENDED:
-                self._sched.advanced(rid, step, batch)  # forgotten before its Done is seen
+                self._sched.advanced(rid, step, self.batch_decode)  # forgotten before its Done
                 if got is not None and lane.kind is LaneKind.REQUEST:
                     yield cast(Event, got)
                 return
             if lane.kind is LaneKind.REQUEST and not isinstance(got, Step):
                 yield cast(Event, got)  # background work produces no events
-            again = self._sched.advanced(rid, step, batch)
+            again = self._sched.advanced(rid, step, self.batch_decode)
 
     def _batch_step(self) -> list[Event]:
         """One forward for every request in the batch, then each on to its next one."""
@@ -275,24 +244,9 @@ class Engine:
             events.extend(self._turn(rid, value=logits[i]))
         return events
 
-    def _advance(
-        self, rid: int, lane: Lane, value: mx.array | None = None, alone: bool = False
-    ) -> Event | Step | None:
-        """The lane's next event (sending it `value`); `Step.JOINED` when it joined the
-        decode batch to wait for its next forward; None once it has ended (a warm lane,
-        or a broken one). A lane's forwards are its own until the scheduler says otherwise
-        (`Scheduler.alone`), and every forward of a request run `alone`."""
-        try:
-            own = alone or self._sched.alone(rid)
-            return lanes.advance(lane, rid, value, own, self.model, self._batch)
-        except Exception as exc:
-            return self._failed(rid, lane, exc)
-
     def _failed(self, rid: int, lane: Lane, exc: Exception) -> Done | None:
-        """A lane's call failed: it ends alone (its finally released its pin), a request
-        with an error `Done`, a warm or follow lane with a warning (it only cost the
-        blocks it did not keep). In a sharded run the other ranks did not fail with it:
-        the run is out of step."""
+        """A lane's call failed: it ends alone, a request with an error `Done`, a warm or
+        follow lane with a warning. A sharded run is out of step (the others did not fail)."""
         if self.ranks is not None:
             raise self.ranks.lost(exc) from exc
         if rid in self._batch:
@@ -309,19 +263,15 @@ class Engine:
         self.release_memory()
 
     def generate(self, request: Request) -> Iterator[Event]:
-        """Run one request alone and yield its events; other lanes wait (see `submit`).
-
-        The request's lane is queued like any other and advanced by the same turns as in
-        `step`, but every turn is its own (none for other lanes, each forward its own) until
-        it ends; its follow lane, if any, runs later with `step`.
-        Closing the iterator early (Ctrl-C, a consumer that stops) cancels the request.
-        A failed request raises GenerationError here; `run()` instead ends it with a
-        `Done` whose result carries the error, so the other lanes go on.
-        """
+        """Run one request alone and yield its events: its lane is queued like any other
+        (`submit`) and `solo`, and takes every turn until it ends (its follow lane runs
+        later, with `step`). Closing the iterator early (Ctrl-C) cancels the request. A
+        failed request raises GenerationError (`run` ends it with an error `Done`)."""
         rid = self.submit(request)
+        self._sched[rid].solo = True  # every forward its own, none the batch's
         try:
             while rid in self._sched:
-                turn = self._turn(rid, alone=True) if self.ranks is None else self._whole_turn(rid)
+                turn = self._turn(rid) if self.ranks is None else self._whole_turn(rid)
                 for event in turn:
                     if isinstance(event, Done) and event.result.error is not None:
                         raise GenerationError(event.result.error)
@@ -332,16 +282,15 @@ class Engine:
 
     @told
     def _whole_turn(self, rid: int) -> list[Event]:
-        """`generate`'s turn in a sharded run: made whole, as the other ranks make it."""
-        return list(self._turn(rid, alone=True))
+        """`generate`'s turn in a sharded run: made whole, as the other ranks make it (a
+        follower's lane is `solo` by this call, as rank 0's is by `generate`)."""
+        self._sched[rid].solo = True
+        return list(self._turn(rid))
 
     @told
     def cancel(self, rid: int) -> None:
-        """Stop a lane now: its pin is released and it yields nothing more.
-
-        A lane stopped during prefill keeps the full blocks it has computed. A request
-        stopped before its end takes its follow lane with it. Unknown or ended ids: nothing.
-        """
+        """Stop a lane now (its pin released; the full blocks a prefill computed kept), a
+        request's follow lane with it. Unknown or ended ids: nothing."""
         for r, lane in self._sched.cancel(rid):
             if r in self._batch:
                 self._batch.drop(r)

@@ -15,13 +15,25 @@ import enum
 import time
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import mlx.core as mx
 import numpy as np
 
 from mlxcache.cache.base import Lease, NoCache, PrefixCache
-from mlxcache.decode import Capture, Forward, Leave, Rewind, Share, Sync, decode
+from mlxcache.config import default_block_size
+from mlxcache.decode import (
+    Ask,
+    Capture,
+    Forward,
+    Leave,
+    Reply,
+    Rewind,
+    Share,
+    Sync,
+    Way,
+    decode,
+)
 from mlxcache.decode_batch import DecodeBatch
 from mlxcache.draft import Checkpoint
 from mlxcache.drafting import Drafting, Plan
@@ -34,7 +46,7 @@ from mlxcache.model.kvquant import kv_width
 from mlxcache.prefill import prefill
 from mlxcache.request import Request
 from mlxcache.scheduler import LaneKind, Phase, Step
-from mlxcache.types import Model, held
+from mlxcache.types import Model, positions
 
 
 class NextTurn(enum.Enum):
@@ -51,13 +63,13 @@ class NextTurn(enum.Enum):
     """Warm-ahead prefills the reply once it ended (a state that cannot be rewound)."""
 
 
-def next_turn_of(cache: PrefixCache, keep_replies: bool, warm_ahead: bool) -> NextTurn:
+def next_turn_of(cache: PrefixCache, decode_matches_prefill: bool, warm_ahead: bool) -> NextTurn:
     """The mechanism for a cache and what the device and settings allow: kept replies need
     nothing more; else a follow lane on trimmable KV, warm-ahead after the reply on
     states that cannot be trimmed (a follow lane could not rewind them between blocks)."""
     if isinstance(cache, NoCache):
         return NextTurn.OFF
-    if keep_replies:
+    if decode_matches_prefill:
         return NextTurn.KEPT
     if not warm_ahead:
         return NextTurn.OFF
@@ -101,7 +113,9 @@ class Lane:
     kind: LaneKind
     phase: Phase = Phase.RESTORING  # moved on by the scheduler (`Scheduler.advanced`)
     follow: Follow | None = None  # a follow lane's state
-    solo: bool = False  # a drafted request whose forwards are its own (not `Plan.batched`)
+    # Every forward its own, never the batch's: a request run alone (`Engine.generate`), or
+    # a drafted one whose verify forwards cannot be rows of the batch (not `Plan.batched`).
+    solo: bool = False
     left: int | None = None  # a request's prompt tokens to prefill, once looked up
     # Batched drafting: the caches before its last verify forward made alone, and its inputs.
     mark: tuple[Checkpoint, list[int]] | None = None
@@ -112,16 +126,37 @@ class Lane:
         return f is None or f.closed or f.ready() > f.done
 
 
+class Settings(Protocol):
+    """What a lane reads of the engine when it is queued (`Work.of`)."""
+
+    @property
+    def loaded(self) -> LoadedModel: ...
+    @property
+    def encoder(self) -> Encoder: ...
+    @property
+    def cache(self) -> PrefixCache: ...
+    @property
+    def decode_matches_prefill(self) -> bool: ...
+    @property
+    def batch_decode(self) -> bool: ...
+    @property
+    def ranks(self) -> Share | None: ...
+    @property
+    def drafting(self) -> Drafting: ...
+    @property
+    def budget(self) -> MemoryBudget | None: ...
+
+
 @dataclass(frozen=True, slots=True)
 class Work:
     """What a lane runs on, fixed when it is queued: the model, its cache, and what the
-    device was measured to allow (`Engine.keep_replies`, `Engine.batch_decode`); `share`:
-    a sharded run's picks (`decode.Share`); `drafting`: how replies are drafted."""
+    device was measured to allow (`Engine.decode_matches_prefill`, `Engine.batch_decode`);
+    `share`: a sharded run's picks (`decode.Share`); `drafting`: how replies are drafted."""
 
     loaded: LoadedModel
     encoder: Encoder
     cache: PrefixCache
-    keep_replies: bool
+    decode_matches_prefill: bool
     batch_decode: bool
     share: Share | None
     drafting: Drafting
@@ -130,6 +165,34 @@ class Work:
     @property
     def model(self) -> Model:
         return self.loaded.model
+
+    @classmethod
+    def of(cls, engine: Settings) -> Work:
+        """What a lane queued now runs on: the engine's model, cache and settings as they are."""
+        return cls(
+            engine.loaded,
+            engine.encoder,
+            engine.cache,
+            engine.decode_matches_prefill,
+            engine.batch_decode,
+            engine.ranks,
+            engine.drafting,
+            engine.budget,
+        )
+
+
+def cache_of(loaded: LoadedModel, cache: PrefixCache | None, block_size: int | None) -> PrefixCache:
+    """An engine's cache: `cache`, or one that keeps nothing with prefill chunks of
+    `block_size` (default: the device's default block size).
+
+    Raises:
+        ValueError: a block size below 1, or one that differs from the cache's.
+    """
+    if block_size is not None and block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    if cache is not None and block_size not in (None, cache.block_size):
+        raise ValueError(f"block_size {block_size} differs from the cache's {cache.block_size}")
+    return cache or NoCache(loaded.model, block_size or default_block_size())
 
 
 def warm_prefix(
@@ -243,6 +306,11 @@ def request(
     return Lane(gen, tokens, LaneKind.REQUEST, solo=bool(plan and not plan.batched))
 
 
+def follow(work: Work, rid: int, tokens: np.ndarray, f: Follow) -> Lane:
+    """The follow lane of a request of prompt `tokens` (`follow_lane`)."""
+    return Lane(follow_lane(work, rid, f), tokens, LaneKind.FOLLOW, follow=f)
+
+
 def request_lane(
     work: Work,
     rid: int,
@@ -258,7 +326,7 @@ def request_lane(
     try:
         while work.budget and not work.budget.admit(rid, n, req.sampling.max_tokens, work.cache):
             yield Step.CHUNK  # running requests hold the room: a turn without work
-        lease = work.cache.restore(tokens, anywhere=work.keep_replies)
+        lease = work.cache.restore(tokens, decode_matches_prefill=work.decode_matches_prefill)
         stats.cached_tokens = lease.length
         stats.prefilled_tokens = n - lease.length
         stats.miss_reason = "" if lease.length else miss_reason(work, n)
@@ -274,34 +342,19 @@ def request_lane(
         else:
             logits = yield from prefill_blocks(work, rid, tokens, lease, lease.length, keep_at)
             lease.keep_tail(tokens, logits)
-        stop = req.stop_tokens
-        if stop is None:
-            stop = frozenset(work.loaded.tokenizer.eos_token_ids)
         stats.draft = "" if plan is None else plan.kind
-        result = yield from decode(
-            work.model,
+        reply = Reply.of(
             work.loaded.tokenizer,
             rid,
             tokens,
-            lease.layers,
-            logits,
-            sampling=req.sampling,
-            processors=req.processors,
-            stop_tokens=stop,
-            stop_strings=req.stop_strings,
-            budget=work.encoder.reply_room(tokens, req.sampling.max_tokens),
-            stats=stats,
-            start=start,
-            out=None if follow is None else follow.reply,
-            logprobs=req.logprobs,
-            batched=work.batch_decode and (plan is None or plan.batched),
-            share=work.share,
-            to_end=work.keep_replies,
-            drafter=None if plan is None else work.drafting.drafter(plan, work.share),
-            draft=0 if plan is None else plan.k,
-            capture=Capture(block, lease.capture) if work.keep_replies else None,
+            ask_of(work, req, tokens),
+            way_of(work, plan, Capture(block, lease.capture)),
+            stats,
+            start,
+            None if follow is None else follow.reply,
         )
-        if work.keep_replies:
+        result = yield from decode(work.model, lease.layers, logits, reply)
+        if work.decode_matches_prefill:
             ended = [] if result.stop_token is None else [result.stop_token]
             keep_reply(work, tokens, [*result.tokens, *ended], lease)
     except GenerationError as exc:
@@ -317,13 +370,36 @@ def request_lane(
     yield Done(rid, result)  # after the release: a finished request holds no pin
 
 
+def ask_of(work: Work, req: Request, tokens: np.ndarray) -> Ask:
+    """What `req` asks of its reply (the model's end tokens unless it names its own)."""
+    stop = req.stop_tokens
+    if stop is None:
+        stop = frozenset(work.loaded.tokenizer.eos_token_ids)
+    budget = work.encoder.reply_room(tokens, req.sampling.max_tokens)
+    return Ask(req.sampling, req.processors, stop, req.stop_strings, budget, req.logprobs)
+
+
+def way_of(work: Work, plan: Plan | None, capture: Capture) -> Way:
+    """How a reply's forwards are made: in the decode batch where the engine batches them
+    (and its plan's verify forwards can be rows of it), drafted by its plan, and fed to
+    its end with its blocks captured where its KV is kept (`Engine.decode_matches_prefill`)."""
+    return Way(
+        batched=work.batch_decode and (plan is None or plan.batched),
+        share=work.share,
+        decode_matches_prefill=work.decode_matches_prefill,
+        drafter=None if plan is None else work.drafting.drafter(plan, work.share),
+        draft=0 if plan is None else plan.k,
+        capture=capture if work.decode_matches_prefill else None,
+    )
+
+
 def keep_reply(work: Work, prompt: np.ndarray, reply: list[int], lease: Lease) -> None:
     """Keep the full blocks of prompt + reply (its end token included) that the lease's
     layers hold past the prompt's own, and the rest as a tail to resume mid-block from
-    (decode KV, canonical on this device: see `keep_replies`)."""
+    (decode KV, canonical on this device: see `decode_matches_prefill`)."""
     block = work.cache.block_size
     ids = np.concatenate([prompt, np.asarray(reply, np.int32)])
-    ids = ids[: held(lease.layers, len(ids))]
+    ids = ids[: positions(lease.layers, len(ids))]
     if len(ids) // block > prompt.size // block:
         lease.keep(ids[: len(ids) // block * block])
     lease.keep_tail(ids, None)
@@ -338,11 +414,11 @@ def warm_lane(work: Work, rid: int, tokens: np.ndarray) -> Generator[Event, None
         return
     try:
         with work.cache.restore(
-            tokens, count=False, anywhere=work.keep_replies, whole=True
+            tokens, count=False, decode_matches_prefill=work.decode_matches_prefill, whole=True
         ) as lease:
             if lease.length < len(tokens):
                 yield from prefill_blocks(work, rid, tokens, lease, lease.length, len(tokens))
-            if work.keep_replies:  # the turn it warms continues from these layers
+            if work.decode_matches_prefill:  # the turn it warms continues from these layers
                 lease.keep_live(tokens)
     finally:
         if work.budget is not None:
@@ -387,6 +463,43 @@ def follow_lane(work: Work, rid: int, f: Follow) -> Generator[Event, None, None]
             lease.release()
 
 
+@dataclass(slots=True)
+class Prefilling:
+    """A prompt's prefill as data: `tokens[start:]` go into the lease's layers in canonical
+    chunks; `tokens[:done]` are in them (`at_end`: exactly those, the chunk that reached
+    `done` complete), `tokens[:keep_at]` are kept once reached, `kept`: how far they are."""
+
+    lease: Lease
+    tokens: np.ndarray
+    block: int
+    start: int
+    keep_at: int
+    done: int
+    kept: int
+    at_end: bool = False
+
+    def reached(self, stop: int) -> None:
+        """A chunk ended at `stop`: a block it ends is captured, and the prompt is kept
+        at `keep_at` (tried once: not again while unwinding if it fails)."""
+        self.done, self.at_end = stop, True
+        if stop % self.block == 0 and stop <= self.keep_at:
+            self.lease.capture(stop)
+        if stop == self.keep_at and self.keep_at > self.start:
+            self.kept = self.keep_at
+            self.lease.keep(self.tokens[: self.keep_at])
+
+    def stopped(self, trimmable: bool) -> None:
+        """Cancelled between chunks (GeneratorExit) or interrupted inside one: what is fully
+        computed is canonical KV, kept. A trimmable cache cuts it out of any state; a
+        whole-state checkpoint needs the layers to hold exactly `done` tokens."""
+        usable = self.done % self.block == 0 and (trimmable or self.at_end)
+        if self.done > self.kept and usable:
+            # Best effort while unwinding: a failed keep must not replace what stopped
+            # the lane (a cancel, Ctrl-C) nor fail the request that pre-empted it.
+            with contextlib.suppress(Exception):
+                self.lease.keep(self.tokens[: self.done])
+
+
 def prefill_blocks(
     work: Work,
     rid: int,
@@ -396,36 +509,25 @@ def prefill_blocks(
     keep_at: int,
 ) -> Generator[Event, None, mx.array]:
     """Prefill tokens[start:] into the lease's layers canonically and keep
-    tokens[:keep_at]; returns the last logits.
+    tokens[:keep_at]; returns the last logits (`Prefilling`).
 
     Stopped early (cancelled, interrupted), it keeps the full blocks it computed.
     """
     n, block = int(tokens.size), work.cache.block_size
-    done = kept = start
+    state = Prefilling(lease, tokens, block, start, keep_at, start, start)
     logits = None
-    at_chunk_end = False  # the layers hold exactly `done` tokens
     try:
         # A resume inside a block only where decode KV is canonical: see `restore`.
-        chunks = prefill(work.model, lease.layers, tokens, start, block, work.keep_replies)
+        chunks = prefill(
+            work.model, lease.layers, tokens, start, block, work.decode_matches_prefill
+        )
         for stop, out in chunks:
-            done, logits, at_chunk_end = stop, out, True
-            if stop % block == 0 and stop <= keep_at:
-                lease.capture(stop)
-            if stop == keep_at and keep_at > start:
-                kept = keep_at  # tried once: not again while unwinding if it fails
-                lease.keep(tokens[:keep_at])
+            logits = out
+            state.reached(stop)
             yield Prefill(rid, stop, n, start)
-            at_chunk_end = False
+            state.at_end = False
     except BaseException:
-        # Cancelled between chunks (GeneratorExit) or interrupted inside one: what is
-        # fully computed is canonical KV. A trimmable cache cuts it out of any state; a
-        # whole-state checkpoint needs the layers to hold exactly `done` tokens.
-        usable = done % block == 0 and (work.cache.trimmable or at_chunk_end)
-        if done > kept and usable:
-            # Best effort while unwinding: a failed keep must not replace what stopped
-            # the lane (a cancel, Ctrl-C) nor fail the request that pre-empted it.
-            with contextlib.suppress(Exception):
-                lease.keep(tokens[:done])
+        state.stopped(work.cache.trimmable)
         raise
     if logits is None:  # prefill() always ends with the logits chunk
         raise GenerationError("prefill produced no logits")

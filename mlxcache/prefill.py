@@ -21,18 +21,19 @@ from mlxcache.types import Layers, Model
 
 
 def schedule(
-    start: int, end: int, block_size: int, anywhere: bool = False
+    start: int, end: int, block_size: int, decode_matches_prefill: bool = False
 ) -> list[tuple[int, int]]:
     """The (start, stop) chunks that prefill tokens [start, end), aligned to `block_size`.
 
     Args:
-        anywhere: `start` may be inside a block (a shape-invariant device only).
+        decode_matches_prefill: `start` may be inside a block (a device measured
+            shape-invariant only).
 
     Raises:
-        ValueError: if `start` is not a block boundary (and not `anywhere`) or the range
-            is empty.
+        ValueError: if `start` is not a block boundary (and not `decode_matches_prefill`)
+            or the range is empty.
     """
-    if start % block_size and not anywhere:
+    if start % block_size and not decode_matches_prefill:
         raise ValueError(f"prefill must start at a block boundary, got {start} (B={block_size})")
     if not 0 <= start < end:
         raise ValueError(f"empty prefill range [{start}, {end})")
@@ -46,16 +47,16 @@ def prefill(
     tokens: np.ndarray,
     start: int,
     block_size: int,
-    anywhere: bool = False,
+    decode_matches_prefill: bool = False,
 ) -> Iterator[tuple[int, mx.array | None]]:
-    """Run the canonical prefill of tokens[start:] into `layers` (`anywhere`: see
+    """Run the canonical prefill of tokens[start:] into `layers` (`decode_matches_prefill`: see
     `schedule`).
 
     Yields (stop, logits) after each chunk, evaluated, so the caller can checkpoint at
     block boundaries and interleave other requests. Logits (of the last prompt token)
     come with the final chunk only: earlier chunks leave the LM head unevaluated.
     """
-    chunks = schedule(start, len(tokens), block_size, anywhere)
+    chunks = schedule(start, len(tokens), block_size, decode_matches_prefill)
     for s, e in chunks:
         out = model(mx.array(tokens[None, s:e]), cache=layers)
         states = [c.state for c in layers]

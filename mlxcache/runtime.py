@@ -138,7 +138,7 @@ def open_engine(
         loaded,
         prompts,
         warm_ahead=config.warm_ahead,
-        keep_replies=allowed["decode"],
+        decode_matches_prefill=allowed["decode"],
         batch_decode=allowed["batch"],
         on_warning=on_warning,
         ranks=ranks,

@@ -23,7 +23,7 @@ generator and tells the scheduler what became of it (`requeue`, `finish`, `cance
 - **the warm queue**: warm-ahead lanes, oldest first. The oldest runs until it ends (one
   restored KV copy at a time), and only when the round has nothing to run.
 
-Warm and follow lanes are the background kinds (`BACKGROUND`): `next_turn(background=False)`
+Warm and follow lanes are the background kinds (`BACKGROUND`): `whose_turn(background=False)`
 (requests are waiting to start) gives them no turn at all.
 
 With batched decode, requests past their first token wait in the engine's decode batch
@@ -95,7 +95,7 @@ BACKGROUND = (LaneKind.WARM, LaneKind.FOLLOW)
 
 
 class Batch(enum.Enum):
-    """The decode batch's turn (`Scheduler.next_turn`)."""
+    """The decode batch's turn (`Scheduler.whose_turn`)."""
 
     TURN = "batch"
 
@@ -114,6 +114,12 @@ class Schedulable(Protocol):
 
     @phase.setter
     def phase(self, phase: Phase) -> None: ...
+
+    @property
+    def solo(self) -> bool:
+        """Whether every forward of the lane is its own: it never joins the decode batch (a
+        request run alone, or a drafted one whose verify forwards cannot be rows of it)."""
+        ...
 
     @property
     def left(self) -> int | None:
@@ -166,7 +172,7 @@ class Scheduler(Generic[L]):
         if follows is not None:
             self._follower[follows] = rid
 
-    def next_turn(self, background: bool = True, batch: bool = False) -> int | Batch | None:
+    def whose_turn(self, background: bool = True, batch: bool = False) -> int | Batch | None:
         """Whose turn it is: a lane's id, `BATCH`, or None (nothing to run).
 
         The first lane of the round that may run (see the module's doc); while the decode
@@ -237,8 +243,8 @@ class Scheduler(Generic[L]):
         """Lane `rid` was advanced and gave `step`: its next phase and place. Returns
         whether it is advanced again in this turn: a request's first token comes with its
         prompt's last chunk, and a request that gave a token joins the decode batch at
-        once when there is one (`batch`: the engine decodes in a batch, and this turn is
-        not a lone request's)."""
+        once when there is one (`batch`: the engine decodes in a batch) and it is not
+        `solo`."""
         lane = self._lanes[rid]
         if step is Step.ENDED:
             lane.phase = Phase.DONE
@@ -264,18 +270,18 @@ class Scheduler(Generic[L]):
             return False
         lane.phase = Phase.DECODING
         self.requeue(rid)
-        return batch
+        return batch and not lane.solo
 
     def batch_forward(self, rid: int) -> None:
         """The decode batch's forward gave request `rid` its logits: it decodes its token
         (then `advanced` says it joins the batch again, or it ends)."""
         self._lanes[rid].phase = Phase.DECODING
 
-    def alone(self, rid: int) -> bool:
-        """Whether lane `rid`'s forwards are its own (not the batch's): a request's
-        until its first token, a background lane's always."""
+    def own(self, rid: int) -> bool:
+        """Whether lane `rid`'s next forward is its own (not the batch's): a request's
+        until its first token, a solo request's and a background lane's always."""
         lane = self._lanes[rid]
-        return lane.kind is not LaneKind.REQUEST or lane.phase in PROMPT_PHASES
+        return lane.solo or lane.kind is not LaneKind.REQUEST or lane.phase in PROMPT_PHASES
 
     def requeue(self, rid: int) -> None:
         """The lane had its turn and goes on: a lane of the round to its back; a warm lane

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 
-def held(text: str, marker: str) -> int:
+def partial_marker(text: str, marker: str) -> int:
     """Length of the longest tail of `text` that is a proper prefix of `marker`: what more
     text may still turn into `marker`."""
     for n in range(min(len(marker) - 1, len(text)), 0, -1):
@@ -33,7 +33,7 @@ class StopScanner:
 
     def _held(self) -> int:
         """Length of the longest tail of the text that is a proper prefix of a stop."""
-        return max((held(self._text, stop) for stop in self._stops), default=0)
+        return max((partial_marker(self._text, stop) for stop in self._stops), default=0)
 
     def feed(self, piece: str) -> str:
         """Add a piece of reply text; return the text that is safe to emit now."""

@@ -115,7 +115,7 @@ def new_layers(model: Model) -> list[LayerCache]:
     return time_ordered(list(make_prompt_cache(as_module(model))))
 
 
-def held(layers: Layers, most: int) -> int:
+def positions(layers: Layers, most: int) -> int:
     """How many positions `layers` hold, at most `most`: their attention layers' count (a
     model of recurrent layers only holds every token fed to it)."""
     counts = [getattr(c, "offset", None) for c in layers]

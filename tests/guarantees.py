@@ -150,7 +150,7 @@ class Geometry:
     resumes only from an entry that is a whole prefix of the prompt, shorter than it.
     A trimmable model's cache also remembers, in memory, the tail of each prompt of at
     least one block that it prefilled: the same prompt on the same cache resumes whole.
-    Where decode KV is canonical (`anywhere`: a shape-invariant device), it also keeps
+    Where decode KV is canonical (`decode_matches_prefill`: a shape-invariant device), it also keeps
     each reply's own tail, and a prompt resumes as far as anything held in memory follows
     it, inside a block too, one token short of its end; with recurrent layers (`state`)
     only to the end of a whole tail that continues the blocks it resumed.
@@ -166,11 +166,12 @@ class Geometry:
         self,
         tokens: Sequence[int],
         cache: object = None,
-        anywhere: bool = False,
+        decode_matches_prefill: bool = False,
         state: bool = False,
     ) -> int:
         """Where `tokens` resume on `cache` (None: a cache with nothing in memory);
-        `anywhere`: every kept entry is in `cache`'s memory (one cache ran them all)."""
+        `decode_matches_prefill`: every kept entry is in `cache`'s memory (one cache ran
+        them all)."""
         if tuple(tokens) in self.tails.get(id(cache), set()):
             return len(tokens)
         n, best = len(tokens), 0
@@ -180,7 +181,7 @@ class Geometry:
                 best = max(best, min(common, n - 1) // B * B)
             elif common == len(entry) < n:
                 best = max(best, len(entry))
-        if anywhere:
+        if decode_matches_prefill:
             held = self.kept | self.tails.get(id(cache), set()) | self.replies.get(id(cache), set())
             if state:
                 whole = [
@@ -644,11 +645,11 @@ def check_kept_replies(rig: Rig) -> None:
     the reply with the cold run's bits. The shape-sensitive model must fail the probe."""
     engine, spy = rig.engine()
     assert isinstance(engine.cache, PromptCache)
-    engine.keep_replies = measured(engine.loaded, engine.cache.config)["decode"]
+    engine.decode_matches_prefill = measured(engine.loaded, engine.cache.config)["decode"]
     if rig.variant.is_shaped:
-        assert not engine.keep_replies, "the probe trusted a shape-sensitive model"
+        assert not engine.decode_matches_prefill, "the probe trusted a shape-sensitive model"
     elif engine.cache.layout is not None and mx.default_device() == mx.cpu:
-        assert engine.keep_replies, "decode KV is canonical on MLX's CPU backend"
+        assert engine.decode_matches_prefill, "decode KV is canonical on MLX's CPU backend"
     params = SamplingParams(max_tokens=9)
 
     def turn(tokens: list[int]) -> list[int]:
@@ -676,13 +677,21 @@ def kept_turn(
     assert isinstance(engine.cache, PromptCache)
     layout = engine.cache.layout
     state = layout is not None and layout.has_state
-    expect = rig.geo.resume(tokens, engine.cache, anywhere=engine.keep_replies, state=state)
+    expect = rig.geo.resume(
+        tokens, engine.cache, decode_matches_prefill=engine.decode_matches_prefill, state=state
+    )
     got = run(engine, spy, tokens, params, follow=True, stop=stop)
     cold = rig.cold(tokens, params, stop)
-    rig.check(got, tokens, expect, fed_to_end(cold) if engine.keep_replies else cold, engine.cache)
+    rig.check(
+        got,
+        tokens,
+        expect,
+        fed_to_end(cold) if engine.decode_matches_prefill else cold,
+        engine.cache,
+    )
     list(engine.run(warm=True))  # a follow lane, where replies are not kept
     whole = [*tokens, *got.tokens]
-    if engine.keep_replies:
+    if engine.decode_matches_prefill:
         fed = [*whole, *([] if got.stop_token is None else [got.stop_token])]
         if len(fed) // B * B > rig.geo.keep_at(tokens):
             rig.geo.kept.add(tuple(fed[: len(fed) // B * B]))
@@ -702,7 +711,7 @@ def check_end_token(rig: Rig) -> None:
     (the probe), its blocks kept by a follow lane elsewhere."""
     engine, spy = rig.engine()
     assert isinstance(engine.cache, PromptCache)
-    engine.keep_replies = measured(engine.loaded, engine.cache.config)["decode"]
+    engine.decode_matches_prefill = measured(engine.loaded, engine.cache.config)["decode"]
     params = SamplingParams(max_tokens=9)
     tokens = prompt(10, seed=80)
     for turn in range(3):
@@ -723,7 +732,7 @@ def check_batched(rig: Rig) -> None:
     engine, spy = rig.engine()
     assert isinstance(engine.cache, PromptCache)
     allowed = measured(engine.loaded, engine.cache.config)
-    engine.batch_decode, engine.keep_replies = allowed["batch"], allowed["decode"]
+    engine.batch_decode, engine.decode_matches_prefill = allowed["batch"], allowed["decode"]
     if rig.variant.is_shaped:
         assert not engine.batch_decode, "the probe trusted a shape-sensitive model"
     elif batchable(new_layers(engine.model)) and mx.default_device() == mx.cpu:
@@ -765,7 +774,7 @@ def check_batched(rig: Rig) -> None:
     got = engine.complete(Request(nxt, first.sampling))
     assert got.tokens == cold.complete(Request(nxt, first.sampling)).tokens
     fed = len(first.tokens) + len(reply)  # the reply's last token was fed too
-    if engine.keep_replies:  # as far as the reply's KV goes, inside a block too
+    if engine.decode_matches_prefill:  # as far as the reply's KV goes, inside a block too
         assert got.stats.cached_tokens == fed, f"resumed {got.stats.cached_tokens}, fed {fed}"
 
 
@@ -1054,7 +1063,7 @@ def check_drafted(rig: Rig) -> None:
     engine, _spy = rig.engine()
     assert isinstance(engine.cache, PromptCache)
     allowed = measured(engine.loaded, engine.cache.config)
-    engine.batch_decode, engine.keep_replies = allowed["batch"], allowed["decode"]
+    engine.batch_decode, engine.decode_matches_prefill = allowed["batch"], allowed["decode"]
     cold = Engine(rig.variant.loaded, NoCache(rig.variant.loaded.model, B))
     vocab = len(rig.variant.loaded.tokenizer)
     width = Drafting(engine.loaded, DraftConfig(mode="lookup"), B, rig.dir).verify().width
@@ -1125,7 +1134,7 @@ def check_foreign_tail(rig: Rig) -> None:
     (decode KV measured canonical), tails are continued only after their own prefix."""
     engine, spy = rig.engine()
     assert isinstance(engine.cache, PromptCache)
-    engine.keep_replies = measured(engine.loaded, engine.cache.config)["decode"]
+    engine.decode_matches_prefill = measured(engine.loaded, engine.cache.config)["decode"]
     first = prompt(2 * B + 2, seed=50)
     run(engine, spy, first)  # its tail past two blocks is remembered
     other = [*first[2 * B :], *prompt(B + 3, seed=51)]  # starts with that tail's tokens
@@ -1346,7 +1355,7 @@ def check_drafted_stops(rig: Rig) -> None:
     engine, _spy = rig.engine()
     assert isinstance(engine.cache, PromptCache)
     allowed = measured(engine.loaded, engine.cache.config)
-    engine.batch_decode, engine.keep_replies = allowed["batch"], allowed["decode"]
+    engine.batch_decode, engine.decode_matches_prefill = allowed["batch"], allowed["decode"]
     loaded = rig.variant.loaded
     cold = Engine(loaded, NoCache(loaded.model, B))
     width = Drafting(engine.loaded, DraftConfig(mode="lookup"), B, rig.dir).verify().width

@@ -38,6 +38,7 @@ from mlxcache.encoder import common_prefix
 from mlxcache.engine import Engine
 from mlxcache.events import Done, Event, Prefill, Result, Token
 from mlxcache.ring import TimeBatchRing, TimeRing
+from mlxcache.sampling import make_processors
 from mlxcache.worker import EngineWorker
 
 Patch = Callable[[Any, str, Any], None]
@@ -70,18 +71,17 @@ def keep_decode_kv(patch: Patch) -> None:
     """After a reply, the store also keeps the reply's KV (computed by decode steps)."""
     seen: dict[int, np.ndarray] = {}  # id(layers) -> the tokens they hold
 
-    def noting(decode: Callable[..., Generator[Event, None, Result]]) -> Any:
-        def wrapped(*args: Any, **kwargs: Any) -> Generator[Event, None, Result]:
-            result = yield from decode(*args, **kwargs)
-            prompt = next(a for a in args if isinstance(a, np.ndarray))
-            layers = next(a for a in args if isinstance(a, list) and hasattr(a[0], "offset"))
-            reply = np.asarray(result.tokens, np.int32)
-            seen[id(layers)] = np.concatenate([prompt, reply])[: int(layers[0].offset)]
-            return result
+    decode = lanes_mod.decode
 
-        return wrapped
+    def noting(
+        model: Any, layers: Any, logits: Any, reply: decode_mod.Reply
+    ) -> Generator[Event, None, Result]:
+        result = yield from decode(model, layers, logits, reply)
+        ids = np.concatenate([reply.host[: reply.prompt], np.asarray(result.tokens, np.int32)])
+        seen[id(layers)] = ids[: int(layers[0].offset)]
+        return result
 
-    patch(lanes_mod, "decode", noting(lanes_mod.decode))
+    patch(lanes_mod, "decode", noting)
     release = PromptCache.release
 
     def release_keeping(self: PromptCache, resume: Any) -> None:
@@ -97,27 +97,31 @@ def keep_decode_kv(patch: Patch) -> None:
 def penalty_without_cached_prompt(patch: Patch) -> None:
     """The decode loop (its repetition penalty) sees only the prompt tokens the request
     prefilled, not those it resumed from the cache."""
-    restore = PromptCache.restore
+    restore, decode = PromptCache.restore, lanes_mod.decode
     starts: dict[int, int] = {}  # id(layers) -> the resume point they were restored at
 
     def restore_noting(
         self: PromptCache,
         tokens: np.ndarray,
         count: bool = True,
-        anywhere: bool = False,
+        decode_matches_prefill: bool = False,
         whole: bool = False,
     ) -> Any:
-        resume = restore(self, tokens, count, anywhere, whole)
+        resume = restore(self, tokens, count, decode_matches_prefill, whole)
         starts[id(resume.layers)] = resume.length
         return resume
 
-    decode: Callable[..., Generator[Event, None, Result]] = lanes_mod.decode
-
-    def decode_uncached(*args: Any, **kwargs: Any) -> Generator[Event, None, Result]:
-        at = next(i for i, a in enumerate(args) if isinstance(a, np.ndarray))
-        layers = next(a for a in args if isinstance(a, list) and hasattr(a[0], "offset"))
-        prompt = args[at][starts.get(id(layers), 0) :]
-        return (yield from decode(*args[:at], prompt, *args[at + 1 :], **kwargs))
+    def decode_uncached(
+        model: Any, layers: Any, logits: Any, reply: decode_mod.Reply
+    ) -> Generator[Event, None, Result]:
+        start = starts.get(id(layers), 0)
+        reply.host, reply.prompt, reply.fed = (
+            reply.host[start:],
+            reply.prompt - start,
+            reply.fed - start,
+        )
+        reply.procs = [*make_processors(reply.ask.sampling, reply.prompt), *reply.ask.processors]
+        return (yield from decode(model, layers, logits, reply))
 
     patch(PromptCache, "restore", restore_noting)
     patch(lanes_mod, "decode", decode_uncached)
@@ -167,10 +171,10 @@ def partial_last_block(patch: Patch) -> None:
         self: PromptCache,
         tokens: np.ndarray,
         count: bool = True,
-        anywhere: bool = False,
+        decode_matches_prefill: bool = False,
         whole: bool = False,
     ) -> Any:
-        resume = restore(self, tokens, count, anywhere, whole)
+        resume = restore(self, tokens, count, decode_matches_prefill, whole)
         prompts[id(resume.layers)] = np.asarray(tokens)
         return resume
 
@@ -209,7 +213,7 @@ def unaligned_chunks(patch: Patch) -> None:
     """Prefill chunks of B counted back from the end, not from absolute multiples of B."""
 
     def schedule(
-        start: int, end: int, block_size: int, anywhere: bool = False
+        start: int, end: int, block_size: int, decode_matches_prefill: bool = False
     ) -> list[tuple[int, int]]:
         stops = list(range(end, start, -block_size))[::-1]
         return list(zip([start, *stops[:-1]], stops, strict=True))
@@ -308,13 +312,13 @@ def tail_of_a_prefix(patch: Patch) -> None:
         self: PromptCache,
         tokens: np.ndarray,
         count: bool = True,
-        anywhere: bool = False,
+        decode_matches_prefill: bool = False,
         whole: bool = False,
     ) -> Any:
         for k in range(len(tokens) - 1, self.block_size - 1, -1):
             if not whole and self.mem.tail(tokens[:k]) is not None:
                 return restore(self, tokens[:k], count)
-        return restore(self, tokens, count, anywhere, whole)
+        return restore(self, tokens, count, decode_matches_prefill, whole)
 
     patch(PromptCache, "restore", restore_prefix)
 
@@ -334,10 +338,10 @@ def keep_decode_on_cancel(patch: Patch) -> None:
         self: PromptCache,
         tokens: np.ndarray,
         count: bool = True,
-        anywhere: bool = False,
+        decode_matches_prefill: bool = False,
         whole: bool = False,
     ) -> Any:
-        resume = restore(self, tokens, count, anywhere, whole)
+        resume = restore(self, tokens, count, decode_matches_prefill, whole)
         restored[np.asarray(tokens, np.int32).tobytes()] = resume
         return resume
 
@@ -465,15 +469,20 @@ def resume_anywhere_unprobed(patch: Patch) -> None:
         self: PromptCache,
         tokens: Any,
         count: bool = True,
-        anywhere: bool = False,
+        decode_matches_prefill: bool = False,
         whole: bool = False,
     ) -> Any:
         return restore(self, tokens, count, True, whole)
 
     def anywhere_prefill(
-        model: Any, layers: Any, tokens: Any, start: int, block_size: int, anywhere: bool = False
+        model: Any,
+        layers: Any,
+        tokens: Any,
+        start: int,
+        block_size: int,
+        decode_matches_prefill: bool = False,
     ) -> Any:
-        return run(model, layers, tokens, start, block_size, anywhere=True)
+        return run(model, layers, tokens, start, block_size, decode_matches_prefill=True)
 
     patch(PromptCache, "restore", anywhere_restore)
     patch(lanes_mod, "prefill", anywhere_prefill)
@@ -481,12 +490,8 @@ def resume_anywhere_unprobed(patch: Patch) -> None:
 
 def reply_end_not_fed(patch: Patch) -> None:
     """A kept reply's KV stops short of its last token: the next turn prefills it again."""
-    decode: Callable[..., Generator[Event, None, Result]] = lanes_mod.decode
-
-    def short(*args: Any, **kwargs: Any) -> Generator[Event, None, Result]:
-        return (yield from decode(*args, **{**kwargs, "to_end": False}))
-
-    patch(lanes_mod, "decode", short)
+    way_of = lanes_mod.way_of
+    patch(lanes_mod, "way_of", lambda *args: replace(way_of(*args), decode_matches_prefill=False))
 
 
 def accept_one_row_late(patch: Patch) -> None:
@@ -535,11 +540,11 @@ def state_not_restored(patch: Patch) -> None:
 def grammar_over_drafts(patch: Patch) -> None:
     """The history the processors read runs ahead over the drafts (written into it as the
     verify feeds them): a grammar consumes rejected tokens, penalties count them."""
-    drafted = decode_mod._drafted
+    drafted = decode_mod.Reply.drafted
 
-    def ahead(
-        model: Any, layers: Any, logits: Any, reply: Any, pick: Any, drafter: Any, *rest: Any
-    ) -> Generator[Token, Any, mx.array]:
+    def ahead(reply: Any, *args: Any) -> Generator[Token, Any, mx.array]:
+        drafter = reply.way.drafter
+
         class Ahead:
             def propose(self, tokens: np.ndarray, k: int) -> list[int]:
                 drafts = drafter.propose(tokens, k)
@@ -553,32 +558,32 @@ def grammar_over_drafts(patch: Patch) -> None:
 
         reply.ahead = 0
         reply.tokens = lambda: reply.host[: reply.prompt + len(reply.out) + reply.ahead]
-        return (yield from drafted(model, layers, logits, reply, pick, Ahead(), *rest))
+        reply.way = replace(reply.way, drafter=Ahead())
+        return (yield from drafted(reply, *args))
 
-    patch(decode_mod, "_drafted", ahead)
+    patch(decode_mod.Reply, "drafted", ahead)
 
 
 def pick_with_next_key(patch: Patch) -> None:
     """A verify row's pick draws with the next position's key (a key is used up before
     it, as when keys are split for every row of a round up front)."""
-    drafted = decode_mod._drafted
+    drafted = decode_mod.Reply.drafted
 
-    def next_key(
-        model: Any, layers: Any, logits: Any, reply: Any, pick: Any, *rest: Any
-    ) -> Generator[Token, Any, mx.array]:
-        calls = [0]
+    def next_key(reply: Any, *args: Any) -> Generator[Token, Any, mx.array]:
+        calls, pick = [0], reply.pick
 
         def late(row: mx.array) -> mx.array:
             calls[0] += 1
             if calls[0] > 1:  # a verify row (the first pick is the prompt's)
                 pick(row)  # this position's key, thrown away
-                if reply.logprobs is not None:
+                if reply.ask.logprobs is not None:
                     reply.drawn_from.pop()
             return pick(row)
 
-        return (yield from drafted(model, layers, logits, reply, late, *rest))
+        reply.pick = late
+        return (yield from drafted(reply, *args))
 
-    patch(decode_mod, "_drafted", next_key)
+    patch(decode_mod.Reply, "drafted", next_key)
 
 
 def ring_one_too_wide(patch: Patch) -> None:
@@ -617,12 +622,8 @@ def capture_without_sync(patch: Patch) -> None:
 def reply_blocks_not_captured(patch: Patch) -> None:
     """A kept reply's blocks are not noted as decode reaches them: on sliding-window and
     recurrent models the reply keeps nothing past the prompt's blocks."""
-    decode: Callable[..., Generator[Event, None, Result]] = lanes_mod.decode
-
-    def uncaptured(*args: Any, **kwargs: Any) -> Generator[Event, None, Result]:
-        return (yield from decode(*args, **{**kwargs, "capture": None}))
-
-    patch(lanes_mod, "decode", uncaptured)
+    way_of = lanes_mod.way_of
+    patch(lanes_mod, "way_of", lambda *args: replace(way_of(*args), capture=None))
 
 
 def state_inside_a_block(patch: Patch) -> None:

@@ -270,7 +270,7 @@ def test_chat_turns_back_to_back_resume_to_the_token(rig: Rig, probed: Path) -> 
     """Its sliding windows kept in time order, Gemma's decode KV is canonical here: a reply's
     own KV is kept, and each next turn, sent the moment the reply ends, prefills only
     what it adds (before: the reply's last partial block again, 6 to 13 tokens a turn)."""
-    rig.cached.keep_replies = invariance.probe(rig.loaded, B, probed)["decode"]
+    rig.cached.decode_matches_prefill = invariance.probe(rig.loaded, B, probed)["decode"]
     messages: list[dict[str, str]] = []
     fed: list[int] = []
     for ask in ("Write one sentence about the old harbour town.", "Name a color.", "A number?"):
@@ -293,7 +293,9 @@ def test_requests_decode_as_one_batch(rig: Rig, probed: Path) -> None:
     directory = rig.directory / "batched"
     config = CacheConfig(block_size=B, directory=directory)
     cache = PromptCache(loaded.model, loaded.key, config, kv_dir(directory))
-    engine = Engine(loaded, cache, keep_replies=allowed["decode"], batch_decode=allowed["batch"])
+    engine = Engine(
+        loaded, cache, decode_matches_prefill=allowed["decode"], batch_decode=allowed["batch"]
+    )
     texts = (  # a block and more each, so that prompt + reply keep a block and a tail
         "The harbour at dawn was quiet, the boats rocked gently and the fishermen were",
         "Three facts about the moon that every child should know before bed: first,",

@@ -115,17 +115,17 @@ def test_open_engine_measures_only_when_asked_and_reads_the_record_by_default(
 ) -> None:
     config = CacheConfig(block_size=4, directory=tmp_path)
     plain = open_engine(str(tiny_gguf), config)  # nothing recorded: nothing measured
-    assert not plain.keep_replies and not plain.batch_decode
+    assert not plain.decode_matches_prefill and not plain.batch_decode
     assert not (tmp_path / invariance.PROBES).exists()
     on_cpu = mx.default_device() == mx.cpu
     asked = open_engine(str(tiny_gguf), config, invariant=True)
-    assert asked.keep_replies == asked.batch_decode == on_cpu
+    assert asked.decode_matches_prefill == asked.batch_decode == on_cpu
     # Recorded now: the default reads it (one-shot commands, regress, the library).
     recorded = open_engine(str(tiny_gguf), config)
-    assert recorded.keep_replies == recorded.batch_decode == on_cpu
-    assert not open_engine(str(tiny_gguf), config, invariant=False).keep_replies
+    assert recorded.decode_matches_prefill == recorded.batch_decode == on_cpu
+    assert not open_engine(str(tiny_gguf), config, invariant=False).decode_matches_prefill
     off = CacheConfig(enabled=False, block_size=4, directory=tmp_path)
-    assert not open_engine(str(tiny_gguf), off, invariant=True).keep_replies
+    assert not open_engine(str(tiny_gguf), off, invariant=True).decode_matches_prefill
 
 
 @pytest.mark.skipif(mx.default_device() != mx.cpu, reason="measured on MLX's CPU backend")
@@ -214,7 +214,7 @@ def test_a_kept_reply_holds_every_token_drawn(
     first token, a reply cut at its limit and an end token drawn first too. The next
     reply is the cold run's."""
     cache = PromptCache(tiny.model, tiny.key, CacheConfig(block_size=4), root=tmp_path / "kv")
-    engine = Engine(tiny, cache, keep_replies=True)
+    engine = Engine(tiny, cache, decode_matches_prefill=True)
     cold = Engine(tiny, NoCache(tiny.model, 4))
     prompt = [40, 3, 99, 17, 250, 8]  # the tiny model draws 66, 254 x3, then 245 ...
     drawn = cold.complete(Request(prompt, SamplingParams(max_tokens=12), stop_tokens=frozenset()))

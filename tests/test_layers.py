@@ -119,8 +119,8 @@ def test_no_import_cycle(graph: dict[str, set[str]]) -> None:
 
 def test_the_engine_stays_a_driver() -> None:
     """`Engine` drives lanes; what a lane does is `lanes.py`'s, whose turn it is the
-    scheduler's. A class past 300 lines has taken some of their work back."""
+    scheduler's. A class past 250 lines has taken some of their work back."""
     tree = ast.parse((ROOT / "mlxcache" / "engine.py").read_text())
     engine = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Engine")
     assert engine.end_lineno is not None
-    assert engine.end_lineno - engine.lineno + 1 <= 300
+    assert engine.end_lineno - engine.lineno + 1 <= 250

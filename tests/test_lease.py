@@ -18,7 +18,7 @@ def tokens(n: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(3, 200, n).astype(np.int32)
 
 
-def held(cache: PromptCache) -> tuple[int, int]:
+def pins(cache: PromptCache) -> tuple[int, int]:
     report = cache.report()
     return report["pinned_entries"], report["open_leases"]
 
@@ -38,15 +38,15 @@ def test_a_lease_is_released_exactly_once(sliding: LoadedModel) -> None:
     cache = PromptCache(sliding.model, sliding.key, CacheConfig(block_size=B, disk_bytes=0))
     prefilled(cache, tokens(12), sliding)
     lease = cache.restore(tokens(13))
-    assert lease.length == 12 and held(cache) == (1, 1)  # its entry pinned while it runs
+    assert lease.length == 12 and pins(cache) == (1, 1)  # its entry pinned while it runs
     lease.release()
-    assert held(cache) == (0, 0)
+    assert pins(cache) == (0, 0)
     for use in (lease.release, lambda: lease.keep(tokens(8)), lambda: lease.capture(4)):
         with pytest.raises(LeaseError, match="released already"):
             use()
     with pytest.raises(ValueError), cache.restore(tokens(13)):
         raise ValueError("a lane that fails")
-    assert held(cache) == (0, 0)  # the block's end released it
+    assert pins(cache) == (0, 0)  # the block's end released it
 
 
 def test_what_a_lease_staged_is_its_own(sliding: LoadedModel) -> None:

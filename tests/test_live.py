@@ -47,7 +47,7 @@ def _cache(tiny: LoadedModel, tmp_path: Path) -> PromptCache:
 def test_turns_continue_from_the_reply_layers_without_a_restore(
     tiny: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    engine = Engine(tiny, _cache(tiny, tmp_path), keep_replies=True)
+    engine = Engine(tiny, _cache(tiny, tmp_path), decode_matches_prefill=True)
     cold = Engine(tiny, NoCache(tiny.model, 4))
     joined = _joins(monkeypatch)
     first = engine.complete(Request(PROMPT, PARAMS, stop_tokens=ENDLESS))
@@ -86,7 +86,7 @@ def test_memory_shed_drops_the_live_layers_first(
     """They sit outside the budget: a shed (the memory limit's admission) lets them go;
     the next turn then restores the kept blocks and the reply's tail, as exactly."""
     cache = _cache(tiny, tmp_path)
-    engine = Engine(tiny, cache, keep_replies=True)
+    engine = Engine(tiny, cache, decode_matches_prefill=True)
     first = engine.complete(Request(PROMPT, PARAMS, stop_tokens=ENDLESS))
     follow = Request([*PROMPT, *first.tokens, 11, 12], PARAMS, stop_tokens=ENDLESS)
     cache.shed(0)

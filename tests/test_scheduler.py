@@ -17,6 +17,7 @@ class FakeLane:
     phase: Phase = Phase.DECODING
     work: bool = True
     left: int | None = None
+    solo: bool = False
 
     def has_work(self) -> bool:
         return self.work
@@ -26,7 +27,7 @@ def turns(sched: Scheduler[FakeLane], n: int, **kwargs: bool) -> list[int | Batc
     """n turns, each lane requeued after its turn (as the engine does for a lane that goes on)."""
     out: list[int | Batch | None] = []
     for _ in range(n):
-        turn = sched.next_turn(**kwargs)
+        turn = sched.whose_turn(**kwargs)
         out.append(turn)
         if isinstance(turn, int):
             sched.requeue(turn)
@@ -140,13 +141,13 @@ def test_a_request_moves_through_its_phases_by_what_each_advance_gives() -> None
     lane, other = FakeLane(REQUEST, Phase.RESTORING), FakeLane(REQUEST, Phase.PREFILLING)
     sched.add(0, lane)
     sched.add(1, other)
-    assert sched.alone(0)  # its forwards are its own until its first token
+    assert sched.own(0)  # its forwards are its own until its first token
     assert not sched.advanced(0, Step.CHUNK, batch=True)
     assert (lane.phase, turns(sched, 1)) == (Phase.PREFILLING, [1])  # to the back
     assert sched.advanced(0, Step.PROMPT_DONE, batch=True)  # the first token: same turn
-    assert lane.phase is Phase.PREFILLING and sched.alone(0)
+    assert lane.phase is Phase.PREFILLING and sched.own(0)
     assert sched.advanced(0, Step.TOKEN, batch=True)  # on to the batch, same turn
-    assert lane.phase is Phase.DECODING and not sched.alone(0)
+    assert lane.phase is Phase.DECODING and not sched.own(0)
     assert not sched.advanced(0, Step.JOINED, batch=True)
     assert lane.phase is Phase.BATCHED and turns(sched, 2) == [1, 1]  # the batch has it
     sched.batch_forward(0)
@@ -154,6 +155,20 @@ def test_a_request_moves_through_its_phases_by_what_each_advance_gives() -> None
     assert not sched.advanced(0, Step.TOKEN, batch=False)  # no batch: its own turns
     assert not sched.advanced(0, Step.ENDED, batch=False)
     assert lane.phase is Phase.DONE and 0 not in sched
+
+
+def test_a_solo_request_makes_every_forward_its_own_and_never_joins_the_batch() -> None:
+    """A request run alone (or drafted past what the batch can verify) takes its token's
+    turn alone even where the engine decodes in a batch, and its forwards stay its own past
+    its first token; a request beside it joins the batch as before."""
+    sched: Scheduler[FakeLane] = Scheduler()
+    solo, other = FakeLane(REQUEST, Phase.RESTORING, solo=True), FakeLane(REQUEST)
+    sched.add(0, solo)
+    sched.add(1, other)
+    assert sched.advanced(0, Step.PROMPT_DONE, batch=True)
+    assert not sched.advanced(0, Step.TOKEN, batch=True)  # its turn ends: no batch to join
+    assert solo.phase is Phase.DECODING and sched.own(0)
+    assert sched.advanced(1, Step.TOKEN, batch=True) and not sched.own(1)
 
 
 def test_background_lanes_take_one_step_a_turn_whatever_it_gave() -> None:
@@ -164,7 +179,7 @@ def test_background_lanes_take_one_step_a_turn_whatever_it_gave() -> None:
     for step in (Step.CHUNK, Step.PROMPT_DONE):
         assert not sched.advanced(0, step, batch=True)
         assert not sched.advanced(1, step, batch=True)
-    assert warm.phase is Phase.PREFILLING and sched.alone(0) and sched.alone(1)
+    assert warm.phase is Phase.PREFILLING and sched.own(0) and sched.own(1)
     sched.add(2, request)
     assert turns(sched, 1) == [2]  # a request waiting for its first token: no follow turn
 
@@ -195,7 +210,7 @@ def prefills(sched: Scheduler[FakeLane], n: int, chunk: int = 10) -> list[int]:
     then its first token comes with its last chunk and it decodes."""
     out: list[int] = []
     for _ in range(n):
-        rid = sched.next_turn()
+        rid = sched.whose_turn()
         assert isinstance(rid, int)
         out.append(rid)
         lane = sched[rid]

@@ -28,7 +28,7 @@ from mlxcache.server.log import line
 from mlxcache.server.openai_format import SSE_DONE, Envelope, Usage, sse
 from mlxcache.server.schemas import ChatRequest
 from mlxcache.server.text import ReplyText
-from mlxcache.stops import held
+from mlxcache.stops import partial_marker
 
 
 def feed(reply: ReplyText, pieces: list[str]) -> list[str]:
@@ -245,7 +245,11 @@ def settled(text: str, call_tag: str | None, strip: bool, thinking: Thinking | N
     reasoning, content = split_reply(thinking, text, final=False)
     if call_tag is not None:
         cut = content.find(call_tag)
-        content = content[:cut] if cut >= 0 else content[: len(content) - held(content, call_tag)]
+        content = (
+            content[:cut]
+            if cut >= 0
+            else content[: len(content) - partial_marker(content, call_tag)]
+        )
     return reasoning or "", content.strip() if strip else content
 
 
@@ -289,10 +293,10 @@ def test_reply_text_work_per_piece_does_not_grow_with_the_reply(
 
     def counting(text: str, marker: str) -> int:
         scanned[0] += len(text)
-        return held(text, marker)
+        return partial_marker(text, marker)
 
-    monkeypatch.setattr(text_module, "held", counting)
-    monkeypatch.setattr(reasoning_module, "held", counting)
+    monkeypatch.setattr(text_module, "partial_marker", counting)
+    monkeypatch.setattr(reasoning_module, "partial_marker", counting)
     pieces = ["<think>", *(["word ", "<", "\n  "] * 1000)]
     reply = ReplyText(call_tag, strip, thinking)
     streamed = ["", ""]

@@ -37,7 +37,7 @@ REWRITING = (
 )
 
 
-def held(engine: Engine) -> tuple[int, int]:
+def pins(engine: Engine) -> tuple[int, int]:
     """Entries pinned and leases not released: (0, 0) once no lane runs."""
     report = engine.cache.report()
     return report["pinned_entries"], report["open_leases"]
@@ -199,7 +199,7 @@ def test_a_followed_reply_keeps_its_blocks_as_it_goes(tiny: LoadedModel) -> None
     second = engine.complete(Request(nxt, GREEDY))
     assert second.stats.cached_tokens == 20 and spy.calls[0] == (20, 4)
     same_as_cold(tiny, second, spy, nxt)
-    assert held(engine) == (0, 0)
+    assert pins(engine) == (0, 0)
     # The same conversation again: its blocks are kept already, the follow lane skips them.
     spy.reset()
     engine.submit(Request(p, twelve, stop_tokens=frozenset(), follow=True))
@@ -234,7 +234,7 @@ def test_follow_lanes_wait_while_a_request_prefills(tiny: LoadedModel) -> None:
     engine.cancel(a)
     assert engine.lanes() == [(b, LaneKind.REQUEST)] and not engine.warming  # all of a's gone
     list(engine.run())
-    assert held(engine) == (0, 0)
+    assert pins(engine) == (0, 0)
 
 
 def test_a_follow_lane_goes_on_while_its_reply_runs(tiny: LoadedModel) -> None:
@@ -250,7 +250,7 @@ def test_a_follow_lane_goes_on_while_its_reply_runs(tiny: LoadedModel) -> None:
     engine.submit(Request([*p, *replies, 7, 7], GREEDY))  # shares 12 > the follow's 8
     assert (follower, LaneKind.FOLLOW) in engine.lanes()
     list(engine.run(warm=True))
-    assert not engine.lanes() and held(engine) == (0, 0)
+    assert not engine.lanes() and pins(engine) == (0, 0)
 
 
 def test_a_followed_request_that_fails_to_start_ends_its_follow_lane(
@@ -482,7 +482,7 @@ def test_units_closed_early_leave_nothing_behind(tiny: LoadedModel) -> None:
     next(results)
     results.close()
     assert not engine.busy
-    assert held(engine) == (0, 0)
+    assert pins(engine) == (0, 0)
 
 
 def test_a_failing_keep_while_cancelling_spares_the_worker(
@@ -527,7 +527,7 @@ def test_a_failing_warm_lane_warns_once_and_ends_alone(
     engine.warm(prompt(12))
     assert list(engine.run(warm=True)) == []
     assert warnings == ["warm-ahead stopped early: MemoryError: no room for the KV"]
-    assert not engine.lanes() and held(engine) == (0, 0)
+    assert not engine.lanes() and pins(engine) == (0, 0)
     result = engine.complete(Request(prompt(12), GREEDY))  # the engine goes on
     assert result.finish_reason == "length" and result.stats.cached_tokens == 0
 
@@ -587,22 +587,22 @@ def test_next_turn_is_one_rule_and_a_followed_request_gets_its_lane_only_under_f
     assert engine(tiny, warm_ahead=False).next_turn is NextTurn.OFF
     assert engine(tiny).next_turn is NextTurn.FOLLOW
     # A reply's decode KV kept needs no more work, warm-ahead on or off.
-    assert engine(tiny, keep_replies=True).next_turn is NextTurn.KEPT
-    assert engine(tiny, keep_replies=True, warm_ahead=False).next_turn is NextTurn.KEPT
+    assert engine(tiny, decode_matches_prefill=True).next_turn is NextTurn.KEPT
+    assert engine(tiny, decode_matches_prefill=True, warm_ahead=False).next_turn is NextTurn.KEPT
     assert engine(recurrent).next_turn is NextTurn.FOLLOW  # its states kept block by block
     # A cache kind kept only as whole-state checkpoints cannot be rewound between blocks.
     assert engine(checkpointed(recurrent)).next_turn is NextTurn.WARM
     followed = Request(prompt(9), GREEDY, stop_tokens=frozenset(), follow=True)
     for e, lane_kinds in [
         (engine(tiny), [LaneKind.REQUEST, LaneKind.FOLLOW]),
-        (engine(tiny, keep_replies=True), [LaneKind.REQUEST]),
+        (engine(tiny, decode_matches_prefill=True), [LaneKind.REQUEST]),
         (engine(tiny, warm_ahead=False), [LaneKind.REQUEST]),
         (engine(checkpointed(recurrent)), [LaneKind.REQUEST]),
     ]:
         e.submit(followed)
         assert [kind for _rid, kind in e.lanes()] == lane_kinds
         list(e.run(warm=True))
-        assert held(e) == (0, 0)
+        assert pins(e) == (0, 0)
 
 
 def test_prompts_prefill_one_after_another(tiny: LoadedModel) -> None:

@@ -55,7 +55,7 @@ GOAL_RESUMED = 0.75
 def _row(prompt: int, cached: int, ttft_s: float, block: int) -> dict[str, Any]:
     """A turn's counts: prompt, resumed and prefilled tokens, the prefill's forwards (its
     canonical chunks; mlx-lm's: one per 2048 tokens), TTFT."""
-    forwards = len(schedule(cached, prompt, block, anywhere=True)) if block else 1
+    forwards = len(schedule(cached, prompt, block, decode_matches_prefill=True)) if block else 1
     return {
         "prompt": prompt,
         "cached": cached,
@@ -194,7 +194,7 @@ def _ways(
             loaded,
             make_cache(loaded, config),
             warm_ahead=warm,
-            keep_replies=allowed["decode"],
+            decode_matches_prefill=allowed["decode"],
             batch_decode=allowed["batch"],
         )
         with EngineWorker(engine) as w:

@@ -110,7 +110,7 @@ def _back_to_back(
     decoded (the probe passed)."""
     pair = _Pair(loaded, directory, block_size)
     engine, allowed = pair.engine, measured(loaded, pair.cache.config)
-    engine.keep_replies, engine.batch_decode = allowed["decode"], allowed["batch"]
+    engine.decode_matches_prefill, engine.batch_decode = allowed["decode"], allowed["batch"]
     history = [int(t) for t in rng.integers(100, vocab, size=48)]
     again, resumed, prompts = [], 0, 0
     for turn in range(4):

@@ -88,14 +88,14 @@ class Lease:
     def keep_tail(self, tokens: np.ndarray, logits: Any) -> None:
         """Remember a whole prompt's state past its last full block, and its last logits,
         so that the same prompt again resumes with nothing to prefill. Without logits (a
-        reply's decode KV): only for resuming mid-block (`restore(anywhere=True)`)."""
+        reply's decode KV): only for resuming mid-block (`restore(decode_matches_prefill=True)`)."""
         self._check()
         self.keeper.keep_tail(tokens, self, logits)
 
     def keep_live(self, tokens: np.ndarray) -> None:
         """Hand `layers` (holding exactly the KV of `tokens`, decode KV measured canonical)
         to the cache by reference: the next turn that follows them continues from them
-        (`restore(anywhere=True)`). The lane must not touch them afterwards."""
+        (`restore(decode_matches_prefill=True)`). The lane must not touch them afterwards."""
         self._check()
         self.keeper.keep_live(tokens, self)
 
@@ -124,12 +124,16 @@ class PrefixCache(Protocol):
     """Whether the model's state can be rewound (all plain KV layers)."""
 
     def restore(
-        self, tokens: np.ndarray, count: bool = True, anywhere: bool = False, whole: bool = False
+        self,
+        tokens: np.ndarray,
+        count: bool = True,
+        decode_matches_prefill: bool = False,
+        whole: bool = False,
     ) -> Lease:
         """A lease on fresh layers restored to the longest reusable prefix of `tokens`;
-        `count` False: warm-ahead work, left out of the hit and miss counters; `anywhere`:
-        the prefix may end inside a block (only where the device was measured
-        shape-invariant: the prefill then starts there); `whole`: it may be all of
+        `count` False: warm-ahead work, left out of the hit and miss counters;
+        `decode_matches_prefill` (as the device was measured: `invariance`): the prefix
+        may end inside a block (the prefill then starts there); `whole`: it may be all of
         `tokens` (work that needs no logits), else it stops a token short of the end."""
         ...
 
@@ -176,7 +180,11 @@ class NoCache:
         self.trimmable = is_trimmable(new_layers(model), block_size)
 
     def restore(
-        self, tokens: np.ndarray, count: bool = True, anywhere: bool = False, whole: bool = False
+        self,
+        tokens: np.ndarray,
+        count: bool = True,
+        decode_matches_prefill: bool = False,
+        whole: bool = False,
     ) -> Lease:
         return Lease(_KEEPS_NOTHING, new_layers(self._model), 0)
 

@@ -2,8 +2,8 @@
 reference so that the next turn continues from them with nothing restored or joined.
 
 Only where the device was measured to compute decode KV canonically (the engine's
-`keep_replies`: the store is asked `restore(anywhere=True)`), and only for layers that
-rewind by moving an offset (plain and quantized KV): then the held KV is bit for bit what
+`decode_matches_prefill`: the store is asked `restore(decode_matches_prefill=True)`), and
+only for layers that rewind by moving an offset (plain and quantized KV): then the held KV is bit for bit what
 restoring the kept blocks and tail would give, without the copies.
 """
 

@@ -96,19 +96,23 @@ class PromptCache:
     # -- PrefixCache ------------------------------------------------------------------------
 
     def restore(
-        self, tokens: np.ndarray, count: bool = True, anywhere: bool = False, whole: bool = False
+        self,
+        tokens: np.ndarray,
+        count: bool = True,
+        decode_matches_prefill: bool = False,
+        whole: bool = False,
     ) -> Lease:
         """A lease on fresh caches restored to the longest reusable prefix of `tokens`,
         entry pinned; the whole prompt, with its last logits, when its tail is remembered.
         `count` False (warm-ahead work): the request counters (hits, misses, cached
-        tokens, disk hits) stay as they are. `anywhere` (a device measured
+        tokens, disk hits) stay as they are. `decode_matches_prefill` (a device measured
         shape-invariant): the prefix may end inside a block, where a kept block or tail
         stops following it. `whole`: the prefix may be all of `tokens` (no logits wanted,
         so no remembered tail either)."""
-        resume = self._take_live(tokens, whole) if anywhere else None
+        resume = self._take_live(tokens, whole) if decode_matches_prefill else None
         if resume is None:
             resume = self._restore(with_probe(tokens) if whole else tokens)
-            if anywhere and resume.logits is None:
+            if decode_matches_prefill and resume.logits is None:
                 self._continue(resume, tokens, whole)
         self._open.add(resume)
         if count:

@@ -28,7 +28,7 @@ from mlxcache.modes.tool_formats import (
     ToolFormat,
 )
 from mlxcache.modes.tools import ToolCall
-from mlxcache.stops import held
+from mlxcache.stops import partial_marker
 
 _ESCAPES = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
 _SPACE = " \t\n\r"
@@ -345,7 +345,9 @@ class XmlArgs:
         if at < 0:
             if not self._streams():
                 return len(text), ""
-            return len(text), self._string(self._text[: len(self._text) - held(self._text, close)])
+            return len(text), self._string(
+                self._text[: len(self._text) - partial_marker(self._text, close)]
+            )
         value, self._text, self._state = self._text[:at], "", "tag"
         used = at + len(close) - start
         if not self._streams() or value.lower() == "null":
@@ -445,7 +447,7 @@ class KeyValueArgs:
         self._text += text
         at = self._text.find(GEMMA_QUOTE)
         if at < 0:
-            keep = held(self._text, GEMMA_QUOTE)
+            keep = partial_marker(self._text, GEMMA_QUOTE)
             final, self._text = (
                 self._text[: len(self._text) - keep],
                 self._text[len(self._text) - keep :],
@@ -540,7 +542,9 @@ class CutArgs:
                 return "".join(map(_written, text)) + '"'
             if self._closed:  # the "}" came inside the string: it never closes
                 return self._fail()
-            upto = len(args) - max(held(args, self._quote), held(args, self._end))
+            upto = len(args) - max(
+                partial_marker(args, self._quote), partial_marker(args, self._end)
+            )
             if upto <= self._sent:
                 return None
             text, self._sent = args[self._sent : upto], upto
@@ -648,7 +652,7 @@ class CallStream:
             tag = self._fmt.end if self._state == "block_end" else self._fmt.start
             at = self._text.find(tag)
             if at < 0:
-                self._text = self._text[len(self._text) - held(self._text, tag) :]
+                self._text = self._text[len(self._text) - partial_marker(self._text, tag) :]
                 return ""
             self._state = "block_start" if self._state == "block_end" else "seek"
             text, self._text = self._text[at + len(tag) :], ""
@@ -660,8 +664,8 @@ class CallStream:
                 self.stopped = True  # the block ends before its call: it cannot be read
                 return ""
             if at < 0:
-                ends = held(self._text, self._fmt.end) if self._one_per_block else 0
-                keep = max(held(self._text, self._before), ends)
+                ends = partial_marker(self._text, self._fmt.end) if self._one_per_block else 0
+                keep = max(partial_marker(self._text, self._before), ends)
                 self._text = self._text[len(self._text) - keep :]
                 return ""
             self._state, self._text = "name", self._text[at + len(self._before) :]

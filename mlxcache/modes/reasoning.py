@@ -21,7 +21,7 @@ import numpy as np
 
 from mlxcache.constrain import apply_mask, regex_literal
 from mlxcache.errors import Setting, UserInputError, Worded
-from mlxcache.stops import held
+from mlxcache.stops import partial_marker
 
 THINK_TAGS = ("<think>", "</think>")
 _THINK, _BUDGET = Setting("think"), Setting("think_budget")  # as `thinking_for` names them
@@ -84,7 +84,7 @@ class Thinking:
         if cut >= 0:
             return text[:cut].strip(), text[cut + len(self.end) :].lstrip()
         if not final:
-            text = text[: len(text) - held(text, self.end)]
+            text = text[: len(text) - partial_marker(text, self.end)]
         return text.strip(), ""
 
 
@@ -155,7 +155,7 @@ class ThinkingBudget:
             return None  # a character half-written: let it complete first
         if self._tag_token is not None:
             return self._tag_token
-        return self._rest_token[held(text, end)]
+        return self._rest_token[partial_marker(text, end)]
 
 
 def budget_processors(thinking: Thinking | None, tokenizer: Any, room: int) -> list[ThinkingBudget]:

@@ -179,7 +179,7 @@ class LocalRunner:
                     loaded,
                     cache,
                     drafting=drafting,
-                    keep_replies=allowed["decode"],
+                    decode_matches_prefill=allowed["decode"],
                     batch_decode=allowed["batch"],
                 )
             return engines[case.runs_on]

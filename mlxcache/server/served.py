@@ -90,7 +90,7 @@ def cache_report(engine: Engine) -> dict[str, Any]:
         **engine.cache.report(),
         "busy": engine.busy,
         "warming": engine.warming,
-        "decode_kv": "kept" if engine.keep_replies else "re-prefilled",
+        "decode_kv": "kept" if engine.decode_matches_prefill else "re-prefilled",
         "batched_decode": engine.batch_decode,
         "next_turn": engine.next_turn.value,
         "mlx_active_bytes": mx.get_active_memory(),

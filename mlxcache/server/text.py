@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from mlxcache.modes.call_stream import CallDelta, CallStream
 from mlxcache.modes.reasoning import Thinking
-from mlxcache.stops import held
+from mlxcache.stops import partial_marker
 
 
 class _Strip:
@@ -60,7 +60,7 @@ class _Until:
         if cut >= 0:
             self.found, self._tail = True, ""
             return text[:cut], text[cut + len(self.tag) :]
-        keep = held(text, self.tag)
+        keep = partial_marker(text, self.tag)
         self._tail = text[len(text) - keep :]
         return text[: len(text) - keep], None
 
