@@ -468,6 +468,35 @@ def check_chat(rig: Rig) -> None:
     rig.warm(engine, spy, asked, CHAT)
 
 
+# Strong enough that no token of the last 64 (the whole prompt) is the greedy pick.
+PENALIZED = SamplingParams(repetition_penalty=50.0, repetition_context=64, max_tokens=3)
+
+
+def _pick_in_its_head(rig: Rig, n: int, head: int) -> list[int]:
+    """A prompt of `n` tokens whose unpenalized greedy pick is one of its first `head`
+    tokens and none of the rest: barred only by a penalty that looks back that far."""
+    for seed in range(20, 30):
+        tokens = prompt(n, seed=seed)
+        for i in range(head):
+            first = rig.cold(tokens).tokens[0]
+            if first in tokens[head:]:
+                break  # this prompt's tail holds it: try another
+            if first in tokens[:head]:
+                return tokens
+            tokens[i] = first
+    raise AssertionError(f"no prompt of {rig.variant.name} picks a token of its own head")
+
+
+def check_penalty(rig: Rig) -> None:
+    """The repetition penalty looks back into the resumed part of the prompt: a prompt
+    whose greedy pick sits only in its cached blocks, under a penalty that bars it."""
+    engine, spy = rig.engine()
+    tokens = _pick_in_its_head(rig, 2 * B + 3, 2 * B)
+    assert rig.cold(tokens, PENALIZED).tokens[0] != rig.cold(tokens).tokens[0]  # it bars it
+    rig.warm(engine, spy, tokens[: 2 * B + 1])  # keeps the two blocks
+    rig.warm(engine, spy, tokens, PENALIZED)  # resumes them, penalized as cold
+
+
 def check_lanes(rig: Rig) -> None:
     """Two sampled lanes at once, twice (the second time resuming), then one prompt in both
     lanes at once (with two seeds): each equals its solo run."""

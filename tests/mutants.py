@@ -95,8 +95,8 @@ def keep_decode_kv(patch: Patch) -> None:
 
 
 def penalty_without_cached_prompt(patch: Patch) -> None:
-    """The decode loop (its repetition penalty) sees only the prompt tokens the request
-    prefilled, not those it resumed from the cache."""
+    """The repetition penalty sees only the prompt tokens the request prefilled, not those
+    it resumed from the cache."""
     restore, decode = PromptCache.restore, lanes_mod.decode
     starts: dict[int, int] = {}  # id(layers) -> the resume point they were restored at
 
@@ -115,16 +115,20 @@ def penalty_without_cached_prompt(patch: Patch) -> None:
         model: Any, layers: Any, logits: Any, reply: decode_mod.Reply
     ) -> Generator[Event, None, Result]:
         start = starts.get(id(layers), 0)
-        reply.host, reply.prompt, reply.fed = (
-            reply.host[start:],
-            reply.prompt - start,
-            reply.fed - start,
-        )
-        reply.procs = [*make_processors(reply.ask.sampling, reply.prompt), *reply.ask.processors]
+        own = make_processors(reply.ask.sampling, reply.prompt - start)
+        reply.procs = [
+            *(_from(start, proc) for proc in own),
+            *reply.ask.processors,
+        ]
         return (yield from decode(model, layers, logits, reply))
 
     patch(PromptCache, "restore", restore_noting)
     patch(lanes_mod, "decode", decode_uncached)
+
+
+def _from(start: int, proc: Any) -> Any:
+    """`proc` seeing the history from `start` on."""
+    return lambda tokens, logits: proc(tokens[start:], logits)
 
 
 class _Batched:
