@@ -35,6 +35,7 @@ from mlxcache.errors import (
     Worded,
 )
 from mlxcache.events import Done, Event, Result, Stats, Token
+from mlxcache.request_settings import CHAT, fields_of
 from mlxcache.wire import USAGE_FIELD, model_source, published
 
 if TYPE_CHECKING:
@@ -596,28 +597,24 @@ def result_of(extra: dict[str, Any]) -> Result:
 
 
 def sampling_fields(params: SamplingParams) -> dict[str, Any]:
-    """Every sampling field of `params` as request fields (the server's own defaults play
+    """Every request setting of `params` as request fields (the server's own defaults play
     no part), and the flag that asks for the request's usage.
 
     Raises:
-        UserInputError: a setting no request can carry (`repetition_context`).
+        UserInputError: a setting no request can carry (`repetition_context`) not at its
+            default.
     """
     from mlxcache.sampling import SamplingParams
 
-    if params.repetition_context != SamplingParams().repetition_context:
-        raise UserInputError(
-            Worded(Setting("repetition_context"), " runs in-process only (no request sets it)")
-        )
+    carried = fields_of(CHAT)
+    sent = {row.name for row in carried.values()}
+    for f in fields(SamplingParams):
+        if f.name not in sent and getattr(params, f.name) != f.default:
+            raise UserInputError(
+                Worded(Setting(f.name), " runs in-process only (no request sets it)")
+            )
     return {
-        "max_tokens": params.max_tokens,
-        "temperature": params.temperature,
-        "top_p": params.top_p,
-        "top_k": params.top_k,
-        "min_p": params.min_p,
-        "repetition_penalty": params.repetition_penalty,
-        "seed": params.seed,
-        "presence_penalty": params.presence_penalty,
-        "frequency_penalty": params.frequency_penalty,
+        **{name: getattr(params, row.name) for name, row in carried.items()},
         USAGE_FIELD: True,
     }
 

@@ -16,12 +16,13 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from mlxcache.modes.call_stream import CallDelta
+from mlxcache.request_settings import MESSAGES
 from mlxcache.server import errors
 from mlxcache.server.errors import APIError
 from mlxcache.server.front import Converted, Routes, ignored, parsed
 from mlxcache.server.openai_format import Envelope, Usage
 from mlxcache.server.prepare import Answer, Plan
-from mlxcache.server.schemas import tagged
+from mlxcache.server.schemas import settings_given, tagged
 from mlxcache.server.stream import Outcome, Stream
 from mlxcache.wire import USAGE_FIELD
 
@@ -241,10 +242,8 @@ def to_chat(body: CountRequest) -> Converted:
     messages, origin = _messages(body)
     doc: dict[str, Any] = {"model": body.model, "messages": messages, **_tools(body)}
     if isinstance(body, MessagesRequest):
-        doc["max_tokens"] = body.max_tokens
         doc["stop"] = body.stop_sequences or None
-        for name in ("temperature", "top_p", "top_k"):
-            doc[name] = getattr(body, name)
+        doc.update(settings_given(body, MESSAGES))
     # A thinking section on reasoning templates (elsewhere named as ignored, in a header).
     effort = body.output_config.effort if body.output_config else None
     if body.thinking is not None:
