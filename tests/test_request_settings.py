@@ -17,7 +17,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from mlxcache import remote, request_settings
+from mlxcache import request_settings, request_spec
 from mlxcache.config import SamplingParams
 from mlxcache.errors import SettingError, settings_named
 from mlxcache.request_settings import (
@@ -125,13 +125,13 @@ def test_the_server_names_and_takes_each_row_s_field() -> None:
 
 def test_the_client_sends_every_row() -> None:
     params = SamplingParams(temperature=0.5, top_k=3, frequency_penalty=1.0)
-    sent = remote.sampling_fields(params)
+    sent = request_spec.sampling_fields(params)
     assert sent == {
         **{row.field(CHAT): getattr(params, row.name) for row in ROWS},
         USAGE_FIELD: True,
     }
     with pytest.raises(SettingError.__mro__[1]) as caught:  # UserInputError
-        remote.sampling_fields(SamplingParams(repetition_context=5))
+        request_spec.sampling_fields(SamplingParams(repetition_context=5))
     assert settings_named(caught.value) == ("repetition_context",)
 
 
@@ -181,7 +181,7 @@ def test_a_row_added_is_a_cli_option(added: None) -> None:
 
 
 def test_a_row_added_is_in_the_client_s_body(added: None) -> None:
-    sent = remote.sampling_fields(SamplingParams(repetition_context=7))
+    sent = request_spec.sampling_fields(SamplingParams(repetition_context=7))
     assert sent["repetition_context"] == 7 and set(sent) == {
         *(row.field(CHAT) for row in (*ROWS, CONTEXT_ROW)),
         USAGE_FIELD,
