@@ -133,26 +133,18 @@ def send(server: Server, request: RequestSpec) -> dict[str, Any]:
     return server.post(request.path, to_wire(request))
 
 
-def generate(
-    url: str,
-    run: RunOptions,
-    text: str,
-    system: str | None,
-    raw: bool,
-) -> Iterator[str | Finished]:
-    """`mlxcache generate` through the server: the reply's text as it streams, then how it
-    finished (printed by `generate`, as in-process)."""
-    from mlxcache.remote import usage_of
-    from mlxcache.request_spec import conversation, to_wire
+def generate(url: str, run: RunOptions, request: RequestSpec) -> Iterator[str | Finished]:
+    """`mlxcache generate`'s `request` through the server: the reply's text as it streams,
+    then how it finished (printed by `generate`, as in-process)."""
+    from dataclasses import replace
 
-    stops = run.stop_strings()
+    from mlxcache.remote import usage_of
+    from mlxcache.request_spec import to_wire
+
+    raw = request.prompt is not None
     server, model = connect(url, run)
     with server:
-        if raw:
-            request = spec(run, model, prompt=text, stops=stops)
-        else:
-            messages = conversation(system, [{"role": "user", "content": text}])
-            request = spec(run, model, messages=messages, stops=stops)
+        request = replace(request, model=model, draft=draft_of(run))
         usage = None
         for event in server.stream(request.path, to_wire(request)):
             for choice in event.get("choices") or ():

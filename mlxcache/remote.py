@@ -21,7 +21,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
@@ -38,7 +38,6 @@ from mlxcache.wire import model_source, published
 
 if TYPE_CHECKING:
     from mlxcache.modes.tools import ToolCall, ToolChoice
-    from mlxcache.sampling import SamplingParams
 
 CONNECT_TIMEOUT_S = 10.0
 """Bound on connecting (a host that drops packets)."""
@@ -563,13 +562,9 @@ class ChatRunner:
         self.model = model
         self.draft = draft
 
-    def reply(
-        self, messages: list[dict[str, str]], params: SamplingParams, stop: tuple[str, ...]
-    ) -> Iterator[Event]:
-        spec = RequestSpec(
-            tuple(messages), sampling=params, stops=stop, draft=self.draft, model=self.model
-        )
-        return self._events(to_wire(spec))  # now: a setting no request carries raises here
+    def reply(self, request: RequestSpec) -> Iterator[Event]:
+        sent = replace(request, draft=self.draft, model=self.model)
+        return self._events(to_wire(sent))  # now: a setting no request carries raises here
 
     def _events(self, body: dict[str, Any]) -> Iterator[Event]:
         usage = None

@@ -12,12 +12,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mlxcache.config import SamplingParams
 from mlxcache.errors import Setting, UserInputError, Worded
 from mlxcache.request_settings import CHAT, fields_of
 from mlxcache.wire import USAGE_FIELD
+
+if TYPE_CHECKING:
+    from mlxcache.encoder import Encoder
 
 CHAT_PATH, TEXT_PATH = "/v1/chat/completions", "/v1/completions"
 
@@ -131,3 +134,11 @@ def conversation(system: str | None, messages: Sequence[Mapping[str, Any]]) -> t
     """`messages` after a system message of `system` (none for None)."""
     head = [{"role": "system", "content": system}] if system is not None else []
     return (*head, *messages)
+
+
+def prompt_ids(spec: RequestSpec, encoder: Encoder) -> list[int]:
+    """The token ids `spec` continues in-process: its raw prompt as is, or its messages
+    through the model's chat template (as the server's completions and chat routes)."""
+    if spec.prompt is not None:
+        return encoder.encode(spec.prompt)
+    return encoder.encode_chat([dict(m) for m in spec.messages])
