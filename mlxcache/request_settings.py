@@ -109,7 +109,7 @@ _EVERY = (CHAT, MESSAGES, RESPONSES)
 _PENALTY_HELP = "; 0 is off."
 
 SAMPLING: tuple[RequestSetting, ...] = (
-    # In the order of the chat request's fields (which of several problems is reported).
+    # In the CLI's help order.
     RequestSetting(
         "max_tokens",
         int,
@@ -144,41 +144,6 @@ SAMPLING: tuple[RequestSetting, ...] = (
         Option(("--top-p",), "P", "Nucleus sampling: keep the most likely tokens up to mass P."),
         # 0 is OpenAI's "the most likely token" (`server.prepare.sampling`).
         _same("top_p", Bounds(0, 1), *_EVERY),
-    ),
-    RequestSetting(
-        "presence_penalty",
-        float,
-        0.0,
-        Bounds(-2, 2),  # OpenAI's range
-        " must be in [-2, 2], got {}",
-        Option(
-            ("--presence-penalty",),
-            "X",
-            "Subtract X (-2..2) once from the logit of each token the reply has" + _PENALTY_HELP,
-        ),
-        _same("presence_penalty", None, CHAT),
-    ),
-    RequestSetting(
-        "frequency_penalty",
-        float,
-        0.0,
-        Bounds(-2, 2),
-        " must be in [-2, 2], got {}",
-        Option(
-            ("--frequency-penalty",),
-            "X",
-            "Subtract X (-2..2) from a token's logit per occurrence in the reply" + _PENALTY_HELP,
-        ),
-        _same("frequency_penalty", None, CHAT),
-    ),
-    RequestSetting(
-        "seed",
-        int,
-        0,
-        Bounds(0, 2**63, high_open=True),
-        " must be in [0, 2**63), got {}",
-        Option(("--seed",), "N", "Seed: the same seed gives the same reply."),
-        _same("seed", None, *_OPENAI),
     ),
     RequestSetting(
         "top_k",
@@ -216,8 +181,43 @@ SAMPLING: tuple[RequestSetting, ...] = (
         # The API's bound leaves infinity to `SamplingParams` (a SettingError naming it).
         _same("repetition_penalty", Bounds(low=0, low_open=True), *_OPENAI),
     ),
+    RequestSetting(
+        "presence_penalty",
+        float,
+        0.0,
+        Bounds(-2, 2),  # OpenAI's range
+        " must be in [-2, 2], got {}",
+        Option(
+            ("--presence-penalty",),
+            "X",
+            "Subtract X (-2..2) once from the logit of each token the reply has" + _PENALTY_HELP,
+        ),
+        _same("presence_penalty", None, CHAT),
+    ),
+    RequestSetting(
+        "frequency_penalty",
+        float,
+        0.0,
+        Bounds(-2, 2),
+        " must be in [-2, 2], got {}",
+        Option(
+            ("--frequency-penalty",),
+            "X",
+            "Subtract X (-2..2) from a token's logit per occurrence in the reply" + _PENALTY_HELP,
+        ),
+        _same("frequency_penalty", None, CHAT),
+    ),
+    RequestSetting(
+        "seed",
+        int,
+        0,
+        Bounds(0, 2**63, high_open=True),
+        " must be in [0, 2**63), got {}",
+        Option(("--seed",), "N", "Seed: the same seed gives the same reply."),
+        _same("seed", None, *_OPENAI),
+    ),
 )
-"""Every request setting, in the chat request's field order."""
+"""Every request setting: the CLI's options and the chat request's fields are in this order."""
 
 
 def by_name(table: tuple[RequestSetting, ...] | None = None) -> dict[str, RequestSetting]:
