@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Protocol
 
 import typer
 
+from mlxcache import request_settings
 from mlxcache.errors import MlxcacheError, UserInputError
 from mlxcache.paths import cache_dir as resolve_cache_dir
 from mlxcache.paths import session_dirs
@@ -383,18 +384,6 @@ def saved_sessions(directories: list[Path]) -> str:
     return "\n".join(lines) if lines else f"no saved sessions in {where}"
 
 
-# RunOptions names of the sampling settings a session keeps, and their SamplingParams fields.
-_SESSION_OPTIONS = {
-    "max_tokens": "max_tokens",
-    "temp": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "min_p": "min_p",
-    "repetition_penalty": "repetition_penalty",
-    "seed": "seed",
-}
-
-
 def _given(ctx: typer.Context, name: str) -> bool:
     """Whether option `name` was set on the command line or by its environment variable."""
     source = ctx.get_parameter_source(name)
@@ -408,8 +397,8 @@ def apply_options(
     params = run.sampling()
     updates = {
         field: getattr(params, field)
-        for option, field in _SESSION_OPTIONS.items()
-        if _given(ctx, option) and getattr(params, field) != getattr(session.sampling, field)
+        for field in (row.name for row in request_settings.SAMPLING)
+        if _given(ctx, field) and getattr(params, field) != getattr(session.sampling, field)
     }
     changed = [f"{k} {getattr(session.sampling, k)} -> {v}" for k, v in updates.items()]
     session.sampling = dataclasses.replace(session.sampling, **updates)

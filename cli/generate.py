@@ -28,22 +28,25 @@ def generate(
     """Generate a reply to PROMPT, streamed to stdout; stats go to stderr."""
     text = o.read_prompt(prompt, prompt_file)
     system = o.text_or_file(system, "system")
+    from mlxcache.request_spec import RequestSpec, conversation, prompt_ids
+
     params, stops = run.sampling(), run.stop_strings()
     if raw and system is not None:
         raise UserInputError("--system needs the chat template; drop --raw")
+    if raw:
+        request = RequestSpec(prompt=text, sampling=params, stops=stops)
+    else:
+        messages = conversation(system, [{"role": "user", "content": text}])
+        request = RequestSpec(messages, sampling=params, stops=stops)
     if server:
-        _print(remote.generate(server, run, text, system, raw), as_json, run.quiet)
+        _print(remote.generate(server, run, request), as_json, run.quiet)
         return
     from mlxcache.engine import Request
     from mlxcache.events import Done, Token
 
     engine = run.engine()
-    if raw:
-        ids = engine.encoder.encode(text)
-    else:
-        messages = [{"role": "system", "content": system}] if system is not None else []
-        ids = engine.encoder.encode_chat([*messages, {"role": "user", "content": text}])
-    events = engine.generate(Request(ids, params, stop_strings=stops))
+    ids = prompt_ids(request, engine.encoder)
+    events = engine.generate(Request(ids, request.sampling, stop_strings=request.stops))
     with o.watch(engine, ids, run.quiet, events) as seen:
 
         def pieces() -> Iterator[str | remote.Finished]:

@@ -9,7 +9,7 @@ import inspect
 import os
 import re
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 
+from mlxcache import request_settings
 from mlxcache.config import (
     CPU_BLOCK_SIZE,
     METAL_BLOCK_SIZE,
@@ -27,6 +28,7 @@ from mlxcache.config import (
     parse_size,
 )
 from mlxcache.errors import SettingError, UserInputError
+from mlxcache.request_settings import RequestSetting
 from mlxcache_cli import ui
 
 if TYPE_CHECKING:  # the engine imports mlx_lm (seconds): only the commands that run one do
@@ -89,81 +91,6 @@ Models = Annotated[
         rich_help_panel=MODEL_PANEL,
     ),
 ]
-MaxTokens = Annotated[
-    int,
-    typer.Option(
-        "--max-tokens",
-        "-n",
-        metavar="N",
-        help="Most tokens to generate.",
-        rich_help_panel=SAMPLING_PANEL,
-    ),
-]
-Temp = Annotated[
-    float,
-    typer.Option(
-        "--temp",
-        "-t",
-        metavar="T",
-        help="Sampling temperature; 0 is greedy.",
-        rich_help_panel=SAMPLING_PANEL,
-    ),
-]
-TopP = Annotated[
-    float,
-    typer.Option(
-        "--top-p",
-        metavar="P",
-        help="Nucleus sampling: keep the most likely tokens up to mass P.",
-        rich_help_panel=SAMPLING_PANEL,
-    ),
-]
-TopK = Annotated[
-    int,
-    typer.Option(
-        "--top-k",
-        metavar="K",
-        help="Sample among the K most likely tokens; 0 keeps all.",
-        rich_help_panel=SAMPLING_PANEL,
-    ),
-]
-MinP = Annotated[
-    float,
-    typer.Option(
-        "--min-p",
-        metavar="P",
-        help="Drop tokens less likely than P times the most likely one; 0 keeps all.",
-        rich_help_panel=SAMPLING_PANEL,
-    ),
-]
-RepetitionPenalty = Annotated[
-    float,
-    typer.Option(
-        "--repetition-penalty",
-        metavar="X",
-        help=f"Penalise the last {SamplingParams().repetition_context} tokens' repeats "
-        "(e.g. 1.1); 1 is off.",
-        rich_help_panel=SAMPLING_PANEL,
-    ),
-]
-PresencePenalty = Annotated[
-    float,
-    typer.Option(
-        "--presence-penalty",
-        metavar="X",
-        help="Subtract X (-2..2) once from the logit of each token the reply has; 0 is off.",
-        rich_help_panel=SAMPLING_PANEL,
-    ),
-]
-FrequencyPenalty = Annotated[
-    float,
-    typer.Option(
-        "--frequency-penalty",
-        metavar="X",
-        help="Subtract X (-2..2) from a token's logit per occurrence in the reply; 0 is off.",
-        rich_help_panel=SAMPLING_PANEL,
-    ),
-]
 Stop = Annotated[
     list[str] | None,
     typer.Option(
@@ -171,15 +98,6 @@ Stop = Annotated[
         metavar="TEXT",
         help="End the reply before this text (repeatable; \\n, \\t, \\r and \\\\ in it "
         "are a newline, a tab, a carriage return and a backslash).",
-        rich_help_panel=SAMPLING_PANEL,
-    ),
-]
-Seed = Annotated[
-    int,
-    typer.Option(
-        "--seed",
-        metavar="N",
-        help="Seed: the same seed gives the same reply.",
         rich_help_panel=SAMPLING_PANEL,
     ),
 ]
@@ -690,16 +608,9 @@ class RunOptions:
     adapter: Path | None
     chat_template: str | None
     chat_template_args: str | None
-    max_tokens: int
-    temp: float
-    top_p: float
-    top_k: int
-    min_p: float
-    repetition_penalty: float
-    presence_penalty: float
-    frequency_penalty: float
+    settings: Mapping[str, Any]
+    """The request settings' values, by name (`request_settings.SAMPLING`)."""
     stop: list[str] | None
-    seed: int
     cache_dir: Path | None
     no_cache: bool
     cache_mem: str
@@ -722,17 +633,7 @@ class RunOptions:
     `model` is the first."""
 
     def sampling(self) -> SamplingParams:
-        return sampling(
-            max_tokens=self.max_tokens,
-            temperature=self.temp,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            min_p=self.min_p,
-            repetition_penalty=self.repetition_penalty,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            seed=self.seed,
-        )
+        return sampling(**self.settings)
 
     def stop_strings(self) -> tuple[str, ...]:
         """--stop values, escapes read (`\\n` is a newline: a shell passes `"\\n"` as a
@@ -795,22 +696,34 @@ def _config_default(name: str) -> Any:
 
 _SAMPLING = SamplingParams()
 _DRAFT = DraftConfig()
+
+
+def setting_option(row: RequestSetting) -> Any:
+    """A request setting's option (`request_settings.SAMPLING`)."""
+    text = row.option.help.format(repetition_context=_SAMPLING.repetition_context)
+    option = typer.Option(
+        *row.option.flags,
+        metavar=row.option.metavar,
+        help=text,
+        rich_help_panel=SAMPLING_PANEL,
+    )
+    return Annotated[row.kind, option]
+
+
+def _run_options() -> list[tuple[str, Any, Any]]:
+    """The shared options: name, annotated type, default; the request settings' from
+    their table, as it is when a command is declared."""
+    settings = [(row.name, setting_option(row), row.default) for row in request_settings.SAMPLING]
+    return [*_RUN_OPTIONS[:4], *settings, *_RUN_OPTIONS[4:]]
+
+
 _RUN_OPTIONS: list[tuple[str, Any, Any]] = [
     ("model", Model, None),
     ("adapter", AdapterOpt, None),
     ("chat_template", ChatTemplate, None),
     ("chat_template_args", ChatTemplateArgs, None),
-    # Sampling defaults come from SamplingParams, their one home.
-    ("max_tokens", MaxTokens, _SAMPLING.max_tokens),
-    ("temp", Temp, _SAMPLING.temperature),
-    ("top_p", TopP, _SAMPLING.top_p),
-    ("top_k", TopK, _SAMPLING.top_k),
-    ("min_p", MinP, _SAMPLING.min_p),
-    ("repetition_penalty", RepetitionPenalty, _SAMPLING.repetition_penalty),
-    ("presence_penalty", PresencePenalty, _SAMPLING.presence_penalty),
-    ("frequency_penalty", FrequencyPenalty, _SAMPLING.frequency_penalty),
+    # (the request settings: `_run_options`)
     ("stop", Stop, None),
-    ("seed", Seed, _SAMPLING.seed),
     ("cache_dir", CacheDir, None),
     ("no_cache", NoCacheFlag, False),
     # Defaults come from CacheConfig, their one home, in the form the options take.
@@ -838,22 +751,21 @@ def run_options(kwargs: dict[str, Any]) -> RunOptions:
     """The shared options taken out of a command's keyword arguments (a repeated --model
     as `models`, its first as `model`)."""
     given = {name: kwargs.pop(name) for name, _, _ in _RUN_OPTIONS}
+    given["settings"] = {row.name: kwargs.pop(row.name) for row in request_settings.SAMPLING}
     if isinstance(given["model"], list):
         given["models"] = tuple(given["model"])
         given["model"] = given["models"][0] if given["models"] else None
     return RunOptions(**given)
 
 
-def with_run_options(
-    max_tokens: int = _SAMPLING.max_tokens, models: bool = False
-) -> Callable[[F], F]:
+def with_run_options(max_tokens: int | None = None, models: bool = False) -> Callable[[F], F]:
     """Give a command the shared options; it receives them as `run: RunOptions`
     (`models`: --model may be repeated, `RunOptions.models`).
 
     Typer reads a command's options from its signature, so the wrapper's signature is the
     command's own parameters (minus `run`) followed by the shared ones.
     """
-    defaults = {"max_tokens": max_tokens}
+    defaults = {} if max_tokens is None else {"max_tokens": max_tokens}
 
     def decorate(fn: F) -> F:
         own = [
@@ -866,7 +778,7 @@ def with_run_options(
                 default=defaults.get(name, default),
                 annotation=Models if models and name == "model" else kind,
             )
-            for name, kind, default in _RUN_OPTIONS
+            for name, kind, default in _run_options()
         ]
 
         @functools.wraps(fn)

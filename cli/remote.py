@@ -19,6 +19,7 @@ if TYPE_CHECKING:  # the client (http.client, ssl) is imported by the commands t
     from mlxcache.modes.json_mode import JsonReply
     from mlxcache.modes.tools import Tool, ToolChoice, ToolReply
     from mlxcache.remote import Server, Wanted
+    from mlxcache.request_spec import RequestSpec
     from mlxcache.sampling import SamplingParams
     from mlxcache_cli.options import RunOptions
 
@@ -60,7 +61,7 @@ def connect_card(url: str, run: RunOptions) -> tuple[Server, dict[str, Any]]:
         tailoring = tailoring_of(**run.tailoring())
         return [Wanted(spec, cache.block_size, cache.enabled, kv_label(cache), tailoring)]
 
-    draft_field(run)  # refused before connecting, as every other option
+    draft_of(run)  # refused before connecting, as every other option
     return checked(url, wanted)
 
 
@@ -109,52 +110,43 @@ def in_process_only(**given: object) -> None:
             )
 
 
-def sampling_body(run: RunOptions) -> dict[str, Any]:
-    """Every sampling field, so the server's own defaults (penalties included) play no part,
-    and --draft when given (`draft_field`)."""
-    from mlxcache.remote import sampling_fields
-
-    return {**sampling_fields(run.sampling()), **draft_field(run)}
-
-
-def draft_field(run: RunOptions) -> dict[str, Any]:
-    """--draft as the request's `draft` (none: the server's own setting). A reply is the
+def draft_of(run: RunOptions) -> str | None:
+    """--draft as the request's `draft` (None: the server's own setting). A reply is the
     same drafted or not; the draft model and --draft-inexact are the server's to choose."""
     from mlxcache.config import DraftConfig
 
     in_process_only(draft_model=run.draft_model, draft_inexact=run.draft_inexact)
-    return {} if run.draft == DraftConfig().mode else {"draft": run.draft}
+    return None if run.draft == DraftConfig().mode else run.draft
 
 
-def generate(
-    url: str,
-    run: RunOptions,
-    text: str,
-    system: str | None,
-    raw: bool,
-) -> Iterator[str | Finished]:
-    """`mlxcache generate` through the server: the reply's text as it streams, then how it
-    finished (printed by `generate`, as in-process)."""
+def spec(run: RunOptions, model: str, **given: Any) -> RequestSpec:
+    """The request `run`'s options and `given` state, to `model` (`request_spec`)."""
+    from mlxcache.request_spec import RequestSpec
+
+    return RequestSpec(sampling=run.sampling(), draft=draft_of(run), model=model, **given)
+
+
+def send(server: Server, request: RequestSpec) -> dict[str, Any]:
+    """The whole reply to `request` (streamed, put together: `Server.post`)."""
+    from mlxcache.request_spec import to_wire
+
+    return server.post(request.path, to_wire(request))
+
+
+def generate(url: str, run: RunOptions, request: RequestSpec) -> Iterator[str | Finished]:
+    """`mlxcache generate`'s `request` through the server: the reply's text as it streams,
+    then how it finished (printed by `generate`, as in-process)."""
+    from dataclasses import replace
+
     from mlxcache.remote import usage_of
+    from mlxcache.request_spec import to_wire
 
-    stops = run.stop_strings()
+    raw = request.prompt is not None
     server, model = connect(url, run)
     with server:
-        body: dict[str, Any] = {"model": model, **sampling_body(run), "stop": list(stops)}
-        body["stream_options"] = {"include_usage": True}
-        if raw:
-            path, body["prompt"] = "/v1/completions", text
-        else:
-            messages = [{"role": "system", "content": system}] if system is not None else []
-            path, body["messages"] = (
-                "/v1/chat/completions",
-                [
-                    *messages,
-                    {"role": "user", "content": text},
-                ],
-            )
+        request = replace(request, model=model, draft=draft_of(run))
         usage = None
-        for event in server.stream(path, body):
+        for event in server.stream(request.path, to_wire(request)):
             for choice in event.get("choices") or ():
                 piece = choice.get("text") if raw else (choice.get("delta") or {}).get("content")
                 if piece:
@@ -194,20 +186,20 @@ def json_single(
     from mlxcache.modes.json_mode import JsonReply
     from mlxcache.modes.schema import read_document
     from mlxcache.remote import usage_of
+    from mlxcache.request_spec import conversation
 
     server, model = connect(url, run)
     with server:
-        system = [{"role": "system", "content": instructions}] if instructions is not None else []
-        body = {
-            "model": model,
-            **sampling_body(run),
-            "messages": [*system, {"role": "user", "content": text}],
-            "response_format": {
+        request = spec(
+            run,
+            model,
+            messages=conversation(instructions, [{"role": "user", "content": text}]),
+            response_format={
                 "type": "json_schema",
                 "json_schema": {"name": "reply", "schema": given},
             },
-        }
-        reply = server.post("/v1/chat/completions", body)
+        )
+        reply = send(server, request)
         extra = usage_of(reply.get("usage"), server.url)
     message = reply["choices"][0]["message"]
     content = message.get("content") or ""
@@ -231,20 +223,20 @@ def tools(
     call cut off or unreadable is its `error`, from the usage), the raw result, its stats."""
     from mlxcache.modes.tools import ToolReply
     from mlxcache.remote import reply_calls, tool_choice_field, usage_of
+    from mlxcache.request_spec import conversation
     from mlxcache.wire import worded_from
 
-    head = [{"role": "system", "content": system}] if system is not None else []
     server, model = connect(url, run)
     with server:
-        body = {
-            "model": model,
-            **sampling_body(run),
-            "messages": [*head, *(_openai_message(m) for m in messages)],
-            "tools": [t.as_openai() for t in tool_defs],
-            "tool_choice": tool_choice_field(choice),
-            "parallel_tool_calls": parallel,
-        }
-        reply = server.post("/v1/chat/completions", body)
+        request = spec(
+            run,
+            model,
+            messages=conversation(system, [_openai_message(m) for m in messages]),
+            tools=tuple(t.as_openai() for t in tool_defs),
+            tool_choice=tool_choice_field(choice),
+            parallel_tool_calls=parallel,
+        )
+        reply = send(server, request)
         extra = usage_of(reply.get("usage"), server.url)
     message = reply["choices"][0]["message"]
     calls = reply_calls(message, extra, server.url)
@@ -277,11 +269,11 @@ class ChatServer:
     chat completions, its model and cache the server's (warm-ahead too). Sessions stay
     local: every turn sends the whole conversation."""
 
-    def __init__(self, server: Server, card: dict[str, Any], fields: dict[str, Any]) -> None:
+    def __init__(self, server: Server, card: dict[str, Any], draft: str | None) -> None:
         from mlxcache.remote import ChatRunner
 
         self.server = server
-        self.runner = ChatRunner(server, str(card["id"]), fields)
+        self.runner = ChatRunner(server, str(card["id"]), draft)
         self.model = ServedModel(str(card["id"]), str(card["mlxcache"]["key"]))
 
     def cache_report(self) -> dict[str, Any]:
@@ -305,7 +297,7 @@ def chat_server(url: str, run: RunOptions, sampling: SamplingParams) -> ChatServ
         UserInputError: a setting no request carries (the session's repetition_context).
         ServerMismatchError, ServerError: as `connect`.
     """
-    from mlxcache.remote import sampling_fields
+    from mlxcache.request_spec import sampling_fields
 
     sampling_fields(sampling)  # refused before connecting, as every other option
-    return ChatServer(*connect_card(url, run), draft_field(run))
+    return ChatServer(*connect_card(url, run), draft_of(run))

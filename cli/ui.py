@@ -10,6 +10,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from mlxcache import request_settings
 from mlxcache.config import human_bytes as human_bytes  # the CLI's sizes, as the library says them
 from mlxcache.errors import worded
 
@@ -124,15 +125,6 @@ def preview(text: str, width: int = 60) -> str:
 
 
 FLAGS = {
-    "max_tokens": "--max-tokens",
-    "temperature": "--temp",
-    "top_p": "--top-p",
-    "top_k": "--top-k",
-    "min_p": "--min-p",
-    "seed": "--seed",
-    "repetition_penalty": "--repetition-penalty",
-    "presence_penalty": "--presence-penalty",
-    "frequency_penalty": "--frequency-penalty",
     "block_size": "--block-size",
     "state_stride": "--state-stride",
     "kv_bits": "--kv-bits",
@@ -151,12 +143,18 @@ FLAGS = {
     "draft_ngram": "--draft-ngram",
 }
 """The words of the CLI for the settings library messages name (`errors.Worded`): their
-flags, where the library names them as its API does (max_tokens -> --max-tokens)."""
+flags, where the library names them as its API does (max_tokens -> --max-tokens); the
+request settings' are their table's (`flags`)."""
+
+
+def flags() -> dict[str, str]:
+    """`FLAGS` and the request settings' flags (max_tokens -> --max-tokens)."""
+    return {**{row.name: row.flag for row in request_settings.SAMPLING}, **FLAGS}
 
 
 def as_flags(message: object) -> str:
     """A library error or message in the CLI's words: settings named by their flags."""
-    return worded(message, FLAGS)
+    return worded(message, flags())
 
 
 def error(message: object) -> None:

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-import math
 import os
 import re
 from dataclasses import dataclass, field, fields
 from numbers import Integral, Real
 from pathlib import Path
 
+from mlxcache import request_settings
 from mlxcache.errors import Setting, SettingError, UserInputError, Worded
+from mlxcache.request_settings import default
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
@@ -135,46 +136,37 @@ class SamplingParams:
     (frequency); the prompt plays no part.
     """
 
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int = 0
-    max_tokens: int = 256
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
+    # Defaults, types and ranges: `request_settings.SAMPLING` (test_request_settings checks
+    # that these fields are its rows, and repetition_context).
+    temperature: float = default("temperature")
+    top_p: float = default("top_p")
+    seed: int = default("seed")
+    max_tokens: int = default("max_tokens")
+    top_k: int = default("top_k")
+    min_p: float = default("min_p")
+    repetition_penalty: float = default("repetition_penalty")
     repetition_context: int = 20
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    """In-process only: no request setting (no flag, no request field) carries it."""
+    presence_penalty: float = default("presence_penalty")
+    frequency_penalty: float = default("frequency_penalty")
 
     def __post_init__(self) -> None:
         # Types first (settings also come from JSON files): a float seed or a string
         # temperature would otherwise fail deep inside MLX, or be silently coerced.
+        rows = request_settings.by_name()
         for f in fields(self):
             value = getattr(self, f.name)
-            whole = isinstance(f.default, int)
+            whole = (rows[f.name].kind if f.name in rows else type(f.default)) is int
             if isinstance(value, bool) or not isinstance(value, Integral if whole else Real):
                 kind = "an integer" if whole else "a number"
                 raise _invalid(f.name, f" must be {kind}, got {value!r}")
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise _invalid("temperature", f" must be a finite number >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise _invalid("top_p", f" must be in (0, 1], got {self.top_p}")
-        if self.max_tokens < 1:
-            raise _invalid("max_tokens", f" must be >= 1, got {self.max_tokens}")
-        if not 0 <= self.seed < 2**63:
-            raise _invalid("seed", f" must be in [0, 2**63), got {self.seed}")
-        if self.top_k < 0:
-            raise _invalid("top_k", f" must be >= 0, got {self.top_k}")
-        if not 0.0 <= self.min_p < 1.0:
-            raise _invalid("min_p", f" must be in [0, 1), got {self.min_p}")
-        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
-            raise _invalid("repetition_penalty", f" must be > 0, got {self.repetition_penalty}")
+        for f in fields(self):
+            row = rows.get(f.name)
+            value = getattr(self, f.name)
+            if row is not None and not row.bounds.holds(value):
+                raise _invalid(row.name, row.why.format(value))
         if self.repetition_context < 1:
             raise _invalid("repetition_context", f" must be >= 1, got {self.repetition_context}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if not -2.0 <= value <= 2.0:  # OpenAI's range (NaN is outside it too)
-                raise _invalid(name, f" must be in [-2, 2], got {value}")
 
 
 DRAFTS = ("auto", "lookup", "model", "off")

@@ -21,7 +21,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
@@ -30,16 +30,14 @@ from mlxcache.errors import (
     GenerationError,
     QueueFullError,
     ServerError,
-    Setting,
     UserInputError,
-    Worded,
 )
 from mlxcache.events import Done, Event, Result, Stats, Token
-from mlxcache.wire import USAGE_FIELD, model_source, published
+from mlxcache.request_spec import RequestSpec, to_wire
+from mlxcache.wire import model_source, published
 
 if TYPE_CHECKING:
     from mlxcache.modes.tools import ToolCall, ToolChoice
-    from mlxcache.sampling import SamplingParams
 
 CONNECT_TIMEOUT_S = 10.0
 """Bound on connecting (a host that drops packets)."""
@@ -419,17 +417,18 @@ class Server:
 
 
 def chat_reply(events: Iterable[dict[str, Any]], url: str) -> dict[str, Any]:
-    """A streamed chat completion's chunks put together as the non-streamed reply has it:
-    the message's content, reasoning and tool calls, finish reason, usage.
+    """A streamed chat completion's chunks, each checked (`chunk`, as `Server.stream`
+    yields them), put together as the non-streamed reply has it: the message's content,
+    reasoning and tool calls, finish reason, usage.
 
     Raises:
-        ServerError: a chunk of another shape (`url`: the server that sent it).
+        ServerError: a call of another shape (`url`: the server that sent it).
     """
     message: dict[str, Any] = {"role": "assistant", "content": ""}
     finish, usage = None, None
     calls: dict[int, dict[str, Any]] = {}
     for event in events:
-        for choice in chunk(event, url).get("choices") or ():
+        for choice in event.get("choices") or ():
             delta = choice.get("delta") or {}
             for key in ("content", "reasoning"):
                 if delta.get(key) is not None:
@@ -555,26 +554,17 @@ class ChatRunner:
     """A chat's turns (`modes.chat.Runner`) as streamed chat completions on `server`, whose
     model is `model`: the content as it comes (a thinking section apart from the answer, as
     the server sends it), then `Done` with the request's own result from the usage. Leaving
-    early closes the connection, and the server cancels the request. `fields`: more of
-    each request's fields (e.g. its `draft`)."""
+    early closes the connection, and the server cancels the request. `draft`: each
+    request's (None: the server's)."""
 
-    def __init__(self, server: Server, model: str, fields: dict[str, Any] | None = None) -> None:
+    def __init__(self, server: Server, model: str, draft: str | None = None) -> None:
         self.server = server
         self.model = model
-        self.fields = fields or {}
+        self.draft = draft
 
-    def reply(
-        self, messages: list[dict[str, str]], params: SamplingParams, stop: tuple[str, ...]
-    ) -> Iterator[Event]:
-        body = {
-            "model": self.model,
-            **sampling_fields(params),  # now: a setting no request carries raises here
-            **self.fields,
-            "stop": list(stop),
-            "messages": messages,
-            "stream_options": {"include_usage": True},
-        }
-        return self._events(body)
+    def reply(self, request: RequestSpec) -> Iterator[Event]:
+        sent = replace(request, draft=self.draft, model=self.model)
+        return self._events(to_wire(sent))  # now: a setting no request carries raises here
 
     def _events(self, body: dict[str, Any]) -> Iterator[Event]:
         usage = None
@@ -593,33 +583,6 @@ def result_of(extra: dict[str, Any]) -> Result:
     known = {f.name for f in fields(Stats)}
     stats = Stats(**{k: v for k, v in extra["stats"].items() if k in known})
     return Result(extra["text"], list(extra["tokens"]), extra["finish_reason"], stats)
-
-
-def sampling_fields(params: SamplingParams) -> dict[str, Any]:
-    """Every sampling field of `params` as request fields (the server's own defaults play
-    no part), and the flag that asks for the request's usage.
-
-    Raises:
-        UserInputError: a setting no request can carry (`repetition_context`).
-    """
-    from mlxcache.sampling import SamplingParams
-
-    if params.repetition_context != SamplingParams().repetition_context:
-        raise UserInputError(
-            Worded(Setting("repetition_context"), " runs in-process only (no request sets it)")
-        )
-    return {
-        "max_tokens": params.max_tokens,
-        "temperature": params.temperature,
-        "top_p": params.top_p,
-        "top_k": params.top_k,
-        "min_p": params.min_p,
-        "repetition_penalty": params.repetition_penalty,
-        "seed": params.seed,
-        "presence_penalty": params.presence_penalty,
-        "frequency_penalty": params.frequency_penalty,
-        USAGE_FIELD: True,
-    }
 
 
 def tool_choice_field(choice: ToolChoice) -> str | dict[str, Any]:

@@ -65,20 +65,22 @@ def test_resume_shows_the_session_and_applies_given_options(
     chat.save(saved, tmp_path / "sessions", "s")
     code, out, err = invoke(
         tmp_path, tiny_gguf, "--resume", "s", "-n", "3", "--seed", "4", "--top-k", "5",
-        stdin="/stats --json\n",
+        "--frequency-penalty", "1.5", stdin="/stats --json\n",
     )  # fmt: skip
     assert code == 0, err
     assert err.splitlines() == [
         "session s: 1 turns, system: be brief",
         "  last: you> hello",
         "        world",
-        "changed: max_tokens 2 -> 3, top_k 0 -> 5",  # --seed 4 is no change; -t not given
+        # --seed 4 is no change; -t not given; every request setting is a session's
+        "changed: max_tokens 2 -> 3, top_k 0 -> 5, frequency_penalty 0.0 -> 1.5",
     ]
     stats = json.loads(out)
     assert stats["sampling"] == {
         **json.loads((tmp_path / "sessions" / "s.json").read_text())["sampling"],
         "max_tokens": 3,
         "top_k": 5,
+        "frequency_penalty": 1.5,
     }
     assert stats["session"] == "s" and stats["turns"] == 1
 

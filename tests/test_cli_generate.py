@@ -130,8 +130,8 @@ def test_prompt_longer_than_context(cache_root: Path, tiny_gguf: Path) -> None:
 
 
 def dataclass_run(**values: Any) -> o.RunOptions:
-    fields = {name: default for name, _, default in o._RUN_OPTIONS}
-    return o.RunOptions(**{**fields, **values})
+    fields = {name: default for name, _, default in o._run_options()}
+    return o.run_options({**fields, **values})
 
 
 @pytest.mark.parametrize(

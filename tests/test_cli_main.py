@@ -113,7 +113,7 @@ def test_defaults_have_one_home() -> None:
     generate = {p.name: p.default for p in group.commands["generate"].params}  # type: ignore[attr-defined]
     served = {p.name: p.default for p in group.commands["serve"].params}  # type: ignore[attr-defined]
     sampling = SamplingParams()
-    assert (generate["temp"], generate["top_p"], generate["seed"]) == (
+    assert (generate["temperature"], generate["top_p"], generate["seed"]) == (
         sampling.temperature,
         sampling.top_p,
         sampling.seed,

@@ -346,7 +346,7 @@ WATCHED = ("socket", "ssl", "http", "asyncio", "sqlite3", "multiprocessing", "em
 INSTALL = {"_distutils_hack", "__editable___mlxcache_0_1_0_finder"}
 """What an editable install's .pth files import in every process (not the CLI's doing)."""
 HELP_LIBRARY = ["mlxcache", "mlxcache.config", "mlxcache.errors", "mlxcache.launch"]
-HELP_LIBRARY += ["mlxcache.paths", "mlxcache.regress"]
+HELP_LIBRARY += ["mlxcache.paths", "mlxcache.regress", "mlxcache.request_settings"]
 APP_ITSELF = {"main", "_version", "install_callback", "show_callback"}
 """The functions whose parameters the app's own options come from (--debug, --version,
 Typer's completion options)."""

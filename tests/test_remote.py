@@ -468,14 +468,13 @@ def test_a_chat_reply_left_early_is_cancelled_on_the_server(server: MlxcacheServ
     from mlxcache.bench.serve_bench import idle_report
     from mlxcache.events import Token
     from mlxcache.remote import ChatRunner, Server
+    from mlxcache.request_spec import RequestSpec
     from mlxcache.sampling import SamplingParams
 
     with Server(server.url) as client:
-        events = ChatRunner(client, server.model).reply(
-            [{"role": "user", "content": "a long one, left early"}],
-            SamplingParams(max_tokens=2000),
-            (),
-        )
+        asked = [{"role": "user", "content": "a long one, left early"}]
+        request = RequestSpec(tuple(asked), sampling=SamplingParams(max_tokens=2000))
+        events = ChatRunner(client, server.model).reply(request)
         assert isinstance(next(e for e in events if isinstance(e, Token)), Token)
         events.close()  # type: ignore[attr-defined]
         # Logged once the handler is done, the lane cancelled (no other test leaves early).

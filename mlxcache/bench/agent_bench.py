@@ -31,7 +31,7 @@ from mlxcache.engine import Engine
 from mlxcache.model import load
 from mlxcache.modes.tool_chat import hermes_messages, tool_style
 from mlxcache.modes.tools import ToolChoice, parse_tools
-from mlxcache.remote import chat_reply
+from mlxcache.remote import chat_reply, chunk
 from mlxcache.sampling import SamplingParams
 from mlxcache.server.process import ChildServer, MlxcacheServer, free_port
 
@@ -254,7 +254,7 @@ def streamed(url: str, route: str, body: dict[str, Any]) -> tuple[float | None, 
     for at, event in _events(url, PATHS[route], {**body, "stream": True, **usage}):
         kind = event.get("type")
         if route == "chat":
-            chunks.append(event)
+            chunks.append(chunk(event, url))  # checked once, as `Server.stream` does
             deltas = [c["delta"] for c in event.get("choices") or ()]
             if any(d.get("content") or d.get("tool_calls") for d in deltas):
                 first = first or at

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from mlxcache.errors import MlxcacheError, UserInputError
 from mlxcache.events import CANCELLED, Done, Event, Token
 from mlxcache.fileio import loads_json, write_atomic
+from mlxcache.request_spec import RequestSpec, prompt_ids
 from mlxcache.sampling import SamplingParams
 
 if TYPE_CHECKING:  # the engine imports mlx_lm (seconds); listing sessions needs none of it
@@ -28,10 +29,9 @@ class Runner(Protocol):
     """What a chat runs its turns on: the conversation and its settings in, the reply's
     events out (`InProcess`, or `mlxcache.remote.ChatRunner` on a running server)."""
 
-    def reply(
-        self, messages: list[dict[str, str]], params: SamplingParams, stop: tuple[str, ...]
-    ) -> Iterator[Event]:
-        """The events of the reply to `messages` (its last one the user's), ending in `Done`."""
+    def reply(self, request: RequestSpec) -> Iterator[Event]:
+        """The events of the reply to `request` (its messages' last one the user's),
+        ending in `Done`."""
         ...
 
 
@@ -70,13 +70,13 @@ class InProcess:
         self.prompt: list[int] = []
         """The last request's prompt ids: after Ctrl-C they tell what the cache kept."""
 
-    def reply(
-        self, messages: list[dict[str, str]], params: SamplingParams, stop: tuple[str, ...]
-    ) -> Iterator[Event]:
+    def reply(self, request: RequestSpec) -> Iterator[Event]:
         from mlxcache.engine import Request
 
-        self.prompt = self.engine.encoder.encode_chat(messages)  # now: a bad one raises here
-        return self._events(messages, Request(self.prompt, params, stop_strings=stop))
+        self.prompt = prompt_ids(request, self.engine.encoder)  # now: a bad one raises here
+        messages = [dict(m) for m in request.messages]
+        asked = Request(self.prompt, request.sampling, stop_strings=request.stops)
+        return self._events(messages, asked)
 
     def _events(self, messages: list[dict[str, str]], request: Request) -> Iterator[Event]:
         for event in self.engine.generate(request):
@@ -148,7 +148,8 @@ class ChatSession:
             raise UserInputError("the message is empty")
         messages = [*self.messages(), {"role": "user", "content": text}]
         params = replace(self.sampling, seed=(self.sampling.seed + self.generations) % 2**63)
-        events = as_runner(engine).reply(messages, params, self.stop)
+        request = RequestSpec(tuple(messages), sampling=params, stops=self.stop)
+        events = as_runner(engine).reply(request)
         self.generations += 1
         pieces: list[str] = []
         done = failed = False

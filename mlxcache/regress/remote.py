@@ -13,7 +13,8 @@ from typing import Any
 
 from mlxcache.modes.tools import ToolChoice, parse_tools
 from mlxcache.regress.suite import Case, Messages, Output, Suite, turns
-from mlxcache.remote import Server, sampling_fields, tool_choice_field, usage_of
+from mlxcache.remote import Server, tool_choice_field, usage_of
+from mlxcache.request_spec import RequestSpec, conversation, to_wire
 
 SERVER_VARIANTS = ("warm",)
 """The variants a server runs (see the module's docstring)."""
@@ -61,28 +62,27 @@ class ServerRunner:
 
     def _reply(self, case: Case, messages: Messages, seen: dict[str, int]) -> Output:
         """One request of `case` on the server; its cache use counted in `seen`."""
-        body: dict[str, Any] = {"model": self.model, **sampling_fields(case.sampling)}
-        head = []
+        given: dict[str, Any] = {}
+        system = None
         if case.kind == "json":
-            instructions = case.data.get("instructions")
-            head = [{"role": "system", "content": instructions}] if instructions else []
-            body["response_format"] = {
+            system = case.data.get("instructions") or None
+            given["response_format"] = {
                 "type": "json_schema",
                 "json_schema": {"name": "reply", "schema": case.data["schema"]},
             }
         elif case.kind == "tools":
             system = case.data.get("system")
-            head = [{"role": "system", "content": system}] if system is not None else []
             tools = parse_tools(case.data["tools"], f"case {case.name!r} tools")
-            body["tools"] = [t.as_openai() for t in tools]
-            body["tool_choice"] = tool_choice_field(
+            given["tools"] = tuple(t.as_openai() for t in tools)
+            given["tool_choice"] = tool_choice_field(
                 ToolChoice.parse(str(case.data.get("tool_choice", "auto")), tools)
             )
-            body["parallel_tool_calls"] = False
-        body["messages"] = [*head, *messages]
-        extra = usage_of(
-            self.server.post("/v1/chat/completions", body).get("usage"), self.server.url
+            given["parallel_tool_calls"] = False
+        request = RequestSpec(
+            conversation(system, messages), sampling=case.sampling, model=self.model, **given
         )
+        reply = self.server.post(request.path, to_wire(request))
+        extra = usage_of(reply.get("usage"), self.server.url)
         stats = extra["stats"]
         seen["hits"] += stats["cached_tokens"] > 0
         seen["cached_tokens"] += stats["cached_tokens"]

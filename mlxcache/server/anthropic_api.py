@@ -14,6 +14,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from mlxcache.request_settings import MESSAGES
 from mlxcache.server import errors
 from mlxcache.server.blocks import Block as Out
 from mlxcache.server.blocks import BlockEvent, Closed, Delta, Opened, rendered
@@ -21,7 +22,7 @@ from mlxcache.server.errors import APIError
 from mlxcache.server.front import Converted, ignored, parsed
 from mlxcache.server.openai_format import Envelope, Usage
 from mlxcache.server.prepare import Answer, Plan
-from mlxcache.server.schemas import tagged
+from mlxcache.server.schemas import settings_given, tagged
 from mlxcache.server.service import Service, UsageOf
 from mlxcache.server.stream import Outcome, Stream
 from mlxcache.wire import USAGE_FIELD
@@ -242,10 +243,8 @@ def to_chat(body: CountRequest) -> Converted:
     messages, origin = _messages(body)
     doc: dict[str, Any] = {"model": body.model, "messages": messages, **_tools(body)}
     if isinstance(body, MessagesRequest):
-        doc["max_tokens"] = body.max_tokens
         doc["stop"] = body.stop_sequences or None
-        for name in ("temperature", "top_p", "top_k"):
-            doc[name] = getattr(body, name)
+        doc.update(settings_given(body, MESSAGES))
     # A thinking section on reasoning templates (elsewhere named as ignored, in a header).
     effort = body.output_config.effort if body.output_config else None
     if body.thinking is not None:

@@ -30,6 +30,7 @@ from mlxcache.errors import (
     settings_named,
 )
 from mlxcache.fileio import loads_json
+from mlxcache.request_settings import CHAT, fields_of
 from mlxcache.server.log import log_fields
 
 RETRY_AFTER_S = 1
@@ -96,10 +97,7 @@ def one_line(text: str) -> str:
 
 
 FIELDS = {
-    **{k: k for k in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed")},
-    "repetition_penalty": "repetition_penalty",
-    "presence_penalty": "presence_penalty",
-    "frequency_penalty": "frequency_penalty",
+    **{row.name: name for name, row in fields_of(CHAT).items()},
     "tool_choice": "tool_choice",
     "strict": "response_format",
 }

@@ -28,6 +28,7 @@ from mlxcache.modes.reasoning import Thinking, has_thinking, reply_thinking, spl
 from mlxcache.modes.tool_chat import ToolsTask, next_turn, read_messages
 from mlxcache.modes.tool_chat import finish_reason as tool_finish
 from mlxcache.modes.tools import ToolCall, ToolChoice, ToolReply, parse_tools
+from mlxcache.request_settings import CHAT, fields_of
 from mlxcache.sampling import SamplingParams
 from mlxcache.server.errors import APIError
 from mlxcache.server.logprobs import token_bytes
@@ -45,16 +46,10 @@ from mlxcache.server.text import ReplyText
 _PROMPT_END = 64
 """Prompt tokens read back for an opened thinking section (the template's last words)."""
 SAMPLING_FIELDS = {
-    "temperature",
-    "top_p",
-    "seed",
-    "top_k",
-    "min_p",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
+    name: row.name for name, row in fields_of(CHAT).items() if row.name != "max_tokens"
 }
-"""Request fields that override the server's sampling settings."""
+"""Request fields that override the server's sampling settings -> their settings
+(max_tokens: `sampling`'s own argument, which `max_completion_tokens` may give)."""
 _MEDIA = {"image_url": "images are", "input_audio": "audio is", "file": "files are"}
 """A content part's type -> what the message says this model does not take."""
 
@@ -110,7 +105,8 @@ def sampling(
     """The request's sampling, the server's settings filling what it leaves out."""
     if body.n != 1:
         raise APIError(400, "n must be 1 (one choice per request)", param="n", code="invalid_value")
-    given = body.model_dump(include=SAMPLING_FIELDS, exclude_none=True)
+    sent = body.model_dump(include=set(SAMPLING_FIELDS), exclude_none=True)
+    given = {SAMPLING_FIELDS[name]: value for name, value in sent.items()}
     if given.get("top_p") == 0:  # a nucleus of no mass: the most likely token (OpenAI's 0)
         given.update(top_p=1.0, temperature=0.0)
     # Out of range: a SettingError naming the field (`errors.from_domain` sets its param).

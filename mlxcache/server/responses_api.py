@@ -22,13 +22,14 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from mlxcache.request_settings import RESPONSES
 from mlxcache.server import errors
 from mlxcache.server.blocks import Block, BlockEvent, Closed, Delta, End, Opened, rendered
 from mlxcache.server.errors import APIError
 from mlxcache.server.front import Converted, ignored, parsed
 from mlxcache.server.openai_format import Envelope, Usage
 from mlxcache.server.prepare import Answer
-from mlxcache.server.schemas import tagged
+from mlxcache.server.schemas import settings_given, tagged
 from mlxcache.server.service import Service
 from mlxcache.server.stream import Outcome
 from mlxcache.wire import USAGE_FIELD
@@ -205,15 +206,14 @@ def to_chat(body: ResponsesRequest, history: list[dict[str, Any]]) -> ChatDoc:
             schema = {"name": fmt.name or "response", "schema": fmt.schema_}
             fmt_doc["json_schema"] = {**schema, "strict": fmt.strict}
         doc["response_format"] = fmt_doc
-    doc["max_tokens"] = body.max_output_tokens
-    doc["temperature"], doc["top_p"] = body.temperature, body.top_p
+    doc.update(settings_given(body, RESPONSES))
     doc["parallel_tool_calls"] = body.parallel_tool_calls
     if body.reasoning and body.reasoning.effort:
         doc["reasoning_effort"] = body.reasoning.effort
     if body.text and body.text.verbosity:
         doc["verbosity"] = body.text.verbosity
     extra = body.model_extra or {}
-    for ours in ("draft", USAGE_FIELD, "seed", "top_k", "min_p", "repetition_penalty"):
+    for ours in ("draft", USAGE_FIELD):
         if ours in extra:
             doc[ours] = extra[ours]
     return ChatDoc(Converted(doc, tuple(origin), "input"), conversation)

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Annotated, Any, Literal, Union, get_args
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, create_model
+
+from mlxcache import request_settings
+from mlxcache.request_settings import CHAT
 
 
 class _Body(BaseModel):
@@ -119,26 +122,51 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
-Penalty = Annotated[float, Field(ge=-2, le=2)]
 Bias = Annotated[float, Field(ge=-100, le=100)]
 
 
-class SamplingFields(_Body):
+def setting_fields(route: str, base: type[_Body]) -> Any:
+    """`base` with a field for each request setting `route` carries (`request_settings`):
+    optional, of the setting's type, in the route's bounds."""
+    derived: dict[str, Any] = {}
+    for row in request_settings.SAMPLING:
+        name = row.field(route)
+        if name is not None:
+            bounds = row.api_bounds(route).pydantic()
+            derived[name] = (row.kind | None, Field(default=None, **bounds))  # type: ignore[call-overload]
+    return create_model(base.__name__, __base__=base, __module__=__name__, **derived)
+
+
+def settings_given(body: BaseModel, route: str) -> dict[str, Any]:
+    """The request settings `body` of `route` carries, as chat completion fields: each
+    field `body` declares (None when not sent), and each it does not declare but was sent
+    (to be checked as a chat completion's)."""
+    declared, extra = type(body).model_fields, body.model_extra or {}
+    return {
+        row.field(CHAT) or row.name: getattr(body, name) if name in declared else extra[name]
+        for name, row in request_settings.fields_of(route).items()
+        if name in declared or name in extra
+    }
+
+
+class _Model(_Body):
     model_config = ConfigDict(extra="allow", strict=True)  # `model_extra`: see UNSUPPORTED
 
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0, le=2)
-    top_p: float | None = Field(default=None, ge=0, le=1)
-    presence_penalty: Penalty | None = None
-    frequency_penalty: Penalty | None = None
+
+
+if TYPE_CHECKING:
+    _Settings = _Model
+else:
+    _Settings = setting_fields(CHAT, _Model)
+
+
+class SamplingFields(_Settings):
+    if TYPE_CHECKING:  # the request settings' fields are `setting_fields`' (this one is read)
+        max_tokens: int | None
+
     logit_bias: dict[str, Bias] | None = None
     """Token id (as a string, as JSON keys are) -> bias added to its logit."""
-    seed: int | None = Field(default=None, ge=0, lt=2**63)
-    # Extensions mlx_lm.server and llama.cpp accept too.
-    top_k: int | None = Field(default=None, ge=0)
-    min_p: float | None = Field(default=None, ge=0, lt=1)
-    repetition_penalty: float | None = Field(default=None, gt=0)
     stop: str | list[str] | None = None
     n: int = Field(default=1, ge=1)
     # Ours: speculative decoding for this request (the reply is the plain one either way).
