@@ -22,7 +22,12 @@ def followed(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, ...]]:
     monkeypatch.setattr(
         options.RunOptions,
         "engine",
-        lambda self, invariant=False: ("engine", self.model, self.max_tokens, self.cache_dir),
+        lambda self, invariant=False: (
+            "engine",
+            self.model,
+            self.settings["max_tokens"],
+            self.cache_dir,
+        ),
     )
     monkeypatch.setattr(mlxcache.distributed, "follow", lambda engine: seen.append(engine))
     return seen
