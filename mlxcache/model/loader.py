@@ -26,6 +26,7 @@ from mlxcache.model.adapter import Adapter, apply_adapter, check_adapter
 from mlxcache.model.digest import file_digest, hash_file
 from mlxcache.model.folder import load_folder
 from mlxcache.model.template import identity, template_args, template_text, with_args
+from mlxcache.model.tokenizer import load_tokenizer
 from mlxcache.paths import cache_dir, data_dir
 
 if TYPE_CHECKING:  # the converter imports gguf and MLX: only a conversion needs them
@@ -270,8 +271,6 @@ def load(
         AdapterError: an adapter that is missing, damaged or made for another model.
         UserInputError: a template or template arguments that cannot be read.
     """
-    from mlx_lm.utils import load_tokenizer
-
     checked = None if adapter is None else check_adapter(adapter)  # before any model work
     template = template_text(chat_template)
     args = template_args(chat_template_args)
@@ -279,18 +278,31 @@ def load(
     name, path = _resolve(spec or DEFAULT_MODEL, cache_dir(cache_root), progress, warn)
     if not (path / "config.json").is_file():
         raise ModelNotFoundError(f"not an mlx-lm model folder (no config.json): {path}")
+    # The tokenizer first: its load's peak then passes over no weights (`tokenizer`).
+    extra = {} if template is None else {"chat_template": template}
+    tokenizer = load_tokenizer(path, extra, _config_of(path).get("eos_token_id"))
     model, config = load_folder(path, lazy=lazy)
     if checked is not None:
         model = apply_adapter(model, checked, name)
-    extra = {} if template is None else {"chat_template": template}
-    try:
-        tokenizer = load_tokenizer(path, extra, eos_token_ids=config.get("eos_token_id"))
-    except Exception as exc:  # the tokenizers library raises a plain Exception
-        raise UnsupportedModelError(f"cannot load the tokenizer of model {path}: {exc}") from exc
     key = model_key(folder_key(path), checked, template, args)
     return LoadedModel(
         model, with_args(tokenizer, args), key, name, path, config, "", checked, template, args
     )
+
+
+def _config_of(path: Path) -> dict[str, Any]:
+    """A model folder's config.json (its weights' load reads it again, and fails on it).
+
+    Raises:
+        UnsupportedModelError: the file is not a JSON object.
+    """
+    try:
+        config = loads_json((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise UnsupportedModelError(f"cannot read the config of model {path}: {exc}") from exc
+    if not isinstance(config, dict):
+        raise UnsupportedModelError(f"the config of model {path} is not a JSON object")
+    return config
 
 
 def tailoring_key(adapter: Adapter | None, template: str | None, args: Mapping[str, Any]) -> str:

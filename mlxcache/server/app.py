@@ -148,7 +148,7 @@ def create_app(
     @app.get("/metrics")
     async def metrics_text() -> PlainTextResponse:
         reports = await run_in_threadpool(models_served.reports)
-        report = total_of(reports)
+        report = total_of(reports, await run_in_threadpool(models_served.retired))
         rows = None
         if not isinstance(models_served, One):
             rows = await run_in_threadpool(models_served.rows)
@@ -283,9 +283,12 @@ def memory_of(reports: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return {k: first[k] for k in ("resident_bytes", "mem_limit_bytes")}
 
 
-def total_of(reports: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """One cache report for several models: their counters and sizes added up."""
-    if len(reports) == 1:
+def total_of(
+    reports: dict[str, dict[str, Any]], retired: dict[str, int] | None = None
+) -> dict[str, Any]:
+    """One cache report for several models: their counters and sizes added up, with the
+    counters of models unloaded before (`retired`)."""
+    if len(reports) == 1 and not retired:
         return next(iter(reports.values()))
     busy = any(r["busy"] for r in reports.values())
     total: dict[str, Any] = {"busy": busy, **memory_of(reports)}
@@ -293,6 +296,8 @@ def total_of(reports: dict[str, dict[str, Any]]) -> dict[str, Any]:
         for key, value in report.items():
             if isinstance(value, int) and not isinstance(value, bool) and key not in _PROCESS:
                 total[key] = total.get(key, 0) + value
+    for key, value in (retired or {}).items():
+        total[key] = total.get(key, 0) + value
     return total
 
 
