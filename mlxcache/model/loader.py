@@ -11,7 +11,7 @@ import shutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import xxhash
 
@@ -174,6 +174,30 @@ def _packaged(spec: str, root: Path) -> Path | None:
     return target
 
 
+SpecKind = Literal["default", "packaged", "gguf", "folder", "kept", "hub", "none"]
+
+
+def spec_kind(spec: str, root: Path | None = None) -> SpecKind:
+    """What a model spec names, from its spelling and the files there (no heavy import,
+    no network): the embedded default, a packaged model's name, a .gguf path (which may
+    not exist), an mlx-lm folder, a conversion kept in `root`'s models (a name `models
+    ls` shows; `root` None: not looked for), a Hub id (owner/name), or none of them."""
+    if spec == DEFAULT_MODEL:
+        return "default"
+    if spec in PACKAGED or spec in PACKAGED.values():
+        return "packaged"
+    candidate = Path(spec).expanduser()
+    if candidate.suffix.lower() == ".gguf":
+        return "gguf"
+    if candidate.is_dir():
+        return "folder"
+    if root is not None and "/" not in spec and (root / "models" / spec / "config.json").is_file():
+        return "kept"
+    if candidate.exists() or spec.startswith((".", "/", "~")) or spec.count("/") != 1:
+        return "none"
+    return "hub"
+
+
 def check_spec(spec: str, cache_root: str | os.PathLike[str] | None = None) -> None:
     """Raise at once what `load(spec)` would raise for a spec that names nothing: before
     any heavy import, conversion or run (a Hub id is left to `load`: it needs the network).
@@ -181,38 +205,34 @@ def check_spec(spec: str, cache_root: str | os.PathLike[str] | None = None) -> N
     Raises:
         ModelNotFoundError: a path that does not exist, or a name that is not one.
     """
-    if spec == DEFAULT_MODEL or spec in PACKAGED or spec in PACKAGED.values():
-        return
-    candidate = Path(spec).expanduser()
-    if candidate.suffix.lower() == ".gguf":
-        if not candidate.is_file():
-            raise ModelNotFoundError(f"model file not found: {candidate}")
-        return
-    root = cache_dir(cache_root)
-    if candidate.is_dir() or (
-        "/" not in spec and (root / "models" / spec / "config.json").is_file()
-    ):
-        return
-    if candidate.exists() or spec.startswith((".", "/", "~")) or spec.count("/") != 1:
+    _checked_kind(spec, cache_dir(cache_root))
+
+
+def _checked_kind(spec: str, root: Path) -> SpecKind:
+    """`spec_kind`, raising for a spec that names nothing (`check_spec`)."""
+    kind = spec_kind(spec, root)
+    if kind == "gguf" and not Path(spec).expanduser().is_file():
+        raise ModelNotFoundError(f"model file not found: {Path(spec).expanduser()}")
+    if kind == "none":
         raise not_found(spec, root)
+    return kind
 
 
 def _resolve(spec: str, root: Path, progress: Progress | None, warn: Warn) -> tuple[str, Path]:
     """Turn a model spec into (display name, local mlx-lm folder)."""
-    check_spec(spec, root)
-    if spec == DEFAULT_MODEL:
+    kind = _checked_kind(spec, root)
+    candidate = Path(spec).expanduser()
+    if kind == "default":
         return DEFAULT_MODEL, _converted(default_model_path(), root, progress, warn)
-    packaged = _packaged(spec, root)
+    packaged = _packaged(spec, root) if kind == "packaged" else None
     if packaged is not None:
         return spec, _converted(packaged, root, progress, warn)
-    candidate = Path(spec).expanduser()
-    if candidate.suffix.lower() == ".gguf":
+    if kind == "gguf":
         return candidate.name, _converted(candidate, root, progress, warn)
-    if candidate.is_dir():
+    if kind == "folder":
         return candidate.name, candidate
-    kept = root / "models" / spec
-    if "/" not in spec and (kept / "config.json").is_file():  # a name `models ls` shows
-        return spec, kept
+    if kind == "kept":  # a name `models ls` shows
+        return spec, root / "models" / spec
     # A Hub id: needs the network on first use; the files mlx-lm itself would fetch.
     from huggingface_hub import snapshot_download
     from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
