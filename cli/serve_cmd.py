@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 from urllib.parse import urlsplit
@@ -323,9 +324,11 @@ def closing_notes(open_entry: Opener, notes: ui.ProbeNotes | None) -> Opener:
     if notes is None:
         return open_entry
 
-    def opened(entry: ModelEntry, tier: int) -> tuple[Engine, dict[str, Any]]:
+    def opened(
+        entry: ModelEntry, tier: int, shared: Mapping[str, Any] | None
+    ) -> tuple[Engine, dict[str, Any]]:
         with contextlib.closing(notes):
-            return open_entry(entry, tier)
+            return open_entry(entry, tier, shared)
 
     return opened
 

@@ -26,7 +26,7 @@ import contextlib
 import gc
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -62,8 +62,9 @@ class Resident:
     pins: int = 0
 
 
-Opener = Callable[[ModelEntry, int], tuple[Engine, dict[str, Any]]]
-"""Open an entry's engine with a memory tier of the given bytes; its published identity."""
+Opener = Callable[[ModelEntry, int, Mapping[str, Any] | None], tuple[Engine, dict[str, Any]]]
+"""Open an entry's engine with a memory tier of the given bytes and the weights it may
+share (`model.load`'s `shared`); its published identity."""
 
 RETRY_S = 10.0
 """A load that failed but for bad input (`UserInputError`) is tried again this long after."""
@@ -262,17 +263,20 @@ class Fleet:
             self._make_room(entry, need)
             tier = max(min(tier, (self.limit - self.base - size) // TIER_SHARE), 0)
         start, before = self.clock(), self.meter()
+        shared = self._shared(entry)
         try:
             (engine, info), self.peaks[entry.name] = self.load_peak(
-                lambda: self.opener(entry, tier)
+                lambda: self.opener(entry, tier, shared)
             )
         except Exception as exc:
             raise self._failure(entry, exc) from exc
         self.failed.pop(entry.name, None)
         self.retry_at.pop(entry.name, None)
         # What loading took beyond the weights (the tokenizer, the probes' buffers) counts
-        # from now on: the next time room is made for it, it is made for all of it.
-        self.measured[entry.name] = max(self.meter() - before, size)
+        # from now on: the next time room is made for it, it is made for all of it. Room
+        # was made for its own weights; sharing another's, it holds what it added.
+        grown = self.meter() - before
+        self.measured[entry.name] = grown if shared is not None else max(grown, size)
         if self.limit is not None:
             engine.budget = MemoryBudget(
                 self.limit,
@@ -287,6 +291,14 @@ class Fleet:
         self.loads[entry.name] = self.loads.get(entry.name, 0) + 1
         self.on_note(f"loaded {entry.name} ({human_bytes(size)}, {self.clock() - start:.1f} s)")
         return resident
+
+    def _shared(self, entry: ModelEntry) -> Mapping[str, Any] | None:
+        """The base weights a loaded model of `entry`'s spec holds (adapters of one base
+        share them: each its own layers over the same arrays), or None."""
+        for r in self.resident.values():
+            if r.entry.model == entry.model and r.engine.loaded.base_weights is not None:
+                return r.engine.loaded.base_weights
+        return None
 
     def _failure(self, entry: ModelEntry, exc: Exception) -> ModelLoadError:
         """Remember why `entry` cannot load: its requests get this (until `RETRY_S` have
@@ -371,7 +383,9 @@ def opener(
     what the device computes exactly measured), with the entry's KV width, its share of
     the memory tier, its load options, and its published identity (`wire.identity`)."""
 
-    def open_entry(entry: ModelEntry, tier: int) -> tuple[Engine, dict[str, Any]]:
+    def open_entry(
+        entry: ModelEntry, tier: int, shared: Mapping[str, Any] | None = None
+    ) -> tuple[Engine, dict[str, Any]]:
         from mlxcache.runtime import batch_anyway, open_engine
         from mlxcache.wire import identity
 
@@ -383,6 +397,7 @@ def opener(
             invariant=True,
             draft=draft,
             on_note=on_note,
+            shared=shared,
             **entry.load_options(),
         )
         inexact = batch_inexact and not engine.batch_decode and batch_anyway(engine)

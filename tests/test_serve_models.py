@@ -505,11 +505,11 @@ def test_a_load_that_failed_for_a_passing_reason_is_tried_again(
     calls: list[str] = []
 
     def flaky(open_entry: Opener) -> Opener:
-        def opened(entry: ModelEntry, tier: int) -> Any:
+        def opened(entry: ModelEntry, tier: int, shared: Any) -> Any:
             calls.append(entry.name)
             if entry.name == "alpha" and calls.count("alpha") == 1:
                 raise MemoryError("no memory for now")
-            return open_entry(entry, tier)
+            return open_entry(entry, tier, shared)
 
         return opened
 
@@ -607,9 +607,44 @@ def test_serves_probe_bars_are_stopped_when_a_load_fails() -> None:
             closed.append(True)
             super().close()
 
-    def failing(entry: ModelEntry, tier: int) -> Any:
+    def failing(entry: ModelEntry, tier: int, shared: Any) -> Any:
         raise RuntimeError("a probe failed")
 
     with pytest.raises(RuntimeError):
-        closing_notes(failing, Notes())(ModelEntry("m", "m"), 0)
+        closing_notes(failing, Notes())(ModelEntry("m", "m"), 0, None)
     assert closed == [True]
+
+
+def test_adapters_of_one_base_share_its_weights(
+    make_fleet: Callable[..., Fleet], folders: dict[str, Path], tmp_path: Path
+) -> None:
+    """Two adapters (a LoRA and a DoRA) and the plain base behind one server: the base's
+    weights are loaded once, each adapter's layers over those same arrays, and each reply
+    is mlx-lm's own for its adapter, and its solo reply."""
+    from adapters import mlx_lm_reply, write_adapter
+
+    write_adapter(folders["alpha"], tmp_path / "one", seed=5)
+    write_adapter(folders["alpha"], tmp_path / "two", "dora", seed=6, scale=40.0)
+    spec = str(folders["alpha"])
+    served = [
+        ModelEntry("one", spec, adapter=str(tmp_path / "one")),
+        ModelEntry("two", spec, adapter=str(tmp_path / "two")),
+        ModelEntry("base", spec),
+    ]
+    fleet = make_fleet(served)
+    app = app_of(fleet)
+    replies = {}
+    for name in ("one", "two", "base"):
+        replies[name] = tokens_of(call(app, "POST", "/v1/completions", completion(name)))[1]
+    for name, adapter in (("one", tmp_path / "one"), ("two", tmp_path / "two"), ("base", None)):
+        alone = load(spec, adapter=adapter)
+        engine = Engine(alone, block_size=BLOCK)
+        prompt = engine.encoder.encode(PROMPT)
+        assert replies[name] == engine.complete(Request(prompt, PARAMS)).tokens, name
+        assert replies[name] == mlx_lm_reply(folders["alpha"], adapter, prompt, PARAMS), name
+    assert len({tuple(r) for r in replies.values()}) == 3, replies  # told apart
+    weights = [fleet.resident[n].engine.loaded.base_weights for n in ("one", "two", "base")]
+    assert weights[0] is not None and weights[1] is not None and weights[2] is not None
+    assert all(
+        weights[1][k] is weights[0][k] and weights[2][k] is weights[0][k] for k in weights[0]
+    )

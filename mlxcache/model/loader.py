@@ -65,6 +65,10 @@ class LoadedModel:
     """A chat template given in place of the model's (part of `key`)."""
     template_args: dict[str, Any] = field(default_factory=dict)
     """Default arguments of every template rendering (part of `key`)."""
+    base_weights: Mapping[str, Any] | None = field(default=None, repr=False)
+    """The base model's weight arrays by parameter name, as its folder holds them (under
+    an adapter too, whose layers wrap them; None under a full fine-tune, which replaces
+    some): another load of the same folder may share them (`load`'s `shared`)."""
 
     @property
     def context_length(self) -> int:
@@ -268,6 +272,7 @@ def load(
     adapter: str | os.PathLike[str] | None = None,
     chat_template: str | None = None,
     chat_template_args: str | Mapping[str, Any] | None = None,
+    shared: Mapping[str, Any] | None = None,
 ) -> LoadedModel:
     """Load a model by spec: `smollm2-135m` (default), a .gguf path, an mlx-lm folder or a Hub id.
 
@@ -281,6 +286,9 @@ def load(
         chat_template: a template file or Jinja text used in place of the model's.
         chat_template_args: JSON object text (or a mapping): default arguments of every
             rendering of the template (mlx-lm's `--chat-template-args`).
+        shared: the `base_weights` of a model loaded from the same folder: this one's
+            weights are those arrays (held once in memory; their values are the folder's),
+            not read again; its adapter's layers wrap them.
 
     The adapter's digest, the template and its arguments are part of the model's key.
 
@@ -301,13 +309,43 @@ def load(
     # The tokenizer first: its load's peak then passes over no weights (`tokenizer`).
     extra = {} if template is None else {"chat_template": template}
     tokenizer = load_tokenizer(path, extra, _config_of(path).get("eos_token_id"))
-    model, config = load_folder(path, lazy=lazy)
+    model, config = _weights(path, lazy, shared)
+    base = None if checked is not None and checked.fine_tune_type == "full" else _flat(model)
     if checked is not None:
         model = apply_adapter(model, checked, name)
     key = model_key(folder_key(path), checked, template, args)
-    return LoadedModel(
-        model, with_args(tokenizer, args), key, name, path, config, "", checked, template, args
+    tokenizer = with_args(tokenizer, args)
+    return LoadedModel(model, tokenizer, key, name, path, config, "", checked, template, args, base)
+
+
+def _flat(model: Model) -> dict[str, Any]:
+    from mlx.utils import tree_flatten
+
+    from mlxcache.types import as_module
+
+    return dict(tree_flatten(as_module(model).parameters()))
+
+
+def _weights(
+    path: Path, lazy: bool, shared: Mapping[str, Any] | None
+) -> tuple[Model, dict[str, Any]]:
+    """The folder's model and config; its weights the `shared` arrays where they are all
+    of its parameters (its own lazily read ones, never evaluated, then dropped)."""
+    if shared is None:
+        return load_folder(path, lazy=lazy)
+    from mlx.utils import tree_unflatten
+
+    from mlxcache.types import as_module
+
+    model, config = load_folder(path, lazy=True)
+    own = _flat(model)
+    fits = own.keys() == shared.keys() and all(
+        own[k].shape == shared[k].shape and own[k].dtype == shared[k].dtype for k in own
     )
+    if not fits:  # not the same model after all: its own weights
+        return load_folder(path, lazy=lazy)
+    as_module(model).update(tree_unflatten(list(shared.items())))
+    return model, config
 
 
 def _config_of(path: Path) -> dict[str, Any]:
