@@ -620,13 +620,16 @@ def test_adapters_of_one_base_share_its_weights(
 ) -> None:
     """Two adapters (a LoRA and a DoRA) and the plain base behind one server: the base's
     weights are loaded once, each adapter's layers over those same arrays, and each reply
-    is mlx-lm's own for its adapter, and its solo reply."""
+    is mlx-lm's own for its adapter, and its solo reply. A full fine-tune, loaded first,
+    replaced some of its weights: it lends none."""
     from adapters import mlx_lm_reply, write_adapter
 
     write_adapter(folders["alpha"], tmp_path / "one", seed=5)
     write_adapter(folders["alpha"], tmp_path / "two", "dora", seed=6, scale=40.0)
+    write_adapter(folders["alpha"], tmp_path / "full", "full", seed=7)
     spec = str(folders["alpha"])
     served = [
+        ModelEntry("full", spec, adapter=str(tmp_path / "full")),
         ModelEntry("one", spec, adapter=str(tmp_path / "one")),
         ModelEntry("two", spec, adapter=str(tmp_path / "two")),
         ModelEntry("base", spec),
@@ -634,15 +637,16 @@ def test_adapters_of_one_base_share_its_weights(
     fleet = make_fleet(served)
     app = app_of(fleet)
     replies = {}
-    for name in ("one", "two", "base"):
+    for name in ("full", "one", "two", "base"):
         replies[name] = tokens_of(call(app, "POST", "/v1/completions", completion(name)))[1]
-    for name, adapter in (("one", tmp_path / "one"), ("two", tmp_path / "two"), ("base", None)):
+    for name, adapter in [(n, tmp_path / n) for n in ("full", "one", "two")] + [("base", None)]:
         alone = load(spec, adapter=adapter)
         engine = Engine(alone, block_size=BLOCK)
         prompt = engine.encoder.encode(PROMPT)
         assert replies[name] == engine.complete(Request(prompt, PARAMS)).tokens, name
         assert replies[name] == mlx_lm_reply(folders["alpha"], adapter, prompt, PARAMS), name
-    assert len({tuple(r) for r in replies.values()}) == 3, replies  # told apart
+    assert len({tuple(r) for r in replies.values()}) == 4, replies  # told apart
+    assert fleet.resident["full"].engine.loaded.base_weights is None
     weights = [fleet.resident[n].engine.loaded.base_weights for n in ("one", "two", "base")]
     assert weights[0] is not None and weights[1] is not None and weights[2] is not None
     assert all(
