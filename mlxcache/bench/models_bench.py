@@ -4,8 +4,9 @@ limit that holds one of them plus a cache, requests alternating between them.
 Four servers, one after the other, on the cache directory of the user (where the models'
 conversions and the device's probes of them are kept for every later run; no disk tier,
 so no prompt is kept there):
-- a preparing one (no limit): what the idle server holds; then it converts both models
-  and records their probes, once (a conversion's memory is not a model's);
+- a preparing one (no limit): it converts both models and records their probes, once (a
+  conversion's memory is not a model's), then unloads them (keep-alive): what the idle
+  server holds, with the libraries a load imports (tens of MB it keeps);
 - each model's own server (`serve --models` of it alone, loaded at start): its load time
   (the baseline of a reload), what it adds to the idle server, the most its load added
   (its tokenizer's parse passes what it keeps), and its replies to the prompts (what
@@ -139,12 +140,19 @@ def _text(url: str, model: str, prompt: str) -> str:
 
 
 def _prepare(root: Path, common: list[str]) -> int:
-    """What the idle server holds; both models converted and probed."""
-    server = MlxcacheServer(["--models", _models_file(root, "both", MODELS), *common])
+    """What the idle server holds once its models were loaded and unloaded; both models
+    converted and probed."""
+    args = ["--models", _models_file(root, "both", MODELS), "--keep-alive", "1s", *common]
+    server = MlxcacheServer(args)
     try:
-        idle = int(_ps(server.url)["resident_bytes"])
         for model in MODELS:
             _text(server.url, model, PROMPTS[0])
+        until = time.monotonic() + 60
+        while any(m["loaded"] for m in _ps(server.url)["models"]):
+            if time.monotonic() > until:
+                raise ServerError("bench models: the models were not unloaded after 1 s idle")
+            time.sleep(0.5)
+        idle = int(_ps(server.url)["resident_bytes"])
     finally:
         server.stop()
     return idle
