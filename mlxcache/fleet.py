@@ -290,7 +290,20 @@ class Fleet:
         self.resident[entry.name] = resident
         self.loads[entry.name] = self.loads.get(entry.name, 0) + 1
         self.on_note(f"loaded {entry.name} ({human_bytes(size)}, {self.clock() - start:.1f} s)")
+        self._settle(entry)
         return resident
+
+    def _settle(self, entry: ModelEntry) -> None:
+        """After a load that took more than room was made for (a first load, estimated):
+        unload the others no request holds, least recently used first, until the process
+        is back under the limit (else their requests would be refused by it)."""
+        while self.limit is not None and self.meter() > self.limit:
+            others = [r for r in self._idle() if r.entry.name != entry.name]
+            if not others:
+                return
+            victim = min(others, key=lambda r: r.used).entry.name
+            del others  # no reference may outlive the unload: its memory is measured next
+            self._unload(victim, f"least recently used, for {entry.name}")
 
     def _shared(self, entry: ModelEntry) -> Mapping[str, Any] | None:
         """The base weights a loaded model of `entry`'s spec holds (adapters of one base

@@ -652,3 +652,35 @@ def test_adapters_of_one_base_share_its_weights(
     assert all(
         weights[1][k] is weights[0][k] and weights[2][k] is weights[0][k] for k in weights[0]
     )
+
+
+def test_a_load_that_took_more_than_its_room_unloads_others_after(
+    make_fleet: Callable[..., Fleet], folders: dict[str, Path]
+) -> None:
+    """A first load sized from its files, then measured to hold more: the models no
+    request holds are unloaded until the process is under the limit again."""
+    notes: list[str] = []
+    sizes = {n: weights_bytes(folders[n]) for n in ("alpha", "beta")}
+    account: list[Fleet] = []
+    extra = {"beta": sizes["alpha"]}  # what beta's load holds beyond its files
+
+    def held() -> int:
+        fleet = account[0] if account else None
+        if fleet is None:
+            return 0
+        return sum(r.size + extra.get(n, 0) for n, r in fleet.resident.items())
+
+    fleet = make_fleet(
+        entries(folders, "alpha", "beta"),
+        limit=sizes["alpha"] + sizes["beta"] + 1,
+        meter=held,
+        on_note=notes.append,
+    )
+    account.append(fleet)
+    with fleet.lease("alpha"):
+        pass
+    with fleet.lease("beta"):
+        assert sorted(fleet.resident) == ["beta"]
+    assert [n for n in notes if n.startswith("unloaded")] == [
+        "unloaded alpha (least recently used, for beta)"
+    ]
