@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 from urllib.parse import urlsplit
 
 import typer
@@ -15,6 +17,8 @@ from mlxcache_cli import options as o
 from mlxcache_cli import ui
 
 if TYPE_CHECKING:
+    from mlxcache.engine import Engine
+    from mlxcache.fleet import Opener
     from mlxcache.model_entries import ModelEntry
     from mlxcache.server.run import ServeSummary
 
@@ -240,7 +244,7 @@ def _serve_models(
     log_file: Path | None,
 ) -> None:
     """`serve` of several models (`mlxcache.fleet`)."""
-    from mlxcache.fleet import Fleet, entry_config, folder_size, opener
+    from mlxcache.fleet import Fleet, entry_config, folder_size, load_peak_estimate, opener
     from mlxcache.server.app import Settings
     from mlxcache.server.log import RequestLog
     from mlxcache.server.run import serve
@@ -272,9 +276,8 @@ def _serve_models(
                 raise UserInputError(f"model {entry.name!r}: {exc}") from exc
     if run.split is not None:
         raise UserInputError("--split runs one model: serve several models without it")
-    open_entry = opener(
-        config, run.drafting(), ui.warn, None if run.quiet else ui.ProbeNotes(), batch_inexact
-    )
+    notes = None if run.quiet else ui.ProbeNotes()
+    open_entry = closing_notes(opener(config, run.drafting(), ui.warn, notes, batch_inexact), notes)
 
     def fleet_of(worker: EngineWorker) -> Fleet:
         return Fleet(
@@ -285,6 +288,7 @@ def _serve_models(
             keep_alive=idle,
             tier_bytes=config.mem_bytes if config.enabled else 0,
             size_of=folder_size(config.directory, ui.warn),
+            peak_of=load_peak_estimate(config.directory, ui.warn),
             on_note=lambda line: ui.info(f"mlxcache: {line}"),
         )
 
@@ -312,6 +316,21 @@ def _serve_models(
         _stopped(served)
     finally:
         log.close()
+
+
+def closing_notes(open_entry: Opener, notes: ui.ProbeNotes | None) -> Opener:
+    """`open_entry`, with `notes`' bar stopped however each load ends (a probe that raised
+    sends no last event: its bar would stay drawn over the server's log)."""
+    if notes is None:
+        return open_entry
+
+    def opened(
+        entry: ModelEntry, tier: int, shared: Mapping[str, Any] | None
+    ) -> tuple[Engine, dict[str, Any]]:
+        with contextlib.closing(notes):
+            return open_entry(entry, tier, shared)
+
+    return opened
 
 
 def _stopping(in_flight: int) -> None:

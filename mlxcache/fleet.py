@@ -7,8 +7,12 @@ request first asks for it (or at start), on the engine worker's thread, which ow
 and steps every loaded model's engine (`worker`); it is unloaded when the one memory
 budget (`--mem-limit`) needs room for another, least recently used first, or when it has
 been idle for the keep-alive time (Ollama's `keep_alive`). A model in use (a request
-preparing, queued or running on it) is never unloaded. A model that fails to load
-answers every request for it with that one error; the others go on serving.
+preparing, queued or running on it) is never unloaded. Room is made for the most a
+model's load holds (its tokenizer's parse passes what the model then keeps), measured at
+each load (`membudget.peak_during`), estimated from its files before the first. A model
+that cannot load (a damaged or unsupported file) answers every request for it with that
+one error; one whose load failed otherwise (out of memory, a full disk) answers so for
+`RETRY_S`, then a request tries its load again. The others go on serving.
 
 Each model keeps its own engine, hence its own prompt cache namespace and replies equal to
 its solo replies; the memory tier's budget (`--cache-mem`) is split evenly among the
@@ -22,7 +26,7 @@ import contextlib
 import gc
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -34,8 +38,9 @@ from mlxcache.errors import (
     MemoryLimitError,
     ModelLoadError,
     ModelNotServedError,
+    UserInputError,
 )
-from mlxcache.membudget import TIER_SHARE, Footprint, MemoryBudget, resident_bytes
+from mlxcache.membudget import TIER_SHARE, Footprint, MemoryBudget, peak_during, resident_bytes
 from mlxcache.model_entries import ModelEntry, check_names
 from mlxcache.sysmem import release_unused
 from mlxcache.worker import EngineWorker
@@ -57,8 +62,15 @@ class Resident:
     pins: int = 0
 
 
-Opener = Callable[[ModelEntry, int], tuple[Engine, dict[str, Any]]]
-"""Open an entry's engine with a memory tier of the given bytes; its published identity."""
+Opener = Callable[[ModelEntry, int, Mapping[str, Any] | None], tuple[Engine, dict[str, Any]]]
+"""Open an entry's engine with a memory tier of the given bytes and the weights it may
+share (`model.load`'s `shared`); its published identity."""
+
+RETRY_S = 10.0
+"""A load that failed but for bad input (`UserInputError`) is tried again this long after."""
+
+COUNTERS = ("hits", "misses", "cached_tokens", "disk_hits", "evictions_mem", "evictions_disk")
+"""A model's cache counters (`/metrics`' totals), kept over its unloads (`Fleet.retired`)."""
 
 
 @dataclass(slots=True)
@@ -78,6 +90,8 @@ class Fleet:
         clock: seconds, monotonic (tests give their own).
         meter: the process's memory now (tests give their own account).
         size_of: the bytes a model will hold once loaded, known before (its weights' files).
+        peak_of: the most its first load will hold, known before (`load_peak_estimate`).
+        load_peak: runs a load; its result and the most the process grew while it ran.
         on_note: told each load and unload, in one line.
     """
 
@@ -90,13 +104,21 @@ class Fleet:
     clock: Callable[[], float] = time.monotonic
     meter: Callable[[], int] = resident_bytes
     size_of: Callable[[ModelEntry], int] = field(default=lambda e: 0)
+    peak_of: Callable[[ModelEntry], int] = field(default=lambda e: 0)
+    load_peak: Callable[[Callable[[], Any]], tuple[Any, int]] = peak_during
     on_note: Callable[[str], None] = field(default=lambda _m: None)
     resident: dict[str, Resident] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)
+    retry_at: dict[str, float] = field(default_factory=dict)
+    """When a model whose load failed for a passing reason may be tried again."""
     loads: dict[str, int] = field(default_factory=dict)
     """Loads per model since start (a reload counts)."""
     measured: dict[str, int] = field(default_factory=dict)
     """What each model was measured to add to the process when it last loaded."""
+    peaks: dict[str, int] = field(default_factory=dict)
+    """The most each model's last load added to the process while it ran."""
+    retired: dict[str, int] = field(default_factory=dict)
+    """The cache counters (`COUNTERS`) of the engines unloaded so far, added up."""
     base: int = 0
     _reserved: dict[tuple[int, int], int] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -143,9 +165,17 @@ class Fleet:
             MemoryLimitError: the model does not fit the budget even alone.
         """
         entry = self.entry(requested)
-        if entry.name in self.failed:
-            raise ModelLoadError(self.failed[entry.name])
+        self._check_failed(entry)
         return self.worker.run(lambda: self._acquire(entry))
+
+    def _check_failed(self, entry: ModelEntry) -> None:
+        """Raise the error of `entry`'s failed load, unless its retry time has come."""
+        message = self.failed.get(entry.name)
+        if message is None:
+            return
+        retry = self.retry_at.get(entry.name)
+        if retry is None or self.clock() < retry:
+            raise ModelLoadError(message)
 
     def release(self, resident: Resident) -> None:
         """`acquire`'s hold ends (any thread), on the worker thread after what the holder
@@ -202,6 +232,8 @@ class Fleet:
             if r is not None:
                 busy = r.pins or self.worker.jobs_on(r.engine)
                 row.update(size_bytes=r.size, idle_s=0.0 if busy else round(now - r.used, 1))
+            if entry.name in self.peaks:
+                row["load_peak_bytes"] = self.peaks[entry.name]
             if entry.name in self.failed:
                 row["error"] = self.failed[entry.name]
             out.append(row)
@@ -219,24 +251,32 @@ class Fleet:
         return resident
 
     def _load(self, entry: ModelEntry) -> Resident:
-        if entry.name in self.failed:  # failed while this request waited its turn
-            raise ModelLoadError(self.failed[entry.name])
+        self._check_failed(entry)  # failed while this request waited its turn
         try:  # its weights' files, or what it was measured to take when loaded before
             size = max(self.size_of(entry), self.measured.get(entry.name, 0))
+            peak = self.peaks.get(entry.name)
+            need = max(size, self.peak_of(entry) if peak is None else peak)
         except Exception as exc:  # the spec names nothing loadable: its load's own error
             raise self._failure(entry, exc) from exc
         tier = self.tier_bytes // len(self.entries)
         if self.limit is not None:
-            self._make_room(entry, size)
+            self._make_room(entry, need)
             tier = max(min(tier, (self.limit - self.base - size) // TIER_SHARE), 0)
         start, before = self.clock(), self.meter()
+        shared = self._shared(entry)
         try:
-            engine, info = self.opener(entry, tier)
+            (engine, info), self.peaks[entry.name] = self.load_peak(
+                lambda: self.opener(entry, tier, shared)
+            )
         except Exception as exc:
             raise self._failure(entry, exc) from exc
+        self.failed.pop(entry.name, None)
+        self.retry_at.pop(entry.name, None)
         # What loading took beyond the weights (the tokenizer, the probes' buffers) counts
-        # from now on: the next time room is made for it, it is made for all of it.
-        self.measured[entry.name] = max(self.meter() - before, size)
+        # from now on: the next time room is made for it, it is made for all of it. Room
+        # was made for its own weights; sharing another's, it holds what it added.
+        grown = self.meter() - before
+        self.measured[entry.name] = grown if shared is not None else max(grown, size)
         if self.limit is not None:
             engine.budget = MemoryBudget(
                 self.limit,
@@ -250,18 +290,45 @@ class Fleet:
         self.resident[entry.name] = resident
         self.loads[entry.name] = self.loads.get(entry.name, 0) + 1
         self.on_note(f"loaded {entry.name} ({human_bytes(size)}, {self.clock() - start:.1f} s)")
+        self._settle(entry)
         return resident
 
+    def _settle(self, entry: ModelEntry) -> None:
+        """After a load that took more than room was made for (a first load, estimated):
+        unload the others no request holds, least recently used first, until the process
+        is back under the limit (else their requests would be refused by it)."""
+        while self.limit is not None and self.meter() > self.limit:
+            others = [r for r in self._idle() if r.entry.name != entry.name]
+            if not others:
+                return
+            victim = min(others, key=lambda r: r.used).entry.name
+            del others  # no reference may outlive the unload: its memory is measured next
+            self._unload(victim, f"least recently used, for {entry.name}")
+
+    def _shared(self, entry: ModelEntry) -> Mapping[str, Any] | None:
+        """The base weights a loaded model of `entry`'s spec holds (adapters of one base
+        share them: each its own layers over the same arrays), or None."""
+        for r in self.resident.values():
+            if r.entry.model == entry.model and r.engine.loaded.base_weights is not None:
+                return r.engine.loaded.base_weights
+        return None
+
     def _failure(self, entry: ModelEntry, exc: Exception) -> ModelLoadError:
-        """Remember why `entry` cannot load: its requests get this, the others go on."""
+        """Remember why `entry` cannot load: its requests get this (until `RETRY_S` have
+        passed, when the cause was not its files), the others go on."""
         why = " ".join(str(exc).split()) or type(exc).__name__
         message = f"model {entry.name!r} cannot be loaded: {why}"
         self.failed[entry.name] = message
+        if isinstance(exc, UserInputError):
+            self.retry_at.pop(entry.name, None)
+        else:
+            self.retry_at[entry.name] = self.clock() + RETRY_S
         self.on_note(message)
         return ModelLoadError(message)
 
     def _make_room(self, entry: ModelEntry, size: int) -> None:
-        """Unload idle models, least recently used first, until `entry` fits the budget.
+        """Unload idle models, least recently used first, until `entry`'s load fits the
+        budget (`size`: the most it holds while it loads).
 
         Raises:
             MemoryLimitError: it does not fit even with no other model loaded.
@@ -305,8 +372,14 @@ class Fleet:
         return idle
 
     def _unload(self, name: str, why: str) -> None:
-        """Drop a model no request holds: its engine's arrays are freed now."""
-        self.worker.detach(self.resident.pop(name).engine)
+        """Drop a model no request holds: its engine's arrays are freed now (its cache's
+        counters kept in `retired`)."""
+        engine = self.resident.pop(name).engine
+        counts = engine.cache.report()
+        for key in COUNTERS:
+            self.retired[key] = self.retired.get(key, 0) + int(counts.get(key, 0))
+        self.worker.detach(engine)
+        del engine, counts
         gc.collect()  # its last references may be in cycles
         release_unused()
         self.on_note(f"unloaded {name} ({why})")
@@ -323,7 +396,9 @@ def opener(
     what the device computes exactly measured), with the entry's KV width, its share of
     the memory tier, its load options, and its published identity (`wire.identity`)."""
 
-    def open_entry(entry: ModelEntry, tier: int) -> tuple[Engine, dict[str, Any]]:
+    def open_entry(
+        entry: ModelEntry, tier: int, shared: Mapping[str, Any] | None = None
+    ) -> tuple[Engine, dict[str, Any]]:
         from mlxcache.runtime import batch_anyway, open_engine
         from mlxcache.wire import identity
 
@@ -335,6 +410,7 @@ def opener(
             invariant=True,
             draft=draft,
             on_note=on_note,
+            shared=shared,
             **entry.load_options(),
         )
         inexact = batch_inexact and not engine.batch_decode and batch_anyway(engine)
@@ -361,6 +437,24 @@ def folder_size(
     from mlxcache.model.loader import model_folder
 
     return lambda entry: weights_bytes(model_folder(entry.model, root, on_warning))
+
+
+TOKENIZER_PEAK = 16
+"""A tokenizer's load holds about this many times its tokenizer.json's bytes at its peak
+(measured: Gemma 3 270M's 33 MB file, 517-560 MB; SmolLM2's 3.5 MB, ~60 MB)."""
+
+
+def load_peak_estimate(
+    root: Path | None, on_warning: Callable[[str], None] | None = None
+) -> Callable[[ModelEntry], int]:
+    """`Fleet.peak_of` from the models' folders: their tokenizer's parse (`TOKENIZER_PEAK`)."""
+    from mlxcache.model.loader import model_folder
+
+    def estimate(entry: ModelEntry) -> int:
+        tokenizer = model_folder(entry.model, root, on_warning) / "tokenizer.json"
+        return TOKENIZER_PEAK * tokenizer.stat().st_size if tokenizer.is_file() else 0
+
+    return estimate
 
 
 def weights_bytes(folder: Path) -> int:

@@ -19,8 +19,10 @@ is measured, not estimated.
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import mlx.core as mx
 import psutil
@@ -52,6 +54,31 @@ def resident_bytes() -> int:
     """The process's resident memory, or MLX's own if that is larger (Metal's buffers on a
     Mac are not all counted as resident)."""
     return max(_PROCESS.memory_info().rss, mx.get_active_memory() + mx.get_cache_memory())
+
+
+T = TypeVar("T")
+
+
+def peak_during(fn: Callable[[], T], every: float = 0.005) -> tuple[T, int]:
+    """`fn()`, and the most the process's resident memory rose above its start while it
+    ran (sampled every `every` seconds on a thread of its own, and at its end): a model's
+    load passes what it then holds (its tokenizer's parse, `model.tokenizer`)."""
+    start = _PROCESS.memory_info().rss
+    peak = [start]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.wait(every):
+            peak[0] = max(peak[0], _PROCESS.memory_info().rss)
+
+    sampler = threading.Thread(target=sample, name="mlxcache-load-peak", daemon=True)
+    sampler.start()
+    try:
+        result = fn()
+    finally:
+        done.set()
+        sampler.join()
+    return result, max(peak[0], _PROCESS.memory_info().rss) - start
 
 
 @dataclass(frozen=True, slots=True)

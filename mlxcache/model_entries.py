@@ -129,9 +129,10 @@ def _beside(folder: Path, entry: ModelEntry) -> ModelEntry:
 def spec_name(spec: str) -> str:
     """The name a model spec is served as by default: its file or folder name for a path,
     else the spec itself (a packaged name, a Hub id) — what `load` names it."""
-    candidate = Path(spec).expanduser()
-    if candidate.suffix.lower() == ".gguf" or candidate.is_dir():
-        return candidate.name
+    from mlxcache.model.loader import spec_kind
+
+    if spec_kind(spec) in ("gguf", "folder"):
+        return Path(spec).expanduser().name
     return spec
 
 

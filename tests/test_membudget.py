@@ -271,3 +271,12 @@ def test_warm_ahead_runs_only_where_the_budget_has_room_now(
 )
 def test_bench_memory_refuses_bad_options_in_one_line(args: list[str], line: str) -> None:
     assert run("bench", "memory", *args) == refused(line)
+
+
+def test_a_loads_peak_counts_what_it_keeps_at_least() -> None:
+    """`peak_during`: the load's result, and at least what it still holds at its end."""
+    from mlxcache.membudget import peak_during
+
+    kept, peak = peak_during(lambda: bytearray(b"\1" * (64 << 20)))
+    assert len(kept) == 64 << 20
+    assert peak >= 60 << 20

@@ -78,11 +78,19 @@ def make_fleet(tmp_path: Path) -> Iterator[Callable[..., Fleet]]:
         worker = EngineWorker(None, max_lanes=4).start()
         workers.append(worker)
         kwargs.setdefault("size_of", folder_size(config.directory))
-        return Fleet(models, worker, opener(config), tier_bytes=config.mem_bytes, **kwargs)
+        if "meter" in kwargs:  # the test's own account: a load adds to it what it keeps
+            kwargs.setdefault("load_peak", no_peak)
+        open_entry = kwargs.pop("wrap", lambda o: o)(opener(config))
+        return Fleet(models, worker, open_entry, tier_bytes=config.mem_bytes, **kwargs)
 
     yield make
     for worker in workers:
         worker.close(cancel=True)
+
+
+def no_peak(load: Callable[[], Any]) -> tuple[Any, int]:
+    """A load measured to pass nothing beyond what it keeps."""
+    return load(), 0
 
 
 def app_of(fleet: Fleet) -> Any:
@@ -444,3 +452,235 @@ def test_a_models_file_finds_its_chat_template_beside_it(tmp_path: Path) -> None
     a, b = read_models_file(models)
     assert a.chat_template == str(tmp_path / "t.jinja")
     assert b.chat_template == "{{ messages }}"
+
+
+def test_room_is_made_for_a_loads_peak_estimated_then_measured(
+    make_fleet: Callable[..., Fleet], folders: dict[str, Path]
+) -> None:
+    """A budget that holds both models once loaded: beta's first load is estimated to pass
+    that (its tokenizer's parse), so alpha is unloaded for it; measured smaller, its next
+    load leaves alpha loaded."""
+    notes: list[str] = []
+    sizes = {n: weights_bytes(folders[n]) for n in ("alpha", "beta")}
+    account: list[Fleet] = []
+
+    def held() -> int:
+        return sum(r.size for r in account[0].resident.values()) if account else 0
+
+    def measured(load: Callable[[], Any]) -> tuple[Any, int]:
+        return load(), 7  # less than each model keeps
+
+    both = sizes["alpha"] + sizes["beta"]
+    fleet = make_fleet(
+        entries(folders, "alpha", "beta"),
+        limit=both,
+        meter=held,
+        peak_of=lambda e: both if e.name == "beta" else 0,
+        load_peak=measured,
+        on_note=notes.append,
+    )
+    account.append(fleet)
+    for name in ("alpha", "beta", "alpha"):
+        with fleet.lease(name):
+            pass
+    assert [n for n in notes if n.startswith("unloaded")] == [
+        "unloaded alpha (least recently used, for beta)"
+    ]
+    with fleet.lease("beta"):  # measured: it fits beside alpha now
+        pass
+    assert sorted(fleet.resident) == ["alpha", "beta"]
+    assert fleet.loads == {"alpha": 2, "beta": 1}
+    rows = {r["name"]: r for r in fleet.worker.run(fleet.report)}
+    assert rows["beta"]["load_peak_bytes"] == 7
+
+
+def test_a_load_that_failed_for_a_passing_reason_is_tried_again(
+    make_fleet: Callable[..., Fleet], folders: dict[str, Path]
+) -> None:
+    """Out of memory once: its requests get that error until `RETRY_S` have passed, then
+    one loads it and gets its solo reply. A damaged file's error stays, loaded once."""
+    from mlxcache.fleet import RETRY_S, Opener
+
+    clock = Clock()
+    calls: list[str] = []
+
+    def flaky(open_entry: Opener) -> Opener:
+        def opened(entry: ModelEntry, tier: int, shared: Any) -> Any:
+            calls.append(entry.name)
+            if entry.name == "alpha" and calls.count("alpha") == 1:
+                raise MemoryError("no memory for now")
+            return open_entry(entry, tier, shared)
+
+        return opened
+
+    fleet = make_fleet(entries(folders, "alpha", "damaged"), clock=clock, wrap=flaky)
+    app = app_of(fleet)
+    for _ in range(2):
+        reply = call(app, "POST", "/v1/completions", completion("alpha"))
+        assert (reply.status, reply.json()["error"]["message"]) == (
+            500,
+            "model 'alpha' cannot be loaded: no memory for now",
+        )
+        assert call(app, "POST", "/v1/completions", completion("damaged")).status == 500
+    clock.now = RETRY_S - 0.5
+    assert call(app, "POST", "/v1/completions", completion("alpha")).status == 500
+    clock.now = RETRY_S
+    reply = call(app, "POST", "/v1/completions", completion("alpha"))
+    assert tokens_of(reply) == ("alpha", solo(folders["alpha"]))
+    clock.now = 100 * RETRY_S
+    assert call(app, "POST", "/v1/completions", completion("damaged")).status == 500
+    assert calls == ["alpha", "damaged", "alpha"]
+    rows = {r["name"]: r for r in call(app, "GET", "/v1/ps").json()["models"]}
+    assert "error" not in rows["alpha"] and "error" in rows["damaged"]
+
+
+def metric(text: str, name: str) -> int:
+    found = [line.split()[1] for line in text.splitlines() if line.startswith(name + " ")]
+    assert len(found) == 1, name
+    return int(found[0])
+
+
+def test_metrics_totals_keep_the_counts_of_unloaded_models(
+    make_fleet: Callable[..., Fleet], folders: dict[str, Path]
+) -> None:
+    clock = Clock()
+    fleet = make_fleet(entries(folders, "alpha", "beta"), keep_alive=60.0, clock=clock)
+    app = app_of(fleet)
+    names = [f"mlxcache_cache_{n}_total" for n in ("hits", "misses", "cached_tokens")]
+
+    def totals() -> list[int]:
+        text = call(app, "GET", "/metrics").body.decode()
+        return [metric(text, n) for n in names]
+
+    prompt = "The cache keeps what it was given, block by block"
+    for _ in range(2):  # a miss, then a hit
+        assert call(app, "POST", "/v1/completions", completion("alpha", prompt)).status == 200
+    before = totals()
+    assert before[0] == 1 and before[1] == 1 and before[2] > 0
+    clock.now = 60.0
+    assert fleet.worker.run(fleet.expire) == ["alpha"]
+    assert totals() == before  # alpha unloaded: its counts stay
+    assert call(app, "POST", "/v1/completions", completion("beta", prompt)).status == 200
+    assert totals() == [before[0], before[1] + 1, before[2]]
+
+
+def test_one_models_idle_time_counts_from_its_last_requests_end(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`serve -m MODEL`'s `ps`: idle since the last request ended, not since it started."""
+    import types
+
+    from mlxcache.events import Done
+    from mlxcache.server import served
+    from mlxcache.server.served import One
+
+    clock = Clock()
+    monkeypatch.setattr(served, "time", types.SimpleNamespace(monotonic=clock))
+    sinks: list[Callable[[Any], None]] = []
+
+    class Worker:
+        waiting = 0
+
+        def submit(self, request: Any, sink: Callable[[Any], None]) -> Any:
+            sinks.append(sink)
+
+    engine: Any = types.SimpleNamespace(busy=False, loaded=types.SimpleNamespace(path=None))
+    monkeypatch.setattr(served, "weights_bytes", lambda _path: 0)
+    one = One(engine, Worker(), ("m",), {})  # type: ignore[arg-type]
+    clock.now = 5.0
+    target = one.acquire(None)
+    target.worker.submit(None, lambda _event: None)  # type: ignore[arg-type]
+    clock.now = 50.0
+    sinks[0](Done(0, None))  # type: ignore[arg-type]
+    clock.now = 60.0
+    assert one.rows()[0]["idle_s"] == 10.0
+
+
+def test_serves_probe_bars_are_stopped_when_a_load_fails() -> None:
+    from mlxcache_cli import ui
+    from mlxcache_cli.serve_cmd import closing_notes
+
+    closed: list[bool] = []
+
+    class Notes(ui.ProbeNotes):
+        def close(self) -> None:
+            closed.append(True)
+            super().close()
+
+    def failing(entry: ModelEntry, tier: int, shared: Any) -> Any:
+        raise RuntimeError("a probe failed")
+
+    with pytest.raises(RuntimeError):
+        closing_notes(failing, Notes())(ModelEntry("m", "m"), 0, None)
+    assert closed == [True]
+
+
+def test_adapters_of_one_base_share_its_weights(
+    make_fleet: Callable[..., Fleet], folders: dict[str, Path], tmp_path: Path
+) -> None:
+    """Two adapters (a LoRA and a DoRA) and the plain base behind one server: the base's
+    weights are loaded once, each adapter's layers over those same arrays, and each reply
+    is mlx-lm's own for its adapter, and its solo reply. A full fine-tune, loaded first,
+    replaced some of its weights: it lends none."""
+    from adapters import mlx_lm_reply, write_adapter
+
+    write_adapter(folders["alpha"], tmp_path / "one", seed=5)
+    write_adapter(folders["alpha"], tmp_path / "two", "dora", seed=6, scale=40.0)
+    write_adapter(folders["alpha"], tmp_path / "full", "full", seed=7)
+    spec = str(folders["alpha"])
+    served = [
+        ModelEntry("full", spec, adapter=str(tmp_path / "full")),
+        ModelEntry("one", spec, adapter=str(tmp_path / "one")),
+        ModelEntry("two", spec, adapter=str(tmp_path / "two")),
+        ModelEntry("base", spec),
+    ]
+    fleet = make_fleet(served)
+    app = app_of(fleet)
+    replies = {}
+    for name in ("full", "one", "two", "base"):
+        replies[name] = tokens_of(call(app, "POST", "/v1/completions", completion(name)))[1]
+    for name, adapter in [(n, tmp_path / n) for n in ("full", "one", "two")] + [("base", None)]:
+        alone = load(spec, adapter=adapter)
+        engine = Engine(alone, block_size=BLOCK)
+        prompt = engine.encoder.encode(PROMPT)
+        assert replies[name] == engine.complete(Request(prompt, PARAMS)).tokens, name
+        assert replies[name] == mlx_lm_reply(folders["alpha"], adapter, prompt, PARAMS), name
+    assert len({tuple(r) for r in replies.values()}) == 4, replies  # told apart
+    assert fleet.resident["full"].engine.loaded.base_weights is None
+    weights = [fleet.resident[n].engine.loaded.base_weights for n in ("one", "two", "base")]
+    assert weights[0] is not None and weights[1] is not None and weights[2] is not None
+    assert all(
+        weights[1][k] is weights[0][k] and weights[2][k] is weights[0][k] for k in weights[0]
+    )
+
+
+def test_a_load_that_took_more_than_its_room_unloads_others_after(
+    make_fleet: Callable[..., Fleet], folders: dict[str, Path]
+) -> None:
+    """A first load sized from its files, then measured to hold more: the models no
+    request holds are unloaded until the process is under the limit again."""
+    notes: list[str] = []
+    sizes = {n: weights_bytes(folders[n]) for n in ("alpha", "beta")}
+    account: list[Fleet] = []
+    extra = {"beta": sizes["alpha"]}  # what beta's load holds beyond its files
+
+    def held() -> int:
+        fleet = account[0] if account else None
+        if fleet is None:
+            return 0
+        return sum(r.size + extra.get(n, 0) for n, r in fleet.resident.items())
+
+    fleet = make_fleet(
+        entries(folders, "alpha", "beta"),
+        limit=sizes["alpha"] + sizes["beta"] + 1,
+        meter=held,
+        on_note=notes.append,
+    )
+    account.append(fleet)
+    with fleet.lease("alpha"):
+        pass
+    with fleet.lease("beta"):
+        assert sorted(fleet.resident) == ["beta"]
+    assert [n for n in notes if n.startswith("unloaded")] == [
+        "unloaded alpha (least recently used, for beta)"
+    ]

@@ -4,13 +4,16 @@ limit that holds one of them plus a cache, requests alternating between them.
 Four servers, one after the other, on the cache directory of the user (where the models'
 conversions and the device's probes of them are kept for every later run; no disk tier,
 so no prompt is kept there):
-- a preparing one (no limit): what the idle server holds; then it converts both models
-  and records their probes, once (a conversion's memory is not a model's);
+- a preparing one (no limit): it converts both models and records their probes, once (a
+  conversion's memory is not a model's), then unloads them (keep-alive): what the idle
+  server holds, with the libraries a load imports (tens of MB it keeps);
 - each model's own server (`serve --models` of it alone, loaded at start): its load time
-  (the baseline of a reload), what it adds to the idle server, and its replies to the
-  prompts (what every reply must equal);
+  (the baseline of a reload), what it adds to the idle server, the most its load added
+  (its tokenizer's parse passes what it keeps), and its replies to the prompts (what
+  every reply must equal);
 - the served pair under `--mem-limit` (default: the idle server, the larger model and
-  half the smaller one): requests alternate between the models for `minutes`.
+  half the smaller one, or the larger load's peak where that is more): requests
+  alternate between the models for `minutes`.
 
 Reported: the switches (unloads), each model's reload time against its own load, the
 server's peak resident memory against the limit (goal: at most 5% over), and whether
@@ -52,7 +55,9 @@ def run(minutes: float, tokens: int, mem_limit: int | None) -> dict[str, Any]:
         idle = _prepare(root, common)
         own = {m: _solo(root, common, m) for m in MODELS}
         sizes = {m: own[m]["resident"] - idle for m in MODELS}
-        limit = mem_limit or idle + max(sizes.values()) + min(sizes.values()) // 2
+        peaks = {m: own[m]["load_peak"] for m in MODELS}
+        one = max(max(sizes.values()) + min(sizes.values()) // 2, max(peaks.values()))
+        limit = mem_limit or idle + one
         served = _served(root, common, limit, minutes, own)
     reloads = {m: served["loads"][m][1:] for m in MODELS}
     peak = served["peak"]
@@ -63,6 +68,7 @@ def run(minutes: float, tokens: int, mem_limit: int | None) -> dict[str, Any]:
         "max_tokens": tokens,
         "idle_server_mb": round(idle / MiB, 1),
         "model_mb": {m: round(sizes[m] / MiB, 1) for m in MODELS},
+        "load_peak_mb": {m: round(peaks[m] / MiB, 1) for m in MODELS},
         "mem_limit_mb": round(limit / MiB, 1),
         "peak_rss_mb": round(peak / MiB, 1),
         "peak_over_limit": round(peak / limit, 3),
@@ -134,12 +140,19 @@ def _text(url: str, model: str, prompt: str) -> str:
 
 
 def _prepare(root: Path, common: list[str]) -> int:
-    """What the idle server holds; both models converted and probed."""
-    server = MlxcacheServer(["--models", _models_file(root, "both", MODELS), *common])
+    """What the idle server holds once its models were loaded and unloaded; both models
+    converted and probed."""
+    args = ["--models", _models_file(root, "both", MODELS), "--keep-alive", "1s", *common]
+    server = MlxcacheServer(args)
     try:
-        idle = int(_ps(server.url)["resident_bytes"])
         for model in MODELS:
             _text(server.url, model, PROMPTS[0])
+        until = time.monotonic() + 60
+        while any(m["loaded"] for m in _ps(server.url)["models"]):
+            if time.monotonic() > until:
+                raise ServerError("bench models: the models were not unloaded after 1 s idle")
+            time.sleep(0.5)
+        idle = int(_ps(server.url)["resident_bytes"])
     finally:
         server.stop()
     return idle
@@ -152,10 +165,16 @@ def _solo(root: Path, common: list[str], model: str) -> dict[str, Any]:
     try:
         load_s = float(server.wait_for(_LOADED).group(2))
         replies = {p: _text(server.url, model, p) for p in PROMPTS}
-        resident = int(_ps(server.url)["resident_bytes"])
+        ps = _ps(server.url)
     finally:
         server.stop()
-    return {"load_s": load_s, "replies": replies, "resident": resident}
+    peak = int(ps["models"][0].get("load_peak_bytes") or 0)
+    return {
+        "load_s": load_s,
+        "replies": replies,
+        "resident": ps["resident_bytes"],
+        "load_peak": peak,
+    }
 
 
 def _served(

@@ -11,7 +11,7 @@ import shutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import xxhash
 
@@ -26,6 +26,7 @@ from mlxcache.model.adapter import Adapter, apply_adapter, check_adapter
 from mlxcache.model.digest import file_digest, hash_file
 from mlxcache.model.folder import load_folder
 from mlxcache.model.template import identity, template_args, template_text, with_args
+from mlxcache.model.tokenizer import load_tokenizer
 from mlxcache.paths import cache_dir, data_dir
 
 if TYPE_CHECKING:  # the converter imports gguf and MLX: only a conversion needs them
@@ -64,6 +65,10 @@ class LoadedModel:
     """A chat template given in place of the model's (part of `key`)."""
     template_args: dict[str, Any] = field(default_factory=dict)
     """Default arguments of every template rendering (part of `key`)."""
+    base_weights: Mapping[str, Any] | None = field(default=None, repr=False)
+    """The base model's weight arrays by parameter name, as its folder holds them (under
+    an adapter too, whose layers wrap them; None under a full fine-tune, which replaces
+    some): another load of the same folder may share them (`load`'s `shared`)."""
 
     @property
     def context_length(self) -> int:
@@ -173,6 +178,30 @@ def _packaged(spec: str, root: Path) -> Path | None:
     return target
 
 
+SpecKind = Literal["default", "packaged", "gguf", "folder", "kept", "hub", "none"]
+
+
+def spec_kind(spec: str, root: Path | None = None) -> SpecKind:
+    """What a model spec names, from its spelling and the files there (no heavy import,
+    no network): the embedded default, a packaged model's name, a .gguf path (which may
+    not exist), an mlx-lm folder, a conversion kept in `root`'s models (a name `models
+    ls` shows; `root` None: not looked for), a Hub id (owner/name), or none of them."""
+    if spec == DEFAULT_MODEL:
+        return "default"
+    if spec in PACKAGED or spec in PACKAGED.values():
+        return "packaged"
+    candidate = Path(spec).expanduser()
+    if candidate.suffix.lower() == ".gguf":
+        return "gguf"
+    if candidate.is_dir():
+        return "folder"
+    if root is not None and "/" not in spec and (root / "models" / spec / "config.json").is_file():
+        return "kept"
+    if candidate.exists() or spec.startswith((".", "/", "~")) or spec.count("/") != 1:
+        return "none"
+    return "hub"
+
+
 def check_spec(spec: str, cache_root: str | os.PathLike[str] | None = None) -> None:
     """Raise at once what `load(spec)` would raise for a spec that names nothing: before
     any heavy import, conversion or run (a Hub id is left to `load`: it needs the network).
@@ -180,38 +209,34 @@ def check_spec(spec: str, cache_root: str | os.PathLike[str] | None = None) -> N
     Raises:
         ModelNotFoundError: a path that does not exist, or a name that is not one.
     """
-    if spec == DEFAULT_MODEL or spec in PACKAGED or spec in PACKAGED.values():
-        return
-    candidate = Path(spec).expanduser()
-    if candidate.suffix.lower() == ".gguf":
-        if not candidate.is_file():
-            raise ModelNotFoundError(f"model file not found: {candidate}")
-        return
-    root = cache_dir(cache_root)
-    if candidate.is_dir() or (
-        "/" not in spec and (root / "models" / spec / "config.json").is_file()
-    ):
-        return
-    if candidate.exists() or spec.startswith((".", "/", "~")) or spec.count("/") != 1:
+    _checked_kind(spec, cache_dir(cache_root))
+
+
+def _checked_kind(spec: str, root: Path) -> SpecKind:
+    """`spec_kind`, raising for a spec that names nothing (`check_spec`)."""
+    kind = spec_kind(spec, root)
+    if kind == "gguf" and not Path(spec).expanduser().is_file():
+        raise ModelNotFoundError(f"model file not found: {Path(spec).expanduser()}")
+    if kind == "none":
         raise not_found(spec, root)
+    return kind
 
 
 def _resolve(spec: str, root: Path, progress: Progress | None, warn: Warn) -> tuple[str, Path]:
     """Turn a model spec into (display name, local mlx-lm folder)."""
-    check_spec(spec, root)
-    if spec == DEFAULT_MODEL:
+    kind = _checked_kind(spec, root)
+    candidate = Path(spec).expanduser()
+    if kind == "default":
         return DEFAULT_MODEL, _converted(default_model_path(), root, progress, warn)
-    packaged = _packaged(spec, root)
+    packaged = _packaged(spec, root) if kind == "packaged" else None
     if packaged is not None:
         return spec, _converted(packaged, root, progress, warn)
-    candidate = Path(spec).expanduser()
-    if candidate.suffix.lower() == ".gguf":
+    if kind == "gguf":
         return candidate.name, _converted(candidate, root, progress, warn)
-    if candidate.is_dir():
+    if kind == "folder":
         return candidate.name, candidate
-    kept = root / "models" / spec
-    if "/" not in spec and (kept / "config.json").is_file():  # a name `models ls` shows
-        return spec, kept
+    if kind == "kept":  # a name `models ls` shows
+        return spec, root / "models" / spec
     # A Hub id: needs the network on first use; the files mlx-lm itself would fetch.
     from huggingface_hub import snapshot_download
     from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
@@ -247,6 +272,7 @@ def load(
     adapter: str | os.PathLike[str] | None = None,
     chat_template: str | None = None,
     chat_template_args: str | Mapping[str, Any] | None = None,
+    shared: Mapping[str, Any] | None = None,
 ) -> LoadedModel:
     """Load a model by spec: `smollm2-135m` (default), a .gguf path, an mlx-lm folder or a Hub id.
 
@@ -260,6 +286,9 @@ def load(
         chat_template: a template file or Jinja text used in place of the model's.
         chat_template_args: JSON object text (or a mapping): default arguments of every
             rendering of the template (mlx-lm's `--chat-template-args`).
+        shared: the `base_weights` of a model loaded from the same folder: this one's
+            weights are those arrays (held once in memory; their values are the folder's),
+            not read again; its adapter's layers wrap them.
 
     The adapter's digest, the template and its arguments are part of the model's key.
 
@@ -270,8 +299,6 @@ def load(
         AdapterError: an adapter that is missing, damaged or made for another model.
         UserInputError: a template or template arguments that cannot be read.
     """
-    from mlx_lm.utils import load_tokenizer
-
     checked = None if adapter is None else check_adapter(adapter)  # before any model work
     template = template_text(chat_template)
     args = template_args(chat_template_args)
@@ -279,18 +306,61 @@ def load(
     name, path = _resolve(spec or DEFAULT_MODEL, cache_dir(cache_root), progress, warn)
     if not (path / "config.json").is_file():
         raise ModelNotFoundError(f"not an mlx-lm model folder (no config.json): {path}")
-    model, config = load_folder(path, lazy=lazy)
+    # The tokenizer first: its load's peak then passes over no weights (`tokenizer`).
+    extra = {} if template is None else {"chat_template": template}
+    tokenizer = load_tokenizer(path, extra, _config_of(path).get("eos_token_id"))
+    model, config = _weights(path, lazy, shared)
+    base = None if checked is not None and checked.fine_tune_type == "full" else _flat(model)
     if checked is not None:
         model = apply_adapter(model, checked, name)
-    extra = {} if template is None else {"chat_template": template}
-    try:
-        tokenizer = load_tokenizer(path, extra, eos_token_ids=config.get("eos_token_id"))
-    except Exception as exc:  # the tokenizers library raises a plain Exception
-        raise UnsupportedModelError(f"cannot load the tokenizer of model {path}: {exc}") from exc
     key = model_key(folder_key(path), checked, template, args)
-    return LoadedModel(
-        model, with_args(tokenizer, args), key, name, path, config, "", checked, template, args
+    tokenizer = with_args(tokenizer, args)
+    return LoadedModel(model, tokenizer, key, name, path, config, "", checked, template, args, base)
+
+
+def _flat(model: Model) -> dict[str, Any]:
+    from mlx.utils import tree_flatten
+
+    from mlxcache.types import as_module
+
+    return dict(tree_flatten(as_module(model).parameters()))
+
+
+def _weights(
+    path: Path, lazy: bool, shared: Mapping[str, Any] | None
+) -> tuple[Model, dict[str, Any]]:
+    """The folder's model and config; its weights the `shared` arrays where they are all
+    of its parameters (its own lazily read ones, never evaluated, then dropped)."""
+    if shared is None:
+        return load_folder(path, lazy=lazy)
+    from mlx.utils import tree_unflatten
+
+    from mlxcache.types import as_module
+
+    model, config = load_folder(path, lazy=True)
+    own = _flat(model)
+    fits = own.keys() == shared.keys() and all(
+        own[k].shape == shared[k].shape and own[k].dtype == shared[k].dtype for k in own
     )
+    if not fits:  # not the same model after all: its own weights
+        return load_folder(path, lazy=lazy)
+    as_module(model).update(tree_unflatten(list(shared.items())))
+    return model, config
+
+
+def _config_of(path: Path) -> dict[str, Any]:
+    """A model folder's config.json (its weights' load reads it again, and fails on it).
+
+    Raises:
+        UnsupportedModelError: the file is not a JSON object.
+    """
+    try:
+        config = loads_json((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise UnsupportedModelError(f"cannot read the config of model {path}: {exc}") from exc
+    if not isinstance(config, dict):
+        raise UnsupportedModelError(f"the config of model {path} is not a JSON object")
+    return config
 
 
 def tailoring_key(adapter: Adapter | None, template: str | None, args: Mapping[str, Any]) -> str:

@@ -123,7 +123,7 @@ def _info(service: Service, worker: Worker) -> APIRouter:
     @routes.get("/metrics")
     async def metrics_text() -> PlainTextResponse:
         reports = await run_in_threadpool(served.reports)
-        report = total_of(reports)
+        report = total_of(reports, await run_in_threadpool(served.retired))
         rows = None if isinstance(served, One) else await run_in_threadpool(served.rows)
         text = service.metrics.render(report, worker.waiting, report["busy"], rows)
         return PlainTextResponse(text, media_type=CONTENT_TYPE)
@@ -139,9 +139,12 @@ def memory_of(reports: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return {k: first[k] for k in ("resident_bytes", "mem_limit_bytes")}
 
 
-def total_of(reports: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """One cache report for several models: their counters and sizes added up."""
-    if len(reports) == 1:
+def total_of(
+    reports: dict[str, dict[str, Any]], retired: dict[str, int] | None = None
+) -> dict[str, Any]:
+    """One cache report for several models: their counters and sizes added up, with the
+    counters of models unloaded before (`retired`)."""
+    if len(reports) == 1 and not retired:
         return next(iter(reports.values()))
     busy = any(r["busy"] for r in reports.values())
     total: dict[str, Any] = {"busy": busy, **memory_of(reports)}
@@ -149,6 +152,8 @@ def total_of(reports: dict[str, dict[str, Any]]) -> dict[str, Any]:
         for key, value in report.items():
             if isinstance(value, int) and not isinstance(value, bool) and key not in _PROCESS:
                 total[key] = total.get(key, 0) + value
+    for key, value in (retired or {}).items():
+        total[key] = total.get(key, 0) + value
     return total
 
 

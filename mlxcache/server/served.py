@@ -12,7 +12,7 @@ from typing import Any, Protocol
 import mlx.core as mx
 
 from mlxcache.engine import Engine, Request
-from mlxcache.events import Event
+from mlxcache.events import Done, Event
 from mlxcache.fleet import Fleet, weights_bytes
 from mlxcache.membudget import resident_bytes
 from mlxcache.server.errors import APIError
@@ -54,6 +54,32 @@ class Bound:
         return self._worker.waiting
 
 
+class _Timed:
+    """A worker seen through requests whose end is told to `on_end` (worker thread)."""
+
+    def __init__(self, worker: Worker, on_end: Callable[[], None]) -> None:
+        self._worker = worker
+        self._on_end = on_end
+
+    def submit(self, request: Request, sink: Callable[[Event], None]) -> Handle:
+        def timed(event: Event) -> None:
+            if isinstance(event, Done):
+                self._on_end()
+            sink(event)
+
+        return self._worker.submit(request, timed)
+
+    def warm(self, tokens: list[int]) -> None:
+        self._worker.warm(tokens)
+
+    def call(self, fn: Callable[[Engine], Any]) -> Any:
+        return self._worker.call(fn)
+
+    @property
+    def waiting(self) -> int:
+        return self._worker.waiting
+
+
 class Served(Protocol):
     """What the routes need of the served models."""
 
@@ -75,6 +101,11 @@ class Served(Protocol):
 
     def reports(self) -> dict[str, dict[str, Any]]:
         """Each loaded model's cache report (`cache_report`), by name (blocks)."""
+        ...
+
+    def retired(self) -> dict[str, int]:
+        """The cache counters of models unloaded since the server started, added up
+        (`/metrics`' totals stay monotonic)."""
         ...
 
 
@@ -115,9 +146,13 @@ class One:
         self, engine: Engine, worker: Worker, names: tuple[str, ...], identity: dict[str, Any]
     ) -> None:
         self._engine = engine
-        self._worker = worker
+        self._worker = _Timed(worker, self._touch)
         self._names = names
         self._identity = identity
+        self._used = time.monotonic()
+        """When its last request ended (or, before any, when the server started)."""
+
+    def _touch(self) -> None:
         self._used = time.monotonic()
 
     @property
@@ -134,7 +169,6 @@ class One:
                 param="model",
                 code="model_not_found",
             )
-        self._used = time.monotonic()
         return Target(requested or self.default, self._engine, self._worker, lambda: None)
 
     def cards(self) -> list[dict[str, Any]]:
@@ -157,6 +191,9 @@ class One:
 
     def reports(self) -> dict[str, dict[str, Any]]:
         return {self.default: self._worker.call(cache_report)}
+
+    def retired(self) -> dict[str, int]:
+        return {}
 
 
 class Many:
@@ -195,3 +232,6 @@ class Many:
             return {n: cache_report(r.engine) for n, r in self.fleet.resident.items()}
 
         return self.fleet.worker.run(each)
+
+    def retired(self) -> dict[str, int]:
+        return self.fleet.worker.run(lambda: dict(self.fleet.retired))
