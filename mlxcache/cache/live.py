@@ -59,4 +59,4 @@ class Live:
 def _arrays(layers: Layers) -> list[mx.array]:
     """Every array of the layers' KV, as allocated (quantized KV: its parts)."""
     leaves = tree_flatten([(getattr(c, "keys", None), getattr(c, "values", None)) for c in layers])
-    return [v for _, v in leaves if isinstance(v, mx.array)]
+    return [leaf[1] for leaf in leaves if isinstance(leaf[1], mx.array)]
