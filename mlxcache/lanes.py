@@ -411,7 +411,7 @@ def prefill_blocks(
             done, logits, at_chunk_end = stop, out, True
             if stop % block == 0 and stop <= keep_at:
                 lease.capture(stop)
-            if stop == keep_at and keep_at > start:
+            if kept < keep_at <= stop:  # a merged chunk may pass it (plain KV: cut later)
                 kept = keep_at  # tried once: not again while unwinding if it fails
                 lease.keep(tokens[:keep_at])
             yield Prefill(rid, stop, n, start)
