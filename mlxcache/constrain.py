@@ -8,9 +8,12 @@ stay allowed, so the engine ends the reply with finish_reason "stop".
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import functools
 import threading
 from collections.abc import Collection
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
@@ -18,7 +21,8 @@ import numpy as np
 from llguidance import LLMatcher, LLParserLimits, LLTokenizer
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
-from mlxcache.errors import GenerationError, GrammarError
+from mlxcache.errors import GenerationError, GrammarError, OutputFileError
+from mlxcache.fileio import write_atomic
 
 # Grammars as text (no model, no MLX) live in grammar.py, so that `json --check` starts
 # fast; re-exported here, where the decoding side has always imported them from.
@@ -29,6 +33,7 @@ from mlxcache.grammar import grammar_error as grammar_error
 from mlxcache.grammar import grammar_from_json_schema as grammar_from_json_schema
 from mlxcache.grammar import grammar_from_lark as grammar_from_lark
 from mlxcache.grammar import regex_literal as regex_literal
+from mlxcache.paths import cache_dir
 from mlxcache.types import Tokenizer
 
 if TYPE_CHECKING:
@@ -40,8 +45,10 @@ _tokenizers: dict[str, LLTokenizer] = {}
 _tokenizers_lock = threading.Lock()
 
 
-def ll_tokenizer(tokenizer: Tokenizer, key: str) -> LLTokenizer:
-    """llguidance's view of an mlx-lm tokenizer wrapper, built once per model `key` (~0.4 s).
+def ll_tokenizer(tokenizer: Tokenizer, key: str, directory: Path | None = None) -> LLTokenizer:
+    """llguidance's view of an mlx-lm tokenizer wrapper, built once per model `key` (~0.4 s
+    idle). Half of that is serializing the Hugging Face tokenizer for llguidance: kept in
+    `directory` (the cache dir's `grammar/`), so another process reads it instead.
 
     Raises:
         GrammarError: the model has no fast Hugging Face tokenizer to build it from.
@@ -50,19 +57,46 @@ def ll_tokenizer(tokenizer: Tokenizer, key: str) -> LLTokenizer:
         cached = _tokenizers.get(key)
         if cached is not None:
             return cached
-        import llguidance.hf
-
         hf: Any = getattr(tokenizer, "_tokenizer", tokenizer)  # the wrapped Hugging Face one
         eos = sorted(int(t) for t in getattr(tokenizer, "eos_token_ids", ()) or ())
-        try:
-            built = llguidance.hf.from_tokenizer(hf, eos_token=eos or None)
-        except ValueError as exc:
-            raise GrammarError(
-                f"constrained decoding needs a fast Hugging Face tokenizer; this model has "
-                f"{type(hf).__name__}: {exc}"
-            ) from exc
+        text = _serialized(hf, key, directory)
+        built = LLTokenizer(text, eos_token=eos or hf.eos_token_id)
         _tokenizers[key] = built
         return built
+
+
+def _serialized(hf: Any, key: str, directory: Path | None) -> str:
+    """The Hugging Face tokenizer as llguidance reads it (`llguidance.hf.from_tokenizer`'s
+    JSON), from `directory` where kept there, else serialized now and kept. The model key
+    covers the tokenizer's files; the versions, how they are serialized and read."""
+    import importlib.metadata as metadata
+
+    import transformers
+
+    if not isinstance(hf, transformers.PreTrainedTokenizerFast):
+        raise GrammarError(
+            "constrained decoding needs a fast Hugging Face tokenizer; this model has "
+            f"{type(hf).__name__}"
+        )
+    versions = "-".join(metadata.version(p) for p in ("tokenizers", "llguidance"))
+    path = None if directory is None else directory / f"{key}-{versions}.json"
+    with contextlib.suppress(OSError, UnicodeDecodeError):
+        if path is not None:
+            return path.read_text()
+    backend = copy.copy(hf.backend_tokenizer)  # as llguidance.hf: no padding, no truncation
+    backend.no_padding()
+    backend.no_truncation()
+    text = str(backend.to_str())
+    if path is not None:  # a file that cannot be written is only a lost shortcut
+        with contextlib.suppress(OSError, OutputFileError):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(path, text)
+    return text
+
+
+def grammar_dir() -> Path:
+    """Where grammar work kept across processes lives: the cache dir's `grammar/`."""
+    return cache_dir() / "grammar"
 
 
 def bitmask_to_bool(bitmask: np.ndarray, width: int) -> np.ndarray:
@@ -188,13 +222,13 @@ def compile_for(loaded: LoadedModel, grammar: str) -> None:
     Raises:
         GrammarError: the grammar does not compile.
     """
-    compiled_matcher(ll_tokenizer(loaded.tokenizer, loaded.key), grammar)
+    compiled_matcher(ll_tokenizer(loaded.tokenizer, loaded.key, grammar_dir()), grammar)
 
 
 def processor_for(
     loaded: LoadedModel, grammar: str, stop_tokens: Collection[int] | None = None
 ) -> GrammarProcessor:
     """A fresh processor for one request on `loaded`."""
-    tokenizer = ll_tokenizer(loaded.tokenizer, loaded.key)
+    tokenizer = ll_tokenizer(loaded.tokenizer, loaded.key, grammar_dir())
     stop = stop_tokens if stop_tokens is not None else loaded.tokenizer.eos_token_ids
     return GrammarProcessor(tokenizer, grammar, frozenset(int(t) for t in stop))

@@ -6,7 +6,8 @@ measured), the KV a decode step computes one token at a time is bitwise the KV a
 prefill computes for the same tokens, and a reply's KV can be kept as it stands: no
 re-prefill of the reply (follow lanes) for the next turn to resume past it. Metal's
 kernels differ by call shape (GEMV for one row, GEMM for several), so there the probe
-fails and the canonical path runs.
+fails and the canonical path runs. The same verdict lets a prefill merge its canonical
+chunks (`prefill.schedule(merge=True)`): the probe compares such chunks too.
 
 The probe compares, bit for bit, the logits and the blocks as the store cuts them (every
 layer's keys and values, a sliding window's positions, a recurrent state) of a decode run
@@ -27,6 +28,7 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
 from typing import Any, cast
 
@@ -34,22 +36,23 @@ import mlx.core as mx
 import numpy as np
 
 from mlxcache.cache.layout import Layout, kv_tag
+from mlxcache.cache.live import rewinds
 from mlxcache.config import MAX_DRAFT
 from mlxcache.decode_batch import DecodeBatch, batchable
 from mlxcache.draft import Checkpoint, snapshot
 from mlxcache.events import Probing
 from mlxcache.fileio import write_atomic
 from mlxcache.model import LoadedModel
-from mlxcache.prefill import prefill
+from mlxcache.prefill import MERGED_BLOCKS, prefill, schedule
 from mlxcache.ring import TimeRing
 from mlxcache.types import LayerCache, Model, new_layers
 
 PROBES = "probes.json"
-PROBE_VERSION = "p4"
+PROBE_VERSION = "p5"
 """What the probes measure, in their records' keys: "p2" probed every block layout (sliding
 windows kept in time order, recurrent state), "p3" drafted rows of every batchable layout
-in a decode batch, "p4" records the verify probe's verdict per width; older records are
-not read."""
+in a decode batch, "p4" records the verify probe's verdict per width, "p5" measures merged
+prefill chunks as well (`decode`); older records are not read."""
 
 
 Tick = Callable[[], None]
@@ -66,7 +69,9 @@ def decode_matches_prefill(model: Model, block_size: int) -> bool:
     any model whose layers the store keeps block by block (`Layout`): plain, quantized and
     sliding-window KV, recurrent state. Compared: every position's logits, every block
     as the store cuts it right after the step that completes it, and the last partial
-    block with the recurrent state at the end (what a kept reply's tail holds).
+    block with the recurrent state at the end (what a kept reply's tail holds). For
+    layers that keep every position, chunks merged `MERGED_BLOCKS` blocks wide too
+    (`_merged_matches`): a turn's prefill runs in them where this holds.
 
     With sliding windows, the run starts from a canonical prefix shortly before the
     smallest window and runs a few blocks past it: the steps where a window is full and
@@ -84,7 +89,26 @@ def decode_matches_prefill(model: Model, block_size: int) -> bool:
         chunked = _run(model, layout, at_prefix(), ids, start, chunk, block_size)
         if not _same_run(decoded, chunked):
             return False
-    return True
+    return not rewinds(new_layers(model)) or _merged_matches(model, layout, block_size)
+
+
+def _merged_matches(model: Model, layout: Layout, block_size: int) -> bool:
+    """Whether prefill chunks merged as wide as `schedule(merge=True)` makes them, the
+    first starting inside a block as a turn's does, give bitwise the logits and blocks
+    the canonical chunks give (for layers that keep every position: cut at the end)."""
+    n = 3 + MERGED_BLOCKS * block_size + 2
+    ids = [(5 * i + 2) % 97 + 1 for i in range(n)]
+    at_prefix = _prefixed(model, ids[:3], block_size)
+    runs = []
+    for merge in (False, True):
+        layers, logits = at_prefix(), {}
+        for s, e in schedule(3, n, block_size, decode_matches_prefill=True, merge=merge):
+            out = model(mx.array([ids[s:e]]), cache=layers)[0]
+            mx.eval(out)
+            logits.update({i: out[i - s] for i in range(s, e)})
+        bounds = [*range(0, n, block_size), n]
+        runs.append((logits, {e: layout.cut(layers, s, e) for s, e in pairwise(bounds)}))
+    return _same_run(runs[0], runs[1])
 
 
 _Blocks = dict[int, dict[str, mx.array]]

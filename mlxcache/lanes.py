@@ -484,7 +484,7 @@ class Prefilling:
         self.done, self.at_end = stop, True
         if stop % self.block == 0 and stop <= self.keep_at:
             self.lease.capture(stop)
-        if stop == self.keep_at and self.keep_at > self.start:
+        if self.kept < self.keep_at <= stop:  # a merged chunk may pass it (plain KV: cut later)
             self.kept = self.keep_at
             self.lease.keep(self.tokens[: self.keep_at])
 

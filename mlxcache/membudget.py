@@ -32,6 +32,7 @@ from mlxcache.cache.base import PrefixCache
 from mlxcache.config import CacheConfig, human_bytes
 from mlxcache.errors import MemoryBusyError, MemoryLimitError, Setting, Worded
 from mlxcache.model import LoadedModel
+from mlxcache.prefill import MERGED_BLOCKS
 from mlxcache.sysmem import release_unused
 from mlxcache.types import Model, as_module, new_layers
 
@@ -159,7 +160,7 @@ class MemoryBudget:
         limit: the budget, in bytes.
         floor: what the process held once the model was loaded (its least).
         footprint: the model's `Footprint`.
-        chunk: the prefill chunk (the cache's block size).
+        chunk: the widest prefill chunk (merged: `prefill.MERGED_BLOCKS` blocks).
         reserved: what running requests reserved, by (budget, request id): one dict shared
             by the budgets of several models in one process (`fleet`), so each admits
             beside the others' requests.
@@ -260,5 +261,6 @@ def budgeted(loaded: LoadedModel, config: CacheConfig) -> tuple[CacheConfig, Mem
         )
     tier = min(config.mem_bytes, (config.mem_limit - held) // TIER_SHARE)
     footprint = Footprint.of(loaded.model, loaded.config)
-    budget = MemoryBudget(config.mem_limit, held, footprint, config.block_size)
+    # A prefill chunk spans up to `MERGED_BLOCKS` blocks where the probe allows merging.
+    budget = MemoryBudget(config.mem_limit, held, footprint, MERGED_BLOCKS * config.block_size)
     return replace(config, mem_bytes=tier), budget

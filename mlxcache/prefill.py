@@ -6,7 +6,11 @@ run exactly the forward calls a fresh one runs from the resume point on. Chunks
 
 On a device measured shape-invariant (`invariance`: a token's KV does not depend on the
 chunk it was computed in), a resume may also start inside a block: its first chunk runs to
-the next boundary, and the chunks after it are the canonical ones again.
+the next boundary, and the chunks after it are the canonical ones again. There, for layers
+that keep every position (plain and quantized KV: blocks are cut from them later, never
+captured at a chunk's end), consecutive chunks are also merged up to `MERGED_BLOCKS`
+blocks wide: the same KV bit for bit (the probe measures chunks that wide), in fewer
+forwards (a chat turn's few new tokens in one).
 """
 
 from __future__ import annotations
@@ -17,17 +21,29 @@ from itertools import pairwise
 import mlx.core as mx
 import numpy as np
 
+from mlxcache.cache.live import rewinds
 from mlxcache.types import Layers, Model
+
+MERGED_BLOCKS = 4
+"""The most blocks one merged chunk spans (`schedule(merge=True)`): wide enough for a chat
+turn's new tokens, narrow enough that other requests' steps still run between chunks."""
 
 
 def schedule(
-    start: int, end: int, block_size: int, decode_matches_prefill: bool = False
+    start: int,
+    end: int,
+    block_size: int,
+    decode_matches_prefill: bool = False,
+    merge: bool = False,
 ) -> list[tuple[int, int]]:
     """The (start, stop) chunks that prefill tokens [start, end), aligned to `block_size`.
 
     Args:
         decode_matches_prefill: `start` may be inside a block (a device measured
             shape-invariant only).
+        merge: consecutive chunks merged up to `MERGED_BLOCKS` blocks wide, still ending
+            on block boundaries (a shape-invariant device, layers that keep every
+            position: see the module's doc).
 
     Raises:
         ValueError: if `start` is not a block boundary (and not `decode_matches_prefill`)
@@ -38,7 +54,19 @@ def schedule(
     if not 0 <= start < end:
         raise ValueError(f"empty prefill range [{start}, {end})")
     bounds = [start, *range(start // block_size * block_size + block_size, end, block_size), end]
+    if merge:
+        bounds = _merged(bounds, MERGED_BLOCKS * block_size)
     return list(pairwise(bounds))
+
+
+def _merged(bounds: list[int], widest: int) -> list[int]:
+    """The fewest of `bounds` (the first and last kept) no two consecutive of which are
+    more than `widest` apart (consecutive `bounds` are at most `widest` apart)."""
+    kept = [bounds[0]]
+    for before, bound in pairwise(bounds):
+        if bound - kept[-1] > widest:
+            kept.append(before)
+    return [*kept, bounds[-1]]
 
 
 def prefill(
@@ -49,14 +77,15 @@ def prefill(
     block_size: int,
     decode_matches_prefill: bool = False,
 ) -> Iterator[tuple[int, mx.array | None]]:
-    """Run the canonical prefill of tokens[start:] into `layers` (`decode_matches_prefill`: see
-    `schedule`).
+    """Run the canonical prefill of tokens[start:] into `layers` (`decode_matches_prefill`:
+    see `schedule`; its chunks merged there where `layers` keep every position).
 
     Yields (stop, logits) after each chunk, evaluated, so the caller can checkpoint at
     block boundaries and interleave other requests. Logits (of the last prompt token)
     come with the final chunk only: earlier chunks leave the LM head unevaluated.
     """
-    chunks = schedule(start, len(tokens), block_size, decode_matches_prefill)
+    merge = decode_matches_prefill and rewinds(layers)
+    chunks = schedule(start, len(tokens), block_size, decode_matches_prefill, merge)
     for s, e in chunks:
         out = model(mx.array(tokens[None, s:e]), cache=layers)
         states = [c.state for c in layers]

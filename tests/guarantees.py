@@ -37,6 +37,7 @@ from shapemodel import Shaped, checkpointed, shaped
 from spy import Spy, spied
 
 from mlxcache.cache.base import NoCache, is_trimmable
+from mlxcache.cache.live import rewinds
 from mlxcache.cache.store import PromptCache
 from mlxcache.config import CacheConfig, DraftConfig
 from mlxcache.decode import Share
@@ -48,7 +49,7 @@ from mlxcache.events import Done, Event, Result, Token
 from mlxcache.invariance import batch_verify_probe, probe, verify_probe
 from mlxcache.model import LoadedModel, load
 from mlxcache.model.kvquant import quantize_kv
-from mlxcache.prefill import prefill
+from mlxcache.prefill import prefill, schedule
 from mlxcache.runtime import measured
 from mlxcache.sampling import SamplingParams
 from mlxcache.types import new_layers
@@ -234,10 +235,18 @@ class Run:
     batch_sizes: list[int]
     logits: mx.array
     """The last prompt token's logits."""
+    merged: bool = False
+    """Its prefill's chunks merged (`prefill.schedule(merge=True)`): the engine keeps
+    replies (the probe passed) and its layers keep every position."""
 
 
 def _run_of(
-    result: Result, n_prompt: int, calls: list[int], spy: Spy, remembered: mx.array | None = None
+    result: Result,
+    n_prompt: int,
+    calls: list[int],
+    spy: Spy,
+    remembered: mx.array | None = None,
+    merged: bool = False,
 ) -> Run:
     final = [i for i in calls if sum(spy.calls[i]) == n_prompt]
     if len(final) == 1:
@@ -252,7 +261,13 @@ def _run_of(
         [spy.calls[i] for i in calls],
         [spy.batch_sizes[i] for i in calls],
         logits,
+        merged,
     )
+
+
+def merges(engine: Engine) -> bool:
+    """Whether `engine`'s prefills merge their chunks (see `Run.merged`)."""
+    return engine.decode_matches_prefill and rewinds(new_layers(engine.loaded.model))
 
 
 def remembered_logits(engine: Engine, tokens: list[int]) -> mx.array | None:
@@ -274,7 +289,8 @@ def run(
     result = engine.complete(Request(tokens, params, stop_tokens=stop, follow=follow))
     whole = result.stats.cached_tokens == len(tokens)
     memo = remembered_logits(engine, tokens) if whole else None
-    return _run_of(result, len(tokens), list(range(len(spy.calls))), spy, memo)
+    calls = list(range(len(spy.calls)))
+    return _run_of(result, len(tokens), calls, spy, memo, merges(engine))
 
 
 def fed_to_end(cold: Run) -> Run:
@@ -296,9 +312,17 @@ def same_as_cold(got: Run, cold: Run) -> None:
     to the next boundary)."""
     assert got.tokens == cold.tokens, f"tokens {got.tokens} != cold {cold.tokens}"
     start, n = got.cached, got.prompt_len
-    first = [] if start % B == 0 or start == n else [(start, min(start // B * B + B, n) - start)]
-    canonical = [c for c in cold.calls if c[0] >= start]
-    assert got.calls == first + canonical, f"calls {got.calls} != cold {cold.calls} from {start}"
+    if got.merged and start < n:  # fewer, wider chunks: only where the probe passed
+        prompt = [
+            (s, e - s) for s, e in schedule(start, n, B, decode_matches_prefill=True, merge=True)
+        ]
+    else:
+        first = (
+            [] if start % B == 0 or start == n else [(start, min(start // B * B + B, n) - start)]
+        )
+        prompt = first + [c for c in cold.calls if start <= c[0] < n]
+    expected = prompt + [c for c in cold.calls if c[0] >= n]
+    assert got.calls == expected, f"calls {got.calls} != cold {cold.calls} from {start}"
     assert set(got.batch_sizes) <= {1}, f"batch sizes {got.batch_sizes}"
     assert mx.array_equal(got.logits, cold.logits), "last-prompt logits differ from cold"
 
@@ -402,6 +426,7 @@ class Rig:
                 [tuple(c) for c in r["calls"]],
                 r["batch_sizes"],
                 logits[str(i)],
+                r["merged"],
             )
             for i, r in enumerate(runs)
         ]
@@ -417,6 +442,7 @@ def save_runs(runs: list[Run], out: Path) -> None:
             "cached": r.cached,
             "calls": r.calls,
             "batch_sizes": r.batch_sizes,
+            "merged": r.merged,
         }
         for r in runs
     ]

@@ -217,12 +217,34 @@ def unaligned_chunks(patch: Patch) -> None:
     """Prefill chunks of B counted back from the end, not from absolute multiples of B."""
 
     def schedule(
-        start: int, end: int, block_size: int, decode_matches_prefill: bool = False
+        start: int,
+        end: int,
+        block_size: int,
+        decode_matches_prefill: bool = False,
+        merge: bool = False,
     ) -> list[tuple[int, int]]:
         stops = list(range(end, start, -block_size))[::-1]
         return list(zip([start, *stops[:-1]], stops, strict=True))
 
     patch(prefill_mod, "schedule", schedule)
+
+
+def merged_unprobed(patch: Patch) -> None:
+    """Prefill chunks merged up to `MERGED_BLOCKS` blocks wide without the probe's verdict
+    (as if every device computed a token's KV the same in any chunk): on the
+    shape-sensitive model too, and for a cold prompt's canonical chunks."""
+    schedule = prefill_mod.schedule
+
+    def merged(
+        start: int,
+        end: int,
+        block_size: int,
+        decode_matches_prefill: bool = False,
+        merge: bool = False,
+    ) -> list[tuple[int, int]]:
+        return schedule(start, end, block_size, decode_matches_prefill, merge=True)
+
+    patch(prefill_mod, "schedule", merged)
 
 
 def warm_in_one_chunk(patch: Patch) -> None:
@@ -750,6 +772,7 @@ MUTANTS: dict[str, Callable[[Patch], None]] = {
         lanes_batched,
         partial_last_block,
         unaligned_chunks,
+        merged_unprobed,
         restore_without_copy,
         shared_sampler,
         warm_in_one_chunk,

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import copy
 import json
+from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
+from mlxcache import constrain
 from mlxcache.constrain import (
     GrammarProcessor,
     apply_mask,
@@ -126,3 +130,38 @@ def test_sampled_runs_are_seeded_and_valid(tiny: LoadedModel) -> None:
         assert result.finish_reason == "stop"
         texts.append(json.loads(result.text))
     assert texts[0] == texts[1]
+
+
+def test_the_tokenizer_view_is_serialized_once_across_processes(
+    tiny: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The Hugging Face tokenizer serialized for llguidance is kept in the directory: a new
+    process (no view built yet) reads it, and masks as one that serialized it."""
+    monkeypatch.setattr(constrain, "_tokenizers", {})
+    first = ll_tokenizer(tiny.tokenizer, tiny.key, tmp_path)
+    (kept,) = tmp_path.iterdir()
+    assert kept.name.startswith(tiny.key) and json.loads(kept.read_text())["model"]
+
+    def not_again(_self: Any) -> Any:
+        raise AssertionError("serialized again")
+
+    monkeypatch.setattr(constrain, "_tokenizers", {})
+    monkeypatch.setattr(copy, "copy", not_again)
+    again = ll_tokenizer(tiny.tokenizer, tiny.key, tmp_path)
+    assert again is not first
+    grammar = grammar_from_json_schema({"type": "object", "properties": {"a": {"type": "integer"}}})
+    masks = []
+    for tok in (first, again):
+        proc = GrammarProcessor(tok, grammar, stop_tokens={2})
+        masks.append(proc.allowed(262))
+    assert masks[0].any() and np.array_equal(masks[0], masks[1])
+
+
+def test_an_unwritable_grammar_dir_only_costs_the_shortcut(
+    tiny: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(constrain, "_tokenizers", {})
+    blocked = tmp_path / "file"
+    blocked.write_text("not a directory")
+    tok = ll_tokenizer(tiny.tokenizer, tiny.key, blocked / "grammar")
+    assert tok.vocab_size > 0 and blocked.read_text() == "not a directory"

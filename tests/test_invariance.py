@@ -9,7 +9,7 @@ from typing import Any
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import BatchRotatingKVCache, RotatingKVCache
-from shapemodel import checkpointed, shaped
+from shapemodel import Shaped, checkpointed, shaped
 from spy import spied
 
 import mlxcache.invariance as invariance
@@ -30,6 +30,31 @@ def test_decode_is_canonical_on_cpu_and_not_for_a_shape_sensitive_model(tiny: Lo
     assert invariance.decode_matches_prefill(tiny.model, 4)
     assert invariance.decode_matches_prefill(tiny.model, 16)
     assert not invariance.decode_matches_prefill(shaped(tiny).model, 4)
+
+
+class WideShaped(Shaped):
+    """Shape-sensitive only in calls wider than `narrow` tokens: decode steps and canonical
+    chunks agree; chunks merged past a block do not."""
+
+    def __init__(self, model: Any, narrow: int) -> None:
+        super().__init__(model)
+        self._narrow = narrow
+
+    def __call__(self, x: mx.array, cache: list[Any]) -> mx.array:
+        if x.shape[1] <= self._narrow:
+            return self._model(x, cache=cache)
+        return super().__call__(x, cache)
+
+
+@pytest.mark.skipif(mx.default_device() != mx.cpu, reason="measured on MLX's CPU backend")
+def test_merged_chunks_are_probed(tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model whose chunks wider than a block compute other bits fails the probe (no
+    merged chunks, nor decode KV kept, there); it passes where chunks are not merged."""
+    wide = WideShaped(tiny.model, 4)
+    assert not invariance.decode_matches_prefill(wide, 4)
+    monkeypatch.setattr(invariance, "MERGED_BLOCKS", 1)
+    monkeypatch.setattr("mlxcache.prefill.MERGED_BLOCKS", 1)
+    assert invariance.decode_matches_prefill(wide, 4)
 
 
 CANONICAL_DECODE = {"qwen3", "qwen3_moe", "gemma3_text", "gpt_oss", "qwen3_next", "lfm2"}

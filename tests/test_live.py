@@ -4,6 +4,7 @@ canonical blocks kept all the same."""
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 from typing import Any
 
@@ -11,13 +12,17 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxcache.cache.base import NoCache
+from mlxcache import membudget
+from mlxcache.cache.base import Lease, NoCache
 from mlxcache.cache.memory import MemoryTier
 from mlxcache.cache.store import PromptCache
 from mlxcache.config import CacheConfig
+from mlxcache.decode_batch import DecodeBatch
 from mlxcache.engine import Engine, Request
+from mlxcache.membudget import Footprint, MemoryBudget
 from mlxcache.model import LoadedModel
 from mlxcache.sampling import SamplingParams
+from mlxcache.types import new_layers
 
 pytestmark = pytest.mark.skipif(
     mx.default_device() != mx.cpu, reason="decode KV measured canonical on MLX's CPU backend"
@@ -94,3 +99,66 @@ def test_memory_shed_drops_the_live_layers_first(
     got = engine.complete(follow)
     assert joined == [12] and got.stats.cached_tokens == len(PROMPT) + len(first.tokens)
     assert got.tokens == Engine(tiny, NoCache(tiny.model, 4)).complete(follow).tokens
+
+
+def test_the_live_layers_count_as_freeable_and_go_when_room_is_needed(
+    tiny: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A conversation's live KV is part of what the process holds, and dropping it gives
+    it back: a request that fits once it is dropped is admitted (no 429), the live layers
+    dropped for it and the memory tier kept."""
+    cache = _cache(tiny, tmp_path)
+    Engine(tiny, cache, decode_matches_prefill=True).complete(Request(PROMPT, PARAMS, stop_tokens=ENDLESS))
+    assert cache._live is not None
+    live, tier = cache._live.nbytes, cache.mem.nbytes
+    assert live > 0 and cache.held() == tier + live
+    mx.clear_cache()  # MLX's pool (freeable too) is empty: the cache's bytes alone count
+    budget = MemoryBudget(1 << 30, 1 << 20, Footprint.of(tiny.model, tiny.config), 4)
+    budget.reserved[(0, 99)] = running = 1 << 20  # another request runs
+    request = Request([*PROMPT, 7], PARAMS)
+    need = budget.need(len(request.tokens), PARAMS.max_tokens)
+    resident = [budget.limit - running - need + live]  # over by exactly the live bytes
+    monkeypatch.setattr(membudget, "resident_bytes", lambda: resident[0])
+    shed = cache.shed
+
+    def giving_back(n: int) -> int:
+        freed = shed(n)
+        resident[0] -= freed
+        return freed
+
+    monkeypatch.setattr(cache, "shed", giving_back)
+    budget.check(request, cache)  # no MemoryBusyError
+    assert budget.admit(1, len(request.tokens), PARAMS.max_tokens, cache)
+    assert cache._live is None and cache.mem.nbytes == tier
+
+
+def _left_a_batch(tiny: LoadedModel, cache: PromptCache) -> None:
+    """Three rows decode a step as a batch; the middle one leaves and is held live."""
+    rows = [new_layers(tiny.model) for _ in range(3)]
+    batch = DecodeBatch()
+    for r, layers in enumerate(rows):
+        tiny.model(mx.array([[*PROMPT[: 2 + r], 9]]), cache=layers)
+        batch.join(r, layers, mx.array([5]))
+    mx.eval(batch.forward(tiny.model))
+    batch.leave(1, rows[1])  # its 4 tokens and the step's
+    cache.keep_live(np.array([*PROMPT[:3], 9, 5]), Lease(cache, rows[1], 5))
+
+
+def test_live_layers_out_of_a_batched_decode_hold_their_row_alone(
+    tiny: LoadedModel, tmp_path: Path
+) -> None:
+    """A row leaving a batched decode gets lazy copies of the batch's arrays; held as the
+    live layers they are evaluated, so the batch's arrays (every row's KV) are freed."""
+    cache = _cache(tiny, tmp_path)
+    _left_a_batch(tiny, cache)  # MLX's first use of these shapes allocates for good
+    cache.shed(0)
+    gc.collect()
+    before = mx.get_active_memory()
+    _left_a_batch(tiny, cache)
+    gc.collect()
+    assert cache._live is not None
+    own = cache._live.nbytes
+    assert own == sum(2 * c.keys.nbytes for c in cache._live.layers) > 0
+    # The row's own bytes (and MLX's small bookkeeping): the batch's arrays, three padded
+    # rows of KV, would hold more than twice as much.
+    assert own <= mx.get_active_memory() - before < 2 * own

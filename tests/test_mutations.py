@@ -60,6 +60,7 @@ CAUGHT_BY: dict[str, list[tuple[str, str]]] = {
         ("sliding", "warm"),
         ("recurrent", "warm"),
     ],
+    "merged_unprobed": [("shaped", "chat"), ("shaped", "fork"), ("plain", "warm")],
     "restore_without_copy": [("plain", "restore_repeatedly")],
     "shared_sampler": [("plain", "lanes")],
     "warm_in_one_chunk": [

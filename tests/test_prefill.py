@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
-import pytest
+from typing import Any
 
-from mlxcache.prefill import schedule
+import numpy as np
+import pytest
+from spy import spied
+
+from mlxcache.model import LoadedModel
+from mlxcache.prefill import MERGED_BLOCKS, prefill, schedule
+from mlxcache.ring import TimeRing
+from mlxcache.types import new_layers
 
 
 def test_chunks_are_whole_blocks_then_a_partial_one() -> None:
@@ -28,3 +35,38 @@ def test_a_start_inside_a_block_is_refused_otherwise() -> None:
 def test_an_empty_range_is_refused(start: int, end: int) -> None:
     with pytest.raises(ValueError, match="empty prefill range"):
         schedule(start, end, 16, decode_matches_prefill=True)
+
+
+def test_merged_chunks_span_up_to_the_widest_and_end_on_block_boundaries() -> None:
+    assert MERGED_BLOCKS == 4
+    assert schedule(61, 85, 16, decode_matches_prefill=True, merge=True) == [
+        (61, 85)
+    ]  # a turn: one forward
+    assert schedule(0, 64, 16, merge=True) == [(0, 64)]
+    assert schedule(0, 65, 16, merge=True) == [(0, 64), (64, 65)]
+    assert schedule(3, 150, 16, decode_matches_prefill=True, merge=True) == [
+        (3, 64),
+        (64, 128),
+        (128, 150),
+    ]
+    assert schedule(61, 85, 16, decode_matches_prefill=True) == [(61, 64), (64, 80), (80, 85)]
+
+
+def test_prefill_merges_only_where_allowed_and_the_layers_keep_every_position(
+    tiny: LoadedModel,
+) -> None:
+    """Allowed (`decode_matches_prefill`: the probe passed) and plain KV: merged; not allowed, or layers
+    whose blocks are captured at a chunk's end (a sliding window): canonical chunks."""
+    tokens = np.arange(1, 40, dtype=np.int32)
+    loaded, spy = spied(tiny)
+
+    def calls(decode_matches_prefill: bool, layers: list[Any]) -> list[tuple[int, int]]:
+        spy.reset()
+        for _ in prefill(loaded.model, layers, tokens, 0, 8, decode_matches_prefill):
+            pass
+        return spy.calls
+
+    assert calls(True, new_layers(tiny.model)) == [(0, 32), (32, 7)]
+    assert calls(False, new_layers(tiny.model)) == [(0, 8), (8, 8), (16, 8), (24, 8), (32, 7)]
+    rings = [TimeRing(max_size=64) for _ in new_layers(tiny.model)]
+    assert calls(True, rings) == [(0, 8), (8, 8), (16, 8), (24, 8), (32, 7)]

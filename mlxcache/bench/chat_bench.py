@@ -24,6 +24,7 @@ from typing import Any, cast
 
 import mlx.core as mx
 
+from mlxcache.cache.live import rewinds
 from mlxcache.config import CacheConfig
 from mlxcache.encoder import common_prefix
 from mlxcache.engine import Engine, Request
@@ -52,10 +53,12 @@ GOAL_TTFT = 1.0
 GOAL_RESUMED = 0.75
 
 
-def _row(prompt: int, cached: int, ttft_s: float, block: int) -> dict[str, Any]:
+def _row(
+    prompt: int, cached: int, ttft_s: float, block: int, merge: bool = False
+) -> dict[str, Any]:
     """A turn's counts: prompt, resumed and prefilled tokens, the prefill's forwards (its
-    canonical chunks; mlx-lm's: one per 2048 tokens), TTFT."""
-    forwards = len(schedule(cached, prompt, block, decode_matches_prefill=True)) if block else 1
+    chunks, `merge`d where the engine merges them; mlx-lm's: one per 2048 tokens), TTFT."""
+    forwards = len(schedule(cached, prompt, block, True, merge)) if block else 1
     return {
         "prompt": prompt,
         "cached": cached,
@@ -75,6 +78,7 @@ def _chat(
     rows, replies = [], []
     ahead = 0  # length of the previous turn's next-turn prefix
     block = runner.engine.cache.block_size
+    merges = runner.engine.decode_matches_prefill and rewinds(new_layers(runner.engine.model))
     for text in turns:
         messages.append({"role": "user", "content": text})
         start = time.perf_counter()
@@ -82,7 +86,7 @@ def _chat(
         encode_s = time.perf_counter() - start
         result = runner.complete(Request(ids, params))
         stats = result.stats
-        rows.append(_row(stats.prompt_tokens, stats.cached_tokens, stats.ttft_s, block))
+        rows.append(_row(stats.prompt_tokens, stats.cached_tokens, stats.ttft_s, block, merges))
         rows[-1]["new"] = stats.prompt_tokens - ahead
         rows[-1]["encode_s"] = round(encode_s, 4)
         rows[-1]["restore_s"] = round(stats.restore_s, 4)

@@ -69,8 +69,9 @@ class PromptCache:
         self.layout = Layout.of(fresh, config.block_size)
         self.trimmable = self.layout is not None
         self._rewinds = rewinds(fresh)
-        # The last reply's layers, by reference (`keep_live`): outside the budget, like a
-        # lane's own layers; one conversation at a time, dropped first when memory is shed.
+        # The last reply's layers, by reference (`keep_live`): outside the memory tier's
+        # budget, like a lane's own layers, but freeable (`held`): one conversation at a
+        # time, dropped first when memory is shed.
         self._live: Live | None = None
         # Whole-state checkpoints name their KV quantization alone (a layout names it too).
         shape = self.layout.name if self.layout is not None else kv_tag(fresh)
@@ -208,7 +209,7 @@ class PromptCache:
     def keep_live(self, tokens: np.ndarray, lease: Lease) -> None:
         """Hold the lease's layers (exactly the KV of `tokens`) for the next turn, where
         they rewind by an offset; they replace the live layers held before."""
-        self._live = Live(np.array(tokens, np.int32), lease.layers) if self._rewinds else None
+        self._live = Live.hold(tokens, lease.layers) if self._rewinds else None
 
     def release(self, lease: Lease) -> None:
         self._open.discard(lease)
@@ -242,14 +243,16 @@ class PromptCache:
         }
 
     def held(self) -> int:
-        """The bytes the memory tier holds."""
-        return self.mem.nbytes
+        """The bytes the memory tier and the live layers hold (all of it freeable)."""
+        return self.mem.nbytes + (0 if self._live is None else self._live.nbytes)
 
     def shed(self, n_bytes: int) -> int:
-        """Free about `n_bytes` of the memory tier (its copies on disk stay resumable);
-        returns the bytes freed."""
-        self._live = None  # outside the budget's count, but first to go
-        return self.mem.shed(n_bytes)
+        """Free about `n_bytes`: the live layers first (the next turn restores the kept
+        blocks instead), then the memory tier (its copies on disk stay resumable); returns
+        the bytes freed."""
+        freed = 0 if self._live is None else self._live.nbytes
+        self._live = None
+        return freed + self.mem.shed(max(n_bytes - freed, 0))
 
     def report(self) -> dict[str, Any]:
         """Counters and sizes as one JSON-able dict."""
