@@ -108,7 +108,9 @@ def test_the_live_layers_count_as_freeable_and_go_when_room_is_needed(
     it back: a request that fits once it is dropped is admitted (no 429), the live layers
     dropped for it and the memory tier kept."""
     cache = _cache(tiny, tmp_path)
-    Engine(tiny, cache, decode_matches_prefill=True).complete(Request(PROMPT, PARAMS, stop_tokens=ENDLESS))
+    Engine(tiny, cache, decode_matches_prefill=True).complete(
+        Request(PROMPT, PARAMS, stop_tokens=ENDLESS)
+    )
     assert cache._live is not None
     live, tier = cache._live.nbytes, cache.mem.nbytes
     assert live > 0 and cache.held() == tier + live
