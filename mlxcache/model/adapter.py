@@ -18,6 +18,7 @@ import xxhash
 from mlxcache.errors import AdapterError
 from mlxcache.fileio import loads_json
 from mlxcache.model.digest import hash_file
+from mlxcache.model.folder import settle_random
 
 if TYPE_CHECKING:
     from mlxcache.types import Model
@@ -125,4 +126,5 @@ def apply_adapter(model: Model, adapter: Adapter, model_name: str) -> Model:
         ) from exc
     as_module(model).eval()
     mx.eval(as_module(model).parameters())
+    settle_random()
     return model

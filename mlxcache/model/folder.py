@@ -24,10 +24,22 @@ def load_folder(path: Path, *, lazy: bool = False, what: str = "") -> tuple[Mode
     from mlx_lm.utils import load_model
 
     try:
-        return load_model(path, lazy=lazy)
+        loaded = load_model(path, lazy=lazy)
     # MLX reports a damaged or truncated safetensors file as a RuntimeError.
     except (ValueError, KeyError, FileNotFoundError, RuntimeError) as exc:
         detail = " ".join(str(exc).split())
         if len(detail) > _MAX_DETAIL:
             detail = detail[: _MAX_DETAIL - 3] + "..."
         raise UnsupportedModelError(f"cannot load {what or f'model {path}'}: {detail}") from exc
+    settle_random()
+    return loaded
+
+
+def settle_random() -> None:
+    """Evaluate MLX's global PRNG key. Building a model (or its LoRA layers) draws initial
+    weights that the loaded ones replace, each draw a lazy split of the key before it:
+    left unevaluated, that chain grows with every model built (about 1 MB per SmolLM2
+    load), for as long as a server loads and unloads models. Its value is unchanged."""
+    import mlx.core as mx
+
+    mx.eval(mx.random.state)
