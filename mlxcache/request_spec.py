@@ -2,7 +2,8 @@
 
 `to_wire` writes a spec as a chat (or text) completion's body; `spec_of` reads such a body
 back: they are inverses (`tests/test_request_spec.py`). The `--server` client sends its
-commands' specs with `to_wire`; what a spec cannot carry (a setting no request field
+commands' specs with `to_wire`; the server reads every route's body with `spec_of`
+(`server.prepare.spec_from`); what a spec cannot carry (a setting no request field
 takes) is refused there, in one place (`sampling_fields`).
 
 Plain Python, no MLX: the client builds specs without loading a model.
@@ -11,7 +12,7 @@ Plain Python, no MLX: the client builds specs without loading a model.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
 
 from mlxcache.config import SamplingParams
@@ -91,19 +92,30 @@ def to_wire(spec: RequestSpec) -> dict[str, Any]:
     return body
 
 
-def spec_of(body: Mapping[str, Any]) -> RequestSpec:
-    """The spec a completion request's body states (`to_wire`'s inverse); a sampling
-    setting it leaves out is its default."""
+def spec_of(body: Mapping[str, Any], defaults: SamplingParams | None = None) -> RequestSpec:
+    """The spec a completion request's body states (`to_wire`'s inverse): the one reading
+    of a body, the server's too (`server.prepare.spec_from`). A sampling setting the body
+    leaves out is `defaults`' (None: `SamplingParams`'); `max_completion_tokens` (OpenAI's
+    newer name) wins over `max_tokens`; `top_p` 0 is OpenAI's "the most likely token";
+    empty stops are none.
+
+    Raises:
+        SettingError: a setting out of its range (naming it).
+    """
     stop = body.get("stop")
     stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
     given = {
         row.name: body[name] for name, row in fields_of(CHAT).items() if body.get(name) is not None
     }
+    if body.get("max_completion_tokens") is not None:
+        given["max_tokens"] = body["max_completion_tokens"]
+    if given.get("top_p") == 0:  # a nucleus of no mass: the most likely token
+        given.update(top_p=1.0, temperature=0.0)
     return RequestSpec(
         messages=tuple(body.get("messages") or ()),
         prompt=body.get("prompt"),
-        sampling=SamplingParams(**given),
-        stops=stops,
+        sampling=replace(defaults or SamplingParams(), **given),
+        stops=tuple(s for s in stops if s),
         tools=tuple(body.get("tools") or ()),
         model=body.get("model"),
         **{name: body.get(name) for name in _OPTIONAL},

@@ -4,6 +4,7 @@ the server reads a spec's body as the spec says (its sampling, stops, route)."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -116,7 +117,7 @@ def test_to_wire_and_spec_of_are_inverses_through_json(spec: RequestSpec) -> Non
 @settings(max_examples=100, deadline=None)
 @given(requests(wire=True))
 def test_the_server_reads_a_spec_s_body_as_the_spec_says(spec: RequestSpec) -> None:
-    from mlxcache.server.prepare import sampling
+    from mlxcache.server.prepare import spec_from
     from mlxcache.server.schemas import ChatRequest, CompletionRequest
 
     body = to_wire(spec)
@@ -125,9 +126,19 @@ def test_the_server_reads_a_spec_s_body_as_the_spec_says(spec: RequestSpec) -> N
     read = (CompletionRequest if spec.prompt is not None else ChatRequest).model_validate(body)
     # The server's own settings, all unlike the spec's: none of them may show through.
     defaults = SamplingParams(temperature=7.0, seed=99, max_tokens=3, top_k=5, min_p=0.5)
-    assert sampling(read, defaults, read.max_tokens) == spec.sampling
-    assert read.stops() == spec.stops
-    assert read.draft == spec.draft
+    stated = spec if spec.prompt is not None else replace(spec, messages=tuple(body["messages"]))
+    assert spec_from(read, defaults) == stated
+
+
+def test_a_body_s_aliases_are_read_as_the_spec_s_fields() -> None:
+    """OpenAI's newer `max_completion_tokens` wins over `max_tokens`, `top_p` 0 is the
+    most likely token, empty stops are none; what a body leaves out is the defaults'."""
+    defaults = SamplingParams(temperature=0.7, seed=5)
+    body = {"max_tokens": 9, "max_completion_tokens": 4, "top_p": 0, "stop": ["", "x"]}
+    read = spec_of(body, defaults)
+    assert read.sampling == SamplingParams(max_tokens=4, top_p=1.0, temperature=0.0, seed=5)
+    assert read.stops == ("x",) and spec_of({"stop": ""}).stops == ()
+    assert spec_of({}, defaults).sampling == defaults
 
 
 def test_a_setting_no_request_carries_is_refused_by_name() -> None:
