@@ -118,14 +118,7 @@ def json_cmd(
         return
     system = o.text_or_file(instructions, "instructions")
     if server:
-        remote.in_process_only(
-            input=input_path,
-            output=output,
-            strict=strict,
-            allow_extra_keys=allow_extra_keys,
-            think=think,
-            think_budget=think_budget is not None,
-        )
+        remote.refuse_in_process_only()  # before the prompt is read
         o.positive(concurrency=concurrency)
         request = _spec(run.sampling(), given, system, o.read_prompt(prompt, prompt_file))
         _show(remote.json_single(server, run, request, compiled.schema), as_json, run.quiet)

@@ -61,7 +61,7 @@ def connect_card(url: str, run: RunOptions) -> tuple[Server, dict[str, Any]]:
         tailoring = tailoring_of(**run.tailoring())
         return [Wanted(spec, cache.block_size, cache.enabled, kv_label(cache), tailoring)]
 
-    draft_of(run)  # refused before connecting, as every other option
+    refuse_in_process_only()  # before connecting
     return checked(url, wanted)
 
 
@@ -100,11 +100,19 @@ def client(url: str) -> Server:
     return Server(url, os.environ.get(ENV_API_KEY) or None)
 
 
-def in_process_only(**given: object) -> None:
-    """Refuse the options a server cannot honour as the command would (named as flags)."""
-    for name, value in given.items():
-        if value:
-            flag = f"--{name.replace('_', '-')}"
+def refuse_in_process_only() -> None:
+    """Refuse the running command's options that no request carries
+    (`request_spec.IN_PROCESS_ONLY`), each set to other than its default, by flag."""
+    from typer._click.globals import get_current_context
+
+    from mlxcache.request_spec import IN_PROCESS_ONLY
+
+    ctx = get_current_context(silent=True)
+    if ctx is None:  # not run as a command: no options
+        return
+    for param in ctx.command.params:
+        flag = max(param.opts, key=len)
+        if flag in IN_PROCESS_ONLY and ctx.params.get(param.name or "") != param.default:
             raise UserInputError(
                 f"{flag} runs in-process only: drop --server (or unset ${ENV_SERVER})"
             )
@@ -112,10 +120,10 @@ def in_process_only(**given: object) -> None:
 
 def draft_of(run: RunOptions) -> str | None:
     """--draft as the request's `draft` (None: the server's own setting). A reply is the
-    same drafted or not; the draft model and --draft-inexact are the server's to choose."""
+    same drafted or not; the draft model and --draft-inexact are the server's to choose
+    (`refuse_in_process_only`)."""
     from mlxcache.config import DraftConfig
 
-    in_process_only(draft_model=run.draft_model, draft_inexact=run.draft_inexact)
     return None if run.draft == DraftConfig().mode else run.draft
 
 

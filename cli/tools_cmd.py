@@ -160,7 +160,6 @@ def tools_cmd(
     request = _spec(params, tools, choice, parallel, system, messages)
     prepared = engine = None
     if server:
-        remote.in_process_only(think=think, think_budget=think_budget)
         reply, result, stats = remote.tools(server, run, request)
     else:
         from mlxcache.prepare import Local, prepare

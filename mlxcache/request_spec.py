@@ -3,8 +3,9 @@
 `to_wire` writes a spec as a chat (or text) completion's body; `spec_of` reads such a body
 back: they are inverses (`tests/test_request_spec.py`). The `--server` client sends its
 commands' specs with `to_wire`; the server reads every route's body with `spec_of`
-(`server.prepare.spec_from`); what a spec cannot carry (a setting no request field
-takes) is refused there, in one place (`sampling_fields`).
+(`server.prepare.spec_from`); what a spec cannot carry is refused in one place each: a
+setting no request field takes by `sampling_fields`, an option no request has by its
+flag in `IN_PROCESS_ONLY`.
 
 Plain Python, no MLX: the client builds specs without loading a model.
 """
@@ -63,6 +64,25 @@ class RequestSpec:
         """The route the spec is sent to."""
         return TEXT_PATH if self.prompt is not None else CHAT_PATH
 
+
+IN_PROCESS_ONLY = frozenset(
+    {
+        "--input",  # json's JSONL batch, and its
+        "--output",  # results file: the batch runs in-process
+        "--strict",  # json: a schema compiled unlike a request's (`prepare.Local`)
+        "--allow-extra-keys",
+        "--think",  # a thinking section forced on (a request's reasoning_effort asks)
+        "--think-budget",  # and bounded (the server bounds a request's as it chooses)
+        "--draft-model",  # the server's to choose: a reply is the same drafted or not
+        "--draft-inexact",
+        "--check",  # cache stats: the checksums of this machine's cache files
+    }
+)
+"""The options of the commands that send requests (`generate`, `json`, `tools`, `chat`,
+`cache stats`) that no request carries: refused with `--server` when set
+(`cli/remote.refuse_in_process_only`). Every other option of theirs is carried by the
+spec (`to_wire`), checked to match the server's (its model, cache and block size), or
+changes no reply (`tests/test_request_spec.py` checks that each is one of those)."""
 
 _OPTIONAL = ("response_format", "tool_choice", "parallel_tool_calls", "reasoning_effort", "draft")
 """The spec's fields sent as the body's fields of the same name, when set."""
