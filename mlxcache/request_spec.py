@@ -40,7 +40,13 @@ class RequestSpec:
         tools: OpenAI's tool definitions; `tool_choice` and `parallel_tool_calls` with them.
         reasoning_effort: OpenAI's field: a thinking section on or off (`server.prepare.effort`).
         draft: speculative decoding's mode (None: the server's).
-        model: the served model's name (None: the server's only one).
+        model: the served model's name (None: the server's only one). It names the
+            adapter too: a spec has no adapter field, because the server serves each
+            adapter as a model of its own name (a models file's entry of a base and an
+            adapter: docs/serving-models.md), so on the wire the adapter is the model
+            name. In-process the adapter is the engine's (`--adapter-path`); the
+            `--server` client sends the name of the server's one model once its adapter
+            and template match the command's (`cli/remote.connect`).
     """
 
     messages: tuple[Mapping[str, Any], ...] = ()
