@@ -12,7 +12,7 @@ from mlxcache.config import parse_size
 from mlxcache.errors import UserInputError
 from mlxcache_cli import options as o
 from mlxcache_cli import ui
-from mlxcache_cli.remote import ServerUrl, client, in_process_only
+from mlxcache_cli.remote import ServerUrl, client, refuse_in_process_only
 
 
 def stats(
@@ -28,7 +28,7 @@ def stats(
     from mlxcache.cache import manage
 
     if server is not None:
-        in_process_only(check=check)
+        refuse_in_process_only()
         info = _served(server)
     else:
         info = manage.report(cache_dir, check=check)

@@ -28,7 +28,7 @@ def generate(
     """Generate a reply to PROMPT, streamed to stdout; stats go to stderr."""
     text = o.read_prompt(prompt, prompt_file)
     system = o.text_or_file(system, "system")
-    from mlxcache.request_spec import RequestSpec, conversation, prompt_ids
+    from mlxcache.request_spec import RequestSpec, conversation
 
     params, stops = run.sampling(), run.stop_strings()
     if raw and system is not None:
@@ -41,13 +41,13 @@ def generate(
     if server:
         _print(remote.generate(server, run, request), as_json, run.quiet)
         return
-    from mlxcache.engine import Request
     from mlxcache.events import Done, Token
+    from mlxcache.prepare import prepare
 
     engine = run.engine()
-    ids = prompt_ids(request, engine.encoder)
-    events = engine.generate(Request(ids, request.sampling, stop_strings=request.stops))
-    with o.watch(engine, ids, run.quiet, events) as seen:
+    prepared = prepare(engine, request)
+    events = engine.generate(prepared.request)
+    with o.watch(engine, prepared.ids, run.quiet, events) as seen:
 
         def pieces() -> Iterator[str | remote.Finished]:
             for event in events:

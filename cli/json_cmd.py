@@ -16,6 +16,8 @@ if TYPE_CHECKING:  # imported by the command: `--help` and `--check` load no mod
     from mlxcache.engine import Engine
     from mlxcache.modes import json_mode
     from mlxcache.modes.schema import CompiledSchema
+    from mlxcache.prepare import Local
+    from mlxcache.request_spec import RequestSpec
     from mlxcache.sampling import SamplingParams
 
 
@@ -114,44 +116,31 @@ def json_cmd(
     if check:
         _report_check(compiled, as_json)
         return
+    system = o.text_or_file(instructions, "instructions")
     if server:
-        remote.in_process_only(
-            input=input_path,
-            output=output,
-            strict=strict,
-            allow_extra_keys=allow_extra_keys,
-            think=think,
-            think_budget=think_budget is not None,
-        )
+        remote.refuse_in_process_only()  # before the prompt is read
         o.positive(concurrency=concurrency)
-        text = o.read_prompt(prompt, prompt_file)
-        instructions = o.text_or_file(instructions, "instructions")
-        reply = remote.json_single(server, run, given, compiled.schema, instructions, text)
-        _show(reply, as_json, run.quiet)
+        request = _spec(run.sampling(), given, system, o.read_prompt(prompt, prompt_file))
+        _show(remote.json_single(server, run, request, compiled.schema), as_json, run.quiet)
         return
     from mlxcache.fileio import check_output_dir
     from mlxcache.modes import json_mode
     from mlxcache.modes.batch import claim_output, read_input
     from mlxcache.modes.reasoning import check_think_options
 
-    task = json_mode.JsonTask(compiled, o.text_or_file(instructions, "instructions"))
     params = run.sampling()
     check_think_options(think, think_budget, params.max_tokens)  # before the model loads
     o.positive(concurrency=concurrency)
     if input_path is None:
         if output is not None:
             raise UserInputError("--output goes with --input (a JSONL batch)")
-        text = o.read_prompt(prompt, prompt_file)
-        engine = run.engine()
-        _single(
-            engine,
-            task.for_model(engine.loaded.tokenizer, think, think_budget),
-            text,
-            params,
-            as_json,
-            run.quiet,
-        )
+        from mlxcache.prepare import Local
+
+        request = _spec(params, given, system, o.read_prompt(prompt, prompt_file))
+        local = Local(strict, allow_extra_keys, think_budget)
+        _single(run.engine(), request, local, think, as_json, run.quiet)
         return
+    task = json_mode.JsonTask(compiled, system)
     if prompt is not None or prompt_file is not None:
         raise UserInputError("give prompts in the --input file or as an argument, not both")
     if output is None:
@@ -179,21 +168,30 @@ def _report_check(compiled: CompiledSchema, as_json: bool) -> None:
         ui.warn(f"checked after decoding, not while: {rule}")
 
 
+def _spec(params: SamplingParams, given: Any, system: str | None, text: str) -> RequestSpec:
+    """The request of one prompt (in-process or sent): the schema as `response_format`,
+    the instructions as the system message."""
+    from mlxcache.request_spec import RequestSpec, conversation
+
+    return RequestSpec(
+        conversation(system, [{"role": "user", "content": text}]),
+        sampling=params,
+        response_format={"type": "json_schema", "json_schema": {"name": "reply", "schema": given}},
+    )
+
+
 def _single(
-    engine: Engine,
-    task: json_mode.JsonTask,
-    text: str,
-    params: SamplingParams,
-    as_json: bool,
-    quiet: bool = False,
+    engine: Engine, request: RequestSpec, local: Local, think: bool, as_json: bool, quiet: bool
 ) -> None:
     from mlxcache.modes import json_mode
+    from mlxcache.prepare import prepare
 
-    # json_mode.run_one, step by step: the prompt's ids tell what Ctrl-C left in the cache
-    ids = json_mode.encode(engine, task.messages(text), **task.template_kwargs)
-    with o.watch(engine, ids, quiet) as seen:
-        result = engine.complete(json_mode.request(engine, ids, task, params), seen)
-    reply = replace(json_mode.read_reply(task, result), stats=seen.stats(result.stats))
+    # The prompt's ids first: they tell what Ctrl-C left in the cache.
+    prepared = prepare(engine, request, think=think, local=local)
+    assert prepared.json is not None  # a spec with a response_format is JSON mode's
+    with o.watch(engine, prepared.ids, quiet) as seen:
+        result = engine.complete(prepared.request, seen)
+    reply = replace(json_mode.read_reply(prepared.json, result), stats=seen.stats(result.stats))
     _show(reply, as_json, quiet)
 
 

@@ -401,7 +401,7 @@ def check_given(given: dict[str, Any]) -> None:
         from mlxcache.model.adapter import check_adapter
 
         check_adapter(given["adapter"])
-    # Through a server, --draft-model is refused as such (`remote.in_process_only`).
+    # Through a server, --draft-model is refused as such (`remote.refuse_in_process_only`).
     for name in ("model",) if given.get("server") else ("model", "draft_model"):
         specs = given.get(name)  # serve's -m may be given more than once: a list
         for spec in [specs] if isinstance(specs, str) else specs or ():

@@ -17,7 +17,7 @@ from mlxcache.errors import ServerMismatchError, UserInputError
 if TYPE_CHECKING:  # the client (http.client, ssl) is imported by the commands that connect
     from mlxcache.events import Result
     from mlxcache.modes.json_mode import JsonReply
-    from mlxcache.modes.tools import Tool, ToolChoice, ToolReply
+    from mlxcache.modes.tools import ToolReply
     from mlxcache.remote import Server, Wanted
     from mlxcache.request_spec import RequestSpec
     from mlxcache.sampling import SamplingParams
@@ -61,7 +61,7 @@ def connect_card(url: str, run: RunOptions) -> tuple[Server, dict[str, Any]]:
         tailoring = tailoring_of(**run.tailoring())
         return [Wanted(spec, cache.block_size, cache.enabled, kv_label(cache), tailoring)]
 
-    draft_of(run)  # refused before connecting, as every other option
+    refuse_in_process_only()  # before connecting
     return checked(url, wanted)
 
 
@@ -100,11 +100,19 @@ def client(url: str) -> Server:
     return Server(url, os.environ.get(ENV_API_KEY) or None)
 
 
-def in_process_only(**given: object) -> None:
-    """Refuse the options a server cannot honour as the command would (named as flags)."""
-    for name, value in given.items():
-        if value:
-            flag = f"--{name.replace('_', '-')}"
+def refuse_in_process_only() -> None:
+    """Refuse the running command's options that no request carries
+    (`request_spec.IN_PROCESS_ONLY`), each set to other than its default, by flag."""
+    from typer._click.globals import get_current_context
+
+    from mlxcache.request_spec import IN_PROCESS_ONLY
+
+    ctx = get_current_context(silent=True)
+    if ctx is None:  # not run as a command: no options
+        return
+    for param in ctx.command.params:
+        flag = max(param.opts, key=len)
+        if flag in IN_PROCESS_ONLY and ctx.params.get(param.name or "") != param.default:
             raise UserInputError(
                 f"{flag} runs in-process only: drop --server (or unset ${ENV_SERVER})"
             )
@@ -112,18 +120,18 @@ def in_process_only(**given: object) -> None:
 
 def draft_of(run: RunOptions) -> str | None:
     """--draft as the request's `draft` (None: the server's own setting). A reply is the
-    same drafted or not; the draft model and --draft-inexact are the server's to choose."""
+    same drafted or not; the draft model and --draft-inexact are the server's to choose
+    (`refuse_in_process_only`)."""
     from mlxcache.config import DraftConfig
 
-    in_process_only(draft_model=run.draft_model, draft_inexact=run.draft_inexact)
     return None if run.draft == DraftConfig().mode else run.draft
 
 
-def spec(run: RunOptions, model: str, **given: Any) -> RequestSpec:
-    """The request `run`'s options and `given` state, to `model` (`request_spec`)."""
-    from mlxcache.request_spec import RequestSpec
+def _to(run: RunOptions, request: RequestSpec, model: str) -> RequestSpec:
+    """`request` to the server's `model`, drafted as `run` asks (`draft_of`)."""
+    from dataclasses import replace
 
-    return RequestSpec(sampling=run.sampling(), draft=draft_of(run), model=model, **given)
+    return replace(request, model=model, draft=draft_of(run))
 
 
 def send(server: Server, request: RequestSpec) -> dict[str, Any]:
@@ -136,15 +144,13 @@ def send(server: Server, request: RequestSpec) -> dict[str, Any]:
 def generate(url: str, run: RunOptions, request: RequestSpec) -> Iterator[str | Finished]:
     """`mlxcache generate`'s `request` through the server: the reply's text as it streams,
     then how it finished (printed by `generate`, as in-process)."""
-    from dataclasses import replace
-
     from mlxcache.remote import usage_of
     from mlxcache.request_spec import to_wire
 
     raw = request.prompt is not None
     server, model = connect(url, run)
     with server:
-        request = replace(request, model=model, draft=draft_of(run))
+        request = _to(run, request, model)
         usage = None
         for event in server.stream(request.path, to_wire(request)):
             for choice in event.get("choices") or ():
@@ -173,33 +179,16 @@ class Reply:
         self.finish_reason: str = extra["finish_reason"]
 
 
-def json_single(
-    url: str,
-    run: RunOptions,
-    given: Any,
-    schema: Any,
-    instructions: str | None,
-    text: str,
-) -> JsonReply:
-    """`mlxcache json PROMPT` through the server: the reply read as `read_reply` reads it
-    in-process (printed by `json_cmd._show`)."""
+def json_single(url: str, run: RunOptions, request: RequestSpec, schema: Any) -> JsonReply:
+    """`mlxcache json PROMPT`'s `request` through the server: the reply read as
+    `read_reply` reads it in-process, against `schema` (printed by `json_cmd._show`)."""
     from mlxcache.modes.json_mode import JsonReply
     from mlxcache.modes.schema import read_document
     from mlxcache.remote import usage_of
-    from mlxcache.request_spec import conversation
 
     server, model = connect(url, run)
     with server:
-        request = spec(
-            run,
-            model,
-            messages=conversation(instructions, [{"role": "user", "content": text}]),
-            response_format={
-                "type": "json_schema",
-                "json_schema": {"name": "reply", "schema": given},
-            },
-        )
-        reply = send(server, request)
+        reply = send(server, _to(run, request, model))
         extra = usage_of(reply.get("usage"), server.url)
     message = reply["choices"][0]["message"]
     content = message.get("content") or ""
@@ -211,32 +200,18 @@ def json_single(
 
 
 def tools(
-    url: str,
-    run: RunOptions,
-    tool_defs: tuple[Tool, ...],
-    choice: ToolChoice,
-    parallel: bool,
-    system: str | None,
-    messages: list[dict[str, Any]],
+    url: str, run: RunOptions, request: RequestSpec
 ) -> tuple[ToolReply, Reply, dict[str, Any]]:
-    """`mlxcache tools` through the server: the reply read as `ToolsTask.read` reads it (a
-    call cut off or unreadable is its `error`, from the usage), the raw result, its stats."""
+    """`mlxcache tools`' `request` through the server: the reply read as `ToolsTask.read`
+    reads it (a call cut off or unreadable is its `error`, from the usage), the raw
+    result, its stats."""
     from mlxcache.modes.tools import ToolReply
-    from mlxcache.remote import reply_calls, tool_choice_field, usage_of
-    from mlxcache.request_spec import conversation
+    from mlxcache.remote import reply_calls, usage_of
     from mlxcache.wire import worded_from
 
     server, model = connect(url, run)
     with server:
-        request = spec(
-            run,
-            model,
-            messages=conversation(system, [_openai_message(m) for m in messages]),
-            tools=tuple(t.as_openai() for t in tool_defs),
-            tool_choice=tool_choice_field(choice),
-            parallel_tool_calls=parallel,
-        )
-        reply = send(server, request)
+        reply = send(server, _to(run, request, model))
         extra = usage_of(reply.get("usage"), server.url)
     message = reply["choices"][0]["message"]
     calls = reply_calls(message, extra, server.url)
@@ -245,15 +220,6 @@ def tools(
         message.get("content") or "", calls, None if error is None else worded_from(error)
     )
     return read, Reply(extra), extra["stats"]
-
-
-def _openai_message(message: dict[str, Any]) -> dict[str, Any]:
-    """A message of the library's form with its calls in OpenAI's (a tool message keeps
-    its function's name, which the server reads)."""
-    if not message.get("tool_calls"):
-        return message
-    calls = [{"type": "function", "function": c} for c in message["tool_calls"]]
-    return {**message, "tool_calls": calls}
 
 
 @dataclass(frozen=True, slots=True)

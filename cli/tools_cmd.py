@@ -13,7 +13,11 @@ from mlxcache_cli import remote, ui
 
 if TYPE_CHECKING:  # imported by the command: `--help` loads no model code
     from mlxcache.engine import Engine
-    from mlxcache.modes.tool_chat import ToolReply, ToolsTask
+    from mlxcache.modes.tool_chat import ToolReply
+    from mlxcache.modes.tools import Tool, ToolChoice
+    from mlxcache.prepare import NextTurn
+    from mlxcache.request_spec import RequestSpec
+    from mlxcache.sampling import SamplingParams
 
 
 def _results(specs: list[str]) -> list[tuple[str, str]]:
@@ -50,6 +54,36 @@ def _conversation(
     if results:
         messages = add_tool_results(messages, _results(results))
     return messages, system
+
+
+def _spec(
+    params: SamplingParams,
+    tools: tuple[Tool, ...],
+    choice: ToolChoice,
+    parallel: bool,
+    system: str | None,
+    messages: list[dict[str, Any]],
+) -> RequestSpec:
+    """The request (in-process or sent): OpenAI's tools, choice and messages."""
+    from mlxcache.remote import tool_choice_field
+    from mlxcache.request_spec import RequestSpec, conversation
+
+    return RequestSpec(
+        conversation(system, [_openai_message(m) for m in messages]),
+        sampling=params,
+        tools=tuple(t.as_openai() for t in tools),
+        tool_choice=tool_choice_field(choice),
+        parallel_tool_calls=parallel,
+    )
+
+
+def _openai_message(message: dict[str, Any]) -> dict[str, Any]:
+    """A message of the library's form with its calls in OpenAI's (a tool message keeps
+    its function's name, which the prepare path reads)."""
+    if not message.get("tool_calls"):
+        return message
+    calls = [{"type": "function", "function": c} for c in message["tool_calls"]]
+    return {**message, "tool_calls": calls}
 
 
 @o.with_run_options()
@@ -107,7 +141,7 @@ def tools_cmd(
     """Reply to PROMPT with text and/or calls to the functions in --tools."""
     from mlxcache.modes.reasoning import check_think_options
     from mlxcache.modes.schema import read_json_arg
-    from mlxcache.modes.tool_chat import ToolsTask, assistant_message, finish_reason
+    from mlxcache.modes.tool_chat import assistant_message, finish_reason
     from mlxcache.modes.tools import ToolChoice, parse_tools
 
     tools = parse_tools(read_json_arg(tools_file, "tools"), f"tools {tools_file}")
@@ -123,17 +157,19 @@ def tools_cmd(
         )
     params = run.sampling()
     check_think_options(think, think_budget, params.max_tokens)  # before the model loads
-    engine = None
+    request = _spec(params, tools, choice, parallel, system, messages)
+    prepared = engine = None
     if server:
-        remote.in_process_only(think=think, think_budget=think_budget)
-        reply, result, stats = remote.tools(server, run, tools, choice, parallel, system, messages)
+        reply, result, stats = remote.tools(server, run, request)
     else:
-        task = ToolsTask(tools, choice, system, parallel, think, think_budget)
+        from mlxcache.prepare import Local, prepare
+
         engine = run.engine()
-        ids = task.encode(engine, messages)
-        with o.watch(engine, ids, run.quiet) as seen:
-            done = engine.complete(task.request(engine, ids, params), seen)
-        reply, result, stats = task.read(done), done, seen.stats(done.stats)
+        prepared = prepare(engine, request, think=think, local=Local(think_budget=think_budget))
+        assert prepared.tools is not None  # a spec with tools is a tools task's
+        with o.watch(engine, prepared.ids, run.quiet) as seen:
+            done = engine.complete(prepared.request, seen)
+        reply, result, stats = prepared.tools.read(done), done, seen.stats(done.stats)
     if as_json:
         doc: dict[str, Any] = {
             "content": reply.content,
@@ -158,8 +194,8 @@ def tools_cmd(
         raise OutputError(reply.error)
     if not (as_json or run.quiet):
         ui.finish_note(result.finish_reason, len(result.tokens), result.text)
-    if engine is not None and engine.warm_ahead and run.cache().disk_bytes:
-        _warm_ahead(engine, task, messages, reply)
+    if engine is not None and prepared is not None and run.cache().disk_bytes:
+        _warm_ahead(engine, prepared.next_turn, reply)
 
 
 def _print_reply(reply: ToolReply) -> None:
@@ -170,14 +206,13 @@ def _print_reply(reply: ToolReply) -> None:
         ui.out_text(f"{call.name}({json.dumps(call.arguments, ensure_ascii=False)})\n")
 
 
-def _warm_ahead(
-    engine: Engine, task: ToolsTask, messages: list[dict[str, Any]], reply: ToolReply
-) -> None:
-    """Prefill the follow-up's prefix now (kept on disk): the `--tool-result` call resumes it."""
-    from mlxcache.modes.tool_chat import next_turn
-
+def _warm_ahead(engine: Engine, next_turn: NextTurn | None, reply: ToolReply) -> None:
+    """Prefill the follow-up's prefix now (kept on disk): the `--tool-result` call resumes
+    it (no `next_turn`: the engine does no warm-ahead)."""
+    if next_turn is None:
+        return
     try:
-        engine.warm(next_turn(task, engine, messages, reply))
+        engine.warm(next_turn(reply.content, reply.calls))
         for _ in engine.run(warm=True):
             pass
     except MlxcacheError:

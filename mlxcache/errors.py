@@ -76,6 +76,17 @@ class SettingError(UserInputError, ValueError):
     """A setting's value out of its range (a ValueError too); the message names it (`Worded`)."""
 
 
+class FieldError(UserInputError):
+    """A request's field that cannot be honoured as given (a media part, a tool choice
+    without tools, ...): `param` is its path in a chat completion's body (`messages.0`),
+    `code` OpenAI's error code for it."""
+
+    def __init__(self, message: str, param: str, code: str | None = "invalid_value") -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
 class ModelNotFoundError(UserInputError):
     """A model path or name that does not exist or cannot be read."""
 

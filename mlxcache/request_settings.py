@@ -142,7 +142,7 @@ SAMPLING: tuple[RequestSetting, ...] = (
         Bounds(0, 1, low_open=True),
         " must be in (0, 1], got {}",
         Option(("--top-p",), "P", "Nucleus sampling: keep the most likely tokens up to mass P."),
-        # 0 is OpenAI's "the most likely token" (`server.prepare.sampling`).
+        # 0 is OpenAI's "the most likely token" (`request_spec.spec_of`).
         _same("top_p", Bounds(0, 1), *_EVERY),
     ),
     RequestSetting(

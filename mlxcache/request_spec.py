@@ -2,8 +2,10 @@
 
 `to_wire` writes a spec as a chat (or text) completion's body; `spec_of` reads such a body
 back: they are inverses (`tests/test_request_spec.py`). The `--server` client sends its
-commands' specs with `to_wire`; what a spec cannot carry (a setting no request field
-takes) is refused there, in one place (`sampling_fields`).
+commands' specs with `to_wire`; the server reads every route's body with `spec_of`
+(`server.prepare.spec_from`); what a spec cannot carry is refused in one place each: a
+setting no request field takes by `sampling_fields`, an option no request has by its
+flag in `IN_PROCESS_ONLY`.
 
 Plain Python, no MLX: the client builds specs without loading a model.
 """
@@ -11,7 +13,7 @@ Plain Python, no MLX: the client builds specs without loading a model.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
 
 from mlxcache.config import SamplingParams
@@ -38,7 +40,13 @@ class RequestSpec:
         tools: OpenAI's tool definitions; `tool_choice` and `parallel_tool_calls` with them.
         reasoning_effort: OpenAI's field: a thinking section on or off (`server.prepare.effort`).
         draft: speculative decoding's mode (None: the server's).
-        model: the served model's name (None: the server's only one).
+        model: the served model's name (None: the server's only one). It names the
+            adapter too: a spec has no adapter field, because the server serves each
+            adapter as a model of its own name (a models file's entry of a base and an
+            adapter: docs/serving-models.md), so on the wire the adapter is the model
+            name. In-process the adapter is the engine's (`--adapter-path`); the
+            `--server` client sends the name of the server's one model once its adapter
+            and template match the command's (`cli/remote.connect`).
     """
 
     messages: tuple[Mapping[str, Any], ...] = ()
@@ -62,6 +70,25 @@ class RequestSpec:
         """The route the spec is sent to."""
         return TEXT_PATH if self.prompt is not None else CHAT_PATH
 
+
+IN_PROCESS_ONLY = frozenset(
+    {
+        "--input",  # json's JSONL batch, and its
+        "--output",  # results file: the batch runs in-process
+        "--strict",  # json: a schema compiled unlike a request's (`prepare.Local`)
+        "--allow-extra-keys",
+        "--think",  # a thinking section forced on (a request's reasoning_effort asks)
+        "--think-budget",  # and bounded (the server bounds a request's as it chooses)
+        "--draft-model",  # the server's to choose: a reply is the same drafted or not
+        "--draft-inexact",
+        "--check",  # cache stats: the checksums of this machine's cache files
+    }
+)
+"""The options of the commands that send requests (`generate`, `json`, `tools`, `chat`,
+`cache stats`) that no request carries: refused with `--server` when set
+(`cli/remote.refuse_in_process_only`). Every other option of theirs is carried by the
+spec (`to_wire`), checked to match the server's (its model, cache and block size), or
+changes no reply (`tests/test_request_spec.py` checks that each is one of those)."""
 
 _OPTIONAL = ("response_format", "tool_choice", "parallel_tool_calls", "reasoning_effort", "draft")
 """The spec's fields sent as the body's fields of the same name, when set."""
@@ -91,19 +118,30 @@ def to_wire(spec: RequestSpec) -> dict[str, Any]:
     return body
 
 
-def spec_of(body: Mapping[str, Any]) -> RequestSpec:
-    """The spec a completion request's body states (`to_wire`'s inverse); a sampling
-    setting it leaves out is its default."""
+def spec_of(body: Mapping[str, Any], defaults: SamplingParams | None = None) -> RequestSpec:
+    """The spec a completion request's body states (`to_wire`'s inverse): the one reading
+    of a body, the server's too (`server.prepare.spec_from`). A sampling setting the body
+    leaves out is `defaults`' (None: `SamplingParams`'); `max_completion_tokens` (OpenAI's
+    newer name) wins over `max_tokens`; `top_p` 0 is OpenAI's "the most likely token";
+    empty stops are none.
+
+    Raises:
+        SettingError: a setting out of its range (naming it).
+    """
     stop = body.get("stop")
     stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
     given = {
         row.name: body[name] for name, row in fields_of(CHAT).items() if body.get(name) is not None
     }
+    if body.get("max_completion_tokens") is not None:
+        given["max_tokens"] = body["max_completion_tokens"]
+    if given.get("top_p") == 0:  # a nucleus of no mass: the most likely token
+        given.update(top_p=1.0, temperature=0.0)
     return RequestSpec(
         messages=tuple(body.get("messages") or ()),
         prompt=body.get("prompt"),
-        sampling=SamplingParams(**given),
-        stops=stops,
+        sampling=replace(defaults or SamplingParams(), **given),
+        stops=tuple(s for s in stops if s),
         tools=tuple(body.get("tools") or ()),
         model=body.get("model"),
         **{name: body.get(name) for name in _OPTIONAL},

@@ -113,11 +113,19 @@ def test_every_route_declares_its_fields_in_the_row_bounds(route: str) -> None:
 
 def test_the_server_names_and_takes_each_row_s_field() -> None:
     from mlxcache.server.errors import FIELDS
-    from mlxcache.server.prepare import SAMPLING_FIELDS
+    from mlxcache.server.prepare import spec_from
+    from mlxcache.server.schemas import ChatRequest
 
+    sent = SamplingParams(temperature=0.5, top_p=0.5, top_k=3, min_p=0.25, seed=7, max_tokens=9)
+    sent = dataclasses.replace(
+        sent, repetition_penalty=1.5, presence_penalty=1.0, frequency_penalty=-1.0
+    )
+    assert all(getattr(sent, row.name) != row.default for row in ROWS)  # each one shows
+    fields = {row.field(CHAT): getattr(sent, row.name) for row in ROWS}
+    body = ChatRequest.model_validate({"messages": [{"role": "user", "content": ""}], **fields})
+    assert spec_from(body, SamplingParams()).sampling == sent
     for row in ROWS:
         assert FIELDS[row.name] == row.field(CHAT)
-        assert row.name == "max_tokens" or SAMPLING_FIELDS[row.field(CHAT) or ""] == row.name
 
 
 def test_the_client_sends_every_row() -> None:
@@ -206,11 +214,12 @@ from mlxcache.server.log import RequestLog
 from mlxcache.worker import EngineWorker
 
 seen = []
-sampling = prepare.sampling
+spec_from = prepare.spec_from
 def spy(*args, **kwargs):
-    seen.append(sampling(*args, **kwargs).repetition_context)
-    return sampling(*args, **kwargs)
-prepare.sampling = spy
+    spec = spec_from(*args, **kwargs)
+    seen.append(spec.sampling.repetition_context)
+    return spec
+prepare.spec_from = spy
 
 routes = {
     "chat": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),

@@ -4,6 +4,7 @@ the server reads a spec's body as the spec says (its sampling, stops, route)."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -116,7 +117,7 @@ def test_to_wire_and_spec_of_are_inverses_through_json(spec: RequestSpec) -> Non
 @settings(max_examples=100, deadline=None)
 @given(requests(wire=True))
 def test_the_server_reads_a_spec_s_body_as_the_spec_says(spec: RequestSpec) -> None:
-    from mlxcache.server.prepare import sampling
+    from mlxcache.server.prepare import spec_from
     from mlxcache.server.schemas import ChatRequest, CompletionRequest
 
     body = to_wire(spec)
@@ -125,9 +126,19 @@ def test_the_server_reads_a_spec_s_body_as_the_spec_says(spec: RequestSpec) -> N
     read = (CompletionRequest if spec.prompt is not None else ChatRequest).model_validate(body)
     # The server's own settings, all unlike the spec's: none of them may show through.
     defaults = SamplingParams(temperature=7.0, seed=99, max_tokens=3, top_k=5, min_p=0.5)
-    assert sampling(read, defaults, read.max_tokens) == spec.sampling
-    assert read.stops() == spec.stops
-    assert read.draft == spec.draft
+    stated = spec if spec.prompt is not None else replace(spec, messages=tuple(body["messages"]))
+    assert spec_from(read, defaults) == stated
+
+
+def test_a_body_s_aliases_are_read_as_the_spec_s_fields() -> None:
+    """OpenAI's newer `max_completion_tokens` wins over `max_tokens`, `top_p` 0 is the
+    most likely token, empty stops are none; what a body leaves out is the defaults'."""
+    defaults = SamplingParams(temperature=0.7, seed=5)
+    body = {"max_tokens": 9, "max_completion_tokens": 4, "top_p": 0, "stop": ["", "x"]}
+    read = spec_of(body, defaults)
+    assert read.sampling == SamplingParams(max_tokens=4, top_p=1.0, temperature=0.0, seed=5)
+    assert read.stops == ("x",) and spec_of({"stop": ""}).stops == ()
+    assert spec_of({}, defaults).sampling == defaults
 
 
 def test_a_setting_no_request_carries_is_refused_by_name() -> None:
@@ -140,3 +151,127 @@ def test_a_setting_no_request_carries_is_refused_by_name() -> None:
 def test_a_spec_is_messages_or_a_prompt() -> None:
     with pytest.raises(ValueError, match="not both"):
         RequestSpec(({"role": "user", "content": "hi"},), "hi")
+
+
+# -- what a command's options become through a server ------------------------------------
+
+SENT = {
+    "prompt": "messages",
+    "--prompt-file": "messages",
+    "--system": "messages",
+    "--instructions": "messages",
+    "--messages": "messages",
+    "--tool-result": "messages",
+    "--raw": "prompt",
+    "--schema": "response_format",
+    "--tools": "tools",
+    "--tool-choice": "tool_choice",
+    "--parallel": "parallel_tool_calls",
+    "--stop": "stops",
+    "--draft": "draft",
+}
+"""Options a command puts in its spec -> the spec's field (the sampling table's flags too)."""
+MATCHED = {"--model", "--adapter-path", "--chat-template", "--chat-template-args"}
+MATCHED |= {"--block-size", "--no-cache", "--kv-bits", "--kv-group-size"}
+"""Options the server must have as the command would (`cli/remote.connect`: else refused)."""
+SERVERS = {"--cache-dir", "--cache-mem", "--cache-disk", "--state-stride", "--mem-limit"}
+SERVERS |= {"--warm-ahead", "--split", "--draft-tokens", "--draft-ngram"}
+"""Options whose server's own value is used: none changes a reply's tokens."""
+LOCAL = {"--json", "--quiet", "--server", "--force", "--concurrency"}
+LOCAL |= {"--resume", "--list", "--markdown"}
+"""How the command shows the reply, or keeps a chat's session (on this machine)."""
+IGNORED = {("json", "--stop"), ("tools", "--stop")}
+"""Taken and not applied, in-process and through a server alike (JSON and tool replies
+end with their grammar): a known gap, kept as it was."""
+SENDING = ("generate", "json", "tools", "chat", "cache stats")
+
+
+def _flags(command: str) -> list[str]:
+    import typer.main
+
+    from mlxcache_cli.main import app
+
+    found: Any = typer.main.get_command(app)
+    for word in command.split():
+        found = found.commands[word]
+    return [max(p.opts, key=len) for p in found.params]
+
+
+@pytest.mark.parametrize("command", SENDING)
+def test_every_option_is_sent_matched_the_server_s_local_or_in_process_only(
+    command: str,
+) -> None:
+    """A new option fails here until it is put in the spec or in `IN_PROCESS_ONLY` (or
+    is shown to change no reply)."""
+    from mlxcache.request_spec import IN_PROCESS_ONLY
+
+    settings = {row.flag for row in request_settings.SAMPLING}
+    for flag in _flags(command):
+        homes = [
+            name
+            for name, home in [
+                ("sampling", settings),
+                ("sent", SENT),
+                ("matched", MATCHED),
+                ("server's", SERVERS),
+                ("local", LOCAL),
+                ("in-process only", IN_PROCESS_ONLY),
+            ]
+            if flag in home
+        ]
+        assert len(homes) == 1 or (command, flag) in IGNORED, (command, flag, homes)
+
+
+def test_each_option_sent_reaches_the_body_and_each_in_process_only_one_is_used() -> None:
+    from mlxcache.prepare import Local
+    from mlxcache.request_spec import IN_PROCESS_ONLY
+
+    values = {
+        "messages": ({"role": "user", "content": "hi"},),
+        "prompt": "hi",
+        "response_format": {"type": "json_object"},
+        "tools": ({"type": "function", "function": {"name": "f"}},),
+        "tool_choice": "required",
+        "parallel_tool_calls": False,
+        "stops": ("x",),
+        "draft": "off",
+    }
+    plain = to_wire(RequestSpec())
+    for field in set(SENT.values()):
+        assert to_wire(RequestSpec(**{field: values[field]})) != plain, field
+    every = {flag for command in SENDING for flag in _flags(command)}
+    assert every >= IN_PROCESS_ONLY  # no stale entry
+    local = {f"--{name.replace('_', '-')}" for name in Local.__dataclass_fields__}
+    assert local <= IN_PROCESS_ONLY  # what only an in-process request takes is refused
+
+
+TOOL = '[{"type": "function", "function": {"name": "f"}}]'
+
+
+@pytest.mark.parametrize(
+    ("args", "flag"),
+    [
+        (["json", "x", "--input", "in.jsonl", "-o", "out.jsonl"], "--input"),
+        (["json", "x", "-o", "out.jsonl"], "--output"),
+        (["json", "x", "--strict"], "--strict"),
+        (["json", "x", "--allow-extra-keys"], "--allow-extra-keys"),
+        (["json", "x", "--think-budget", "5"], "--think-budget"),
+        (["tools", "x", "--tools", TOOL, "--think"], "--think"),
+        (["generate", "x", "--draft-model", "small.gguf"], "--draft-model"),
+        (["chat", "--draft-inexact"], "--draft-inexact"),
+        (["cache", "stats", "--check"], "--check"),
+    ],
+)
+def test_each_in_process_only_option_is_refused_before_connecting(
+    args: list[str], flag: str
+) -> None:
+    from typer.testing import CliRunner
+
+    from mlxcache_cli.main import app
+
+    out = CliRunner().invoke(app, [*args, "--server", "http://127.0.0.1:9"])
+    assert (out.exit_code, out.stdout) == (2, "")
+    assert (
+        out.stderr
+        == f"error: {flag} runs in-process only: drop --server (or unset $MLXCACHE_SERVER)\n"
+    )

@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException
 from mlxcache.errors import (
     ContextLengthError,
     EngineStoppedError,
+    FieldError,
     MemoryBusyError,
     MemoryLimitError,
     MlxcacheError,
@@ -117,6 +118,8 @@ def from_domain(exc: MlxcacheError) -> APIError:
         return APIError(500, one_line(str(exc)), type="server_error", code="model_load_failed")
     if isinstance(exc, ContextLengthError):
         return APIError(400, one_line(str(exc)), param="messages", code="context_length_exceeded")
+    if isinstance(exc, FieldError):
+        return APIError(400, one_line(str(exc)), param=exc.param, code=exc.code)
     if isinstance(exc, UserInputError):
         field = next((FIELDS[k] for k in settings_named(exc) if k in FIELDS), None)
         return APIError(400, one_line(str(exc)), param=field, code="invalid_value")

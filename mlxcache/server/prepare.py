@@ -1,34 +1,31 @@
-"""From a validated request body to token ids, an engine Request, and how to read the reply.
+"""From a validated request body to an engine Request, and how to read the reply.
 
-Plain chat, JSON mode (`response_format`) and tools reuse the library's modes, so a reply
-over HTTP is bitwise what `mlxcache generate` / `json` / `tools` give on the same prompt.
-Everything here is plain Python (templates, tokenizer, grammar compilation): it runs on
-the handler's thread; only the returned Request goes to the engine worker. Grammar work
-(checking a schema, compiling its grammar: seconds for a large one, bounded by
-`schema.MAX_SCHEMA_OBJECTS`) runs outside `tokenizing` (the encoder's lock, which its own
-calls take too), held only where the tokenizer is called: one client's schema never
-stalls another's reply.
+A body is read as the spec it states (`spec_from`: `request_spec.spec_of`, the inverse of
+what the `--server` client sends), and the spec goes the one prepare path of every front
+end (`mlxcache.prepare`, which in-process commands take too): a reply over HTTP is bitwise
+what `mlxcache generate` / `json` / `tools` give on the same spec. Here is only what the
+server adds: the fields no spec carries (logprobs, logit bias, verbosity, `n`), a chat's
+follow lane, and the answer as the client gets it. Every route's request comes this way:
+Messages and Responses convert theirs to a chat completion's first (`front.Converted`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from mlx_lm.sample_utils import make_logits_processors
 
-from mlxcache.constrain import compile_for
+from mlxcache import prepare as library
 from mlxcache.engine import Engine, Request
 from mlxcache.events import Result, Stats
-from mlxcache.modes import json_mode
-from mlxcache.modes.json_mode import JsonTask
-from mlxcache.modes.reasoning import Thinking, has_thinking, reply_thinking, split_reply
-from mlxcache.modes.tool_chat import ToolsTask, next_turn, read_messages
+from mlxcache.modes.reasoning import Thinking, has_thinking, split_reply
+from mlxcache.modes.tool_chat import ToolsTask
 from mlxcache.modes.tool_chat import finish_reason as tool_finish
-from mlxcache.modes.tools import ToolCall, ToolChoice, ToolReply, parse_tools
-from mlxcache.request_settings import CHAT, fields_of
+from mlxcache.modes.tools import ToolCall
+from mlxcache.prepare import ALONE, NextTurn, Prepared, Tokenizing
+from mlxcache.request_spec import RequestSpec, spec_of
 from mlxcache.sampling import SamplingParams
 from mlxcache.server.errors import APIError
 from mlxcache.server.logprobs import token_bytes
@@ -37,21 +34,9 @@ from mlxcache.server.schemas import (
     UNSUPPORTED,
     ChatRequest,
     CompletionRequest,
-    MediaPart,
-    Message,
     SamplingFields,
 )
 from mlxcache.server.text import ReplyText
-
-_PROMPT_END = 64
-"""Prompt tokens read back for an opened thinking section (the template's last words)."""
-SAMPLING_FIELDS = {
-    name: row.name for name, row in fields_of(CHAT).items() if row.name != "max_tokens"
-}
-"""Request fields that override the server's sampling settings -> their settings
-(max_tokens: `sampling`'s own argument, which `max_completion_tokens` may give)."""
-_MEDIA = {"image_url": "images are", "input_audio": "audio is", "file": "files are"}
-"""A content part's type -> what the message says this model does not take."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +56,7 @@ class Plan:
     ids: list[int]
     request: Request
     tools: ToolsTask | None = None
-    next_turn: Callable[[Answer], list[int]] | None = None
+    next_turn: NextTurn | None = None
     """The token prefix the conversation's next prompt starts with (for warm-ahead)."""
     thinking: Thinking | None = None
     """A plain chat reply's thinking section (its reasoning, apart from the content)."""
@@ -99,18 +84,23 @@ class Plan:
         return Answer(reply.content, reply.calls, finish, reply.reasoning)
 
 
-def sampling(
-    body: SamplingFields, defaults: SamplingParams, max_tokens: int | None
-) -> SamplingParams:
-    """The request's sampling, the server's settings filling what it leaves out."""
+def spec_from(body: SamplingFields, defaults: SamplingParams) -> RequestSpec:
+    """The spec a validated request states, read as every front end reads a body
+    (`request_spec.spec_of`), the server's settings filling what it leaves out.
+
+    Raises:
+        APIError: more than one choice, or more than one prompt.
+        SettingError: a setting out of its range (`errors.from_domain` names its field).
+    """
     if body.n != 1:
         raise APIError(400, "n must be 1 (one choice per request)", param="n", code="invalid_value")
-    sent = body.model_dump(include=set(SAMPLING_FIELDS), exclude_none=True)
-    given = {SAMPLING_FIELDS[name]: value for name, value in sent.items()}
-    if given.get("top_p") == 0:  # a nucleus of no mass: the most likely token (OpenAI's 0)
-        given.update(top_p=1.0, temperature=0.0)
-    # Out of range: a SettingError naming the field (`errors.from_domain` sets its param).
-    return replace(defaults, **given, max_tokens=max_tokens or defaults.max_tokens)
+    doc = body.model_dump(by_alias=True, exclude_none=True)
+    prompt = doc.get("prompt")
+    if isinstance(prompt, list):
+        if len(prompt) != 1:
+            raise APIError(400, "prompt must be one string", param="prompt", code="invalid_value")
+        doc["prompt"] = prompt[0]
+    return spec_of(doc, defaults)
 
 
 IGNORED_HEADER = "X-Mlxcache-Ignored"
@@ -127,100 +117,19 @@ class Effort:
     ignored: tuple[str, ...]
 
 
-def effort(body: ChatRequest, tokenizer: Any) -> Effort:
+def effort(reasoning_effort: str | None, verbosity: str | None, tokenizer: Any) -> Effort:
     """`reasoning_effort` on a template with a thinking section turns thinking off
     (`none`, `minimal`) or on (any other level: the section's length is not graded);
     without one it changes nothing, nor does `verbosity` on any model: those are named
     as ignored."""
-    ignored = ["verbosity"] if body.verbosity is not None else []
+    ignored = ["verbosity"] if verbosity is not None else []
     think = None
-    if body.reasoning_effort is not None:
+    if reasoning_effort is not None:
         if has_thinking(tokenizer):
-            think = body.reasoning_effort not in _NO_EFFORT
+            think = reasoning_effort not in _NO_EFFORT
         else:
             ignored.insert(0, "reasoning_effort")
     return Effort(think, tuple(ignored))
-
-
-def _tool_names(messages: list[Message]) -> dict[str, str]:
-    """Tool call id -> function name, from the assistant messages' calls."""
-    return {
-        c.id: c.function.name
-        for m in messages
-        for c in m.tool_calls or ()
-        if m.role == "assistant" and c.id
-    }
-
-
-def _plain(messages: list[Message]) -> list[dict[str, Any]]:
-    """OpenAI messages as the library's dicts (developer is system; parts joined)."""
-    names = _tool_names(messages)
-    out: list[dict[str, Any]] = []
-    for i, m in enumerate(messages):
-        for j, part in enumerate(m.content if isinstance(m.content, list) else ()):
-            if isinstance(part, MediaPart):
-                raise APIError(
-                    400,
-                    f"messages.{i}.content.{j}: {_MEDIA[part.type]} not supported by this model "
-                    f"({part.type})",
-                    param=f"messages.{i}.content.{j}",
-                    code="unsupported_value",
-                )
-        if m.content is None and m.role != "assistant":  # only a call may come without text
-            raise APIError(
-                400,
-                f"messages.{i}.content: a {m.role} message needs content",
-                param=f"messages.{i}.content",
-                code="invalid_value",
-            )
-        msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role}
-        msg["content"] = m.text()
-        if m.tool_calls:
-            msg["tool_calls"] = [c.model_dump(include={"function"}) for c in m.tool_calls]
-        if m.role == "tool":
-            name = m.name or names.get(m.tool_call_id or "")
-            if name is not None:
-                msg["name"] = name
-        out.append(msg)
-    return out
-
-
-def _split_system(messages: list[dict[str, Any]]) -> tuple[str | None, list[dict[str, Any]]]:
-    if messages and messages[0]["role"] == "system":
-        return messages[0]["content"], messages[1:]
-    return None, messages
-
-
-def _refuse_tool_turns(messages: list[dict[str, Any]]) -> None:
-    for i, m in enumerate(messages):
-        if m["role"] == "tool" or m.get("tool_calls"):
-            raise APIError(
-                400,
-                f"messages.{i}: tool calls and results need the request's tools",
-                param=f"messages.{i}",
-                code="invalid_value",
-            )
-
-
-def _choice(body: ChatRequest, names: list[str]) -> ToolChoice:
-    choice = body.tool_choice or "auto"
-    if isinstance(choice, str):
-        return ToolChoice(choice)
-    if choice.function.name not in names:
-        raise APIError(
-            400,
-            f"tool_choice names {choice.function.name!r}, which is not in tools "
-            f"({', '.join(names)})",
-            param="tool_choice",
-            code="invalid_value",
-        )
-    return ToolChoice("function", choice.function.name)
-
-
-Tokenizing = AbstractContextManager[Any]
-"""Held around tokenizer calls (a fast tokenizer used from two threads at once can fail)."""
-ALONE: Tokenizing = nullcontext()
-"""No lock: for a caller preparing one request at a time."""
 
 
 def chat(
@@ -242,103 +151,17 @@ def chat(
     return _adjusted(engine, body, logprobs, tokenizing, _chat, defaults)
 
 
-def _chat(
-    engine: Engine, body: ChatRequest, defaults: SamplingParams, tokenizing: Tokenizing
-) -> Plan:
-    wanted = effort(body, engine.loaded.tokenizer)
-    plan = _chat_plan(engine, body, defaults, tokenizing, wanted.think)
+def _chat(engine: Engine, spec: RequestSpec, body: ChatRequest, tokenizing: Tokenizing) -> Plan:
+    wanted = effort(spec.reasoning_effort, body.verbosity, engine.loaded.tokenizer)
+    plan = _plan(library.prepare(engine, spec, tokenizing, wanted.think))
+    # A client may send the next turn as soon as this reply ends: follow it.
+    plan.request = replace(plan.request, follow=True)
     plan.ignored = wanted.ignored
     return plan
 
 
-def _chat_plan(
-    engine: Engine,
-    body: ChatRequest,
-    defaults: SamplingParams,
-    tokenizing: Tokenizing,
-    think: bool | None,
-) -> Plan:
-    params = sampling(body, defaults, body.max_completion_tokens or body.max_tokens)
-    messages = _plain(body.messages)
-    fmt = body.response_format
-    if body.tools:
-        if fmt is not None and fmt.type != "text":
-            raise APIError(400, "response_format cannot be combined with tools", param="tools")
-        return _tools_plan(engine, body, messages, params, tokenizing, bool(think))
-    if body.tool_choice not in (None, "none", "auto"):
-        raise APIError(400, "tool_choice needs tools", param="tool_choice", code="invalid_value")
-    _refuse_tool_turns(messages)
-    if fmt is None or fmt.type == "text":
-        tokenizer = engine.loaded.tokenizer
-        kwargs = {} if think is None else {"enable_thinking": think}
-        with tokenizing:
-            ids = engine.encoder.encode_chat(messages, **kwargs)
-            thinking = reply_thinking(tokenizer, tokenizer.decode(ids[-_PROMPT_END:]))
-        # A client may send the next turn as soon as this reply ends: follow it.
-        request = Request(ids, params, stop_strings=body.stops(), follow=True)
-        return Plan(ids, request, next_turn=_warm(engine, messages, **kwargs), thinking=thinking)
-    if fmt.type == "json_schema":
-        if fmt.json_schema is None:
-            raise APIError(400, "response_format.json_schema is required", param="response_format")
-        schema: dict[str, Any] = fmt.json_schema.schema_
-    else:
-        schema = json_mode.ANY_OBJECT  # json_object: the prompt asks for an object, shows no schema
-    system, rest = _split_system(messages)
-    strict = bool(fmt.json_schema and fmt.json_schema.strict)
-    instructions = system if system and system.strip() else None
-    # OpenAI's strict refuses what the grammar cannot enforce, as --strict, but keeps the
-    # digit cap: the SDKs' parse() sets it on every request, and a reply must end.
-    task = JsonTask.create(schema, instructions=instructions, strict=strict, cap_numbers=True)
-    # As `mlxcache json` by default: a reasoning template is asked not to think unless a
-    # reasoning effort says so (one that opens the section anyway gets it bounded and apart).
-    task = task.for_model(engine.loaded.tokenizer, bool(think))  # a probe: no tokenizer call
-    compile_for(engine.loaded, task.grammar)
-    rendered = [task.messages("")[0], *rest]  # the schema's system message, then the chat
-    with tokenizing:
-        ids = json_mode.encode(engine, rendered, **task.template_kwargs)
-        request = json_mode.request(engine, ids, task, params)
-    request = replace(request, stop_strings=body.stops(), follow=True)
-    thinking = task.thinking if task.thinking is not None and task.thinking.in_reply else None
-    warm = _warm(engine, rendered, **task.template_kwargs)
-    return Plan(ids, request, next_turn=warm, thinking=thinking)
-
-
-def _warm(
-    engine: Engine, rendered: list[dict[str, Any]], **template_kwargs: Any
-) -> Callable[[Answer], list[int]] | None:
-    if not engine.warm_ahead:
-        return None
-    return lambda answer: engine.encoder.encode_next_turn(
-        [*rendered, {"role": "assistant", "content": answer.content}], **template_kwargs
-    )
-
-
-def _tools_plan(
-    engine: Engine,
-    body: ChatRequest,
-    messages: list[dict[str, Any]],
-    params: SamplingParams,
-    tokenizing: Tokenizing,
-    think: bool,
-) -> Plan:
-    tools = parse_tools([t.model_dump(exclude_none=True) for t in body.tools or ()])
-    choice = _choice(body, [t.name for t in tools])
-    system, rest = _split_system(messages)
-    conversation = read_messages(rest)
-    parallel = body.parallel_tool_calls is not False  # OpenAI's default: allowed
-    task = ToolsTask(tools, choice, system, parallel, think)
-    style = task.style_for(engine)  # renders probes and compiles the schemas: no tokenizer call
-    if style.grammar is not None:
-        compile_for(engine.loaded, style.grammar)
-    with tokenizing:
-        ids = task.encode(engine, conversation)
-        request = task.request(engine, ids, params)
-    request = replace(request, stop_strings=body.stops(), follow=True)
-
-    def warm(answer: Answer) -> list[int]:
-        return next_turn(task, engine, conversation, ToolReply(answer.content, answer.calls))
-
-    return Plan(ids, request, task, warm if engine.warm_ahead else None)
+def _plan(p: Prepared) -> Plan:
+    return Plan(p.ids, p.request, p.tools, p.next_turn, p.thinking)
 
 
 def completion(
@@ -352,18 +175,9 @@ def completion(
 
 
 def _completion(
-    engine: Engine, body: CompletionRequest, defaults: SamplingParams, tokenizing: Tokenizing
+    engine: Engine, spec: RequestSpec, body: CompletionRequest, tokenizing: Tokenizing
 ) -> Plan:
-    params = sampling(body, defaults, body.max_tokens)
-    prompt = body.prompt
-    if isinstance(prompt, list):
-        if len(prompt) != 1:
-            raise APIError(400, "prompt must be one string", param="prompt", code="invalid_value")
-        prompt = prompt[0]
-    with tokenizing:
-        ids = engine.encoder.encode(prompt)
-    engine.encoder.check_fits(ids)
-    return Plan(ids, Request(ids, params, stop_strings=body.stops()))
+    return _plan(library.prepare(engine, spec, tokenizing))
 
 
 def refuse_unsupported(body: SamplingFields) -> None:
@@ -385,7 +199,7 @@ def _adjusted(
     body: B,
     logprobs: int | None,
     tokenizing: Tokenizing,
-    plan_of: Callable[[Engine, B, SamplingParams, Tokenizing], Plan],
+    plan_of: Callable[[Engine, RequestSpec, B, Tokenizing], Plan],
     defaults: SamplingParams,
 ) -> Plan:
     """`plan_of`'s plan with the request's logit bias (after the sampling's penalties,
@@ -399,11 +213,10 @@ def _adjusted(
     with tokenizing:
         size = len(tokenizer)
     bias = make_logits_processors(logit_bias=_logit_bias(body.logit_bias or {}, size))
-    plan = plan_of(engine, body, defaults, tokenizing)
+    spec = spec_from(body, defaults)
+    plan = plan_of(engine, spec, body, tokenizing)
     request = plan.request
-    plan.request = replace(
-        request, processors=[*bias, *request.processors], logprobs=logprobs, draft=body.draft
-    )
+    plan.request = replace(request, processors=[*bias, *request.processors], logprobs=logprobs)
     if logprobs is not None:
         with tokenizing:  # built once per model (a plain tokenizer decodes every id)
             plan.vocab = token_bytes(tokenizer)

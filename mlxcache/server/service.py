@@ -77,7 +77,7 @@ class Service:
         if plan.next_turn is None or plan.warm_on is None:
             return
         turn = plan.next_turn
-        plan.warm_on(await run_in_threadpool(turn, answer))
+        plan.warm_on(await run_in_threadpool(turn, answer.content, answer.calls))
 
     async def submit(
         self, request: Request, body: R, make: Callable[..., Plan], prefix: str
