@@ -113,6 +113,8 @@ def json_cmd(
     else:
         given = read_json_arg(schema, "schema")
     compiled = check_schema(given, strict=strict, allow_extra_keys=allow_extra_keys)
+    if run.stop:
+        raise UserInputError("--stop does not apply to json: a reply ends with its JSON document")
     if check:
         _report_check(compiled, as_json)
         return

@@ -58,19 +58,22 @@ def _conversation(
 
 def _spec(
     params: SamplingParams,
+    stops: tuple[str, ...],
     tools: tuple[Tool, ...],
     choice: ToolChoice,
     parallel: bool,
     system: str | None,
     messages: list[dict[str, Any]],
 ) -> RequestSpec:
-    """The request (in-process or sent): OpenAI's tools, choice and messages."""
+    """The request (in-process or sent): OpenAI's tools, choice and messages; `stops` end
+    a reply's text (a call's arguments are the grammar's)."""
     from mlxcache.remote import tool_choice_field
     from mlxcache.request_spec import RequestSpec, conversation
 
     return RequestSpec(
         conversation(system, [_openai_message(m) for m in messages]),
         sampling=params,
+        stops=stops,
         tools=tuple(t.as_openai() for t in tools),
         tool_choice=tool_choice_field(choice),
         parallel_tool_calls=parallel,
@@ -157,7 +160,7 @@ def tools_cmd(
         )
     params = run.sampling()
     check_think_options(think, think_budget, params.max_tokens)  # before the model loads
-    request = _spec(params, tools, choice, parallel, system, messages)
+    request = _spec(params, run.stop_strings(), tools, choice, parallel, system, messages)
     prepared = engine = None
     if server:
         reply, result, stats = remote.tools(server, run, request)

@@ -169,6 +169,10 @@ BAD = [
     (["hi", "--schema", SHORT, "--lanes", "0"], "error: --concurrency must be >= 1, got 0"),
     (["hi", "--schema", SHORT, "-n", "0"], "error: --max-tokens must be >= 1, got 0"),
     (
+        ["hi", "--schema", SHORT, "--stop", "}"],
+        "error: --stop does not apply to json: a reply ends with its JSON document",
+    ),
+    (
         ["hi", "--schema", SHORT, "--output", "{out}"],
         "error: --output goes with --input (a JSONL batch)",
     ),

@@ -212,3 +212,20 @@ def test_a_tools_text_reply_cut_at_the_limit_says_so(
     result = runner.invoke(app, [*args, "-m", str(wide_gguf), "--cache-dir", str(tmp_path)])
     assert result.exit_code == 0, result.stderr
     assert result.stderr.splitlines()[-1] == "stopped at the token limit (2 tokens; -n for more)"
+
+
+def test_a_tools_text_reply_ends_at_a_stop_string(
+    cache_root: Path, wide_gguf: Path, tmp_path: Path
+) -> None:
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps([{"type": "function", "function": {"name": "f"}}]))
+    args = ["tools", "--tools", str(tools), "--tool-choice", "none", "-n", "8", "hi", "--json"]
+    args += ["-m", str(wide_gguf), "--cache-dir", str(tmp_path)]
+    whole = json.loads(runner.invoke(app, args).stdout)["content"]
+    stop = whole[2:4]
+    cut = whole.find(stop)  # the reply ends before the stop string's first occurrence
+    assert len(stop) == 2 and len(whole) > cut + len(stop)
+    result = runner.invoke(app, [*args, "--stop", stop])
+    assert result.exit_code == 0, result.stderr
+    doc = json.loads(result.stdout)
+    assert doc["content"] == whole[:cut] and doc["finish_reason"] == "stop"

@@ -180,9 +180,6 @@ SERVERS |= {"--warm-ahead", "--split", "--draft-tokens", "--draft-ngram"}
 LOCAL = {"--json", "--quiet", "--server", "--force", "--concurrency"}
 LOCAL |= {"--resume", "--list", "--markdown"}
 """How the command shows the reply, or keeps a chat's session (on this machine)."""
-IGNORED = {("json", "--stop"), ("tools", "--stop")}
-"""Taken and not applied, in-process and through a server alike (JSON and tool replies
-end with their grammar): a known gap, kept as it was."""
 SENDING = ("generate", "json", "tools", "chat", "cache stats")
 
 
@@ -219,7 +216,7 @@ def test_every_option_is_sent_matched_the_server_s_local_or_in_process_only(
             ]
             if flag in home
         ]
-        assert len(homes) == 1 or (command, flag) in IGNORED, (command, flag, homes)
+        assert len(homes) == 1, (command, flag, homes)
 
 
 def test_each_option_sent_reaches_the_body_and_each_in_process_only_one_is_used() -> None:
