@@ -12,11 +12,11 @@ from typing import Any, Protocol
 import mlx.core as mx
 
 from mlxcache.engine import Engine, Request
-from mlxcache.events import Done, Event
+from mlxcache.events import Event
 from mlxcache.fleet import Fleet, weights_bytes
 from mlxcache.membudget import resident_bytes
 from mlxcache.server.errors import APIError
-from mlxcache.server.stream import Handle, Worker
+from mlxcache.server.stream import Handle, Tapped, Worker
 from mlxcache.worker import EngineWorker
 
 
@@ -48,32 +48,6 @@ class Bound:
 
     def call(self, fn: Callable[[Engine], Any]) -> Any:
         return self._worker.call(fn, self._engine)
-
-    @property
-    def waiting(self) -> int:
-        return self._worker.waiting
-
-
-class _Timed:
-    """A worker seen through requests whose end is told to `on_end` (worker thread)."""
-
-    def __init__(self, worker: Worker, on_end: Callable[[], None]) -> None:
-        self._worker = worker
-        self._on_end = on_end
-
-    def submit(self, request: Request, sink: Callable[[Event], None]) -> Handle:
-        def timed(event: Event) -> None:
-            if isinstance(event, Done):
-                self._on_end()
-            sink(event)
-
-        return self._worker.submit(request, timed)
-
-    def warm(self, tokens: list[int]) -> None:
-        self._worker.warm(tokens)
-
-    def call(self, fn: Callable[[Engine], Any]) -> Any:
-        return self._worker.call(fn)
 
     @property
     def waiting(self) -> int:
@@ -146,7 +120,7 @@ class One:
         self, engine: Engine, worker: Worker, names: tuple[str, ...], identity: dict[str, Any]
     ) -> None:
         self._engine = engine
-        self._worker = _Timed(worker, self._touch)
+        self._worker = Tapped(worker, lambda _done: self._touch())
         self._names = names
         self._identity = identity
         self._used = time.monotonic()

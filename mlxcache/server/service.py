@@ -15,9 +15,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from mlxcache.engine import Engine
-from mlxcache.engine import Request as EngineRequest
-from mlxcache.events import Done, Event
+from mlxcache.events import Done
 from mlxcache.sampling import SamplingParams
 from mlxcache.server import errors, prepare
 from mlxcache.server.errors import APIError
@@ -27,7 +25,7 @@ from mlxcache.server.openai_format import Envelope, Usage
 from mlxcache.server.prepare import Answer, Plan
 from mlxcache.server.schemas import ChatRequest, SamplingFields
 from mlxcache.server.served import Served, Target
-from mlxcache.server.stream import Handle, Outcome, Stream, Worker
+from mlxcache.server.stream import Outcome, Stream, Tapped, Worker
 from mlxcache.wire import USAGE_FIELD, worded_doc
 
 R = TypeVar("R", bound=SamplingFields)
@@ -150,32 +148,17 @@ def _usage(outcome: Outcome) -> Usage:
     return outcome.usage
 
 
-class _Tap:
+class _Tap(Tapped):
     """The worker, seen through the one request submitted by it: keeps its `Done`, whose
     result the usage then reports (`USAGE_FIELD`)."""
 
     def __init__(self, worker: Worker, plan: Plan) -> None:
-        self._worker = worker
+        super().__init__(worker, self._keep)
         self._plan = plan
         self._done: Done | None = None
 
-    def submit(self, request: EngineRequest, sink: Callable[[Event], None]) -> Handle:
-        def tap(event: Event) -> None:
-            if isinstance(event, Done):  # set before the stream can see it (same thread)
-                self._done = event
-            sink(event)
-
-        return self._worker.submit(request, tap)
-
-    def warm(self, tokens: list[int]) -> None:
-        self._worker.warm(tokens)
-
-    def call(self, fn: Callable[[Engine], Any]) -> Any:
-        return self._worker.call(fn)
-
-    @property
-    def waiting(self) -> int:
-        return self._worker.waiting
+    def _keep(self, done: Done) -> None:
+        self._done = done  # set before the stream can see it (same thread)
 
     def usage(self, outcome: Outcome) -> Usage:
         if self._done is None:

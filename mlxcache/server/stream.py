@@ -40,6 +40,33 @@ class Worker(Protocol):
     def waiting(self) -> int: ...
 
 
+class Tapped:
+    """A worker seen through the requests submitted by it: each one's `Done` is told to
+    `on_done` (on the worker's thread) before its sink sees it."""
+
+    def __init__(self, worker: Worker, on_done: Callable[[Done], None]) -> None:
+        self._worker = worker
+        self._on_done = on_done
+
+    def submit(self, request: Request, sink: Callable[[Event], None]) -> Handle:
+        def tap(event: Event) -> None:
+            if isinstance(event, Done):
+                self._on_done(event)
+            sink(event)
+
+        return self._worker.submit(request, tap)
+
+    def warm(self, tokens: list[int]) -> None:
+        self._worker.warm(tokens)
+
+    def call(self, fn: Callable[[Engine], Any]) -> Any:
+        return self._worker.call(fn)
+
+    @property
+    def waiting(self) -> int:
+        return self._worker.waiting
+
+
 @dataclass(frozen=True, slots=True)
 class Outcome:
     """A finished request: its text, why it ended, and its numbers."""
