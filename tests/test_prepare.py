@@ -115,7 +115,7 @@ def test_json_s_spec_is_the_server_s_request(tiny: LoadedModel, instructions: st
 def test_tools_s_spec_is_the_server_s_request(wide: LoadedModel, choice: str) -> None:
     engine = Engine(wide, warm_ahead=False)
     picked = ToolChoice.parse(choice, TOOLS)
-    spec = tools_cmd._spec(PARAMS, TOOLS, picked, False, "Use tools.", TOOL_TURNS)
+    spec = tools_cmd._spec(PARAMS, ("\n\n",), TOOLS, picked, False, "Use tools.", TOOL_TURNS)
     prepared = prepare(engine, spec, think=False)
     task = ToolsTask(TOOLS, picked, "Use tools.", False, False)
     assert prepared.tools is not None and prepared.tools.choice == picked
