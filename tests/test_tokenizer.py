@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import jinja2
 import mlx.core as mx
 import pytest
 
-from mlxcache.model.loader import LoadedModel, default_model_path
+from mlxcache.model.loader import LoadedModel, default_model_path, load
 
 pytestmark = pytest.mark.model
 
@@ -66,3 +69,21 @@ def test_chat_template_matches_gguf_metadata(smol: LoadedModel, meta: dict) -> N
     assert rendered == expected
     assert rendered.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
     assert rendered.endswith("<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize("generation", ['{"eos_token_id": [1, 7]}', "not json", None])
+def test_end_tokens_are_read_as_mlx_lm_reads_them(
+    tiny: LoadedModel, tmp_path: Path, generation: str | None
+) -> None:
+    """generation_config.json's end ids win over config.json's (a chat model's end-of-turn
+    token is often only there); one that cannot be read is skipped, as mlx-lm skips it."""
+    from mlx_lm import load as mlx_lm_load
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny.path, folder)
+    if generation is not None:
+        (folder / "generation_config.json").write_text(generation)
+    ours = load(str(folder)).tokenizer.eos_token_ids
+    assert ours == mlx_lm_load(str(folder))[1].eos_token_ids
+    named = generation is not None and generation.startswith("{")
+    assert ours == tiny.tokenizer.eos_token_ids | ({1, 7} if named else set())

@@ -308,7 +308,7 @@ def load(
         raise ModelNotFoundError(f"not an mlx-lm model folder (no config.json): {path}")
     # The tokenizer first: its load's peak then passes over no weights (`tokenizer`).
     extra = {} if template is None else {"chat_template": template}
-    tokenizer = load_tokenizer(path, extra, _config_of(path).get("eos_token_id"))
+    tokenizer = load_tokenizer(path, extra, _eos_ids(path))
     model, config = _weights(path, lazy, shared)
     base = None if checked is not None and checked.fine_tune_type == "full" else _flat(model)
     if checked is not None:
@@ -348,11 +348,13 @@ def _weights(
     return model, config
 
 
-def _config_of(path: Path) -> dict[str, Any]:
-    """A model folder's config.json (its weights' load reads it again, and fails on it).
+def _eos_ids(path: Path) -> Any:
+    """The model's end token ids as mlx-lm's `load_config` reads them (its weights' load
+    reads them again): generation_config.json's where it names them (a chat model's
+    end-of-turn token is often only there), else config.json's.
 
     Raises:
-        UnsupportedModelError: the file is not a JSON object.
+        UnsupportedModelError: config.json is not a JSON object.
     """
     try:
         config = loads_json((path / "config.json").read_text(encoding="utf-8"))
@@ -360,7 +362,12 @@ def _config_of(path: Path) -> dict[str, Any]:
         raise UnsupportedModelError(f"cannot read the config of model {path}: {exc}") from exc
     if not isinstance(config, dict):
         raise UnsupportedModelError(f"the config of model {path} is not a JSON object")
-    return config
+    try:  # mlx-lm skips a generation config it cannot read
+        generation = loads_json((path / "generation_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        generation = {}
+    named = generation.get("eos_token_id") if isinstance(generation, dict) else None
+    return named or config.get("eos_token_id")
 
 
 def tailoring_key(adapter: Adapter | None, template: str | None, args: Mapping[str, Any]) -> str:
