@@ -40,7 +40,14 @@ from mlxcache.errors import (
     ModelNotServedError,
     UserInputError,
 )
-from mlxcache.membudget import TIER_SHARE, Footprint, MemoryBudget, peak_during, resident_bytes
+from mlxcache.membudget import (
+    TIER_SHARE,
+    Footprint,
+    MemoryBudget,
+    peak_during,
+    resident_bytes,
+    widest_chunk,
+)
 from mlxcache.model_entries import ModelEntry, check_names
 from mlxcache.sysmem import release_unused
 from mlxcache.worker import EngineWorker
@@ -265,11 +272,11 @@ class Fleet:
         start, before = self.clock(), self.meter()
         shared = self._shared(entry)
         try:
-            (engine, info), self.peaks[entry.name] = self.load_peak(
-                lambda: self.opener(entry, tier, shared)
-            )
+            (engine, info), peak = self.load_peak(lambda: self.opener(entry, tier, shared))
         except Exception as exc:
             raise self._failure(entry, exc) from exc
+        if shared is None:  # a load beside its base's holder peaks lower than one alone
+            self.peaks[entry.name] = peak
         self.failed.pop(entry.name, None)
         self.retry_at.pop(entry.name, None)
         # What loading took beyond the weights (the tokenizer, the probes' buffers) counts
@@ -282,7 +289,7 @@ class Fleet:
                 self.limit,
                 self.base + self.measured[entry.name],
                 Footprint.of(engine.model, engine.loaded.config),
-                engine.cache.block_size,
+                widest_chunk(engine.cache.block_size),
                 self._reserved,
             )
         self.worker.attach(engine)
@@ -297,6 +304,8 @@ class Fleet:
         """After a load that took more than room was made for (a first load, estimated):
         unload the others no request holds, least recently used first, until the process
         is back under the limit (else their requests would be refused by it)."""
+        if self.limit is not None and self.meter() > self.limit:
+            release_unused()  # what the load left in MLX's pool first: no unload for it
         while self.limit is not None and self.meter() > self.limit:
             others = [r for r in self._idle() if r.entry.name != entry.name]
             if not others:

@@ -261,6 +261,11 @@ def budgeted(loaded: LoadedModel, config: CacheConfig) -> tuple[CacheConfig, Mem
         )
     tier = min(config.mem_bytes, (config.mem_limit - held) // TIER_SHARE)
     footprint = Footprint.of(loaded.model, loaded.config)
-    # A prefill chunk spans up to `MERGED_BLOCKS` blocks where the probe allows merging.
-    budget = MemoryBudget(config.mem_limit, held, footprint, MERGED_BLOCKS * config.block_size)
+    budget = MemoryBudget(config.mem_limit, held, footprint, widest_chunk(config.block_size))
     return replace(config, mem_bytes=tier), budget
+
+
+def widest_chunk(block_size: int) -> int:
+    """The widest prefill chunk a request's room must hold: `MERGED_BLOCKS` blocks, where
+    the probe allows merging them."""
+    return MERGED_BLOCKS * block_size

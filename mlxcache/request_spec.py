@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
 
 from mlxcache.config import SamplingParams
-from mlxcache.errors import Setting, UserInputError, Worded
+from mlxcache.errors import FieldError, Setting, UserInputError, Worded
 from mlxcache.request_settings import CHAT, fields_of
 from mlxcache.wire import USAGE_FIELD
 
@@ -127,7 +127,10 @@ def spec_of(body: Mapping[str, Any], defaults: SamplingParams | None = None) -> 
 
     Raises:
         SettingError: a setting out of its range (naming it).
+        FieldError: both messages and a raw prompt.
     """
+    if body.get("messages") and body.get("prompt") is not None:
+        raise FieldError("a request continues messages or a raw prompt, not both", "prompt")
     stop = body.get("stop")
     stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
     given = {

@@ -20,7 +20,7 @@ from mlxcache.modes.schema import check_schema
 from mlxcache.modes.tool_chat import ToolsTask
 from mlxcache.modes.tools import ToolChoice, parse_tools
 from mlxcache.prepare import Local, prepare
-from mlxcache.request_spec import RequestSpec, conversation, to_wire
+from mlxcache.request_spec import RequestSpec, conversation, spec_of, to_wire
 from mlxcache.sampling import SamplingParams
 from mlxcache.server import prepare as server
 from mlxcache.server.errors import from_domain
@@ -158,3 +158,12 @@ def test_the_prepare_path_s_errors_name_the_server_s_field(tiny: LoadedModel) ->
             prepare(engine, spec)
         error = from_domain(caught.value)
         assert (error.status, error.param, error.code, error.message) == (400, param, code, message)
+
+
+def test_a_body_with_messages_and_a_prompt_names_the_prompt() -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}], "prompt": "hi"}
+    with pytest.raises(FieldError) as caught:
+        spec_of(body)
+    error = from_domain(caught.value)
+    assert (error.status, error.param, error.code) == (400, "prompt", "invalid_value")
+    assert error.message == "a request continues messages or a raw prompt, not both"

@@ -23,6 +23,7 @@ from mlxcache.errors import MemoryBusyError
 from mlxcache.fleet import Fleet, folder_size, opener, weights_bytes
 from mlxcache.model import LoadedModel, load
 from mlxcache.model_entries import ModelEntry, entries_from
+from mlxcache.prefill import MERGED_BLOCKS
 from mlxcache.sampling import SamplingParams
 from mlxcache.server.app import Settings, create_app
 from mlxcache.server.log import RequestLog
@@ -684,3 +685,15 @@ def test_a_load_that_took_more_than_its_room_unloads_others_after(
     assert [n for n in notes if n.startswith("unloaded")] == [
         "unloaded alpha (least recently used, for beta)"
     ]
+
+
+def test_a_served_models_budget_holds_the_widest_prefill_chunk(
+    make_fleet: Callable[..., Fleet], folders: dict[str, Path]
+) -> None:
+    """A request's room holds a merged prefill chunk (`MERGED_BLOCKS` blocks), as in a
+    server of one model (`membudget.budgeted`)."""
+    fleet = make_fleet(entries(folders, "alpha"), limit=1 << 40, meter=lambda: 0)
+    with fleet.lease("alpha") as resident:
+        budget = resident.engine.budget
+        assert budget is not None
+        assert budget.chunk == MERGED_BLOCKS * resident.engine.cache.block_size

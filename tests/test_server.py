@@ -564,6 +564,7 @@ def chat_body(srv: ServerProcess, **kw: Any) -> str:
             "invalid_value",
         ),
         ({"tool_choice": "required"}, "tool_choice", "invalid_value"),
+        ({"prompt": "hi"}, "prompt", "invalid_value"),  # and messages: which to continue?
         (
             {"messages": [{"role": "user", "content": "word " * 5000}]},
             "messages",

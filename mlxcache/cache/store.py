@@ -243,8 +243,11 @@ class PromptCache:
         }
 
     def held(self) -> int:
-        """The bytes the memory tier and the live layers hold (all of it freeable)."""
-        return self.mem.nbytes + (0 if self._live is None else self._live.nbytes)
+        """The bytes the memory tier and the live layers hold (all of it freeable). Read
+        on any thread (`MemoryBudget.check`) while the engine's takes or drops the live
+        layers: read once."""
+        live = self._live
+        return self.mem.nbytes + (0 if live is None else live.nbytes)
 
     def shed(self, n_bytes: int) -> int:
         """Free about `n_bytes`: the live layers first (the next turn restores the kept
