@@ -91,12 +91,16 @@ def _serialized(hf: Any, key: str, directory: Path | None) -> str:
         with contextlib.suppress(OSError, OutputFileError):
             path.parent.mkdir(parents=True, exist_ok=True)
             write_atomic(path, text)
+            for old in path.parent.glob(f"{key}-*.json"):  # other versions': read no more
+                if old != path and old.stem.count("-") == path.stem.count("-"):
+                    old.unlink()
     return text
 
 
-def grammar_dir() -> Path:
-    """Where grammar work kept across processes lives: the cache dir's `grammar/`."""
-    return cache_dir() / "grammar"
+def grammar_dir(loaded: LoadedModel) -> Path:
+    """Where grammar work on `loaded` kept across processes lives: the `grammar/` folder
+    of the cache directory it was loaded under."""
+    return (loaded.cache_root or cache_dir()) / "grammar"
 
 
 def bitmask_to_bool(bitmask: np.ndarray, width: int) -> np.ndarray:
@@ -222,13 +226,13 @@ def compile_for(loaded: LoadedModel, grammar: str) -> None:
     Raises:
         GrammarError: the grammar does not compile.
     """
-    compiled_matcher(ll_tokenizer(loaded.tokenizer, loaded.key, grammar_dir()), grammar)
+    compiled_matcher(ll_tokenizer(loaded.tokenizer, loaded.key, grammar_dir(loaded)), grammar)
 
 
 def processor_for(
     loaded: LoadedModel, grammar: str, stop_tokens: Collection[int] | None = None
 ) -> GrammarProcessor:
     """A fresh processor for one request on `loaded`."""
-    tokenizer = ll_tokenizer(loaded.tokenizer, loaded.key, grammar_dir())
+    tokenizer = ll_tokenizer(loaded.tokenizer, loaded.key, grammar_dir(loaded))
     stop = stop_tokens if stop_tokens is not None else loaded.tokenizer.eos_token_ids
     return GrammarProcessor(tokenizer, grammar, frozenset(int(t) for t in stop))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from mlxcache.constrain import (
     GrammarProcessor,
     apply_mask,
     bitmask_to_bool,
+    compile_for,
     grammar_from_json_schema,
     grammar_from_lark,
     ll_tokenizer,
@@ -165,3 +167,22 @@ def test_an_unwritable_grammar_dir_only_costs_the_shortcut(
     blocked.write_text("not a directory")
     tok = ll_tokenizer(tiny.tokenizer, tiny.key, blocked / "grammar")
     assert tok.vocab_size > 0 and blocked.read_text() == "not a directory"
+
+
+def test_the_tokenizer_view_is_kept_under_the_models_cache_dir_one_version_each(
+    tiny: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--cache-dir` holds it (not the default cache dir); another version's file of the
+    same key is removed when this one is written, another key's (a shard's) is not."""
+    monkeypatch.setattr(constrain, "_tokenizers", {})
+    monkeypatch.setenv("MLXCACHE_CACHE_DIR", str(tmp_path / "default"))
+    loaded = dataclasses.replace(tiny, cache_root=tmp_path / "given")
+    folder = tmp_path / "given" / "grammar"
+    folder.mkdir(parents=True)
+    old, shard = folder / f"{tiny.key}-0.1-0.2.json", folder / f"{tiny.key}-r1of2-0.1-0.2.json"
+    old.write_text("{}")
+    shard.write_text("{}")
+    compile_for(loaded, grammar_from_json_schema({"type": "integer"}))
+    kept = sorted(p.name for p in folder.iterdir())
+    assert len(kept) == 2 and shard.name in kept and not old.exists()
+    assert not (tmp_path / "default").exists()

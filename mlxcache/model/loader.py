@@ -69,6 +69,9 @@ class LoadedModel:
     """The base model's weight arrays by parameter name, as its folder holds them (under
     an adapter too, whose layers wrap them; None under a full fine-tune, which replaces
     some): another load of the same folder may share them (`load`'s `shared`)."""
+    cache_root: Path | None = None
+    """The cache directory it was loaded under (`load`'s `cache_root`, resolved), where
+    work derived from it is kept (the grammar's tokenizer view)."""
 
     @property
     def context_length(self) -> int:
@@ -315,7 +318,10 @@ def load(
         model = apply_adapter(model, checked, name)
     key = model_key(folder_key(path), checked, template, args)
     tokenizer = with_args(tokenizer, args)
-    return LoadedModel(model, tokenizer, key, name, path, config, "", checked, template, args, base)
+    root = cache_dir(cache_root)
+    return LoadedModel(
+        model, tokenizer, key, name, path, config, "", checked, template, args, base, root
+    )
 
 
 def _flat(model: Model) -> dict[str, Any]:
