@@ -66,7 +66,7 @@ def _spec(
     messages: list[dict[str, Any]],
 ) -> RequestSpec:
     """The request (in-process or sent): OpenAI's tools, choice and messages; `stops` end
-    a reply's text (a call's arguments are the grammar's)."""
+    the reply wherever they appear, a call's text too (as the server's `stop` does)."""
     from mlxcache.remote import tool_choice_field
     from mlxcache.request_spec import RequestSpec, conversation
 
