@@ -362,3 +362,24 @@ def test_a_text_completion_stream_broken_by_a_server_fault_is_logged_as_an_error
     assert line.endswith("finish=error error=internal error: ValueError: no chunk"), line
     metrics = call(app, "GET", "/metrics").body.decode().splitlines()
     assert 'mlxcache_completions_total{finish_reason="error"} 1' in metrics
+
+
+def test_a_stream_whose_answer_cannot_be_kept_ends_in_an_error_event(
+    opens: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fault while the end is made (here: the Response cannot be stored) is said to the
+    client in the route's error event, not a stream cut short: the end is not the client's
+    until its text was sent."""
+
+    def broken(self: Any, rid: str, conversation: Any) -> None:
+        raise ValueError("no room")
+
+    monkeypatch.setattr("mlxcache.server.responses_api.Store.put", broken)
+    log = io.StringIO()
+    app = app_of(opens, Scripted("Hello there", "stop"), log)
+    path = "/v1/responses"
+    reply = call(app, "POST", path, {"model": opens.name, **ROUTES[path], "stream": True})
+    assert "internal error: ValueError: no room" in reply.events()[-1]
+    assert "response.completed" not in reply.body.decode()
+    line = log.getvalue().splitlines()[0]
+    assert line.endswith("finish=error error=internal error: ValueError: no room"), line

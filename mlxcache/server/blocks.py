@@ -174,15 +174,17 @@ async def rendered(
         for line in await render.head():
             yield line
         async for event in block_events(stream, answer_of):
-            if isinstance(event, End):
-                ended = True
+            lines = render(event)
+            if isinstance(event, End):  # its text and the answer kept, or the fault said
                 if keep is not None and event.ending.answer is not None:
                     keep(event.ending.answer)
                 yield event.ending.outcome
-            for line in render(event):
+            for line in lines:
                 yield line
-            if isinstance(event, End) and event.ending.answer is not None:
-                await done(event.ending.answer)
+            if isinstance(event, End):
+                ended = True
+                if event.ending.answer is not None:
+                    await done(event.ending.answer)
     except Exception as exc:
         if ended:  # the client has it all: only warming the next turn failed
             raise
