@@ -48,11 +48,12 @@ from mlxcache.ring import TimeRing
 from mlxcache.types import LayerCache, Model, new_layers
 
 PROBES = "probes.json"
-PROBE_VERSION = "p5"
+PROBE_VERSION = "p6"
 """What the probes measure, in their records' keys: "p2" probed every block layout (sliding
 windows kept in time order, recurrent state), "p3" drafted rows of every batchable layout
 in a decode batch, "p4" records the verify probe's verdict per width, "p5" measures merged
-prefill chunks as well (`decode`); older records are not read."""
+prefill chunks as well (`decode`), "p6" merged chunks from a block boundary too (one
+exactly `MERGED_BLOCKS` blocks wide); older records are not read."""
 
 
 Tick = Callable[[], None]
@@ -93,16 +94,21 @@ def decode_matches_prefill(model: Model, block_size: int) -> bool:
 
 
 def _merged_matches(model: Model, layout: Layout, block_size: int) -> bool:
-    """Whether prefill chunks merged as wide as `schedule(merge=True)` makes them, the
-    first starting inside a block as a turn's does, give bitwise the logits and blocks
-    the canonical chunks give (for layers that keep every position: cut at the end)."""
-    n = 3 + MERGED_BLOCKS * block_size + 2
+    """Whether prefill chunks merged as wide as `schedule(merge=True)` makes them give
+    bitwise the logits and blocks the canonical chunks give (for layers that keep every
+    position: cut at the end): the first starting inside a block, as a turn's does, and
+    starting on a boundary, a chunk exactly `MERGED_BLOCKS` blocks wide, as a prompt's."""
+    return all(_merged_from(model, layout, block_size, start) for start in (3, block_size))
+
+
+def _merged_from(model: Model, layout: Layout, block_size: int, start: int) -> bool:
+    n = start + MERGED_BLOCKS * block_size + 2
     ids = [(5 * i + 2) % 97 + 1 for i in range(n)]
-    at_prefix = _prefixed(model, ids[:3], block_size)
+    at_prefix = _prefixed(model, ids[:start], block_size)
     runs = []
     for merge in (False, True):
         layers, logits = at_prefix(), {}
-        for s, e in schedule(3, n, block_size, decode_matches_prefill=True, merge=merge):
+        for s, e in schedule(start, n, block_size, decode_matches_prefill=True, merge=merge):
             out = model(mx.array([ids[s:e]]), cache=layers)[0]
             mx.eval(out)
             logits.update({i: out[i - s] for i in range(s, e)})

@@ -46,6 +46,27 @@ class WideShaped(Shaped):
         return super().__call__(x, cache)
 
 
+class AtWidth(Shaped):
+    """Shape-sensitive only in calls of exactly `width` tokens (a kernel that differs at
+    one tile size): a merged chunk from a block boundary is that wide, one from inside a
+    block is not."""
+
+    def __init__(self, model: Any, width: int) -> None:
+        super().__init__(model)
+        self._width = width
+
+    def __call__(self, x: mx.array, cache: list[Any]) -> mx.array:
+        if x.shape[1] != self._width:
+            return self._model(x, cache=cache)
+        return super().__call__(x, cache)
+
+
+@pytest.mark.skipif(mx.default_device() != mx.cpu, reason="measured on MLX's CPU backend")
+def test_a_merged_chunk_from_a_block_boundary_is_probed(tiny: LoadedModel) -> None:
+    assert not invariance.decode_matches_prefill(AtWidth(tiny.model, 4 * 4), 4)
+    assert invariance.decode_matches_prefill(AtWidth(tiny.model, 4 * 4 + 1), 4)
+
+
 @pytest.mark.skipif(mx.default_device() != mx.cpu, reason="measured on MLX's CPU backend")
 def test_merged_chunks_are_probed(tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
     """A model whose chunks wider than a block compute other bits fails the probe (no
