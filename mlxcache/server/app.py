@@ -122,8 +122,8 @@ def _info(service: Service, worker: Worker) -> APIRouter:
 
     @routes.get("/metrics")
     async def metrics_text() -> PlainTextResponse:
-        reports = await run_in_threadpool(served.reports)
-        report = total_of(reports, await run_in_threadpool(served.retired))
+        reports, retired = await run_in_threadpool(served.counted)
+        report = total_of(reports, retired)
         rows = None if isinstance(served, One) else await run_in_threadpool(served.rows)
         text = service.metrics.render(report, worker.waiting, report["busy"], rows)
         return PlainTextResponse(text, media_type=CONTENT_TYPE)

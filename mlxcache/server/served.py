@@ -77,9 +77,10 @@ class Served(Protocol):
         """Each loaded model's cache report (`cache_report`), by name (blocks)."""
         ...
 
-    def retired(self) -> dict[str, int]:
-        """The cache counters of models unloaded since the server started, added up
-        (`/metrics`' totals stay monotonic)."""
+    def counted(self) -> tuple[dict[str, dict[str, Any]], dict[str, int]]:
+        """`reports`, and the cache counters of models unloaded since the server started,
+        added up (`/metrics`' totals stay monotonic): read in one job, so a model
+        unloaded meanwhile counts once."""
         ...
 
 
@@ -166,8 +167,8 @@ class One:
     def reports(self) -> dict[str, dict[str, Any]]:
         return {self.default: self._worker.call(cache_report)}
 
-    def retired(self) -> dict[str, int]:
-        return {}
+    def counted(self) -> tuple[dict[str, dict[str, Any]], dict[str, int]]:
+        return self.reports(), {}
 
 
 class Many:
@@ -202,10 +203,10 @@ class Many:
         return self.fleet.worker.run(self.fleet.report)
 
     def reports(self) -> dict[str, dict[str, Any]]:
-        def each() -> dict[str, dict[str, Any]]:
-            return {n: cache_report(r.engine) for n, r in self.fleet.resident.items()}
+        return self.fleet.worker.run(self._reports)
 
-        return self.fleet.worker.run(each)
+    def _reports(self) -> dict[str, dict[str, Any]]:
+        return {n: cache_report(r.engine) for n, r in self.fleet.resident.items()}
 
-    def retired(self) -> dict[str, int]:
-        return self.fleet.worker.run(lambda: dict(self.fleet.retired))
+    def counted(self) -> tuple[dict[str, dict[str, Any]], dict[str, int]]:
+        return self.fleet.worker.run(lambda: (self._reports(), dict(self.fleet.retired)))
