@@ -22,6 +22,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlxcache.cache.live import rewinds
+from mlxcache.last_logits import last_logits
 from mlxcache.types import Layers, Model
 
 MERGED_BLOCKS = 4
@@ -82,17 +83,18 @@ def prefill(
 
     Yields (stop, logits) after each chunk, evaluated, so the caller can checkpoint at
     block boundaries and interleave other requests. Logits (of the last prompt token)
-    come with the final chunk only: earlier chunks leave the LM head unevaluated.
+    come with the final chunk only, the LM head applied to that token alone
+    (`last_logits`): earlier chunks leave the LM head unevaluated.
     """
     merge = decode_matches_prefill and rewinds(layers)
     chunks = schedule(start, len(tokens), block_size, decode_matches_prefill, merge)
     for s, e in chunks:
-        out = model(mx.array(tokens[None, s:e]), cache=layers)
-        states = [c.state for c in layers]
+        x = mx.array(tokens[None, s:e])
         if e < len(tokens):
-            mx.eval(states)
+            model(x, cache=layers)  # its logits are never evaluated: no LM head
+            mx.eval([c.state for c in layers])
             yield e, None
         else:
-            logits = out[:, -1, :]
-            mx.eval(logits, states)
+            logits = last_logits(model, x, layers)
+            mx.eval(logits, [c.state for c in layers])
             yield e, logits
