@@ -24,6 +24,7 @@ from mlx_lm.models.cache import KVCache
 
 from mlxcache.cache.base import Lease, PrefixCache
 from mlxcache.encoder import common_prefix
+from mlxcache.last_logits import last_logits
 from mlxcache.prefill import prefill
 from mlxcache.types import KVLayer, Layers, Model
 
@@ -130,7 +131,8 @@ class ModelDrafter:
         self.fed = self.fed[:same]
         drafts: list[int] = []
         while True:
-            logits = self.model(mx.array([feed]), cache=layers)[0, -1]
+            # The head over the last position alone: a feed of accepted tokens reads one row.
+            logits = last_logits(self.model, mx.array([feed]), layers)[0]
             self.fed += feed
             drafts.append(cast(int, mx.argmax(logits).item()))
             if len(drafts) == k:
