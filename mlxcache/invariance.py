@@ -102,16 +102,16 @@ def _merged_matches(model: Model, layout: Layout, block_size: int) -> bool:
 
 
 def _merged_from(model: Model, layout: Layout, block_size: int, start: int) -> bool:
+    """`_merged_matches` for a prompt resumed at `start`."""
     n = start + MERGED_BLOCKS * block_size + 2
     ids = [(5 * i + 2) % 97 + 1 for i in range(n)]
     at_prefix = _prefixed(model, ids[:start], block_size)
     runs = []
     for merge in (False, True):
-        layers, logits = at_prefix(), {}
+        layers: list[LayerCache] = at_prefix()
+        logits: dict[int, mx.array] = {}
         for s, e in schedule(start, n, block_size, decode_matches_prefill=True, merge=merge):
-            out = model(mx.array([ids[s:e]]), cache=layers)[0]
-            mx.eval(out)
-            logits.update({i: out[i - s] for i in range(s, e)})
+            _feed(model, layers, ids, s, e, logits)
         bounds = [*range(0, n, block_size), n]
         runs.append((logits, {e: layout.cut(layers, s, e) for s, e in pairwise(bounds)}))
     return _same_run(runs[0], runs[1])
@@ -136,13 +136,25 @@ def _run(
     n = len(ids)
     for s in range(start, n, chunk):
         e = min(s + chunk, n)
-        out = model(mx.array([ids[s:e]]), cache=layers)[0]
-        mx.eval(out)
-        logits.update({i: out[i - s] for i in range(s, e)})
+        _feed(model, layers, ids, s, e, logits)
         if e % block == 0:
             blocks[e] = layout.cut(layers, e - block, e)
     blocks[-1] = layout.cut(layers, n // block * block, n)
     return logits, blocks
+
+
+def _feed(
+    model: Model,
+    layers: list[LayerCache],
+    ids: list[int],
+    start: int,
+    stop: int,
+    logits: dict[int, mx.array],
+) -> None:
+    """Feed ids[start:stop] in one forward, evaluated; its logits kept by position."""
+    out = model(mx.array([ids[start:stop]]), cache=layers)[0]
+    mx.eval(out)
+    logits.update({i: out[i - start] for i in range(start, stop)})
 
 
 def _same_run(

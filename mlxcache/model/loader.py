@@ -306,7 +306,8 @@ def load(
     template = template_text(chat_template)
     args = template_args(chat_template_args)
     warn = on_warning or (lambda _msg: None)
-    name, path = _resolve(spec or DEFAULT_MODEL, cache_dir(cache_root), progress, warn)
+    root = cache_dir(cache_root)
+    name, path = _resolve(spec or DEFAULT_MODEL, root, progress, warn)
     if not (path / "config.json").is_file():
         raise ModelNotFoundError(f"not an mlx-lm model folder (no config.json): {path}")
     # The tokenizer first: its load's peak then passes over no weights (`tokenizer`).
@@ -318,7 +319,6 @@ def load(
         model = apply_adapter(model, checked, name)
     key = model_key(folder_key(path), checked, template, args)
     tokenizer = with_args(tokenizer, args)
-    root = cache_dir(cache_root)
     return LoadedModel(
         model, tokenizer, key, name, path, config, "", checked, template, args, base, root
     )
