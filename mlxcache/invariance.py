@@ -7,7 +7,7 @@ prefill computes for the same tokens, and a reply's KV can be kept as it stands:
 re-prefill of the reply (follow lanes) for the next turn to resume past it. Metal's
 kernels differ by call shape (GEMV for one row, GEMM for several), so there the probe
 fails and the canonical path runs. The same verdict lets a prefill merge its canonical
-chunks (`prefill.schedule(merge=True)`): the probe compares such chunks too.
+chunks (`prefill.schedule(merge_to=)`): the probe compares such chunks too.
 
 The probe compares, bit for bit, the logits and the blocks as the store cuts them (every
 layer's keys and values, a sliding window's positions, a recurrent state) of a decode run
@@ -36,7 +36,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlxcache.cache.layout import Layout, kv_tag
-from mlxcache.cache.live import rewinds
+from mlxcache.cache.live import whole_until
 from mlxcache.config import MAX_DRAFT
 from mlxcache.decode_batch import DecodeBatch, batchable
 from mlxcache.draft import Checkpoint, snapshot
@@ -48,12 +48,13 @@ from mlxcache.ring import TimeRing
 from mlxcache.types import LayerCache, Model, new_layers
 
 PROBES = "probes.json"
-PROBE_VERSION = "p6"
+PROBE_VERSION = "p7"
 """What the probes measure, in their records' keys: "p2" probed every block layout (sliding
 windows kept in time order, recurrent state), "p3" drafted rows of every batchable layout
 in a decode batch, "p4" records the verify probe's verdict per width, "p5" measures merged
 prefill chunks as well (`decode`), "p6" merged chunks from a block boundary too (one
-exactly `MERGED_BLOCKS` blocks wide); older records are not read."""
+exactly `MERGED_BLOCKS` blocks wide), "p7" merged chunks of sliding windows too, inside
+the window (`live.whole_until`); older records are not read."""
 
 
 Tick = Callable[[], None]
@@ -70,9 +71,10 @@ def decode_matches_prefill(model: Model, block_size: int) -> bool:
     any model whose layers the store keeps block by block (`Layout`): plain, quantized and
     sliding-window KV, recurrent state. Compared: every position's logits, every block
     as the store cuts it right after the step that completes it, and the last partial
-    block with the recurrent state at the end (what a kept reply's tail holds). For
-    layers that keep every position, chunks merged `MERGED_BLOCKS` blocks wide too
-    (`_merged_matches`): a turn's prefill runs in them where this holds.
+    block with the recurrent state at the end (what a kept reply's tail holds). As far
+    as the layers keep every position (`live.whole_until`), chunks merged
+    `MERGED_BLOCKS` blocks wide too (`_merged_matches`): a turn's prefill runs in them
+    where this holds.
 
     With sliding windows, the run starts from a canonical prefix shortly before the
     smallest window and runs a few blocks past it: the steps where a window is full and
@@ -90,27 +92,31 @@ def decode_matches_prefill(model: Model, block_size: int) -> bool:
         chunked = _run(model, layout, at_prefix(), ids, start, chunk, block_size)
         if not _same_run(decoded, chunked):
             return False
-    return not rewinds(new_layers(model)) or _merged_matches(model, layout, block_size)
+    return _merged_matches(model, layout, block_size)
 
 
 def _merged_matches(model: Model, layout: Layout, block_size: int) -> bool:
-    """Whether prefill chunks merged as wide as `schedule(merge=True)` makes them give
-    bitwise the logits and blocks the canonical chunks give (for layers that keep every
-    position: cut at the end): the first starting inside a block, as a turn's does, and
-    starting on a boundary, a chunk exactly `MERGED_BLOCKS` blocks wide, as a prompt's."""
-    return all(_merged_from(model, layout, block_size, start) for start in (3, block_size))
+    """Whether prefill chunks merged as `schedule(merge_to=)` merges them give bitwise the
+    logits and blocks the canonical chunks give (as far as the layers keep every
+    position, `live.whole_until`: cut at the end): the first starting inside a block, as
+    a turn's does, and starting on a boundary, a chunk exactly `MERGED_BLOCKS` blocks
+    wide, as a prompt's."""
+    until = whole_until(new_layers(model))
+    return all(_merged_from(model, layout, block_size, start, until) for start in (3, block_size))
 
 
-def _merged_from(model: Model, layout: Layout, block_size: int, start: int) -> bool:
-    """`_merged_matches` for a prompt resumed at `start`."""
-    n = start + MERGED_BLOCKS * block_size + 2
+def _merged_from(model: Model, layout: Layout, block_size: int, start: int, until: int) -> bool:
+    """`_merged_matches` for a prompt resumed at `start`, merged up to `until`."""
+    n = min(start + MERGED_BLOCKS * block_size + 2, until + 1)
+    if n - start < 2:  # no chunk to merge: nothing differs
+        return True
     ids = [(5 * i + 2) % 97 + 1 for i in range(n)]
     at_prefix = _prefixed(model, ids[:start], block_size)
     runs = []
-    for merge in (False, True):
+    for merge_to in (0, until):
         layers: list[LayerCache] = at_prefix()
         logits: dict[int, mx.array] = {}
-        for s, e in schedule(start, n, block_size, decode_matches_prefill=True, merge=merge):
+        for s, e in schedule(start, n, block_size, decode_matches_prefill=True, merge_to=merge_to):
             _feed(model, layers, ids, s, e, logits)
         bounds = [*range(0, n, block_size), n]
         runs.append((logits, {e: layout.cut(layers, s, e) for s, e in pairwise(bounds)}))

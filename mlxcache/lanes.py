@@ -479,12 +479,14 @@ class Prefilling:
     at_end: bool = False
 
     def reached(self, stop: int) -> None:
-        """A chunk ended at `stop`: a block it ends is captured, and the prompt is kept
-        at `keep_at` (tried once: not again while unwinding if it fails)."""
+        """A chunk ended at `stop`: every block it completed is captured (a merged chunk
+        completes several), and the prompt is kept at `keep_at` (tried once: not again
+        while unwinding if it fails)."""
+        first = self.done // self.block * self.block + self.block
         self.done, self.at_end = stop, True
-        if stop % self.block == 0 and stop <= self.keep_at:
-            self.lease.capture(stop)
-        if self.kept < self.keep_at <= stop:  # a merged chunk may pass it (plain KV: cut later)
+        for end in range(first, min(stop, self.keep_at) + 1, self.block):
+            self.lease.capture(end)
+        if self.kept < self.keep_at <= stop:  # a merged chunk may pass it
             self.kept = self.keep_at
             self.lease.keep(self.tokens[: self.keep_at])
 

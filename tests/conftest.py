@@ -64,7 +64,8 @@ def wide(wide_gguf: Path, cache_root: Path) -> LoadedModel:
 
 @pytest.fixture(scope="session")
 def sliding(tiny: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
-    """The tiny model with a sliding-window first layer: its state cannot be rewound."""
+    """The tiny model with a sliding-window first layer (8 wide): a ring buffer, which
+    cannot be rewound once it has dropped a position."""
     return load(str(write_sliding(tiny.path, tmp_path_factory.mktemp("sliding") / "model")))
 
 

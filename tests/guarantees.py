@@ -35,9 +35,9 @@ from mlx_lm.models.cache import (
 from mlx_lm.sample_utils import make_logits_processors
 from shapemodel import Shaped, checkpointed, shaped
 from spy import Spy, spied
+from tinymodel import write_sliding
 
 from mlxcache.cache.base import NoCache, is_trimmable
-from mlxcache.cache.live import rewinds
 from mlxcache.cache.store import PromptCache
 from mlxcache.config import CacheConfig, DraftConfig
 from mlxcache.decode import Share
@@ -235,9 +235,10 @@ class Run:
     batch_sizes: list[int]
     logits: mx.array
     """The last prompt token's logits."""
-    merged: bool = False
-    """Its prefill's chunks merged (`prefill.schedule(merge=True)`): the engine keeps
-    replies (the probe passed) and its layers keep every position."""
+    merge_to: int = 0
+    """Where its prefill's chunks stop being merged (`prefill.schedule(merge_to=)`): the
+    engine keeps replies (the probe passed) and its layers keep every position so far
+    (`live.whole_until`); 0: not merged."""
 
 
 def _run_of(
@@ -246,7 +247,7 @@ def _run_of(
     calls: list[int],
     spy: Spy,
     remembered: mx.array | None = None,
-    merged: bool = False,
+    merge_to: int = 0,
 ) -> Run:
     final = [i for i in calls if sum(spy.calls[i]) == n_prompt]
     if len(final) == 1:
@@ -261,13 +262,19 @@ def _run_of(
         [spy.calls[i] for i in calls],
         [spy.batch_sizes[i] for i in calls],
         logits,
-        merged,
+        merge_to,
     )
 
 
-def merges(engine: Engine) -> bool:
-    """Whether `engine`'s prefills merge their chunks (see `Run.merged`)."""
-    return engine.decode_matches_prefill and rewinds(new_layers(engine.loaded.model))
+def merges(engine: Engine) -> int:
+    """Up to where `engine`'s prefills merge their chunks (see `Run.merge_to`), from the
+    model's layer kinds alone: plain and quantized KV without bound, a sliding window up
+    to its size less one, recurrent state never."""
+    layers = new_layers(engine.loaded.model)
+    if not engine.decode_matches_prefill or any(isinstance(c, ArraysCache) for c in layers):
+        return 0
+    windows = [c.max_size for c in layers if isinstance(c, RotatingKVCache)]
+    return min(windows) - 1 if windows else 1 << 40
 
 
 def remembered_logits(engine: Engine, tokens: list[int]) -> mx.array | None:
@@ -312,10 +319,9 @@ def same_as_cold(got: Run, cold: Run) -> None:
     to the next boundary)."""
     assert got.tokens == cold.tokens, f"tokens {got.tokens} != cold {cold.tokens}"
     start, n = got.cached, got.prompt_len
-    if got.merged and start < n:  # fewer, wider chunks: only where the probe passed
-        prompt = [
-            (s, e - s) for s, e in schedule(start, n, B, decode_matches_prefill=True, merge=True)
-        ]
+    if got.merge_to and start < n:  # fewer, wider chunks: only where the probe passed
+        chunks = schedule(start, n, B, decode_matches_prefill=True, merge_to=got.merge_to)
+        prompt = [(s, e - s) for s, e in chunks]
     else:
         first = (
             [] if start % B == 0 or start == n else [(start, min(start // B * B + B, n) - start)]
@@ -426,7 +432,7 @@ class Rig:
                 [tuple(c) for c in r["calls"]],
                 r["batch_sizes"],
                 logits[str(i)],
-                r["merged"],
+                r["merge_to"],
             )
             for i, r in enumerate(runs)
         ]
@@ -442,7 +448,7 @@ def save_runs(runs: list[Run], out: Path) -> None:
             "cached": r.cached,
             "calls": r.calls,
             "batch_sizes": r.batch_sizes,
-            "merged": r.merged,
+            "merge_to": r.merge_to,
         }
         for r in runs
     ]
@@ -1180,6 +1186,37 @@ def check_probes_apart(rig: Rig) -> None:
     found = probe(rig.variant.loaded, B, rig.dir)
     assert not found["decode"] and not found["batch"], "another model's probe answers were read"
     assert verify_probe(rig.variant.loaded, B, rig.dir).width == 1, "another model's verify width"
+
+
+RING = 24
+"""`check_ring_turns`' window: wide enough for a few turns inside it."""
+
+
+def check_ring_turns(rig: Rig) -> None:
+    """A sliding window's ring is rewound like plain KV while it has dropped no position
+    (`live.whole_until`): with the rig's model's first layer a window `RING` wide, a
+    prompt past the window merges its chunks inside it only; a conversation's turns
+    inside it continue from the reply's own layers, its merged chunk's blocks all kept;
+    past it, and for an edit after the ring dropped positions, the kept blocks are
+    restored. Every turn resumes as the geometry says, with the cold run's calls and
+    bits, and keeps the entries it says."""
+    folder = write_sliding(Path(rig.variant.loaded.path), rig.dir / "windowed", window=RING)
+    model = Variant.of("windowed", load(str(folder)), rig.variant.is_shaped)
+    windowed = Rig(model, rig.dir / "rig", rig.mutant)
+    engine, spy = windowed.engine()
+    assert isinstance(engine.cache, PromptCache)
+    engine.decode_matches_prefill = measured(engine.loaded, engine.cache.config)["decode"]
+    params = SamplingParams(max_tokens=5)
+
+    def turn(tokens: list[int]) -> list[int]:
+        got = kept_turn(windowed, engine, spy, tokens, params, stop=frozenset())
+        return [*tokens, *got.tokens]
+
+    turn(prompt(RING + 6, seed=9))  # merged up to the window, canonical past it
+    whole = turn(prompt(14, seed=6))  # one merged chunk of three blocks and more
+    whole = turn(whole + prompt(2, seed=7))  # from the reply's layers, inside the window
+    whole = turn(whole + prompt(2, seed=8))  # past it: the kept blocks
+    turn([*whole[:10], *prompt(3, seed=10)])  # an edit, the ring having dropped positions
 
 
 def check_foreign_tail(rig: Rig) -> None:

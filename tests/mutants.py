@@ -17,6 +17,7 @@ import numpy as np
 from mlx_lm.models.cache import BatchRotatingKVCache, KVCache, RotatingKVCache
 
 import mlxcache.cache.layout as layout_mod
+import mlxcache.cache.live as live_mod
 import mlxcache.decode as decode_mod
 import mlxcache.draft as draft_mod
 import mlxcache.drafting as drafting_mod
@@ -29,7 +30,7 @@ import mlxcache.sampling as sampling_mod
 from mlxcache.cache import blocks
 from mlxcache.cache.disk import DiskTier, digest_tokens
 from mlxcache.cache.layout import Layout
-from mlxcache.cache.live import Live
+from mlxcache.cache.live import UNBOUNDED, Live
 from mlxcache.cache.memory import MemoryTier, state_name
 from mlxcache.cache.store import PromptCache
 from mlxcache.config import MAX_DRAFT
@@ -240,9 +241,9 @@ def merged_unprobed(patch: Patch) -> None:
         end: int,
         block_size: int,
         decode_matches_prefill: bool = False,
-        merge: bool = False,
+        merge_to: int = 0,
     ) -> list[tuple[int, int]]:
-        return schedule(start, end, block_size, decode_matches_prefill, merge=True)
+        return schedule(start, end, block_size, decode_matches_prefill, merge_to=end)
 
     patch(prefill_mod, "schedule", merged)
 
@@ -719,6 +720,40 @@ def live_not_rewound(patch: Patch) -> None:
     patch(Live, "take", lambda self, k: self.layers)
 
 
+def ring_held_after_dropping(patch: Patch) -> None:
+    """A sliding window's ring is held for the next turn by its type alone, also once it
+    has dropped positions: an edit inside the window rewinds what the ring no longer
+    holds."""
+
+    def by_type(layers: Any) -> int:
+        rings = [c.max_size - 1 for c in layers if isinstance(c, TimeRing)]
+        return min(rings, default=UNBOUNDED)
+
+    patch(live_mod, "whole_until", by_type)
+
+
+def ring_merged_past_window(patch: Patch) -> None:
+    """A prefill merges its chunks past a sliding window as inside it (the ring's
+    contents past it depend on the chunks that filled it)."""
+    whole_until = prefill_mod.whole_until
+    patch(prefill_mod, "whole_until", lambda layers: UNBOUNDED if whole_until(layers) else 0)
+
+
+def merged_blocks_not_captured(patch: Patch) -> None:
+    """A merged chunk captures only the block it ends (as one chunk per block would): a
+    sliding window's earlier blocks of it are not kept."""
+
+    def reached(self: lanes_mod.Prefilling, stop: int) -> None:
+        self.done, self.at_end = stop, True
+        if stop % self.block == 0 and stop <= self.keep_at:
+            self.lease.capture(stop)
+        if self.kept < self.keep_at <= stop:
+            self.kept = self.keep_at
+            self.lease.keep(self.tokens[: self.keep_at])
+
+    patch(lanes_mod.Prefilling, "reached", reached)
+
+
 def kv_namespace_without_group(patch: Patch) -> None:
     """Quantized blocks filed by their bit width alone: two group sizes share entries."""
     quant = lambda self: "".join(sorted({f"q{bits}" for _group, bits in self._quant.values()}))  # noqa: E731
@@ -817,5 +852,8 @@ MUTANTS: dict[str, Callable[[Patch], None]] = {
         adapter_not_in_key,
         adapter_not_applied,
         live_not_rewound,
+        ring_held_after_dropping,
+        ring_merged_past_window,
+        merged_blocks_not_captured,
     )
 }

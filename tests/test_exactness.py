@@ -33,6 +33,7 @@ from guarantees import (
     check_penalty,
     check_rebuilt_layers,
     check_restore_repeatedly,
+    check_ring_turns,
     check_sparse_states,
     check_two_block_sizes,
     check_two_models,
@@ -140,3 +141,10 @@ def test_an_adapter_keeps_its_own_namespace(
     name: str, variants: dict[str, Variant], tmp_path: Path
 ) -> None:
     check_adapter_apart(Rig(variants[name], tmp_path))
+
+
+@pytest.mark.parametrize("name", ["plain", "shaped"])
+def test_a_ring_rewound_inside_its_window(
+    name: str, variants: dict[str, Variant], tmp_path: Path
+) -> None:
+    check_ring_turns(Rig(variants[name], tmp_path))

@@ -11,16 +11,19 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 import pytest
+from tinymodel import write_sliding
 
 from mlxcache import membudget
 from mlxcache.cache.base import Lease, NoCache
+from mlxcache.cache.live import UNBOUNDED, Live, whole_until
 from mlxcache.cache.memory import MemoryTier
 from mlxcache.cache.store import PromptCache
 from mlxcache.config import CacheConfig
 from mlxcache.decode_batch import DecodeBatch
 from mlxcache.engine import Engine, Request
 from mlxcache.membudget import Footprint, MemoryBudget
-from mlxcache.model import LoadedModel
+from mlxcache.model import LoadedModel, load
+from mlxcache.ring import TimeRing
 from mlxcache.sampling import SamplingParams
 from mlxcache.types import new_layers
 
@@ -72,6 +75,87 @@ def test_turns_continue_from_the_reply_layers_without_a_restore(
     # The canonical blocks are kept all the same: a new process resumes them from disk.
     again = _cache(tiny, tmp_path)
     assert again.cached_length(np.array(conversation)) == len(conversation) // 4 * 4
+
+
+WINDOW = 24
+
+
+@pytest.fixture(scope="module")
+def windowed(tiny: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    """The tiny model with a sliding-window first layer `WINDOW` wide (a `TimeRing`)."""
+    folder = tmp_path_factory.mktemp("windowed") / "model"
+    return load(str(write_sliding(tiny.path, folder, window=WINDOW)))
+
+
+def _conversation(
+    engine: Engine, cold: Engine, turns: int, first: list[int] = PROMPT
+) -> tuple[list[int], list[int]]:
+    """`turns` turns of two new tokens each after a first prompt, every reply checked
+    against `cold`'s; returns the conversation and each turn's cached tokens."""
+    got = engine.complete(Request(first, PARAMS, stop_tokens=ENDLESS))
+    assert got.tokens == cold.complete(Request(first, PARAMS, stop_tokens=ENDLESS)).tokens
+    conversation, cached = [*first, *got.tokens], []
+    for turn in range(turns):
+        follow = Request([*conversation, 11, 12 + turn], PARAMS, stop_tokens=ENDLESS)
+        got = engine.complete(follow)
+        assert got.tokens == cold.complete(follow).tokens, f"turn {turn + 2}"
+        cached.append(got.stats.cached_tokens)
+        conversation = [*follow.tokens, *got.tokens]
+    return conversation, cached
+
+
+def test_a_sliding_window_continues_from_its_ring_inside_the_window(
+    windowed: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ring that has dropped no position is rewound like plain KV: inside the window
+    the turns continue from the reply's layers (nothing joined), merged chunks and all,
+    and each reply is the cold run's; the canonical blocks are kept all the same."""
+    engine = Engine(windowed, _cache(windowed, tmp_path), decode_matches_prefill=True)
+    cold = Engine(windowed, NoCache(windowed.model, 4))
+    joined = _joins(monkeypatch)
+    first = [*PROMPT, *range(30, 38)]  # 14 tokens: one merged chunk of three blocks and more
+    conversation, cached = _conversation(engine, cold, 1, first)  # 14 + 7, 2 + 7 tokens
+    assert cached == [21] and joined == []
+    # The canonical blocks are kept all the same, the merged chunk's each: a new process
+    # resumes them from disk.
+    again = _cache(windowed, tmp_path)
+    assert again.cached_length(np.array(conversation)) == 28
+
+
+def test_past_its_window_a_ring_resumes_from_the_kept_blocks(
+    windowed: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once a turn would continue past the window (the ring drops positions there), the
+    next one restores the kept blocks and the reply's tail, and stays the cold run's."""
+    engine = Engine(windowed, _cache(windowed, tmp_path), decode_matches_prefill=True)
+    cold = Engine(windowed, NoCache(windowed.model, 4))
+    joined = _joins(monkeypatch)
+    conversation, cached = _conversation(engine, cold, 3)
+    assert len(conversation) == 40 and cached == [13, 22, 31]
+    assert joined == [28], "the third turn (from 31 > 23 tokens) restores its blocks"
+    # An edited turn inside the window: the ring past it has dropped positions.
+    edited = Request([*conversation[:10], 5, 6, 7], PARAMS, stop_tokens=ENDLESS)
+    got = engine.complete(edited)
+    assert got.stats.cached_tokens == 10 and joined == [28, 8]
+    assert got.tokens == cold.complete(edited).tokens
+
+
+def test_which_layers_can_be_rewound_and_how_far(tiny: LoadedModel) -> None:
+    """Plain KV without bound; a ring up to its size less one, until it drops a position;
+    the held layers are refused once they cannot be rewound."""
+    assert whole_until(new_layers(tiny.model)) == UNBOUNDED
+    ring = TimeRing(max_size=6)
+    layers = [*new_layers(tiny.model)[:1], ring]
+    assert whole_until(layers) == 5
+    keys = mx.zeros((1, 1, 4, 2))
+    ring.update_and_fetch(keys, keys)
+    ring.update_and_fetch(keys, keys)  # 8 positions, none dropped: rewinds up to 5
+    assert whole_until(layers) == 5
+    live = Live.hold(np.arange(8), layers)
+    assert live is not None
+    assert live.reach(np.arange(8), 5) == 5 and live.reach(np.arange(8), 6) == 0
+    ring.update_and_fetch(keys[..., :1, :], keys[..., :1, :])  # drops 3 positions
+    assert whole_until(layers) == 0 and Live.hold(np.arange(9), layers) is None
 
 
 def test_without_the_probe_the_reply_layers_are_not_held(

@@ -30,6 +30,7 @@ from guarantees import (
     check_probes_kv_apart,
     check_rebuilt_layers,
     check_restore_repeatedly,
+    check_ring_turns,
     check_self_drafted,
     check_sparse_states,
     check_two_block_sizes,
@@ -118,6 +119,9 @@ CAUGHT_BY: dict[str, list[tuple[str, str]]] = {
     "jobs_on_the_first_engine": [("plain", "models_interleaved")],
     "events_by_lane_id_alone": [("plain", "models_interleaved"), ("sliding", "models_interleaved")],
     "live_not_rewound": [("plain", "kept_replies"), ("quantized", "kept_replies")],
+    "ring_held_after_dropping": [("plain", "ring_turns")],
+    "ring_merged_past_window": [("plain", "ring_turns")],
+    "merged_blocks_not_captured": [("plain", "ring_turns")],
 }
 
 
@@ -166,6 +170,7 @@ def test_mutant_is_caught(
         "foreign_tail": check_foreign_tail,
         "sparse_states": check_sparse_states,
         "rebuilt_layers": check_rebuilt_layers,
+        "ring_turns": check_ring_turns,
         "kv_apart": check_kv_apart,
         "probes_kv_apart": check_probes_kv_apart,
         "uneven_widths": check_uneven_widths,

@@ -39,12 +39,12 @@ def test_an_empty_range_is_refused(start: int, end: int) -> None:
 
 def test_merged_chunks_span_up_to_the_widest_and_end_on_block_boundaries() -> None:
     assert MERGED_BLOCKS == 4
-    assert schedule(61, 85, 16, decode_matches_prefill=True, merge=True) == [
+    assert schedule(61, 85, 16, decode_matches_prefill=True, merge_to=1 << 20) == [
         (61, 85)
     ]  # a turn: one forward
-    assert schedule(0, 64, 16, merge=True) == [(0, 64)]
-    assert schedule(0, 65, 16, merge=True) == [(0, 64), (64, 65)]
-    assert schedule(3, 150, 16, decode_matches_prefill=True, merge=True) == [
+    assert schedule(0, 64, 16, merge_to=64) == [(0, 64)]
+    assert schedule(0, 65, 16, merge_to=65) == [(0, 64), (64, 65)]
+    assert schedule(3, 150, 16, decode_matches_prefill=True, merge_to=1 << 20) == [
         (3, 64),
         (64, 128),
         (128, 150),
@@ -52,11 +52,26 @@ def test_merged_chunks_span_up_to_the_widest_and_end_on_block_boundaries() -> No
     assert schedule(61, 85, 16, decode_matches_prefill=True) == [(61, 64), (64, 80), (80, 85)]
 
 
+def test_chunks_merge_only_up_to_merge_to_and_go_on_canonically_past_it() -> None:
+    """Merged chunks end by `merge_to` (a sliding window's size less one); past it the
+    canonical chunks, as a cold prefill makes them there."""
+    assert schedule(0, 100, 8, merge_to=40) == [
+        (0, 32),
+        (32, 40),
+        *((s, s + 8) for s in range(40, 96, 8)),
+        (96, 100),
+    ]
+    assert schedule(3, 30, 8, True, merge_to=15) == [(3, 8), (8, 16), (16, 24), (24, 30)]
+    assert schedule(3, 30, 8, True, merge_to=16) == [(3, 16), (16, 24), (24, 30)]
+    assert schedule(40, 60, 8, True, merge_to=39) == [(40, 48), (48, 56), (56, 60)]
+
+
 def test_prefill_merges_only_where_allowed_and_the_layers_keep_every_position(
     tiny: LoadedModel,
 ) -> None:
-    """Allowed (`decode_matches_prefill`: the probe passed) and plain KV: merged; not allowed, or layers
-    whose blocks are captured at a chunk's end (a sliding window): canonical chunks."""
+    """Allowed (`decode_matches_prefill`: the probe passed) and plain KV: merged; not
+    allowed: canonical chunks. A sliding window's ring merges only inside the window (its
+    size less one), and not at all once it has dropped a position."""
     tokens = np.arange(1, 40, dtype=np.int32)
     loaded, spy = spied(tiny)
 
@@ -66,7 +81,16 @@ def test_prefill_merges_only_where_allowed_and_the_layers_keep_every_position(
             pass
         return spy.calls
 
+    canonical = [(0, 8), (8, 8), (16, 8), (24, 8), (32, 7)]
     assert calls(True, new_layers(tiny.model)) == [(0, 32), (32, 7)]
-    assert calls(False, new_layers(tiny.model)) == [(0, 8), (8, 8), (16, 8), (24, 8), (32, 7)]
-    rings = [TimeRing(max_size=64) for _ in new_layers(tiny.model)]
-    assert calls(True, rings) == [(0, 8), (8, 8), (16, 8), (24, 8), (32, 7)]
+    assert calls(False, new_layers(tiny.model)) == canonical
+    assert calls(True, [TimeRing(max_size=64) for _ in new_layers(tiny.model)]) == [
+        (0, 32),
+        (32, 7),
+    ]
+    assert calls(True, [TimeRing(max_size=25) for _ in new_layers(tiny.model)]) == [
+        (0, 24),
+        (24, 8),
+        (32, 7),
+    ]
+    assert calls(True, [TimeRing(max_size=16) for _ in new_layers(tiny.model)]) == canonical

@@ -24,7 +24,7 @@ from typing import Any, cast
 
 import mlx.core as mx
 
-from mlxcache.cache.live import rewinds
+from mlxcache.cache.live import whole_until
 from mlxcache.config import CacheConfig
 from mlxcache.encoder import common_prefix
 from mlxcache.engine import Engine, Request
@@ -53,12 +53,11 @@ GOAL_TTFT = 1.0
 GOAL_RESUMED = 0.75
 
 
-def _row(
-    prompt: int, cached: int, ttft_s: float, block: int, merge: bool = False
-) -> dict[str, Any]:
+def _row(prompt: int, cached: int, ttft_s: float, block: int, merge_to: int = 0) -> dict[str, Any]:
     """A turn's counts: prompt, resumed and prefilled tokens, the prefill's forwards (its
-    chunks, `merge`d where the engine merges them; mlx-lm's: one per 2048 tokens), TTFT."""
-    forwards = len(schedule(cached, prompt, block, True, merge)) if block else 1
+    chunks, merged up to `merge_to` as the engine merges them; mlx-lm's: one per 2048
+    tokens), TTFT."""
+    forwards = len(schedule(cached, prompt, block, True, merge_to)) if block else 1
     return {
         "prompt": prompt,
         "cached": cached,
@@ -77,8 +76,9 @@ def _chat(
     messages: list[dict[str, str]] = []
     rows, replies = [], []
     ahead = 0  # length of the previous turn's next-turn prefix
-    block = runner.engine.cache.block_size
-    merges = runner.engine.decode_matches_prefill and rewinds(new_layers(runner.engine.model))
+    engine = runner.engine
+    block = engine.cache.block_size
+    merge_to = whole_until(new_layers(engine.model)) if engine.decode_matches_prefill else 0
     for text in turns:
         messages.append({"role": "user", "content": text})
         start = time.perf_counter()
@@ -86,13 +86,13 @@ def _chat(
         encode_s = time.perf_counter() - start
         result = runner.complete(Request(ids, params))
         stats = result.stats
-        rows.append(_row(stats.prompt_tokens, stats.cached_tokens, stats.ttft_s, block, merges))
+        rows.append(_row(stats.prompt_tokens, stats.cached_tokens, stats.ttft_s, block, merge_to))
         rows[-1]["new"] = stats.prompt_tokens - ahead
         rows[-1]["encode_s"] = round(encode_s, 4)
         rows[-1]["restore_s"] = round(stats.restore_s, 4)
         replies.append(result.text)
         messages.append({"role": "assistant", "content": result.text})
-        ahead = len(runner.engine.encoder.encode_next_turn(messages))
+        ahead = len(engine.encoder.encode_next_turn(messages))
         warm_next_turn(runner, messages)
         if wait:  # the user reads: warm-ahead runs to its end before the next turn
             runner.call(lambda e: list(e.run(warm=True)))

@@ -74,9 +74,10 @@ class Lease:
     released: bool = False
 
     def capture(self, n: int) -> None:
-        """`layers` hold exactly `n` tokens (whole blocks), right after the canonical chunk
-        or decode step that ended them: note the last block now if only this moment shows
-        it (sliding windows drop it later, recurrent state moves on); `keep` stores it."""
+        """The block ending at `n` is in `layers`, right after the canonical chunk or
+        decode step that completed it (the last one, or one of a merged chunk's): note it
+        now if only this moment shows it (sliding windows drop it later, recurrent state
+        moves on); `keep` stores it."""
         self._check()
         self.keeper.capture(n, self)
 

@@ -118,8 +118,9 @@ class Layout:
 
     def cut(self, layers: Layers, start: int, stop: int) -> Block:
         """Positions [start, stop) of every attention layer, and every recurrent layer's
-        state, from `layers` holding exactly `stop` tokens (right after a prefill chunk
-        that covered [start, stop)). A copy: never aliases `layers`."""
+        state, from `layers` that hold them (a ring still holds them: right after the
+        chunk or step that computed them, or while it has dropped no position; a recurrent
+        state holds exactly `stop` tokens). A copy: never aliases `layers`."""
         if self.plain and self._uniform(layers):
             return {"kv": kv.cut_block(cast("list[KVLayer]", layers), start, stop)}
         out: Block = {}
@@ -136,10 +137,10 @@ class Layout:
                         out[f"{p}.{i}{suffix}"] = mx.array(part[0, :, start:stop, :])
                 continue
             keys, values = cast(KVLayer, c).keys, cast(KVLayer, c).values
-            if kind == "ring":  # the ring in time order ends at position stop - 1
+            if kind == "ring":  # the ring in time order ends at its offset
                 ring = cast(RotatingKVCache, c)
                 keys, values = ring._temporal_order(keys), ring._temporal_order(values)
-                first = stop - keys.shape[2]
+                first = ring.offset - keys.shape[2]
             else:
                 first = 0
             out[f"k.{i}"] = mx.array(keys[0, :, start - first : stop - first, :])

@@ -231,9 +231,9 @@ class MemoryTier:
     # -- keeping ------------------------------------------------------------------------------
 
     def capture(self, n: int, lease: Lease) -> None:
-        """Note the last block of the lease's layers (holding exactly `n` tokens, right
-        after its chunk or step) when the layout cannot cut it later; `keep` of this lease
-        stores it."""
+        """Note the block of the lease's layers that ends at `n` (right after the chunk or
+        step that completed it: `Lease.capture`) when the layout cannot cut it later;
+        `keep` of this lease stores it."""
         if self.layout is None or not self.layout.needs_capture:
             return
         j = n // self.block_size - 1

@@ -32,7 +32,7 @@ from mlxcache.cache.disk import (
 from mlxcache.cache.index import Entry, Match, PromptIndex
 from mlxcache.cache.layout import Layout, kv_tag
 from mlxcache.cache.layout import nbytes as block_nbytes
-from mlxcache.cache.live import Live, rewinds
+from mlxcache.cache.live import Live
 from mlxcache.cache.memory import Kept, MemoryTier, state_name
 from mlxcache.config import CacheConfig
 from mlxcache.errors import CacheStoreError, CorruptCacheFileError
@@ -68,7 +68,6 @@ class PromptCache:
         fresh = new_layers(model)
         self.layout = Layout.of(fresh, config.block_size)
         self.trimmable = self.layout is not None
-        self._rewinds = rewinds(fresh)
         # The last reply's layers, by reference (`keep_live`): outside the memory tier's
         # budget, like a lane's own layers, but freeable (`held`): one conversation at a
         # time, dropped first when memory is shed.
@@ -196,8 +195,8 @@ class PromptCache:
         self._fit(skip=kept.entry, prompt=kept.tokens)
 
     def capture(self, n: int, lease: Lease) -> None:
-        """Note the last block of the lease's layers (holding exactly `n` tokens, right
-        after its chunk or step) when the layout cannot cut it later; `keep` stores it."""
+        """Note the block of the lease's layers that ends at `n` (`Lease.capture`) when the
+        layout cannot cut it later; `keep` stores it."""
         self.mem.capture(n, lease)
 
     def keep_tail(self, tokens: np.ndarray, lease: Lease, logits: mx.array | None) -> None:
@@ -208,8 +207,8 @@ class PromptCache:
 
     def keep_live(self, tokens: np.ndarray, lease: Lease) -> None:
         """Hold the lease's layers (exactly the KV of `tokens`) for the next turn, where
-        they rewind by an offset; they replace the live layers held before."""
-        self._live = Live.hold(tokens, lease.layers) if self._rewinds else None
+        they can be rewound (`live.whole_until`); they replace the live layers held before."""
+        self._live = Live.hold(tokens, lease.layers)
 
     def release(self, lease: Lease) -> None:
         self._open.discard(lease)
