@@ -411,8 +411,10 @@ class AgreedCache:
         lease.release()
         return Lease(lease.keeper, new_layers(self._model), 0)  # kept by the rank's own
 
-    def cached_length(self, tokens: np.ndarray, whole: bool = False) -> int:
-        mine = self.inner.cached_length(tokens, whole)
+    def cached_length(
+        self, tokens: np.ndarray, whole: bool = False, decode_matches_prefill: bool = False
+    ) -> int:
+        mine = self.inner.cached_length(tokens, whole, decode_matches_prefill)
         if not self._ranks.stepping:  # a front end asking rank 0's cache
             return mine
         agreed = self._ranks.agree((mine,), "looking up the prompt")

@@ -410,8 +410,9 @@ def warm_lane(work: Work, rid: int, tokens: np.ndarray) -> Generator[Event, None
     # No logits needed: every full block. Warm work is not a request: not counted.
     # Where decode KV is canonical, it resumes from the reply's own tail: only the
     # next turn's new tokens are prefilled.
-    if not _room_now(work, rid, len(tokens)):
-        return
+    whole = work.cache.cached_length(tokens, True, work.decode_matches_prefill) == len(tokens)
+    if whole or not _room_now(work, rid, len(tokens)):
+        return  # nothing to compute: the layers that hold it (live ones too) stay as they are
     try:
         with work.cache.restore(
             tokens, count=False, decode_matches_prefill=work.decode_matches_prefill, whole=True

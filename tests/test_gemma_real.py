@@ -35,6 +35,7 @@ from spy import spied
 
 import mlxcache.invariance as invariance
 from mlxcache.bench.serve_bench import idle_report
+from mlxcache.cache.memory import MemoryTier
 from mlxcache.cache.store import PromptCache
 from mlxcache.config import CacheConfig
 from mlxcache.encoder import common_prefix
@@ -266,22 +267,35 @@ def probed(gemma: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> Path
 
 
 @pytest.mark.skipif(mx.default_device() != mx.cpu, reason="measured on MLX's CPU backend")
-def test_chat_turns_back_to_back_resume_to_the_token(rig: Rig, probed: Path) -> None:
+def test_chat_turns_back_to_back_resume_to_the_token(
+    rig: Rig, probed: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Its sliding windows kept in time order, Gemma's decode KV is canonical here: a reply's
     own KV is kept, and each next turn, sent the moment the reply ends, prefills only
-    what it adds (before: the reply's last partial block again, 6 to 13 tokens a turn)."""
+    what it adds (before: the reply's last partial block again, 6 to 13 tokens a turn).
+    Inside the 512-token window each turn continues from the last reply's layers, its
+    rings rewound like plain KV: no kept block is joined (`live.whole_until`)."""
     rig.cached.decode_matches_prefill = invariance.probe(rig.loaded, B, probed)["decode"]
+    joined: list[int] = []
+    layers_of = MemoryTier._layers
+    monkeypatch.setattr(
+        MemoryTier, "_layers", lambda tier, e, n: (joined.append(n), layers_of(tier, e, n))[1]
+    )
     messages: list[dict[str, str]] = []
     fed: list[int] = []
-    for ask in ("Write one sentence about the old harbour town.", "Name a color.", "A number?"):
+    asks = ("Write one sentence about the old harbour town.", "Name a color.", "A number?")
+    for turn, ask in enumerate(asks):
         messages.append({"role": "user", "content": ask})
         ids = rig.cached.encoder.encode_chat(messages)
         reply = rig.both(lambda _: Request(ids, PARAMS, follow=True))  # noqa: B023
+        if turn == 0:
+            joined.clear()  # the first turn may resume the blocks of the tests before
         assert reply.stats.cached_tokens == common_prefix(fed, ids)
         if fed:  # the whole previous prompt and reply, as decoded
             assert reply.stats.cached_tokens >= len(fed) - 1, (len(fed), len(ids))
         fed = [*ids, *reply.tokens, *([] if reply.stop_token is None else [reply.stop_token])]
         messages.append({"role": "assistant", "content": reply.text})
+    assert len(fed) < 512 and joined == [], f"blocks joined for {joined}"
 
 
 @pytest.mark.skipif(mx.default_device() != mx.cpu, reason="measured on MLX's CPU backend")

@@ -77,6 +77,23 @@ def test_turns_continue_from_the_reply_layers_without_a_restore(
     assert again.cached_length(np.array(conversation)) == len(conversation) // 4 * 4
 
 
+def test_warm_ahead_leaves_the_live_layers_that_hold_its_prefix_whole(
+    tiny: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Warm-ahead of a next turn's prefix whose full blocks the live layers already hold
+    (they end inside the reply) has nothing to compute: it leaves them as they are, and
+    the next turn resumes the whole reply from them (it used to cut them back to its
+    prefix, and the turn resumed there, re-prefilling the reply's last partial block)."""
+    engine = Engine(tiny, _cache(tiny, tmp_path), decode_matches_prefill=True)
+    first = engine.complete(Request(PROMPT[:4], PARAMS, stop_tokens=ENDLESS))
+    conversation = [*PROMPT[:4], *first.tokens]  # 11 tokens: blocks to 8, then 3
+    engine.warm(conversation)  # its full blocks: 8 tokens
+    list(engine.run(warm=True))
+    joined = _joins(monkeypatch)
+    got = engine.complete(Request([*conversation, 11, 12], PARAMS, stop_tokens=ENDLESS))
+    assert got.stats.cached_tokens == len(conversation) and joined == []
+
+
 WINDOW = 24
 
 

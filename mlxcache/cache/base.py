@@ -138,8 +138,11 @@ class PrefixCache(Protocol):
         `tokens` (work that needs no logits), else it stops a token short of the end."""
         ...
 
-    def cached_length(self, tokens: np.ndarray, whole: bool = False) -> int:
-        """How many of `tokens` a restore would resume now (a lookup: nothing is copied)."""
+    def cached_length(
+        self, tokens: np.ndarray, whole: bool = False, decode_matches_prefill: bool = False
+    ) -> int:
+        """How many of `tokens` a restore (of these arguments) would resume now (a lookup:
+        nothing is copied); without `decode_matches_prefill`, whole blocks."""
         ...
 
     def report(self) -> dict[str, Any]:
@@ -189,7 +192,9 @@ class NoCache:
     ) -> Lease:
         return Lease(_KEEPS_NOTHING, new_layers(self._model), 0)
 
-    def cached_length(self, tokens: np.ndarray, whole: bool = False) -> int:
+    def cached_length(
+        self, tokens: np.ndarray, whole: bool = False, decode_matches_prefill: bool = False
+    ) -> int:
         return 0
 
     def report(self) -> dict[str, Any]:

@@ -147,7 +147,7 @@ class PromptCache:
         k = live.reach(tokens, len(tokens) - (0 if whole else 1))
         if not whole and self.mem.tail(tokens) is not None:
             return None
-        if k == 0 or k < self.cached_length(tokens, whole):
+        if k == 0 or k < self.cached_length(tokens, whole, decode_matches_prefill=True):
             return None
         self._live = None
         self.mem.reserve_prefill(tokens, k, None)
@@ -217,12 +217,22 @@ class PromptCache:
 
     # -- lookups ------------------------------------------------------------------------------
 
-    def cached_length(self, tokens: np.ndarray, whole: bool = False) -> int:
-        """How many of `tokens` a restore would resume now (a lookup, counted as a use of
-        what it finds; nothing is copied)."""
+    def cached_length(
+        self, tokens: np.ndarray, whole: bool = False, decode_matches_prefill: bool = False
+    ) -> int:
+        """How many of `tokens` a restore of these arguments would resume now (a lookup,
+        counted as a use of what it finds; nothing is copied): whole blocks, and with
+        `decode_matches_prefill` on inside a block as far as a kept block or tail
+        (`_continue`) or the live layers follow them."""
         self._sync_disk()
         probe = with_probe(tokens) if whole else tokens
-        return max((m.length for m in self._lookup(probe) if m is not None), default=0)
+        n = max((m.length for m in self._lookup(probe) if m is not None), default=0)
+        if not decode_matches_prefill:
+            return n
+        limit = len(tokens) - (0 if whole else 1)
+        found = self.mem.partial(tokens, n, limit - n)
+        live = self._live
+        return max(n + (0 if found is None else found[1]), live.reach(tokens, limit) if live else 0)
 
     def _lookup(self, tokens: np.ndarray) -> tuple[Match | None, Match | None]:
         """The memory and disk tiers' matches for `tokens` (each counted as a use)."""
