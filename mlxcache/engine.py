@@ -42,7 +42,7 @@ from mlxcache.membudget import MemoryBudget
 from mlxcache.model import LoadedModel
 from mlxcache.peers import Peers, told
 from mlxcache.request import Request, take_processors
-from mlxcache.scheduler import BACKGROUND, BATCH, LaneKind, Scheduler, Step
+from mlxcache.scheduler import BACKGROUND, LaneKind, Scheduler, Step, TurnKind
 from mlxcache.sysmem import release_unused
 from mlxcache.types import Model
 
@@ -190,13 +190,15 @@ class Engine:
 
     @told
     def step(self, background: bool = True) -> list[Event]:
-        """One turn, one model call: a lane's (`Scheduler.whose_turn`), or the decode
+        """One turn, one model call (`Scheduler.whose_turn`): a lane's, or the decode
         batch's (`_batch_step`). `background` False (requests are waiting to start): warm
         and follow lanes get no turn. Returns the events of requests it produced."""
-        turn = self._sched.whose_turn(background, batch=len(self._batch) > 0)
-        if turn is BATCH:
-            return self._batch_step()
-        return [] if turn is None else list(self._turn(turn))
+        turn = self._sched.whose_turn(background, self._batch.rows)
+        if turn is None:
+            return []
+        if turn.kind is TurnKind.BATCH:
+            return self._batch_step(turn.lanes)
+        return list(self._turn(turn.lane))
 
     def release_memory(self) -> None:
         """If no lane runs, hand freed memory back to the system (`sysmem`), as `run` and
@@ -228,9 +230,8 @@ class Engine:
                 yield cast(Event, got)  # background work produces no events
             again = self._sched.advanced(rid, step, self.batch_decode)
 
-    def _batch_step(self) -> list[Event]:
-        """One forward for every request in the batch, then each on to its next one."""
-        rows = list(self._batch.rows)
+    def _batch_step(self, rows: tuple[int, ...]) -> list[Event]:
+        """One forward for every request in the batch (its `rows`), then each on to its next."""
         try:
             logits = self._batch.forward(self.model)
         except Exception as exc:  # every row fails alone, as a lane's own call would

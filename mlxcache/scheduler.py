@@ -41,7 +41,8 @@ from __future__ import annotations
 
 import enum
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
 
@@ -94,13 +95,33 @@ BACKGROUND = (LaneKind.WARM, LaneKind.FOLLOW)
 """The kinds that only keep KV for later requests: no events, and no turn while requests wait."""
 
 
-class Batch(enum.Enum):
-    """The decode batch's turn (`Scheduler.whose_turn`)."""
+class TurnKind(enum.Enum):
+    """What a turn's model call is (`Turn`)."""
 
-    TURN = "batch"
+    PREFILL = "prefill"
+    """A lane's prefill chunk: a request before its first token (which comes with its last
+    chunk: sampling it is no model call), or a background lane's step."""
+    DECODE = "decode"
+    """A request past its first token, outside the batch: its own decode forward (a drafted
+    request's: a verify, or none while it reads the rows of its last one)."""
+    BATCH = "batch"
+    """The decode batch's forward: one for every row, each then on to its next token."""
 
 
-BATCH = Batch.TURN
+@dataclass(frozen=True, slots=True)
+class Turn:
+    """Whose turn it is (`Scheduler.whose_turn`): the lanes whose forward the engine makes,
+    and what that forward is. A lane's turn lists one lane; the batch's, its rows."""
+
+    kind: TurnKind
+    lanes: tuple[int, ...]
+
+    @property
+    def lane(self) -> int:
+        """The lane of a lane's turn (not the batch's)."""
+        if self.kind is TurnKind.BATCH:
+            raise ValueError("the batch's turn has rows, not a lane")
+        return self.lanes[0]
 
 
 class Schedulable(Protocol):
@@ -172,13 +193,13 @@ class Scheduler(Generic[L]):
         if follows is not None:
             self._follower[follows] = rid
 
-    def whose_turn(self, background: bool = True, batch: bool = False) -> int | Batch | None:
-        """Whose turn it is: a lane's id, `BATCH`, or None (nothing to run).
+    def whose_turn(self, background: bool = True, batch: Sequence[int] = ()) -> Turn | None:
+        """Whose turn it is (a `Turn`), or None: nothing to run.
 
         The first lane of the round that may run (see the module's doc); while the decode
-        batch has rows (`batch`), every other turn is the batch's, and every turn when no
-        lane of the round may run; else the oldest warm lane. `background` False: warm and
-        follow lanes get no turn.
+        batch has rows (`batch`, their ids), every other turn is the batch's, and every
+        turn when no lane of the round may run; else the oldest warm lane. `background`
+        False: warm and follow lanes get no turn.
         """
         prefilling = any(self._prefilling(self._lanes[r]) for r in self._round)
         rid = next(
@@ -192,13 +213,17 @@ class Scheduler(Generic[L]):
         )
         if batch and (self._batch_next or rid is None):
             self._batch_next = False
-            return BATCH
+            return Turn(TurnKind.BATCH, tuple(batch))
         self._batch_next = True
         if rid is not None and self._looked_up(rid) is not None:
             rid = self._due_first()
         if rid is None and background and self._warm:
             rid = self._warm[0]
-        return rid
+        if rid is None:
+            return None
+        lane = self._lanes[rid]
+        decodes = lane.kind is LaneKind.REQUEST and not self._prefilling(lane)
+        return Turn(TurnKind.DECODE if decodes else TurnKind.PREFILL, (rid,))
 
     def _due_first(self) -> int:
         """The prefilling request looked up whose first token is due first: the fewest

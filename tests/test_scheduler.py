@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from mlxcache.scheduler import BACKGROUND, BATCH, Batch, LaneKind, Phase, Scheduler, Step
+from mlxcache.scheduler import BACKGROUND, LaneKind, Phase, Scheduler, Step, Turn, TurnKind
 
 REQUEST, WARM, FOLLOW = LaneKind.REQUEST, LaneKind.WARM, LaneKind.FOLLOW
 
@@ -23,14 +23,22 @@ class FakeLane:
         return self.work
 
 
-def turns(sched: Scheduler[FakeLane], n: int, **kwargs: bool) -> list[int | Batch | None]:
+BATCH = "batch"
+"""The decode batch's turn, in `turns`' lists."""
+
+
+def turns(
+    sched: Scheduler[FakeLane], n: int, background: bool = True, batch: tuple[int, ...] = ()
+) -> list[int | str | None]:
     """n turns, each lane requeued after its turn (as the engine does for a lane that goes on)."""
-    out: list[int | Batch | None] = []
+    out: list[int | str | None] = []
     for _ in range(n):
-        turn = sched.whose_turn(**kwargs)
-        out.append(turn)
-        if isinstance(turn, int):
-            sched.requeue(turn)
+        turn = sched.whose_turn(background, batch)
+        if turn is None or turn.kind is TurnKind.BATCH:
+            out.append(None if turn is None else BATCH)
+            continue
+        out.append(turn.lane)
+        sched.requeue(turn.lane)
     return out
 
 
@@ -89,10 +97,32 @@ def test_the_decode_batch_alternates_with_the_lanes() -> None:
     sched.add(0, FakeLane(REQUEST, Phase.BATCHED))
     sched.add(1, FakeLane(REQUEST, Phase.PREFILLING))
     sched.add(2, FakeLane(WARM))
-    assert turns(sched, 5, batch=True) == [1, BATCH, 1, BATCH, 1]
+    assert turns(sched, 5, batch=(0,)) == [1, BATCH, 1, BATCH, 1]
     sched.finish(1)
-    assert turns(sched, 2, batch=True) == [BATCH, BATCH]  # no lane of the round may run
-    assert turns(sched, 1, batch=False) == [2]
+    assert turns(sched, 2, batch=(0,)) == [BATCH, BATCH]  # no lane of the round may run
+    assert turns(sched, 1) == [2]
+
+
+def test_a_turn_lists_its_lanes_and_what_their_forward_is() -> None:
+    """A lane's turn names the lane, a prefill chunk until a request's first token (and a
+    background lane's always), then a decode step; the batch's turn lists its rows."""
+    sched: Scheduler[FakeLane] = Scheduler()
+    prompt = FakeLane(REQUEST, Phase.RESTORING)
+    sched.add(0, prompt)
+    sched.add(1, FakeLane(REQUEST, Phase.BATCHED))
+    sched.add(2, FakeLane(REQUEST, Phase.BATCHED))
+    sched.add(3, FakeLane(WARM, Phase.PREFILLING))
+    assert sched.whose_turn(batch=(1, 2)) == Turn(TurnKind.PREFILL, (0,))
+    assert sched.whose_turn(batch=(1, 2)) == Turn(TurnKind.BATCH, (1, 2))
+    prompt.phase = Phase.PREFILLING
+    assert sched.whose_turn(batch=(1, 2)) == Turn(TurnKind.PREFILL, (0,))
+    prompt.phase = Phase.DECODING
+    sched.whose_turn(batch=(1, 2))
+    assert sched.whose_turn(batch=(1, 2)) == Turn(TurnKind.DECODE, (0,))
+    sched.finish(0)
+    assert sched.whose_turn() == Turn(TurnKind.PREFILL, (3,))
+    with pytest.raises(ValueError, match="rows"):
+        _ = Turn(TurnKind.BATCH, (1, 2)).lane
 
 
 def test_cancelling_a_request_takes_its_follow_lane_and_finishing_it_does_not() -> None:
@@ -210,8 +240,9 @@ def prefills(sched: Scheduler[FakeLane], n: int, chunk: int = 10) -> list[int]:
     then its first token comes with its last chunk and it decodes."""
     out: list[int] = []
     for _ in range(n):
-        rid = sched.whose_turn()
-        assert isinstance(rid, int)
+        turn = sched.whose_turn()
+        assert turn is not None and turn.kind is TurnKind.PREFILL
+        rid = turn.lane
         out.append(rid)
         lane = sched[rid]
         assert lane.phase in (Phase.RESTORING, Phase.PREFILLING)
