@@ -138,8 +138,9 @@ class Schedulable(Protocol):
 
     @property
     def solo(self) -> bool:
-        """Whether every forward of the lane is its own: it never joins the decode batch (a
-        request run alone, or a drafted one whose verify forwards cannot be rows of it)."""
+        """Whether every forward of the lane is its own: it never joins the decode batch (an
+        engine that does not batch, a request run alone, or a drafted one whose verify
+        forwards cannot be rows of it)."""
         ...
 
     @property
@@ -264,12 +265,11 @@ class Scheduler(Generic[L]):
             return lane.phase is not Phase.BATCHED
         return follow and lane.has_work()
 
-    def advanced(self, rid: int, step: Step, batch: bool) -> bool:
+    def advanced(self, rid: int, step: Step) -> bool:
         """Lane `rid` was advanced and gave `step`: its next phase and place. Returns
         whether it is advanced again in this turn: a request's first token comes with its
         prompt's last chunk, and a request that gave a token joins the decode batch at
-        once when there is one (`batch`: the engine decodes in a batch) and it is not
-        `solo`."""
+        once unless it is `solo`."""
         lane = self._lanes[rid]
         if step is Step.ENDED:
             lane.phase = Phase.DONE
@@ -295,11 +295,11 @@ class Scheduler(Generic[L]):
             return False
         lane.phase = Phase.DECODING
         self.requeue(rid)
-        return batch and not lane.solo
+        return not lane.solo
 
-    def batch_forward(self, rid: int) -> None:
-        """The decode batch's forward gave request `rid` its logits: it decodes its token
-        (then `advanced` says it joins the batch again, or it ends)."""
+    def forwarded(self, rid: int) -> None:
+        """The turn's decode forward (its own or the batch's) gave request `rid` its logits:
+        it decodes its token (then `advanced` says it joins the batch again, or it ends)."""
         self._lanes[rid].phase = Phase.DECODING
 
     def own(self, rid: int) -> bool:

@@ -73,10 +73,8 @@ def keep_decode_kv(patch: Patch) -> None:
 
     decode = lanes_mod.decode
 
-    def noting(
-        model: Any, layers: Any, logits: Any, reply: decode_mod.Reply
-    ) -> Generator[Event, None, Result]:
-        result = yield from decode(model, layers, logits, reply)
+    def noting(layers: Any, logits: Any, reply: decode_mod.Reply) -> Generator[Event, None, Result]:
+        result = yield from decode(layers, logits, reply)
         ids = np.concatenate([reply.host[: reply.prompt], np.asarray(result.tokens, np.int32)])
         seen[id(layers)] = ids[: int(layers[0].offset)]
         return result
@@ -112,7 +110,7 @@ def penalty_without_cached_prompt(patch: Patch) -> None:
         return resume
 
     def decode_uncached(
-        model: Any, layers: Any, logits: Any, reply: decode_mod.Reply
+        layers: Any, logits: Any, reply: decode_mod.Reply
     ) -> Generator[Event, None, Result]:
         start = starts.get(id(layers), 0)
         own = make_processors(reply.ask.sampling, reply.prompt - start)
@@ -120,7 +118,7 @@ def penalty_without_cached_prompt(patch: Patch) -> None:
             *(_from(start, proc) for proc in own),
             *reply.ask.processors,
         ]
-        return (yield from decode(model, layers, logits, reply))
+        return (yield from decode(layers, logits, reply))
 
     patch(PromptCache, "restore", restore_noting)
     patch(lanes_mod, "decode", decode_uncached)

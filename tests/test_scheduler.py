@@ -172,18 +172,19 @@ def test_a_request_moves_through_its_phases_by_what_each_advance_gives() -> None
     sched.add(0, lane)
     sched.add(1, other)
     assert sched.own(0)  # its forwards are its own until its first token
-    assert not sched.advanced(0, Step.CHUNK, batch=True)
+    assert not sched.advanced(0, Step.CHUNK)
     assert (lane.phase, turns(sched, 1)) == (Phase.PREFILLING, [1])  # to the back
-    assert sched.advanced(0, Step.PROMPT_DONE, batch=True)  # the first token: same turn
+    assert sched.advanced(0, Step.PROMPT_DONE)  # the first token: same turn
     assert lane.phase is Phase.PREFILLING and sched.own(0)
-    assert sched.advanced(0, Step.TOKEN, batch=True)  # on to the batch, same turn
+    assert sched.advanced(0, Step.TOKEN)  # on to the batch, same turn
     assert lane.phase is Phase.DECODING and not sched.own(0)
-    assert not sched.advanced(0, Step.JOINED, batch=True)
+    assert not sched.advanced(0, Step.JOINED)
     assert lane.phase is Phase.BATCHED and turns(sched, 2) == [1, 1]  # the batch has it
-    sched.batch_forward(0)
+    sched.forwarded(0)
     assert lane.phase is Phase.DECODING
-    assert not sched.advanced(0, Step.TOKEN, batch=False)  # no batch: its own turns
-    assert not sched.advanced(0, Step.ENDED, batch=False)
+    lane.solo = True  # (an engine that does not batch: every request's forwards its own)
+    assert not sched.advanced(0, Step.TOKEN)  # its own turns
+    assert not sched.advanced(0, Step.ENDED)
     assert lane.phase is Phase.DONE and 0 not in sched
 
 
@@ -195,10 +196,10 @@ def test_a_solo_request_makes_every_forward_its_own_and_never_joins_the_batch() 
     solo, other = FakeLane(REQUEST, Phase.RESTORING, solo=True), FakeLane(REQUEST)
     sched.add(0, solo)
     sched.add(1, other)
-    assert sched.advanced(0, Step.PROMPT_DONE, batch=True)
-    assert not sched.advanced(0, Step.TOKEN, batch=True)  # its turn ends: no batch to join
+    assert sched.advanced(0, Step.PROMPT_DONE)
+    assert not sched.advanced(0, Step.TOKEN)  # its turn ends: no batch to join
     assert solo.phase is Phase.DECODING and sched.own(0)
-    assert sched.advanced(1, Step.TOKEN, batch=True) and not sched.own(1)
+    assert sched.advanced(1, Step.TOKEN) and not sched.own(1)
 
 
 def test_background_lanes_take_one_step_a_turn_whatever_it_gave() -> None:
@@ -207,8 +208,8 @@ def test_background_lanes_take_one_step_a_turn_whatever_it_gave() -> None:
     sched.add(0, warm)
     sched.add(1, FakeLane(FOLLOW, Phase.RESTORING), follows=9)  # its request has ended
     for step in (Step.CHUNK, Step.PROMPT_DONE):
-        assert not sched.advanced(0, step, batch=True)
-        assert not sched.advanced(1, step, batch=True)
+        assert not sched.advanced(0, step)
+        assert not sched.advanced(1, step)
     assert warm.phase is Phase.PREFILLING and sched.own(0) and sched.own(1)
     sched.add(2, request)
     assert turns(sched, 1) == [2]  # a request waiting for its first token: no follow turn
@@ -250,8 +251,8 @@ def prefills(sched: Scheduler[FakeLane], n: int, chunk: int = 10) -> list[int]:
             lane.left = LOOKED_UP[rid]
         lane.left = max(lane.left - chunk, 0)
         step = Step.CHUNK if lane.left else Step.PROMPT_DONE
-        if sched.advanced(rid, step, batch=False):
-            sched.advanced(rid, Step.TOKEN, batch=False)  # its first token: it decodes
+        if sched.advanced(rid, step):
+            sched.advanced(rid, Step.TOKEN)  # its first token: it decodes
             lane.phase = Phase.BATCHED  # out of the round's turns
     return out
 
