@@ -3,9 +3,11 @@ work each kind does (`request_lane`, `warm_lane`, `follow_lane`), one model call
 step, over the model and cache of a `Work`. Whose turn it is, and what a lane's phase
 becomes after a step, is the scheduler's (`scheduler.py`); the engine drives.
 
-A lane generator yields events (`Prefill`, `Token`, `Done`) and, in a batched decode, asks
-for its forwards (`decode.Forward`, `decode.Sync`, `decode.Leave`, `decode.Rewind`); it
-keeps what it computed through its cache lease and releases the lease however it ends.
+A lane generator yields events (`Prefill`, `Token`, `Done`) and, past its first token, asks
+for its decode forwards (`decode.Forward`: made by the engine, its own or a row of the
+decode batch) and what its caches need besides (`decode.Sync`, `decode.Leave`,
+`decode.Rewind`: settled by `advance`); it keeps what it computed through its cache lease
+and releases the lease however it ends.
 """
 
 from __future__ import annotations
@@ -108,7 +110,7 @@ class Follow:
 class Lane:
     """A lane: its generator, and what the scheduler reads and sets (`scheduler.Schedulable`)."""
 
-    gen: Generator[Any, Any, None]  # Events, and a batched decode's asks (`advance`)
+    gen: Generator[Any, Any, None]  # Events, and its decode's asks (`advance`)
     tokens: np.ndarray
     kind: LaneKind
     phase: Phase = Phase.RESTORING  # moved on by the scheduler (`Scheduler.advanced`)
@@ -347,7 +349,7 @@ def request_lane(
     lease = None
     try:
         while work.budget and not work.budget.admit(rid, n, req.sampling.max_tokens, work.cache):
-            yield Step.CHUNK  # running requests hold the room: a turn without work
+            yield Step.WAIT  # running requests hold the room: a turn without work
         lease = work.cache.restore(tokens, decode_matches_prefill=work.decode_matches_prefill)
         stats.cached_tokens = lease.length
         stats.prefilled_tokens = n - lease.length

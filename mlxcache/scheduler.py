@@ -1,8 +1,9 @@
 """Which lane makes the engine's next model call: the lanes' queues and their kinds.
 
 The engine runs three kinds of lanes over one model (`LaneKind`). The scheduler holds
-them in two queues and picks whose turn it is; the engine advances that lane's
-generator and tells the scheduler what became of it (`requeue`, `finish`, `cancel`):
+them in two queues and picks whose turn it is (`whose_turn`: a `Turn`, which lists its
+lanes and says what their forward is); the engine advances the lane and tells the
+scheduler what became of it (`advanced`, `cancel`):
 
 - **the round**: requests and follow lanes, in turn order. A lane that had its turn goes
   to the back. Requests always take their turn; a follow lane only while no request is
@@ -34,7 +35,7 @@ the scheduler what that gave (`advanced`, a `Step`); the scheduler moves the lan
 next phase and place and says whether the same turn goes on: a request's first token comes
 with its prompt's last chunk (sampling it is no model call, and waiting for the next round
 would delay it by every other lane's turn), and a request past its first token joins the
-decode batch at once.
+decode batch at once (unless it is `solo`).
 """
 
 from __future__ import annotations
@@ -81,6 +82,8 @@ class Step(enum.Enum):
 
     CHUNK = "chunk"
     """Work that ends the turn: a prefill chunk, a background lane's step."""
+    WAIT = "wait"
+    """A request's turn without work: the memory budget has no room for it yet."""
     PROMPT_DONE = "prompt done"
     """A request's last prefill chunk: its prompt is all in the layers."""
     TOKEN = "token"
@@ -289,9 +292,10 @@ class Scheduler(Generic[L]):
         if step is Step.PROMPT_DONE:
             lane.phase = Phase.PREFILLING
             return True
-        if step is Step.CHUNK:
-            lane.phase = Phase.PREFILLING
-            self.requeue(rid)  # requests take turns: to the back of the round
+        if step in (Step.CHUNK, Step.WAIT):  # requests take turns: to the back of the round
+            if step is Step.CHUNK:  # (one waiting for room stays as it was: not started)
+                lane.phase = Phase.PREFILLING
+            self.requeue(rid)
             return False
         lane.phase = Phase.DECODING
         self.requeue(rid)

@@ -172,6 +172,8 @@ def test_a_request_moves_through_its_phases_by_what_each_advance_gives() -> None
     sched.add(0, lane)
     sched.add(1, other)
     assert sched.own(0)  # its forwards are its own until its first token
+    assert not sched.advanced(0, Step.WAIT)  # no room in the memory budget yet
+    assert (lane.phase, turns(sched, 1)) == (Phase.RESTORING, [1])  # to the back, unstarted
     assert not sched.advanced(0, Step.CHUNK)
     assert (lane.phase, turns(sched, 1)) == (Phase.PREFILLING, [1])  # to the back
     assert sched.advanced(0, Step.PROMPT_DONE)  # the first token: same turn
