@@ -484,6 +484,21 @@ def batch_probe_trusted(patch: Patch) -> None:
     patch(invariance, "batch_matches_solo", lambda model, block_size: True)
 
 
+def batched_where_not_measured(patch: Patch) -> None:
+    """Requests past their first token join the decode batch in an engine that does not
+    batch (`Lane.solo` left to a drafted request's plan): the shape-sensitive model, which
+    the probe refused, decodes in a batch."""
+    request = lanes_mod.request
+
+    def joining(work: lanes_mod.Work, rid: int, tokens: np.ndarray, *rest: Any) -> Any:
+        lane = request(work, rid, tokens, *rest)
+        plan = rest[-1]
+        lane.solo = bool(plan and not plan.batched)
+        return lane
+
+    patch(lanes_mod, "request", joining)
+
+
 def resume_anywhere_unprobed(patch: Patch) -> None:
     """Prompts resume inside a block on every device, not only where the probe found a
     token's KV independent of its chunk: on the shape-sensitive model too."""
@@ -787,6 +802,7 @@ MUTANTS: dict[str, Callable[[Patch], None]] = {
         foreign_tail,
         resume_past_the_state,
         batch_probe_trusted,
+        batched_where_not_measured,
         resume_anywhere_unprobed,
         reply_end_not_fed,
         accept_one_row_late,
