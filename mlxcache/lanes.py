@@ -457,14 +457,14 @@ def _room_now(work: Work, rid: int, n: int) -> bool:
         return False
 
 
-def follow_lane(work: Work, rid: int, f: Follow) -> Generator[Event, None, None]:
+def follow_lane(work: Work, rid: int, f: Follow) -> Generator[Event | Step, None, None]:
     # Stepped only when a block is complete or the request has ended (`step`).
     block = work.cache.block_size
     lease = None
     try:
         while (target := f.ready()) > f.done or not f.closed:
             if target <= f.done:
-                yield Prefill(rid, f.done, f.done)  # nothing yet: wait for the reply
+                yield Step.WAIT  # nothing yet (what it found was kept): wait for the reply
                 continue
             ids = f.tokens()[:target]
             # Blocks kept already (the same conversation before) are skipped, and the

@@ -83,7 +83,8 @@ class Step(enum.Enum):
     CHUNK = "chunk"
     """Work that ends the turn: a prefill chunk, a background lane's step."""
     WAIT = "wait"
-    """A request's turn without work: the memory budget has no room for it yet."""
+    """A turn without work: a request's, the memory budget has no room for it yet; a
+    follow lane's, its reply has not completed a block past what is kept."""
     PROMPT_DONE = "prompt done"
     """A request's last prefill chunk: its prompt is all in the layers."""
     TOKEN = "token"

@@ -39,6 +39,7 @@ from mlxcache.engine import Engine
 from mlxcache.events import Done, Event, Prefill, Result, Token
 from mlxcache.ring import TimeBatchRing, TimeRing
 from mlxcache.sampling import make_processors
+from mlxcache.scheduler import Step
 from mlxcache.worker import EngineWorker
 
 Patch = Callable[[Any, str, Any], None]
@@ -304,12 +305,12 @@ def follow_in_one_chunk(patch: Patch) -> None:
     """A follow lane that fell behind prefills all the blocks the reply has completed in
     one forward call (fewer, larger calls), not one canonical chunk per block."""
 
-    def follow_lane(self: lanes_mod.Work, rid: int, f: Any) -> Generator[Event, None, None]:
+    def follow_lane(self: lanes_mod.Work, rid: int, f: Any) -> Generator[Event | Step, None, None]:
         resume = None
         try:
             while (target := f.ready()) > f.done or not f.closed:
                 if target <= f.done:
-                    yield Prefill(rid, f.done, f.done)
+                    yield Step.WAIT
                     continue
                 ids = f.tokens()[:target]
                 if resume is None:
