@@ -12,7 +12,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlxcache.detok import TextStream
-from mlxcache.draft import Checkpoint, Drafter
+from mlxcache.draft import Drafter
 from mlxcache.errors import GenerationError
 from mlxcache.events import Result, Stats, Token
 from mlxcache.sampling import (
@@ -23,7 +23,7 @@ from mlxcache.sampling import (
     make_sampler,
 )
 from mlxcache.stops import StopScanner
-from mlxcache.types import Layers, Model, Tokenizer
+from mlxcache.types import Layers, Tokenizer
 
 FAILED = 2**32 - 1
 """A shared token that says rank 0's pick failed (`Share.fail`)."""
@@ -41,9 +41,10 @@ class Share(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class Forward:
-    """Batched decode: the engine runs this forward (`y`, one token or a verify's token and
-    drafts, after `layers`, within a batch of lanes) and sends back its logits, shaped
-    (len(y), vocab)."""
+    """A reply's next forward, asked of the engine: `y` (one token, or a verify's token and
+    drafts) after `layers`, the lane's own forward or a row of the decode batch's; the
+    engine sends back its logits, shaped (len(y), vocab) (fewer rows: a batch row whose
+    drafts were not fed)."""
 
     y: mx.array
     layers: Layers
@@ -51,8 +52,8 @@ class Forward:
 
 @dataclass(frozen=True, slots=True)
 class Rewind:
-    """Batched drafting: the last `n` positions fed (rejected drafts) leave the caches, in
-    the batch or in `layers` (`DecodeBatch.rewind`, `draft.Checkpoint`)."""
+    """Drafting: the last `n` positions fed (rejected drafts) leave the caches, in the
+    batch or in `layers` (`DecodeBatch.rewind`, `draft.Checkpoint`)."""
 
     layers: Layers
     n: int
@@ -60,16 +61,16 @@ class Rewind:
 
 @dataclass(frozen=True, slots=True)
 class Leave:
-    """Batched decode: the reply needs no more forwards; the engine puts its KV back
-    into `layers` (from the batch) before the lane goes on."""
+    """The reply needs no more forwards: its KV is all in `layers` before the lane goes on
+    (the engine puts it back from the batch, or evaluates its own)."""
 
     layers: Layers
 
 
 @dataclass(frozen=True, slots=True)
 class Sync:
-    """Batched decode: the engine copies the reply's caches as the batch holds them into
-    `layers` (it stays in the batch), for a block to be captured from them."""
+    """A block is to be captured from `layers`: the engine copies the reply's caches as the
+    batch holds them into them (it stays in the batch; its own forwards left them current)."""
 
     layers: Layers
 
@@ -90,19 +91,18 @@ class Ask:
 
 @dataclass(frozen=True, slots=True)
 class Way:
-    """How a reply's forwards are made. `batched`: each forward is asked of the engine
-    (`Forward`), and `Leave` comes after the last. `share` (a sharded run): every pick
+    """How a reply's forwards are made (each is asked of the engine: `Forward`, and `Leave`
+    comes after the last). `share` (a sharded run): every pick
     becomes rank 0's, and a pick that fails there fails on every rank.
     `decode_matches_prefill` (so the reply's KV is kept): the layers end up holding the KV
     of every token drawn, the last one (an end token too) included, as mlx-lm's do: the
     next turn resumes after the whole reply instead of prefilling its last token in its
     own TTFT. `drafter` with `draft` k >= 1:
-    speculative decoding (`Reply.drafted`; batched, rejected drafts go with `Rewind`).
+    speculative decoding (`Reply.drafted`; rejected drafts go with `Rewind`).
     `capture` (decode KV kept): told each time a one-token step leaves the layers holding
     a whole number of blocks (`Capture`); a verify forward that passes a boundary does not
     stop there, so a drafted reply's blocks are not captured."""
 
-    batched: bool = False
     share: Share | None = None
     decode_matches_prefill: bool = False
     drafter: Drafter | None = None
@@ -245,35 +245,27 @@ class Reply:
             stop_string=self.stops.matched,
         )
 
-    def feed(
-        self, model: Model, layers: Layers, y: mx.array
-    ) -> Generator[Forward | Sync, Any, mx.array]:
-        """`y` into the layers; its logits, lazy (batched: the engine runs the forward)."""
-        if self.way.batched:
-            logits = yield Forward(y, layers)
-        else:
-            logits = model(y.reshape(1, 1), cache=layers)[:, -1, :]
+    def feed(self, layers: Layers, y: mx.array) -> Generator[Forward | Sync, Any, mx.array]:
+        """`y` into the layers; its logits, lazy (the engine runs the forward)."""
+        logits = yield Forward(y, layers)
         self.fed += 1
         # Verify forwards pass block boundaries: a drafted reply notes none.
         capture = None if self.way.drafted else self.way.capture
         if capture is not None and self.fed % capture.block == 0:
-            if self.way.batched:
-                yield Sync(layers)
+            yield Sync(layers)
             capture.at(self.fed)
         return cast(mx.array, logits)
 
-    def _queue(
-        self, model: Model, layers: Layers, y: mx.array
-    ) -> Generator[Forward | Sync, Any, mx.array]:
+    def _queue(self, layers: Layers, y: mx.array) -> Generator[Forward | Sync, Any, mx.array]:
         """The next forward, queued. Without processors the sampling is queued too; a
         processor (grammar) must see the token first."""
-        nxt = yield from self.feed(model, layers, y)
+        nxt = yield from self.feed(layers, y)
         nxt = self.pick(nxt) if not self.procs else nxt
         mx.async_eval(nxt)
         return nxt
 
     def plain(
-        self, model: Model, layers: Layers, logits: mx.array
+        self, layers: Layers, logits: mx.array
     ) -> Generator[Token | Forward | Sync, Any, tuple[mx.array, bool]]:
         """One token per forward. Returns the last token drawn and whether the layers hold it."""
         out, budget, stats = self.out, self.ask.budget, self.stats
@@ -290,7 +282,7 @@ class Reply:
                 # overlaps compute (as mlx-lm does). Not before the first: on MLX's CPU
                 # backend `async_eval` computes most of a forward before it returns, which
                 # would hold the first token back by a decode step.
-                nxt = yield from self._queue(model, layers, y)
+                nxt = yield from self._queue(layers, y)
             token = self.take(cast(int, y.item()))
             if first:
                 stats.ttft_s = time.perf_counter() - self.start
@@ -301,7 +293,7 @@ class Reply:
             if self.stops.stopped or not more:
                 break
             if first:
-                nxt = yield from self._queue(model, layers, y)
+                nxt = yield from self._queue(layers, y)
                 queued = True
             if self.procs:
                 nxt = self.pick(nxt)
@@ -311,16 +303,16 @@ class Reply:
         return y, queued
 
     def drafted(
-        self, model: Model, layers: Layers, logits: mx.array
+        self, layers: Layers, logits: mx.array
     ) -> Generator[Token | Forward | Rewind, Any, mx.array]:
         """Speculative decoding: each forward feeds the last token and up to k drafts
         (`Way.drafter`, `Way.draft`); each row's logits are picked from exactly as plain
         decoding picks (`pick`: the same processors over the same history, the sampler's
         next key), and a draft is accepted while it equals the pick. The first pick that
-        differs ends the round; the rejected drafts' KV is taken back out (`Checkpoint`;
-        batched: the engine runs the forward, in the decode batch, which may return the
-        logits of the first inputs only (their drafts not fed), and `Rewind` takes them
-        out). Returns the last token drawn (not in the layers)."""
+        differs ends the round; the rejected drafts' KV is taken back out (`Rewind`: the
+        engine's `draft.Checkpoint` of a lane's own forward, or the decode batch's, whose
+        forward may return the logits of the first inputs only, their drafts not fed).
+        Returns the last token drawn (not in the layers)."""
         out, budget, stats = self.out, self.ask.budget, self.stats
         drafter = cast(Drafter, self.way.drafter)  # `Way.drafted`
         token = int(self.pick(logits).item())  # type: ignore[arg-type]
@@ -333,12 +325,8 @@ class Reply:
             while taken is not None and not self.stops.stopped and len(out) < budget:
                 drafts = drafter.propose(self.tokens(), min(self.way.draft, budget - len(out) - 1))
                 inputs = [token, *drafts]
-                if self.way.batched:
-                    rows = yield Forward(mx.array(inputs), layers)
-                    drafts = drafts[: rows.shape[0] - 1]
-                else:
-                    mark = Checkpoint(layers)
-                    rows = model(mx.array([inputs]), cache=layers)[0]
+                rows = yield Forward(mx.array(inputs), layers)
+                drafts = drafts[: rows.shape[0] - 1]
                 stats.verify_forwards += 1
                 stats.drafted_tokens += len(drafts)
                 i = 0
@@ -353,9 +341,7 @@ class Reply:
                     stats.accepted_tokens += 1
                     i += 1
                 # Rows 0..i were read: their inputs stay; the drafts after them go.
-                if not self.way.batched:
-                    mark.rewind(model, inputs[: i + 1], len(drafts) - i)
-                elif len(drafts) > i:
+                if len(drafts) > i:
                     yield Rewind(layers, len(drafts) - i)
         finally:
             drafter.close()
@@ -364,10 +350,10 @@ class Reply:
 
 
 def decode(
-    model: Model, layers: Layers, logits: mx.array, reply: Reply
+    layers: Layers, logits: mx.array, reply: Reply
 ) -> Generator[Token | Forward | Leave | Sync | Rewind, Any, Result]:
     """Draw `reply` after its prompt, whose KV `layers` hold and whose last logits are
-    `logits`, the way `reply.way` says (`Way`).
+    `logits`, the way `reply.way` says (`Way`), asking the engine for each forward.
 
     Yields one `Token` per generated token (its text may be empty while a character or a
     possible stop string is incomplete) and returns the `Result`. With `Ask.logprobs` k,
@@ -377,20 +363,17 @@ def decode(
     """
     way = reply.way
     if way.drafted:
-        last = yield from reply.drafted(model, layers, logits)
+        last = yield from reply.drafted(layers, logits)
         fed = False
     else:
-        last, fed = yield from reply.plain(model, layers, logits)
+        last, fed = yield from reply.plain(layers, logits)
     tail = reply.tail()
     if tail is not None:
         yield tail
     reply.stats.generated_tokens = len(reply.out)
     if way.decode_matches_prefill and not fed:  # after every piece: the client has it all
-        yield from reply.feed(model, layers, last)  # its logits are not needed
-        if not way.batched:
-            mx.eval([c.state for c in layers])  # the KV only: no LM head
-    if way.batched:
-        yield Leave(layers)
+        yield from reply.feed(layers, last)  # its logits are not needed
+    yield Leave(layers)
     return reply.result()
 
 

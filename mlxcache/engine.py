@@ -32,6 +32,7 @@ import numpy as np
 from mlxcache import lanes
 from mlxcache.cache.base import PrefixCache
 from mlxcache.config import WARM_AHEAD
+from mlxcache.decode import Forward
 from mlxcache.decode_batch import DecodeBatch
 from mlxcache.drafting import Drafting
 from mlxcache.encoder import Encoder, common_prefix
@@ -42,7 +43,7 @@ from mlxcache.membudget import MemoryBudget
 from mlxcache.model import LoadedModel
 from mlxcache.peers import Peers, told
 from mlxcache.request import Request, take_processors
-from mlxcache.scheduler import BACKGROUND, BATCH, LaneKind, Scheduler, Step
+from mlxcache.scheduler import BACKGROUND, LaneKind, Scheduler, Step, Turn, TurnKind
 from mlxcache.sysmem import release_unused
 from mlxcache.types import Model
 
@@ -190,13 +191,13 @@ class Engine:
 
     @told
     def step(self, background: bool = True) -> list[Event]:
-        """One turn, one model call: a lane's (`Scheduler.whose_turn`), or the decode
-        batch's (`_batch_step`). `background` False (requests are waiting to start): warm
+        """One turn, one model call (`Scheduler.whose_turn`): a lane's, or the decode
+        batch's (`_forward`). `background` False (requests are waiting to start): warm
         and follow lanes get no turn. Returns the events of requests it produced."""
-        turn = self._sched.whose_turn(background, batch=len(self._batch) > 0)
-        if turn is BATCH:
-            return self._batch_step()
-        return [] if turn is None else list(self._turn(turn))
+        turn = self._sched.whose_turn(background, self._batch.rows)
+        if turn is None:
+            return []
+        return list(self._forward(turn) if turn.kind is TurnKind.BATCH else self._turn(turn.lane))
 
     def release_memory(self) -> None:
         """If no lane runs, hand freed memory back to the system (`sysmem`), as `run` and
@@ -206,7 +207,7 @@ class Engine:
 
     def _turn(self, rid: int, value: mx.array | None = None) -> Iterator[Event]:
         """Advance lane `rid` by one turn (sending it `value` first: its logits from the
-        decode batch's forward) and yield its request events, as they come: a consumer
+        turn's forward, `_forward`) and yield its request events, as they come: a consumer
         that stops (`generate` closed) stops the turn between two, the lane still queued
         for `cancel`. The scheduler says whether the turn goes on (`Scheduler.advanced`)."""
         lane = self._sched[rid]
@@ -217,32 +218,32 @@ class Engine:
                 got = lanes.advance(lane, rid, value, own, self.model, self._batch)
             except Exception as exc:
                 got = self._failed(rid, lane, exc)
-            value = None
-            step = lanes.step_of(got)
-            if step is Step.ENDED:
-                self._sched.advanced(rid, step, self.batch_decode)  # forgotten before its Done
-                if got is not None and lane.kind is LaneKind.REQUEST:
-                    yield cast(Event, got)
+            if isinstance(got, Forward):  # its own (`Lane.asked`): the turn goes on from it
+                yield from self._forward(Turn(TurnKind.DECODE, (rid,)))
                 return
-            if lane.kind is LaneKind.REQUEST and not isinstance(got, Step):
+            value = None
+            again = self._sched.advanced(rid, lanes.step_of(got))  # ended: forgotten, then Done
+            if lane.kind is LaneKind.REQUEST and got is not None and not isinstance(got, Step):
                 yield cast(Event, got)  # background work produces no events
-            again = self._sched.advanced(rid, step, self.batch_decode)
 
-    def _batch_step(self) -> list[Event]:
-        """One forward for every request in the batch, then each on to its next one."""
-        rows = list(self._batch.rows)
+    def _forward(self, turn: Turn) -> Iterator[Event]:
+        """The turn's decode forward, its one model call (the decode batch's for its rows,
+        or a lane's own as it asked it, `Lane.asked`), then each lane it lists on to its
+        next forward with its logits. A failed call fails each lane alone."""
         try:
-            logits = self._batch.forward(self.model)
-        except Exception as exc:  # every row fails alone, as a lane's own call would
-            failed = [self._failed(rid, self._sched[rid], exc) for rid in rows]
-            for rid in rows:
+            if turn.kind is TurnKind.BATCH:
+                logits = self._batch.forward(self.model)
+            else:
+                logits = [lanes.own_forward(self._sched[turn.lane], self.model)]
+        except Exception as exc:  # each lane fails alone, as its own call would
+            failed = [self._failed(rid, self._sched[rid], exc) for rid in turn.lanes]
+            for rid in turn.lanes:
                 self.cancel(rid)
-            return [e for e in failed if e is not None]
-        events: list[Event] = []
-        for i, rid in enumerate(rows):
-            self._sched.batch_forward(rid)
-            events.extend(self._turn(rid, value=logits[i]))
-        return events
+            yield from (e for e in failed if e is not None)
+            return
+        for rid, out in zip(turn.lanes, logits, strict=True):
+            self._sched.forwarded(rid)
+            yield from self._turn(rid, value=out)
 
     def _failed(self, rid: int, lane: Lane, exc: Exception) -> Done | None:
         """A lane's call failed: it ends alone, a request with an error `Done`, a warm or

@@ -3,9 +3,11 @@ work each kind does (`request_lane`, `warm_lane`, `follow_lane`), one model call
 step, over the model and cache of a `Work`. Whose turn it is, and what a lane's phase
 becomes after a step, is the scheduler's (`scheduler.py`); the engine drives.
 
-A lane generator yields events (`Prefill`, `Token`, `Done`) and, in a batched decode, asks
-for its forwards (`decode.Forward`, `decode.Sync`, `decode.Leave`, `decode.Rewind`); it
-keeps what it computed through its cache lease and releases the lease however it ends.
+A lane generator yields events (`Prefill`, `Token`, `Done`) and, past its first token, asks
+for its decode forwards (`decode.Forward`: made by the engine, its own or a row of the
+decode batch) and what its caches need besides (`decode.Sync`, `decode.Leave`,
+`decode.Rewind`: settled by `advance`); it keeps what it computed through its cache lease
+and releases the lease however it ends.
 """
 
 from __future__ import annotations
@@ -108,16 +110,18 @@ class Follow:
 class Lane:
     """A lane: its generator, and what the scheduler reads and sets (`scheduler.Schedulable`)."""
 
-    gen: Generator[Any, Any, None]  # Events, and a batched decode's asks (`advance`)
+    gen: Generator[Any, Any, None]  # Events, and its decode's asks (`advance`)
     tokens: np.ndarray
     kind: LaneKind
     phase: Phase = Phase.RESTORING  # moved on by the scheduler (`Scheduler.advanced`)
     follow: Follow | None = None  # a follow lane's state
-    # Every forward its own, never the batch's: a request run alone (`Engine.generate`), or
-    # a drafted one whose verify forwards cannot be rows of the batch (not `Plan.batched`).
+    # Every forward its own, never the batch's: in an engine that does not batch, a request
+    # run alone (`Engine.generate`), a drafted one whose verify forwards cannot be rows of
+    # the batch (not `Plan.batched`).
     solo: bool = False
     left: int | None = None  # a request's prompt tokens to prefill, once looked up
-    # Batched drafting: the caches before its last verify forward made alone, and its inputs.
+    asked: Forward | None = None  # the forward it asked for, its own (`own_forward`)
+    # Drafting: the caches before its last verify forward made alone, and its inputs.
     mark: tuple[Checkpoint, list[int]] | None = None
 
     def has_work(self) -> bool:
@@ -253,39 +257,57 @@ def waits_for(lane: Lane, earlier: Lane, block: int) -> bool:
 
 def advance(
     lane: Lane, rid: int, value: mx.array | None, own: bool, model: Model, batch: DecodeBatch
-) -> Event | Step | None:
-    """Send `value` to lane `rid` and make the forwards it asks for until it gives an event:
-    itself where they are its `own`, else it joins (or waits in) the decode `batch` and
-    this returns `Step.JOINED`; None once it has ended. Its errors propagate."""
+) -> Event | Step | Forward | None:
+    """Send `value` to lane `rid` and settle what it asks until it gives an event or asks
+    for a forward: where that is its `own`, the ask is noted (`Lane.asked`) and returned
+    for the engine to make (`Engine._forward`), else it joins (or waits in) the decode
+    `batch` and this returns `Step.JOINED`; None once it has ended. Its errors propagate."""
     try:
         step = lane.gen.send(value)
-        while isinstance(step, Forward | Leave | Sync | Rewind):
-            if isinstance(step, Leave | Sync):
-                if rid in batch:  # else its own forwards left them current
-                    (batch.leave if isinstance(step, Leave) else batch.sync)(rid, step.layers)
-                step = lane.gen.send(None)
-            elif isinstance(step, Rewind):
-                if rid in batch:
-                    batch.rewind(rid, step.n)
-                elif lane.mark is not None:  # the verify forward was its own
-                    (mark, fed), lane.mark = lane.mark, None
-                    mark.rewind(model, fed[: len(fed) - step.n], step.n)
-                step = lane.gen.send(None)
-            elif own:
-                if step.y.size > 1:  # a verify: what it feeds may be taken back
-                    lane.mark = Checkpoint(step.layers), cast(list[int], step.y.tolist())
-                step = lane.gen.send(model(step.y.reshape(1, -1), cache=step.layers)[0])
-            else:
+        while isinstance(step, Leave | Sync | Rewind) or (isinstance(step, Forward) and not own):
+            if isinstance(step, Forward):
                 if rid in batch:
                     batch.wait(rid, step.y)
                 else:
                     batch.join(rid, step.layers, step.y)
                 return Step.JOINED
+            settle(lane, rid, step, model, batch)
+            step = lane.gen.send(None)
         if isinstance(step, Prefill) and lane.kind is LaneKind.REQUEST:
             lane.left = step.total - step.done
-        return cast(Event, step)
+        if isinstance(step, Forward):
+            lane.asked = step
+        return cast(Event | Forward, step)
     except StopIteration:
         return None
+
+
+def settle(
+    lane: Lane, rid: int, ask: Leave | Sync | Rewind, model: Model, batch: DecodeBatch
+) -> None:
+    """What a reply asks of its caches besides a forward, in the decode `batch` where it is
+    a row of it, else in its own layers, which its own forwards left current: its KV put
+    back (`Leave`; its own evaluated), copied out for a block's capture (`Sync`), rejected
+    drafts taken back out (`Rewind`: from before its own verify, `Lane.mark`)."""
+    if isinstance(ask, Rewind):
+        if rid in batch:
+            batch.rewind(rid, ask.n)
+        elif lane.mark is not None:
+            (mark, fed), lane.mark = lane.mark, None
+            mark.rewind(model, fed[: len(fed) - ask.n], ask.n)
+    elif rid in batch:
+        (batch.leave if isinstance(ask, Leave) else batch.sync)(rid, ask.layers)
+    elif isinstance(ask, Leave):
+        mx.eval([c.state for c in ask.layers])  # the KV only: no LM head
+
+
+def own_forward(lane: Lane, model: Model) -> mx.array:
+    """A lane's own forward as it asked it (`Lane.asked`): its logits, (len(y), vocab).
+    A verify's inputs are noted with the layers before it (`Lane.mark`), for `Rewind`."""
+    ask, lane.asked = cast(Forward, lane.asked), None
+    verify = ask.y.size > 1  # what it feeds may be taken back
+    lane.mark = (Checkpoint(ask.layers), cast(list[int], ask.y.tolist())) if verify else None
+    return model(ask.y.reshape(1, -1), cache=ask.layers)[0]
 
 
 def miss_reason(work: Work, n: int) -> str:
@@ -300,10 +322,12 @@ def miss_reason(work: Work, n: int) -> str:
 def request(
     work: Work, rid: int, tokens: np.ndarray, req: Request, follow: Follow | None, plan: Plan | None
 ) -> Lane:
-    """A request's lane (`request_lane`): past its first token it decodes in the batch, but
-    for a drafted request whose verify forwards cannot be rows of it (`Plan.batched`)."""
+    """A request's lane (`request_lane`): past its first token it decodes in the batch
+    where the engine batches (`Work.batch_decode`), but for a drafted request whose verify
+    forwards cannot be rows of it (`Plan.batched`)."""
     gen = request_lane(work, rid, tokens, req, follow, plan)
-    return Lane(gen, tokens, LaneKind.REQUEST, solo=bool(plan and not plan.batched))
+    solo = not work.batch_decode or bool(plan and not plan.batched)
+    return Lane(gen, tokens, LaneKind.REQUEST, solo=solo)
 
 
 def follow(work: Work, rid: int, tokens: np.ndarray, f: Follow) -> Lane:
@@ -325,7 +349,7 @@ def request_lane(
     lease = None
     try:
         while work.budget and not work.budget.admit(rid, n, req.sampling.max_tokens, work.cache):
-            yield Step.CHUNK  # running requests hold the room: a turn without work
+            yield Step.WAIT  # running requests hold the room: a turn without work
         lease = work.cache.restore(tokens, decode_matches_prefill=work.decode_matches_prefill)
         stats.cached_tokens = lease.length
         stats.prefilled_tokens = n - lease.length
@@ -353,7 +377,7 @@ def request_lane(
             start,
             None if follow is None else follow.reply,
         )
-        result = yield from decode(work.model, lease.layers, logits, reply)
+        result = yield from decode(lease.layers, logits, reply)
         if work.decode_matches_prefill:
             ended = [] if result.stop_token is None else [result.stop_token]
             keep_reply(work, tokens, [*result.tokens, *ended], lease)
@@ -380,11 +404,10 @@ def ask_of(work: Work, req: Request, tokens: np.ndarray) -> Ask:
 
 
 def way_of(work: Work, plan: Plan | None, capture: Capture) -> Way:
-    """How a reply's forwards are made: in the decode batch where the engine batches them
-    (and its plan's verify forwards can be rows of it), drafted by its plan, and fed to
-    its end with its blocks captured where its KV is kept (`Engine.decode_matches_prefill`)."""
+    """How a reply's forwards are made: drafted by its plan, and fed to its end with its
+    blocks captured where its KV is kept (`Engine.decode_matches_prefill`). Whether they
+    are its own or rows of the decode batch is the scheduler's (`Scheduler.own`)."""
     return Way(
-        batched=work.batch_decode and (plan is None or plan.batched),
         share=work.share,
         decode_matches_prefill=work.decode_matches_prefill,
         drafter=None if plan is None else work.drafting.drafter(plan, work.share),
@@ -435,14 +458,14 @@ def _room_now(work: Work, rid: int, n: int) -> bool:
         return False
 
 
-def follow_lane(work: Work, rid: int, f: Follow) -> Generator[Event, None, None]:
+def follow_lane(work: Work, rid: int, f: Follow) -> Generator[Event | Step, None, None]:
     # Stepped only when a block is complete or the request has ended (`step`).
     block = work.cache.block_size
     lease = None
     try:
         while (target := f.ready()) > f.done or not f.closed:
             if target <= f.done:
-                yield Prefill(rid, f.done, f.done)  # nothing yet: wait for the reply
+                yield Step.WAIT  # nothing yet (what it found was kept): wait for the reply
                 continue
             ids = f.tokens()[:target]
             # Blocks kept already (the same conversation before) are skipped, and the

@@ -1,8 +1,9 @@
 """Which lane makes the engine's next model call: the lanes' queues and their kinds.
 
 The engine runs three kinds of lanes over one model (`LaneKind`). The scheduler holds
-them in two queues and picks whose turn it is; the engine advances that lane's
-generator and tells the scheduler what became of it (`requeue`, `finish`, `cancel`):
+them in two queues and picks whose turn it is (`whose_turn`: a `Turn`, which lists its
+lanes and says what their forward is); the engine advances the lane and tells the
+scheduler what became of it (`advanced`, `cancel`):
 
 - **the round**: requests and follow lanes, in turn order. A lane that had its turn goes
   to the back. Requests always take their turn; a follow lane only while no request is
@@ -34,14 +35,15 @@ the scheduler what that gave (`advanced`, a `Step`); the scheduler moves the lan
 next phase and place and says whether the same turn goes on: a request's first token comes
 with its prompt's last chunk (sampling it is no model call, and waiting for the next round
 would delay it by every other lane's turn), and a request past its first token joins the
-decode batch at once.
+decode batch at once (unless it is `solo`).
 """
 
 from __future__ import annotations
 
 import enum
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
 
@@ -80,6 +82,9 @@ class Step(enum.Enum):
 
     CHUNK = "chunk"
     """Work that ends the turn: a prefill chunk, a background lane's step."""
+    WAIT = "wait"
+    """A turn without work: a request's, the memory budget has no room for it yet; a
+    follow lane's, its reply has not completed a block past what is kept."""
     PROMPT_DONE = "prompt done"
     """A request's last prefill chunk: its prompt is all in the layers."""
     TOKEN = "token"
@@ -94,13 +99,33 @@ BACKGROUND = (LaneKind.WARM, LaneKind.FOLLOW)
 """The kinds that only keep KV for later requests: no events, and no turn while requests wait."""
 
 
-class Batch(enum.Enum):
-    """The decode batch's turn (`Scheduler.whose_turn`)."""
+class TurnKind(enum.Enum):
+    """What a turn's model call is (`Turn`)."""
 
-    TURN = "batch"
+    PREFILL = "prefill"
+    """A lane's prefill chunk: a request before its first token (which comes with its last
+    chunk: sampling it is no model call), or a background lane's step."""
+    DECODE = "decode"
+    """A request past its first token, outside the batch: its own decode forward (a drafted
+    request's: a verify, or none while it reads the rows of its last one)."""
+    BATCH = "batch"
+    """The decode batch's forward: one for every row, each then on to its next token."""
 
 
-BATCH = Batch.TURN
+@dataclass(frozen=True, slots=True)
+class Turn:
+    """Whose turn it is (`Scheduler.whose_turn`): the lanes whose forward the engine makes,
+    and what that forward is. A lane's turn lists one lane; the batch's, its rows."""
+
+    kind: TurnKind
+    lanes: tuple[int, ...]
+
+    @property
+    def lane(self) -> int:
+        """The lane of a lane's turn (not the batch's)."""
+        if self.kind is TurnKind.BATCH:
+            raise ValueError("the batch's turn has rows, not a lane")
+        return self.lanes[0]
 
 
 class Schedulable(Protocol):
@@ -117,8 +142,9 @@ class Schedulable(Protocol):
 
     @property
     def solo(self) -> bool:
-        """Whether every forward of the lane is its own: it never joins the decode batch (a
-        request run alone, or a drafted one whose verify forwards cannot be rows of it)."""
+        """Whether every forward of the lane is its own: it never joins the decode batch (an
+        engine that does not batch, a request run alone, or a drafted one whose verify
+        forwards cannot be rows of it)."""
         ...
 
     @property
@@ -172,13 +198,13 @@ class Scheduler(Generic[L]):
         if follows is not None:
             self._follower[follows] = rid
 
-    def whose_turn(self, background: bool = True, batch: bool = False) -> int | Batch | None:
-        """Whose turn it is: a lane's id, `BATCH`, or None (nothing to run).
+    def whose_turn(self, background: bool = True, batch: Sequence[int] = ()) -> Turn | None:
+        """Whose turn it is (a `Turn`), or None: nothing to run.
 
         The first lane of the round that may run (see the module's doc); while the decode
-        batch has rows (`batch`), every other turn is the batch's, and every turn when no
-        lane of the round may run; else the oldest warm lane. `background` False: warm and
-        follow lanes get no turn.
+        batch has rows (`batch`, their ids), every other turn is the batch's, and every
+        turn when no lane of the round may run; else the oldest warm lane. `background`
+        False: warm and follow lanes get no turn.
         """
         prefilling = any(self._prefilling(self._lanes[r]) for r in self._round)
         rid = next(
@@ -192,13 +218,17 @@ class Scheduler(Generic[L]):
         )
         if batch and (self._batch_next or rid is None):
             self._batch_next = False
-            return BATCH
+            return Turn(TurnKind.BATCH, tuple(batch))
         self._batch_next = True
         if rid is not None and self._looked_up(rid) is not None:
             rid = self._due_first()
         if rid is None and background and self._warm:
             rid = self._warm[0]
-        return rid
+        if rid is None:
+            return None
+        lane = self._lanes[rid]
+        decodes = lane.kind is LaneKind.REQUEST and not self._prefilling(lane)
+        return Turn(TurnKind.DECODE if decodes else TurnKind.PREFILL, (rid,))
 
     def _due_first(self) -> int:
         """The prefilling request looked up whose first token is due first: the fewest
@@ -239,12 +269,11 @@ class Scheduler(Generic[L]):
             return lane.phase is not Phase.BATCHED
         return follow and lane.has_work()
 
-    def advanced(self, rid: int, step: Step, batch: bool) -> bool:
+    def advanced(self, rid: int, step: Step) -> bool:
         """Lane `rid` was advanced and gave `step`: its next phase and place. Returns
         whether it is advanced again in this turn: a request's first token comes with its
         prompt's last chunk, and a request that gave a token joins the decode batch at
-        once when there is one (`batch`: the engine decodes in a batch) and it is not
-        `solo`."""
+        once unless it is `solo`."""
         lane = self._lanes[rid]
         if step is Step.ENDED:
             lane.phase = Phase.DONE
@@ -264,17 +293,18 @@ class Scheduler(Generic[L]):
         if step is Step.PROMPT_DONE:
             lane.phase = Phase.PREFILLING
             return True
-        if step is Step.CHUNK:
-            lane.phase = Phase.PREFILLING
-            self.requeue(rid)  # requests take turns: to the back of the round
+        if step in (Step.CHUNK, Step.WAIT):  # requests take turns: to the back of the round
+            if step is Step.CHUNK:  # (one waiting for room stays as it was: not started)
+                lane.phase = Phase.PREFILLING
+            self.requeue(rid)
             return False
         lane.phase = Phase.DECODING
         self.requeue(rid)
-        return batch and not lane.solo
+        return not lane.solo
 
-    def batch_forward(self, rid: int) -> None:
-        """The decode batch's forward gave request `rid` its logits: it decodes its token
-        (then `advanced` says it joins the batch again, or it ends)."""
+    def forwarded(self, rid: int) -> None:
+        """The turn's decode forward (its own or the batch's) gave request `rid` its logits:
+        it decodes its token (then `advanced` says it joins the batch again, or it ends)."""
         self._lanes[rid].phase = Phase.DECODING
 
     def own(self, rid: int) -> bool:

@@ -40,6 +40,7 @@ from mlxcache.engine import Engine
 from mlxcache.events import Done, Event, Prefill, Result, Token
 from mlxcache.ring import TimeBatchRing, TimeRing
 from mlxcache.sampling import make_processors
+from mlxcache.scheduler import Step
 from mlxcache.worker import EngineWorker
 
 Patch = Callable[[Any, str, Any], None]
@@ -74,10 +75,8 @@ def keep_decode_kv(patch: Patch) -> None:
 
     decode = lanes_mod.decode
 
-    def noting(
-        model: Any, layers: Any, logits: Any, reply: decode_mod.Reply
-    ) -> Generator[Event, None, Result]:
-        result = yield from decode(model, layers, logits, reply)
+    def noting(layers: Any, logits: Any, reply: decode_mod.Reply) -> Generator[Event, None, Result]:
+        result = yield from decode(layers, logits, reply)
         ids = np.concatenate([reply.host[: reply.prompt], np.asarray(result.tokens, np.int32)])
         seen[id(layers)] = ids[: int(layers[0].offset)]
         return result
@@ -113,7 +112,7 @@ def penalty_without_cached_prompt(patch: Patch) -> None:
         return resume
 
     def decode_uncached(
-        model: Any, layers: Any, logits: Any, reply: decode_mod.Reply
+        layers: Any, logits: Any, reply: decode_mod.Reply
     ) -> Generator[Event, None, Result]:
         start = starts.get(id(layers), 0)
         own = make_processors(reply.ask.sampling, reply.prompt - start)
@@ -121,7 +120,7 @@ def penalty_without_cached_prompt(patch: Patch) -> None:
             *(_from(start, proc) for proc in own),
             *reply.ask.processors,
         ]
-        return (yield from decode(model, layers, logits, reply))
+        return (yield from decode(layers, logits, reply))
 
     patch(PromptCache, "restore", restore_noting)
     patch(lanes_mod, "decode", decode_uncached)
@@ -307,12 +306,12 @@ def follow_in_one_chunk(patch: Patch) -> None:
     """A follow lane that fell behind prefills all the blocks the reply has completed in
     one forward call (fewer, larger calls), not one canonical chunk per block."""
 
-    def follow_lane(self: lanes_mod.Work, rid: int, f: Any) -> Generator[Event, None, None]:
+    def follow_lane(self: lanes_mod.Work, rid: int, f: Any) -> Generator[Event | Step, None, None]:
         resume = None
         try:
             while (target := f.ready()) > f.done or not f.closed:
                 if target <= f.done:
-                    yield Prefill(rid, f.done, f.done)
+                    yield Step.WAIT
                     continue
                 ids = f.tokens()[:target]
                 if resume is None:
@@ -485,6 +484,21 @@ def batch_probe_trusted(patch: Patch) -> None:
     """Rows are taken to decode exactly in a batch without running the probe: requests
     decode together on the shape-sensitive model too."""
     patch(invariance, "batch_matches_solo", lambda model, block_size: True)
+
+
+def batched_where_not_measured(patch: Patch) -> None:
+    """Requests past their first token join the decode batch in an engine that does not
+    batch (`Lane.solo` left to a drafted request's plan): the shape-sensitive model, which
+    the probe refused, decodes in a batch."""
+    request = lanes_mod.request
+
+    def joining(work: lanes_mod.Work, rid: int, tokens: np.ndarray, *rest: Any) -> Any:
+        lane = request(work, rid, tokens, *rest)
+        plan = rest[-1]
+        lane.solo = bool(plan and not plan.batched)
+        return lane
+
+    patch(lanes_mod, "request", joining)
 
 
 def resume_anywhere_unprobed(patch: Patch) -> None:
@@ -824,6 +838,7 @@ MUTANTS: dict[str, Callable[[Patch], None]] = {
         foreign_tail,
         resume_past_the_state,
         batch_probe_trusted,
+        batched_where_not_measured,
         resume_anywhere_unprobed,
         reply_end_not_fed,
         accept_one_row_late,

@@ -88,6 +88,7 @@ CAUGHT_BY: dict[str, list[tuple[str, str]]] = {
     "foreign_tail": [("plain", "foreign_tail")],
     "resume_past_the_state": [("recurrent", "sparse_states")],
     "batch_probe_trusted": [("shaped", "batched")],
+    "batched_where_not_measured": [("shaped", "batched")],
     "resume_anywhere_unprobed": [("shaped", "chat"), ("shaped", "fork")],
     "reply_end_not_fed": [("plain", "kept_replies"), ("plain", "batched"), ("plain", "end_token")],
     "accept_one_row_late": [("plain", "drafted"), ("recurrent", "drafted")],

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from mlxcache.scheduler import BACKGROUND, BATCH, Batch, LaneKind, Phase, Scheduler, Step
+from mlxcache.scheduler import BACKGROUND, LaneKind, Phase, Scheduler, Step, Turn, TurnKind
 
 REQUEST, WARM, FOLLOW = LaneKind.REQUEST, LaneKind.WARM, LaneKind.FOLLOW
 
@@ -23,14 +23,22 @@ class FakeLane:
         return self.work
 
 
-def turns(sched: Scheduler[FakeLane], n: int, **kwargs: bool) -> list[int | Batch | None]:
+BATCH = "batch"
+"""The decode batch's turn, in `turns`' lists."""
+
+
+def turns(
+    sched: Scheduler[FakeLane], n: int, background: bool = True, batch: tuple[int, ...] = ()
+) -> list[int | str | None]:
     """n turns, each lane requeued after its turn (as the engine does for a lane that goes on)."""
-    out: list[int | Batch | None] = []
+    out: list[int | str | None] = []
     for _ in range(n):
-        turn = sched.whose_turn(**kwargs)
-        out.append(turn)
-        if isinstance(turn, int):
-            sched.requeue(turn)
+        turn = sched.whose_turn(background, batch)
+        if turn is None or turn.kind is TurnKind.BATCH:
+            out.append(None if turn is None else BATCH)
+            continue
+        out.append(turn.lane)
+        sched.requeue(turn.lane)
     return out
 
 
@@ -89,10 +97,32 @@ def test_the_decode_batch_alternates_with_the_lanes() -> None:
     sched.add(0, FakeLane(REQUEST, Phase.BATCHED))
     sched.add(1, FakeLane(REQUEST, Phase.PREFILLING))
     sched.add(2, FakeLane(WARM))
-    assert turns(sched, 5, batch=True) == [1, BATCH, 1, BATCH, 1]
+    assert turns(sched, 5, batch=(0,)) == [1, BATCH, 1, BATCH, 1]
     sched.finish(1)
-    assert turns(sched, 2, batch=True) == [BATCH, BATCH]  # no lane of the round may run
-    assert turns(sched, 1, batch=False) == [2]
+    assert turns(sched, 2, batch=(0,)) == [BATCH, BATCH]  # no lane of the round may run
+    assert turns(sched, 1) == [2]
+
+
+def test_a_turn_lists_its_lanes_and_what_their_forward_is() -> None:
+    """A lane's turn names the lane, a prefill chunk until a request's first token (and a
+    background lane's always), then a decode step; the batch's turn lists its rows."""
+    sched: Scheduler[FakeLane] = Scheduler()
+    prompt = FakeLane(REQUEST, Phase.RESTORING)
+    sched.add(0, prompt)
+    sched.add(1, FakeLane(REQUEST, Phase.BATCHED))
+    sched.add(2, FakeLane(REQUEST, Phase.BATCHED))
+    sched.add(3, FakeLane(WARM, Phase.PREFILLING))
+    assert sched.whose_turn(batch=(1, 2)) == Turn(TurnKind.PREFILL, (0,))
+    assert sched.whose_turn(batch=(1, 2)) == Turn(TurnKind.BATCH, (1, 2))
+    prompt.phase = Phase.PREFILLING
+    assert sched.whose_turn(batch=(1, 2)) == Turn(TurnKind.PREFILL, (0,))
+    prompt.phase = Phase.DECODING
+    sched.whose_turn(batch=(1, 2))
+    assert sched.whose_turn(batch=(1, 2)) == Turn(TurnKind.DECODE, (0,))
+    sched.finish(0)
+    assert sched.whose_turn() == Turn(TurnKind.PREFILL, (3,))
+    with pytest.raises(ValueError, match="rows"):
+        _ = Turn(TurnKind.BATCH, (1, 2)).lane
 
 
 def test_cancelling_a_request_takes_its_follow_lane_and_finishing_it_does_not() -> None:
@@ -142,18 +172,21 @@ def test_a_request_moves_through_its_phases_by_what_each_advance_gives() -> None
     sched.add(0, lane)
     sched.add(1, other)
     assert sched.own(0)  # its forwards are its own until its first token
-    assert not sched.advanced(0, Step.CHUNK, batch=True)
+    assert not sched.advanced(0, Step.WAIT)  # no room in the memory budget yet
+    assert (lane.phase, turns(sched, 1)) == (Phase.RESTORING, [1])  # to the back, unstarted
+    assert not sched.advanced(0, Step.CHUNK)
     assert (lane.phase, turns(sched, 1)) == (Phase.PREFILLING, [1])  # to the back
-    assert sched.advanced(0, Step.PROMPT_DONE, batch=True)  # the first token: same turn
+    assert sched.advanced(0, Step.PROMPT_DONE)  # the first token: same turn
     assert lane.phase is Phase.PREFILLING and sched.own(0)
-    assert sched.advanced(0, Step.TOKEN, batch=True)  # on to the batch, same turn
+    assert sched.advanced(0, Step.TOKEN)  # on to the batch, same turn
     assert lane.phase is Phase.DECODING and not sched.own(0)
-    assert not sched.advanced(0, Step.JOINED, batch=True)
+    assert not sched.advanced(0, Step.JOINED)
     assert lane.phase is Phase.BATCHED and turns(sched, 2) == [1, 1]  # the batch has it
-    sched.batch_forward(0)
+    sched.forwarded(0)
     assert lane.phase is Phase.DECODING
-    assert not sched.advanced(0, Step.TOKEN, batch=False)  # no batch: its own turns
-    assert not sched.advanced(0, Step.ENDED, batch=False)
+    lane.solo = True  # (an engine that does not batch: every request's forwards its own)
+    assert not sched.advanced(0, Step.TOKEN)  # its own turns
+    assert not sched.advanced(0, Step.ENDED)
     assert lane.phase is Phase.DONE and 0 not in sched
 
 
@@ -165,10 +198,10 @@ def test_a_solo_request_makes_every_forward_its_own_and_never_joins_the_batch() 
     solo, other = FakeLane(REQUEST, Phase.RESTORING, solo=True), FakeLane(REQUEST)
     sched.add(0, solo)
     sched.add(1, other)
-    assert sched.advanced(0, Step.PROMPT_DONE, batch=True)
-    assert not sched.advanced(0, Step.TOKEN, batch=True)  # its turn ends: no batch to join
+    assert sched.advanced(0, Step.PROMPT_DONE)
+    assert not sched.advanced(0, Step.TOKEN)  # its turn ends: no batch to join
     assert solo.phase is Phase.DECODING and sched.own(0)
-    assert sched.advanced(1, Step.TOKEN, batch=True) and not sched.own(1)
+    assert sched.advanced(1, Step.TOKEN) and not sched.own(1)
 
 
 def test_background_lanes_take_one_step_a_turn_whatever_it_gave() -> None:
@@ -177,8 +210,8 @@ def test_background_lanes_take_one_step_a_turn_whatever_it_gave() -> None:
     sched.add(0, warm)
     sched.add(1, FakeLane(FOLLOW, Phase.RESTORING), follows=9)  # its request has ended
     for step in (Step.CHUNK, Step.PROMPT_DONE):
-        assert not sched.advanced(0, step, batch=True)
-        assert not sched.advanced(1, step, batch=True)
+        assert not sched.advanced(0, step)
+        assert not sched.advanced(1, step)
     assert warm.phase is Phase.PREFILLING and sched.own(0) and sched.own(1)
     sched.add(2, request)
     assert turns(sched, 1) == [2]  # a request waiting for its first token: no follow turn
@@ -210,8 +243,9 @@ def prefills(sched: Scheduler[FakeLane], n: int, chunk: int = 10) -> list[int]:
     then its first token comes with its last chunk and it decodes."""
     out: list[int] = []
     for _ in range(n):
-        rid = sched.whose_turn()
-        assert isinstance(rid, int)
+        turn = sched.whose_turn()
+        assert turn is not None and turn.kind is TurnKind.PREFILL
+        rid = turn.lane
         out.append(rid)
         lane = sched[rid]
         assert lane.phase in (Phase.RESTORING, Phase.PREFILLING)
@@ -219,8 +253,8 @@ def prefills(sched: Scheduler[FakeLane], n: int, chunk: int = 10) -> list[int]:
             lane.left = LOOKED_UP[rid]
         lane.left = max(lane.left - chunk, 0)
         step = Step.CHUNK if lane.left else Step.PROMPT_DONE
-        if sched.advanced(rid, step, batch=False):
-            sched.advanced(rid, Step.TOKEN, batch=False)  # its first token: it decodes
+        if sched.advanced(rid, step):
+            sched.advanced(rid, Step.TOKEN)  # its first token: it decodes
             lane.phase = Phase.BATCHED  # out of the round's turns
     return out
 
