@@ -148,6 +148,23 @@ class MemoryTier:
         mid-block from. The longest such run; None if none. Attention layers keep KV per
         position, so any run of a block or tail will do; a recurrent state is known only at
         a tail's end, so with recurrent layers only a whole tail does."""
+        found = self._continuation(tokens, length, limit)
+        if found is None:
+            return None
+        assert self.layout is not None  # only a block layout continues
+        block, k = found
+        return (block if self.layout.has_state else self.layout.head(block, k)), k
+
+    def continues(self, tokens: np.ndarray, length: int, limit: int) -> int:
+        """How many tokens `partial` would give (0: none), without cutting them."""
+        found = self._continuation(tokens, length, limit)
+        return 0 if found is None else found[1]
+
+    def _continuation(
+        self, tokens: np.ndarray, length: int, limit: int
+    ) -> tuple[Block, int] | None:
+        """The kept block or tail `partial` continues from, whole, and how many of its
+        tokens it gives."""
         if self.layout is None or limit <= 0:
             return None
         per_position = not self.layout.has_state
@@ -167,8 +184,7 @@ class MemoryTier:
                         best = (tail.kv, k)
         if best is None:
             return None
-        block, k = best[0], min(best[1], limit)  # a whole tail is within the limit already
-        return (self.layout.head(block, k) if per_position else block), k
+        return best[0], min(best[1], limit)  # a whole tail is within the limit already
 
     def resumable(self, entry: Entry, length: int) -> int:
         """The longest resume point up to `length` in `entry` whose recurrent state is kept

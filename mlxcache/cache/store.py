@@ -42,6 +42,12 @@ from mlxcache.types import Model, new_layers
 _DISK_ERRORS = (sqlite3.Error, OSError, CacheStoreError)
 
 
+def _furthest(tokens: np.ndarray, whole: bool) -> int:
+    """The furthest a resume of `tokens` may reach: all of them where no logits are wanted
+    (`whole`), else one short of the end (its logits come from the prefill)."""
+    return len(tokens) - (0 if whole else 1)
+
+
 class PromptCache:
     """A prefix cache for one model (see `mlxcache.cache.base.PrefixCache`).
 
@@ -126,7 +132,7 @@ class PromptCache:
         """Extend `resume` mid-block as far as the memory tier's KV follows `tokens`, one
         token short of the end (the last one's logits come from the prefill) unless
         `whole`."""
-        limit = len(tokens) - resume.length - (0 if whole else 1)
+        limit = _furthest(tokens, whole) - resume.length
         found = self.mem.partial(tokens, resume.length, limit)
         if found is None:
             return
@@ -144,10 +150,10 @@ class PromptCache:
         live = self._live
         if live is None:
             return None
-        k = live.reach(tokens, len(tokens) - (0 if whole else 1))
+        k = live.reach(tokens, _furthest(tokens, whole))
         if not whole and self.mem.tail(tokens) is not None:
             return None
-        if k == 0 or k < self.cached_length(tokens, whole, decode_matches_prefill=True):
+        if k == 0 or k < self._restored_reach(tokens, whole):
             return None
         self._live = None
         self.mem.reserve_prefill(tokens, k, None)
@@ -224,15 +230,23 @@ class PromptCache:
         counted as a use of what it finds; nothing is copied): whole blocks, and with
         `decode_matches_prefill` on inside a block as far as a kept block or tail
         (`_continue`) or the live layers follow them."""
+        if not decode_matches_prefill:
+            return self._blocks_reach(tokens, whole)
+        live = self._live
+        reach = self._restored_reach(tokens, whole)
+        return max(reach, live.reach(tokens, _furthest(tokens, whole)) if live else 0)
+
+    def _blocks_reach(self, tokens: np.ndarray, whole: bool) -> int:
+        """How far kept entries resume `tokens` (whole blocks, or a whole entry)."""
         self._sync_disk()
         probe = with_probe(tokens) if whole else tokens
-        n = max((m.length for m in self._lookup(probe) if m is not None), default=0)
-        if not decode_matches_prefill:
-            return n
-        limit = len(tokens) - (0 if whole else 1)
-        found = self.mem.partial(tokens, n, limit - n)
-        live = self._live
-        return max(n + (0 if found is None else found[1]), live.reach(tokens, limit) if live else 0)
+        return max((m.length for m in self._lookup(probe) if m is not None), default=0)
+
+    def _restored_reach(self, tokens: np.ndarray, whole: bool) -> int:
+        """How far a restore resumes `tokens` from what is kept, inside a block too
+        (`_continue`), the live layers aside."""
+        n = self._blocks_reach(tokens, whole)
+        return n + self.mem.continues(tokens, n, _furthest(tokens, whole) - n)
 
     def _lookup(self, tokens: np.ndarray) -> tuple[Match | None, Match | None]:
         """The memory and disk tiers' matches for `tokens` (each counted as a use)."""
