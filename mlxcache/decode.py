@@ -1,12 +1,14 @@
-"""The decode loop of one request: sample, stream text, stop on end tokens or stop strings."""
+"""A reply as data: its tokens drawn step by step (sample, stream text, stop on end tokens or
+stop strings), each forward asked of the engine (`Forward`)."""
 
 from __future__ import annotations
 
+import enum
 import time
 from collections import deque
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol, cast
+from typing import Protocol, cast
 
 import mlx.core as mx
 import numpy as np
@@ -22,6 +24,7 @@ from mlxcache.sampling import (
     make_processors,
     make_sampler,
 )
+from mlxcache.scheduler import TurnKind
 from mlxcache.stops import StopScanner
 from mlxcache.types import Layers, Tokenizer
 
@@ -41,38 +44,33 @@ class Share(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class Forward:
-    """A reply's next forward, asked of the engine: `y` (one token, or a verify's token and
-    drafts) after `layers`, the lane's own forward or a row of the decode batch's; the
-    engine sends back its logits, shaped (len(y), vocab) (fewer rows: a batch row whose
-    drafts were not fed)."""
+    """A forward a lane asks of the engine (`Engine._turn`): `x` after `layers`. `kind`:
+    a prefill chunk (`logits`: whether the chunk is the prompt's last, whose last row's
+    logits are wanted), a decode step (one token) or a verify (a token and its drafts).
+    A decode step's or verify's logits come back shaped (len(x), vocab) (fewer rows: a
+    batch row whose drafts were not fed)."""
 
-    y: mx.array
+    kind: TurnKind
+    x: mx.array
     layers: Layers
+    logits: bool = True
 
 
-@dataclass(frozen=True, slots=True)
-class Rewind:
-    """Drafting: the last `n` positions fed (rejected drafts) leave the caches, in the
-    batch or in `layers` (`DecodeBatch.rewind`, `draft.Checkpoint`)."""
+class Place(Protocol):
+    """Where a reply's caches are between its forwards: its own layers, or a row of the
+    decode batch (`lanes.Lane`, which the engine moves into the batch)."""
 
-    layers: Layers
-    n: int
+    def sync(self, layers: Layers) -> None:
+        """The caches as they are now, copied into `layers` (a block is to be captured)."""
+        ...
 
+    def leave(self, layers: Layers) -> None:
+        """The reply needs no more forwards: its KV is all in `layers`, evaluated."""
+        ...
 
-@dataclass(frozen=True, slots=True)
-class Leave:
-    """The reply needs no more forwards: its KV is all in `layers` before the lane goes on
-    (the engine puts it back from the batch, or evaluates its own)."""
-
-    layers: Layers
-
-
-@dataclass(frozen=True, slots=True)
-class Sync:
-    """A block is to be captured from `layers`: the engine copies the reply's caches as the
-    batch holds them into them (it stays in the batch; its own forwards left them current)."""
-
-    layers: Layers
+    def rewind(self, n: int) -> None:
+        """The last `n` positions fed (rejected drafts) leave the caches."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,14 +89,14 @@ class Ask:
 
 @dataclass(frozen=True, slots=True)
 class Way:
-    """How a reply's forwards are made (each is asked of the engine: `Forward`, and `Leave`
-    comes after the last). `share` (a sharded run): every pick
+    """How a reply's forwards are made (each is asked of the engine: `Forward`; its
+    `Place` is left after the last). `share` (a sharded run): every pick
     becomes rank 0's, and a pick that fails there fails on every rank.
     `decode_matches_prefill` (so the reply's KV is kept): the layers end up holding the KV
     of every token drawn, the last one (an end token too) included, as mlx-lm's do: the
     next turn resumes after the whole reply instead of prefilling its last token in its
     own TTFT. `drafter` with `draft` k >= 1:
-    speculative decoding (`Reply.drafted`; rejected drafts go with `Rewind`).
+    speculative decoding (`Reply.step`; rejected drafts go with `Place.rewind`).
     `capture` (decode KV kept): told each time a one-token step leaves the layers holding
     a whole number of blocks (`Capture`); a verify forward that passes a boundary does not
     stop there, so a drafted reply's blocks are not captured."""
@@ -124,14 +122,36 @@ class Capture:
     at: Callable[[int], None]
 
 
+class Stage(enum.Enum):
+    """Where a reply is (`Reply.step`)."""
+
+    DRAW = "draw"
+    """Drawing its tokens."""
+    TAIL = "tail"
+    """Drawn: the text held back comes next."""
+    FEED_LAST = "feed last"
+    """Its last token's KV is still to be fed (`Way.decode_matches_prefill`)."""
+    LEAVE = "leave"
+    """Its KV is all fed: its caches are left (`Place.leave`)."""
+    DONE = "done"
+    """Ended: `Reply.result`."""
+
+
 @dataclass(eq=False)
 class Reply:
-    """A reply's state as its tokens are drawn: the token history (prompt + reply, kept on
-    the host: an mx.array made from host data is readable at once, while a lazy
-    concatenate would queue behind the forward in flight and stall a grammar's mask that
-    should overlap it), the sampler (whose key is its position) and processors, text, stop
-    strings, end tokens, log-probabilities, and the positions its layers hold (`fed`).
-    `plain` and `drafted` draw it; `decode` drives them."""
+    """A reply's state as its tokens are drawn, and the steps that draw it (`step`).
+
+    What it has drawn: the token history (prompt + reply, kept on the host: an mx.array
+    made from host data is readable at once, while a lazy concatenate would queue behind
+    the forward in flight and stall a grammar's mask that should overlap it), the sampler
+    (whose key is its position) and processors, text, stop strings, end tokens,
+    log-probabilities, and the positions its layers hold (`fed`).
+
+    Where it is: `pending`, the token drawn and not taken yet (plain decoding: its forward
+    is asked before it is taken, so that graph building overlaps compute, as mlx-lm does),
+    whether its forward is made (`pending_fed`) and what that forward gave (`ahead`); a
+    drafted reply's last pick (`token`), its verify's rows and drafts and the row it reads.
+    """
 
     rid: int
     prompt: int  # the prompt's length: `host` starts with it
@@ -146,10 +166,23 @@ class Reply:
     procs: list[LogitsProcessor]
     out: list[int]  # the reply's tokens (may be a follow lane's list)
     fed: int  # the positions the layers hold
+    layers: Layers
+    place: Place
+    pending: mx.array  # plain: the token drawn, not taken yet (then: the last one taken)
     pieces: list[str] = field(default_factory=list)
     finish: str = "length"
     ended_by: int | None = None
     drawn_from: deque[mx.array] = field(default_factory=deque)  # with logprobs: each pick's
+    stage: Stage = Stage.DRAW
+    started: bool = False  # the first token is drawn (`pending` held the prompt's logits)
+    taken: bool = False  # `pending` is taken
+    pending_fed: bool = False  # `pending`'s forward is made
+    ahead: mx.array | None = None  # what `pending`'s forward gave (picked, without processors)
+    decode_start: float = 0.0
+    token: int = 0  # drafted: the last token picked
+    rows: mx.array | None = None  # drafted: the last verify's logits, while they are read
+    drafts: list[int] = field(default_factory=list)  # drafted: that verify's drafts
+    row: int = 0  # drafted: the row read last
 
     @classmethod
     def of(
@@ -161,10 +194,13 @@ class Reply:
         way: Way,
         stats: Stats,
         start: float,
+        at: tuple[Layers, Place, mx.array],
         out: list[int] | None = None,
     ) -> Reply:
-        """The reply to `prompt`, none of it drawn yet; its ids are appended to `out` as
-        they come, when given (a follow lane reads them)."""
+        """The reply to `prompt`, none of it drawn yet: `at` is the layers that hold the
+        prompt's KV, where they are (`Place`), and the prompt's last logits. Its ids are
+        appended to `out` as they come, when given (a follow lane reads them)."""
+        layers, place, logits = at
         host = np.empty(prompt.size + ask.budget, dtype=np.int32)
         host[: prompt.size] = prompt
         # Sampling's own processors (penalties) first, then the request's (bias, grammar).
@@ -183,6 +219,9 @@ class Reply:
             procs,
             [] if out is None else out,
             int(prompt.size),
+            layers,
+            place,
+            logits,  # not drawn yet: the first step draws from them
         )
 
     def tokens(self) -> np.ndarray:
@@ -245,136 +284,152 @@ class Reply:
             stop_string=self.stops.matched,
         )
 
-    def feed(self, layers: Layers, y: mx.array) -> Generator[Forward | Sync, Any, mx.array]:
-        """`y` into the layers; its logits, lazy (the engine runs the forward)."""
-        logits = yield Forward(y, layers)
+    @property
+    def verifies(self) -> bool:
+        """Whether the next step asks a verify forward (drafted, its rows all read)."""
+        if self.stage is not Stage.DRAW or not self.way.drafted or not self.started:
+            return False
+        return self.rows is None or not reads_on(self, self.token, self.drafts, self.row)
+
+    def step(self, logits: mx.array | None = None) -> Token | Forward | Result:
+        """The reply's next step: a `Token`, a `Forward` it asks (the next step is given its
+        logits), or its `Result` once it has ended, its KV all in `layers` (`Stage`).
+
+        Tokens are drawn the way `way` says (`Way`): one per forward (`_plain`), or
+        drafted and verified (`_drafted`). Each Token's text may be empty while a character
+        or a possible stop string is incomplete. With `Ask.logprobs` k, each Token carries
+        its log-probability and the k most likely tokens' (`_scored`), read from the
+        distribution it was drawn from: after the processors, before temperature and the
+        top-p/min-p/top-k filters.
+        """
+        if self.stage is Stage.DRAW:
+            drawn = self._drafted(logits) if self.way.drafted else self._plain(logits)
+            if drawn is not None:
+                return drawn
+            self.stats.decode_s = time.perf_counter() - self.decode_start
+            if self.way.drafted:  # its last pick is not in the layers
+                self.pending, self.pending_fed = mx.array([self.token]), False
+            self.stage = Stage.TAIL
+            self.close()
+        elif logits is not None:  # the last token's forward: its logits are not needed
+            self._fed()
+            self.stage = Stage.LEAVE
+        if self.stage is Stage.TAIL:
+            self.stage = Stage.FEED_LAST
+            self.stats.generated_tokens = len(self.out)
+            if (tail := self.tail()) is not None:
+                return tail
+        if self.stage is Stage.FEED_LAST:  # after every piece: the client has it all
+            if self.way.decode_matches_prefill and not self.pending_fed:
+                return Forward(TurnKind.DECODE, self.pending, self.layers)
+            self.stage = Stage.LEAVE
+        self.place.leave(self.layers)
+        self.stage = Stage.DONE
+        return self.result()
+
+    def close(self) -> None:
+        """Release the drafter (the reply ended, or its lane was stopped)."""
+        if self.way.drafter is not None:
+            self.way.drafter.close()
+
+    def _fed(self) -> None:
+        """`pending` is in the layers: a block the layers now complete is captured.
+        Verify forwards pass block boundaries: a drafted reply notes none."""
         self.fed += 1
-        # Verify forwards pass block boundaries: a drafted reply notes none.
+        self.pending_fed = True
         capture = None if self.way.drafted else self.way.capture
         if capture is not None and self.fed % capture.block == 0:
-            yield Sync(layers)
+            self.place.sync(self.layers)
             capture.at(self.fed)
-        return cast(mx.array, logits)
 
-    def _queue(self, layers: Layers, y: mx.array) -> Generator[Forward | Sync, Any, mx.array]:
-        """The next forward, queued. Without processors the sampling is queued too; a
-        processor (grammar) must see the token first."""
-        nxt = yield from self.feed(layers, y)
-        nxt = self.pick(nxt) if not self.procs else nxt
-        mx.async_eval(nxt)
-        return nxt
+    def _first(self) -> None:
+        """The first token is drawn: the time to it, and decode's clock starts."""
+        self.stats.ttft_s = time.perf_counter() - self.start
+        self.decode_start = time.perf_counter()
 
-    def plain(
-        self, layers: Layers, logits: mx.array
-    ) -> Generator[Token | Forward | Sync, Any, tuple[mx.array, bool]]:
-        """One token per forward. Returns the last token drawn and whether the layers hold it."""
-        out, budget, stats = self.out, self.ask.budget, self.stats
-        y = self.pick(logits)
-        mx.async_eval(y)
-        decode_start = 0.0
-        nxt = y
-        while True:
-            more = len(out) + 1 < budget
-            first = not out
-            queued = more and not first  # y's own forward is queued (the layers will hold y)
-            if queued:
-                # Queue the next forward before waiting on this token: graph building
-                # overlaps compute (as mlx-lm does). Not before the first: on MLX's CPU
-                # backend `async_eval` computes most of a forward before it returns, which
-                # would hold the first token back by a decode step.
-                nxt = yield from self._queue(layers, y)
-            token = self.take(cast(int, y.item()))
-            if first:
-                stats.ttft_s = time.perf_counter() - self.start
-                decode_start = time.perf_counter()
-            if token is None:
-                break
-            yield token
-            if self.stops.stopped or not more:
-                break
-            if first:
-                nxt = yield from self._queue(layers, y)
-                queued = True
+    def _plain(self, logits: mx.array | None) -> Token | Forward | None:
+        """One token per forward; None once it has ended (`pending`: the last token drawn,
+        `pending_fed`: whether the layers hold it). A token's forward is asked before it
+        is taken, so that graph building overlaps compute, as mlx-lm does (but the
+        first's: on MLX's CPU backend `async_eval` computes most of a forward before it
+        returns, which would hold the first token back by a decode step). Without
+        processors the next pick is queued with the forward; a processor (grammar) must
+        see the token first."""
+        if not self.started:  # `pending` holds the prompt's logits
+            self.started = True
+            self.pending = self.pick(self.pending)
+            mx.async_eval(self.pending)
+        elif logits is not None:  # `pending`'s forward
+            self._fed()
+            self.ahead = self.pick(logits) if not self.procs else logits
+            mx.async_eval(self.ahead)
+        budget = self.ask.budget
+        if self.taken:
+            if self.stops.stopped or len(self.out) >= budget:
+                return None
+            if not self.pending_fed:  # the first token's forward
+                return Forward(TurnKind.DECODE, self.pending, self.layers)
+            nxt = cast(mx.array, self.ahead)
             if self.procs:
                 nxt = self.pick(nxt)
                 mx.async_eval(nxt)
-            y = nxt
-        stats.decode_s = time.perf_counter() - decode_start
-        return y, queued
+            self.pending, self.ahead, self.pending_fed, self.taken = nxt, None, False, False
+        if not self.pending_fed and self.out and len(self.out) + 1 < budget:
+            return Forward(TurnKind.DECODE, self.pending, self.layers)
+        first = not self.out
+        token = self.take(cast(int, self.pending.item()))
+        self.taken = True
+        if first:
+            self._first()
+        return token
 
-    def drafted(
-        self, layers: Layers, logits: mx.array
-    ) -> Generator[Token | Forward | Rewind, Any, mx.array]:
+    def _drafted(self, rows: mx.array | None) -> Token | Forward | None:
         """Speculative decoding: each forward feeds the last token and up to k drafts
         (`Way.drafter`, `Way.draft`); each row's logits are picked from exactly as plain
         decoding picks (`pick`: the same processors over the same history, the sampler's
         next key), and a draft is accepted while it equals the pick. The first pick that
-        differs ends the round; the rejected drafts' KV is taken back out (`Rewind`: the
-        engine's `draft.Checkpoint` of a lane's own forward, or the decode batch's, whose
+        differs ends the round; the rejected drafts' KV is taken back out (`Place.rewind`:
+        the lane's `draft.Checkpoint` of its own forward, or the decode batch's, whose
         forward may return the logits of the first inputs only, their drafts not fed).
-        Returns the last token drawn (not in the layers)."""
-        out, budget, stats = self.out, self.ask.budget, self.stats
+        None once it has ended."""
+        if not self.started:  # `pending` holds the prompt's logits
+            self.started = True
+            self.token = int(self.pick(self.pending).item())  # type: ignore[arg-type]
+            self._first()
+            return self.take(self.token)
+        if rows is not None:  # the verify's
+            self.rows, self.drafts, self.row = rows, self.drafts[: rows.shape[0] - 1], 0
+            self.stats.verify_forwards += 1
+            self.stats.drafted_tokens += len(self.drafts)
+            return self._read()
+        if self.rows is not None:
+            if reads_on(self, self.token, self.drafts, self.row):
+                self.stats.accepted_tokens += 1
+                self.row += 1
+                return self._read()
+            self._rewind()
+        if self.stops.stopped or len(self.out) >= self.ask.budget:
+            return None
+        budget = self.ask.budget - len(self.out) - 1
         drafter = cast(Drafter, self.way.drafter)  # `Way.drafted`
-        token = int(self.pick(logits).item())  # type: ignore[arg-type]
-        stats.ttft_s = time.perf_counter() - self.start
-        decode_start = time.perf_counter()
-        try:
-            taken = self.take(token)
-            if taken is not None:
-                yield taken
-            while taken is not None and not self.stops.stopped and len(out) < budget:
-                drafts = drafter.propose(self.tokens(), min(self.way.draft, budget - len(out) - 1))
-                inputs = [token, *drafts]
-                rows = yield Forward(mx.array(inputs), layers)
-                drafts = drafts[: rows.shape[0] - 1]
-                stats.verify_forwards += 1
-                stats.drafted_tokens += len(drafts)
-                i = 0
-                while True:
-                    token = int(self.pick(rows[i : i + 1]).item())  # type: ignore[arg-type]
-                    taken = self.take(token)
-                    if taken is None:
-                        break
-                    yield taken
-                    if not reads_on(self, token, drafts, i):
-                        break
-                    stats.accepted_tokens += 1
-                    i += 1
-                # Rows 0..i were read: their inputs stay; the drafts after them go.
-                if len(drafts) > i:
-                    yield Rewind(layers, len(drafts) - i)
-        finally:
-            drafter.close()
-        stats.decode_s = time.perf_counter() - decode_start
-        return mx.array([token])
+        self.drafts = drafter.propose(self.tokens(), min(self.way.draft, budget))
+        return Forward(TurnKind.VERIFY, mx.array([self.token, *self.drafts]), self.layers)
 
+    def _read(self) -> Token | None:
+        """Pick from the verify's row `row`: its token, or None (an end token: the round's
+        rejected drafts leave the caches)."""
+        rows = cast(mx.array, self.rows)
+        self.token = int(self.pick(rows[self.row : self.row + 1]).item())  # type: ignore[arg-type]
+        taken = self.take(self.token)
+        if taken is None:
+            self._rewind()
+        return taken
 
-def decode(
-    layers: Layers, logits: mx.array, reply: Reply
-) -> Generator[Token | Forward | Leave | Sync | Rewind, Any, Result]:
-    """Draw `reply` after its prompt, whose KV `layers` hold and whose last logits are
-    `logits`, the way `reply.way` says (`Way`), asking the engine for each forward.
-
-    Yields one `Token` per generated token (its text may be empty while a character or a
-    possible stop string is incomplete) and returns the `Result`. With `Ask.logprobs` k,
-    each Token carries its log-probability and the k most likely tokens' (`_scored`), read
-    from the distribution it was drawn from: after the processors, before temperature and
-    the top-p/min-p/top-k filters.
-    """
-    way = reply.way
-    if way.drafted:
-        last = yield from reply.drafted(layers, logits)
-        fed = False
-    else:
-        last, fed = yield from reply.plain(layers, logits)
-    tail = reply.tail()
-    if tail is not None:
-        yield tail
-    reply.stats.generated_tokens = len(reply.out)
-    if way.decode_matches_prefill and not fed:  # after every piece: the client has it all
-        yield from reply.feed(layers, last)  # its logits are not needed
-    yield Leave(layers)
-    return reply.result()
+    def _rewind(self) -> None:
+        """Rows 0..row were read: their inputs stay; the drafts after them go."""
+        if len(self.drafts) > self.row:
+            self.place.rewind(len(self.drafts) - self.row)
+        self.rows = None
 
 
 def accepts(token: int, drafts: list[int], i: int) -> bool:

@@ -9,7 +9,7 @@ batch gets bitwise the logits it gets alone (rows joining and leaving on the way
 a reply still does not depend on who else is running.
 
 A drafted request's row may feed its last token and its drafts in the same forward (a
-verify, `decode.Reply.drafted`) while the other rows feed one token: rows narrower than the
+verify, `decode.Reply._drafted`) while the other rows feed one token: rows narrower than the
 widest are padded with their own last token. Recurrent layers (`ArraysCache`) stop each
 row's state at its own length (`lengths`, which mlx-lm's
 recurrent layers honor, most of them: the probe finds the others); in the

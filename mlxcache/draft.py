@@ -81,7 +81,7 @@ def replay(
     """The verify forwards a drafted run of `reply` makes, (drafts fed, drafts accepted)
     each, without the model: a drafted reply is the plain one (`reply`, its end token left
     out; `ended`: it ended with one, whose pick takes a forward too), and the drafter sees
-    only prompt + reply so far, as `decode.Reply.drafted` feeds it (`budget`: the most tokens
+    only prompt + reply so far, as `decode.Reply._drafted` feeds it (`budget`: the most tokens
     the reply was allowed)."""
     tokens = np.asarray([*prompt, *reply], np.int32)
     at = 1  # the first token comes with the prompt's logits

@@ -24,12 +24,11 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import cast
 
 import mlx.core as mx
 import numpy as np
 
-from mlxcache import lanes
+from mlxcache import background, lanes, request_lane
 from mlxcache.cache.base import PrefixCache
 from mlxcache.config import WARM_AHEAD
 from mlxcache.decode import Forward
@@ -43,7 +42,7 @@ from mlxcache.membudget import MemoryBudget
 from mlxcache.model import LoadedModel
 from mlxcache.peers import Peers, told
 from mlxcache.request import Request, take_processors
-from mlxcache.scheduler import BACKGROUND, LaneKind, Scheduler, Step, Turn, TurnKind
+from mlxcache.scheduler import BACKGROUND, Go, LaneKind, Scheduler, Step, TurnKind
 from mlxcache.sysmem import release_unused
 from mlxcache.types import Model
 
@@ -152,10 +151,10 @@ class Engine:
             request, tokens, self.next_turn, block, self.loaded.context_length - 1
         )
         work = lanes.Work.of(self)
-        self._sched.add(rid, lanes.request(work, rid, tokens, request, follow, plan))
+        self._sched.add(rid, request_lane.request(work, rid, tokens, request, follow, plan))
         if follow is not None:
             fid = next(self._ids)
-            self._sched.add(fid, lanes.follow(work, fid, tokens, follow), follows=rid)
+            self._sched.add(fid, background.follow(work, fid, tokens, follow), follows=rid)
         return rid
 
     @told
@@ -170,9 +169,7 @@ class Engine:
             if common_prefix(lane.tokens, ids) == len(lane.tokens):  # the same or a shorter prefix
                 self.cancel(rid)
         rid = next(self._ids)
-        self._sched.add(
-            rid, Lane(lanes.warm_lane(lanes.Work.of(self), rid, ids), ids, LaneKind.WARM)
-        )
+        self._sched.add(rid, background.warm(lanes.Work.of(self), rid, ids))
         return rid
 
     @property
@@ -191,13 +188,15 @@ class Engine:
 
     @told
     def step(self, background: bool = True) -> list[Event]:
-        """One turn, one model call (`Scheduler.whose_turn`): a lane's, or the decode
-        batch's (`_forward`). `background` False (requests are waiting to start): warm
+        """One turn (`Scheduler.whose_turn`): a lane's (`_turn`), or the decode batch's
+        forward (`_batch_turn`). `background` False (requests are waiting to start): warm
         and follow lanes get no turn. Returns the events of requests it produced."""
         turn = self._sched.whose_turn(background, self._batch.rows)
         if turn is None:
             return []
-        return list(self._forward(turn) if turn.kind is TurnKind.BATCH else self._turn(turn.lane))
+        if turn.kind is TurnKind.BATCH:
+            return self._batch_turn(turn.lanes)
+        return self._turn(turn.lane)
 
     def release_memory(self) -> None:
         """If no lane runs, hand freed memory back to the system (`sysmem`), as `run` and
@@ -205,55 +204,56 @@ class Engine:
         if not self._sched:
             release_unused()
 
-    def _turn(self, rid: int, value: mx.array | None = None) -> Iterator[Event]:
-        """Advance lane `rid` by one turn (sending it `value` first: its logits from the
-        turn's forward, `_forward`) and yield its request events, as they come: a consumer
-        that stops (`generate` closed) stops the turn between two, the lane still queued
-        for `cancel`. The scheduler says whether the turn goes on (`Scheduler.advanced`)."""
-        lane = self._sched[rid]
-        again = True
-        while again:
-            try:  # whose forward it makes is the scheduler's (`Scheduler.own`)
-                own = self._sched.own(rid)
-                got = lanes.advance(lane, rid, value, own, self.model, self._batch)
+    def _turn(self, rid: int, logits: mx.array | None = None) -> list[Event]:
+        """Lane `rid`'s turn: its steps (the first given `logits`: its row of the batch's
+        forward), and the forwards they ask for, each made as soon as it is asked, its own
+        (`lanes.own_forward`) or, where it is a row of the decode batch or `Go.JOIN`s it,
+        the batch's (`lanes.join`), until the scheduler ends the turn
+        (`Scheduler.advanced`). A failed step or call fails the lane alone. Returns its
+        request events."""
+        lane, events = self._sched[rid], []
+        go = Go.ON
+        while go is not Go.END:
+            try:
+                got = lane.step(logits)
+                logits = None
+                if isinstance(got, Forward) and (go is Go.JOIN or lane.batch is not None):
+                    got = lanes.join(lane, got, self._batch)
+                elif isinstance(got, Forward):  # its own: made now, the turn goes on from it
+                    logits = lanes.own_forward(lane, got, self.model)
+                    continue
             except Exception as exc:
-                got = self._failed(rid, lane, exc)
-            if isinstance(got, Forward):  # its own (`Lane.asked`): the turn goes on from it
-                yield from self._forward(Turn(TurnKind.DECODE, (rid,)))
-                return
-            value = None
-            again = self._sched.advanced(rid, lanes.step_of(got))  # ended: forgotten, then Done
-            if lane.kind is LaneKind.REQUEST and got is not None and not isinstance(got, Step):
-                yield cast(Event, got)  # background work produces no events
+                got = self._failed(lane, exc)
+            go = self._sched.advanced(rid, lanes.step_of(got))  # ended: forgotten, then Done
+            if lane.kind is LaneKind.REQUEST and isinstance(got, Event):
+                events.append(got)  # background work produces no events
+        return events
 
-    def _forward(self, turn: Turn) -> Iterator[Event]:
-        """The turn's decode forward, its one model call (the decode batch's for its rows,
-        or a lane's own as it asked it, `Lane.asked`), then each lane it lists on to its
-        next forward with its logits. A failed call fails each lane alone."""
+    def _batch_turn(self, rows: Sequence[int]) -> list[Event]:
+        """The decode batch's forward, its one model call, then each row's turn on from its
+        logits. A failed call fails each row alone."""
         try:
-            if turn.kind is TurnKind.BATCH:
-                logits = self._batch.forward(self.model)
-            else:
-                logits = [lanes.own_forward(self._sched[turn.lane], self.model)]
+            logits = self._batch.forward(self.model)
         except Exception as exc:  # each lane fails alone, as its own call would
-            failed = [self._failed(rid, self._sched[rid], exc) for rid in turn.lanes]
-            for rid in turn.lanes:
-                self.cancel(rid)
-            yield from (e for e in failed if e is not None)
-            return
-        for rid, out in zip(turn.lanes, logits, strict=True):
+            failed = [self._failed(self._sched[rid], exc) for rid in rows]
+            for rid in rows:
+                self._sched.advanced(rid, Step.ENDED)
+            return [done for done in failed if done is not None]
+        events = []
+        for rid, out in zip(rows, logits, strict=True):
             self._sched.forwarded(rid)
-            yield from self._turn(rid, value=out)
+            events += self._turn(rid, out)
+        return events
 
-    def _failed(self, rid: int, lane: Lane, exc: Exception) -> Done | None:
-        """A lane's call failed: it ends alone, a request with an error `Done`, a warm or
-        follow lane with a warning. A sharded run is out of step (the others did not fail)."""
+    def _failed(self, lane: Lane, exc: Exception) -> Done | None:
+        """A lane's step or call failed: it ends alone (closed, keeping what it computed),
+        a request with an error `Done`, a warm or follow lane with a warning. A sharded run
+        is out of step (the others did not fail)."""
         if self.ranks is not None:
             raise self.ranks.lost(exc) from exc
-        if rid in self._batch:
-            self._batch.drop(rid)
+        lane.stop()
         if lane.kind is LaneKind.REQUEST:
-            return Done(rid, Result("", [], "error", Stats(), error=str(exc)))
+            return Done(lane.rid, Result("", [], "error", Stats(), error=str(exc)))
         self._warn(f"warm-ahead stopped early: {type(exc).__name__}: {exc}")
         return None
 
@@ -286,16 +286,14 @@ class Engine:
         """`generate`'s turn in a sharded run: made whole, as the other ranks make it (a
         follower's lane is `solo` by this call, as rank 0's is by `generate`)."""
         self._sched[rid].solo = True
-        return list(self._turn(rid))
+        return self._turn(rid)
 
     @told
     def cancel(self, rid: int) -> None:
         """Stop a lane now (its pin released; the full blocks a prefill computed kept), a
         request's follow lane with it. Unknown or ended ids: nothing."""
-        for r, lane in self._sched.cancel(rid):
-            if r in self._batch:
-                self._batch.drop(r)
-            lane.gen.close()
+        for _r, lane in self._sched.cancel(rid):
+            lane.stop()
 
     @told
     def cancel_warm(self) -> None:

@@ -1,54 +1,40 @@
-"""The engine's lanes: what a lane is (`Lane`: its kind, its phase, its generator) and the
-work each kind does (`request_lane`, `warm_lane`, `follow_lane`), one model call per
-step, over the model and cache of a `Work`. Whose turn it is, and what a lane's phase
-becomes after a step, is the scheduler's (`scheduler.py`); the engine drives.
+"""The engine's lanes as data: what a lane is (`Lane`: its kind, its phase, where its
+caches are), what it runs on (`Work`), and the rules the engine reads of lanes. The work
+each kind does, one step at a time, is its own module's (`request_lane.RequestLane`,
+`background.WarmLane`, `background.FollowLane`). Whose turn it is, and what a lane's
+phase becomes after a step, is the scheduler's (`scheduler.py`); the engine drives, and
+makes every forward a lane asks for (`decode.Forward`: a prefill chunk, a decode step, a
+verify), its own (`own_forward`) or a row of the decode batch's (`join`).
 
-A lane generator yields events (`Prefill`, `Token`, `Done`) and, past its first token, asks
-for its decode forwards (`decode.Forward`: made by the engine, its own or a row of the
-decode batch) and what its caches need besides (`decode.Sync`, `decode.Leave`,
-`decode.Rewind`: settled by `advance`); it keeps what it computed through its cache lease
-and releases the lease however it ends.
+A step gives an event (`Prefill`, `Token`, `Done`), a `Step` (work without an event), or
+the forward the lane asks for; the next step is given that forward's logits. A lane keeps
+what it computed through its cache lease and releases the lease however it ends (`close`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import enum
-import time
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, cast
+from typing import Protocol, TypeAlias, cast
 
 import mlx.core as mx
 import numpy as np
 
-from mlxcache.cache.base import Lease, NoCache, PrefixCache
+from mlxcache.cache.base import NoCache, PrefixCache
 from mlxcache.config import default_block_size
-from mlxcache.decode import (
-    Ask,
-    Capture,
-    Forward,
-    Leave,
-    Reply,
-    Rewind,
-    Share,
-    Sync,
-    Way,
-    decode,
-)
+from mlxcache.decode import Forward, Share
 from mlxcache.decode_batch import DecodeBatch
 from mlxcache.draft import Checkpoint
-from mlxcache.drafting import Drafting, Plan
+from mlxcache.drafting import Drafting
 from mlxcache.encoder import Encoder, common_prefix
-from mlxcache.errors import GenerationError, MemoryLimitError
-from mlxcache.events import Done, Event, Prefill, Result, Stats, Token
+from mlxcache.events import Done, Event, Prefill, Token
 from mlxcache.membudget import MemoryBudget
 from mlxcache.model import LoadedModel
-from mlxcache.model.kvquant import kv_width
-from mlxcache.prefill import prefill
+from mlxcache.prefill import run_chunk
 from mlxcache.request import Request
-from mlxcache.scheduler import LaneKind, Phase, Step
-from mlxcache.types import Model, positions
+from mlxcache.scheduler import LaneKind, Phase, Step, TurnKind
+from mlxcache.types import Layers, Model
 
 
 class NextTurn(enum.Enum):
@@ -106,28 +92,93 @@ class Follow:
         return min(len(self.prompt) + len(self.reply), self.limit) // self.block * self.block
 
 
-@dataclass(slots=True)
-class Lane:
-    """A lane: its generator, and what the scheduler reads and sets (`scheduler.Schedulable`)."""
+Got: TypeAlias = Event | Step | Forward | None
+"""What a lane's step gives (`Lane.step`): an event, a `Step` without one, the forward it
+asks for, or None: it has ended (a background lane; a request ends with its `Done`)."""
 
-    gen: Generator[Any, Any, None]  # Events, and its decode's asks (`advance`)
-    tokens: np.ndarray
-    kind: LaneKind
-    phase: Phase = Phase.RESTORING  # moved on by the scheduler (`Scheduler.advanced`)
-    follow: Follow | None = None  # a follow lane's state
-    # Every forward its own, never the batch's: in an engine that does not batch, a request
-    # run alone (`Engine.generate`), a drafted one whose verify forwards cannot be rows of
-    # the batch (not `Plan.batched`).
-    solo: bool = False
-    left: int | None = None  # a request's prompt tokens to prefill, once looked up
-    asked: Forward | None = None  # the forward it asked for, its own (`own_forward`)
-    # Drafting: the caches before its last verify forward made alone, and its inputs.
-    mark: tuple[Checkpoint, list[int]] | None = None
+
+@dataclass(frozen=True, slots=True)
+class Mark:
+    """The layers before a lane's own verify forward (`draft.Checkpoint`), the inputs it
+    fed and the model that fed them: rejected drafts are taken back out from there."""
+
+    checkpoint: Checkpoint
+    fed: list[int]
+    model: Model
+
+
+class Lane:
+    """A lane: what the scheduler reads and sets (`scheduler.Schedulable`), where its
+    caches are between forwards (`decode.Place`: its own layers, or a row of the decode
+    `batch`, which the engine moves it into), and its work, one step at a time (`step`).
+
+    `solo`: every forward its own, never the batch's (an engine that does not batch, a
+    request run alone: `Engine.generate`, a drafted one whose verify forwards cannot be
+    rows of the batch: not `Plan.batched`). `left`: a request's prompt tokens to prefill,
+    once looked up. `follow`: a follow lane's state."""
+
+    def __init__(
+        self,
+        rid: int,
+        tokens: np.ndarray,
+        kind: LaneKind,
+        solo: bool = False,
+        follow: Follow | None = None,
+    ) -> None:
+        self.rid = rid
+        self.tokens = tokens
+        self.kind = kind
+        self.phase = Phase.RESTORING  # moved on by the scheduler (`Scheduler.advanced`)
+        self.solo = solo
+        self.follow = follow
+        self.left: int | None = None
+        self.batch: DecodeBatch | None = None  # the decode batch it is a row of
+        self.mark: Mark | None = None  # before its last own verify forward
+
+    @property
+    def verifies(self) -> bool:
+        """Whether its next forward is a verify (a drafted request's)."""
+        return False
 
     def has_work(self) -> bool:
         """False only for a follow lane waiting for its reply to complete a block."""
         f = self.follow
         return f is None or f.closed or f.ready() > f.done
+
+    def step(self, logits: mx.array | None) -> Got:
+        """One step of its work, given the logits of the forward it asked for last (a
+        prefill chunk's are None but for the prompt's last)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Stop here (ended, cancelled, failed): what it computed is kept, its lease and
+        memory released. Closing again does nothing."""
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        """Stop now (cancelled, failed): out of the decode batch, and closed."""
+        if self.batch is not None:
+            self.batch.drop(self.rid)
+            self.batch = None
+        self.close()
+
+    def sync(self, layers: Layers) -> None:
+        if self.batch is not None:
+            self.batch.sync(self.rid, layers)  # its own forwards left its layers current
+
+    def leave(self, layers: Layers) -> None:
+        if self.batch is not None:
+            self.batch.leave(self.rid, layers)
+            self.batch = None
+        else:
+            mx.eval([c.state for c in layers])  # the KV only: no LM head
+
+    def rewind(self, n: int) -> None:
+        if self.batch is not None:
+            self.batch.rewind(self.rid, n)
+        elif self.mark is not None:
+            mark, self.mark = self.mark, None
+            mark.checkpoint.rewind(mark.model, mark.fed[: len(mark.fed) - n], n)
 
 
 class Settings(Protocol):
@@ -165,10 +216,6 @@ class Work:
     share: Share | None
     drafting: Drafting
     budget: MemoryBudget | None = None
-
-    @property
-    def model(self) -> Model:
-        return self.loaded.model
 
     @classmethod
     def of(cls, engine: Settings) -> Work:
@@ -255,306 +302,24 @@ def waits_for(lane: Lane, earlier: Lane, block: int) -> bool:
     return shared >= block and 2 * shared >= len(earlier.tokens)
 
 
-def advance(
-    lane: Lane, rid: int, value: mx.array | None, own: bool, model: Model, batch: DecodeBatch
-) -> Event | Step | Forward | None:
-    """Send `value` to lane `rid` and settle what it asks until it gives an event or asks
-    for a forward: where that is its `own`, the ask is noted (`Lane.asked`) and returned
-    for the engine to make (`Engine._forward`), else it joins (or waits in) the decode
-    `batch` and this returns `Step.JOINED`; None once it has ended. Its errors propagate."""
-    try:
-        step = lane.gen.send(value)
-        while isinstance(step, Leave | Sync | Rewind) or (isinstance(step, Forward) and not own):
-            if isinstance(step, Forward):
-                if rid in batch:
-                    batch.wait(rid, step.y)
-                else:
-                    batch.join(rid, step.layers, step.y)
-                return Step.JOINED
-            settle(lane, rid, step, model, batch)
-            step = lane.gen.send(None)
-        if isinstance(step, Prefill) and lane.kind is LaneKind.REQUEST:
-            lane.left = step.total - step.done
-        if isinstance(step, Forward):
-            lane.asked = step
-        return cast(Event | Forward, step)
-    except StopIteration:
-        return None
+def join(lane: Lane, ask: Forward, batch: DecodeBatch) -> Step:
+    """A lane's forward as a row of the decode `batch`: it joins it, or (a row already)
+    waits there with its next inputs."""
+    if lane.batch is None:
+        batch.join(lane.rid, ask.layers, ask.x)
+        lane.batch = batch
+    else:
+        batch.wait(lane.rid, ask.x)
+    return Step.JOINED
 
 
-def settle(
-    lane: Lane, rid: int, ask: Leave | Sync | Rewind, model: Model, batch: DecodeBatch
-) -> None:
-    """What a reply asks of its caches besides a forward, in the decode `batch` where it is
-    a row of it, else in its own layers, which its own forwards left current: its KV put
-    back (`Leave`; its own evaluated), copied out for a block's capture (`Sync`), rejected
-    drafts taken back out (`Rewind`: from before its own verify, `Lane.mark`)."""
-    if isinstance(ask, Rewind):
-        if rid in batch:
-            batch.rewind(rid, ask.n)
-        elif lane.mark is not None:
-            (mark, fed), lane.mark = lane.mark, None
-            mark.rewind(model, fed[: len(fed) - ask.n], ask.n)
-    elif rid in batch:
-        (batch.leave if isinstance(ask, Leave) else batch.sync)(rid, ask.layers)
-    elif isinstance(ask, Leave):
-        mx.eval([c.state for c in ask.layers])  # the KV only: no LM head
-
-
-def own_forward(lane: Lane, model: Model) -> mx.array:
-    """A lane's own forward as it asked it (`Lane.asked`): its logits, (len(y), vocab).
-    A verify's inputs are noted with the layers before it (`Lane.mark`), for `Rewind`."""
-    ask, lane.asked = cast(Forward, lane.asked), None
-    verify = ask.y.size > 1  # what it feeds may be taken back
-    lane.mark = (Checkpoint(ask.layers), cast(list[int], ask.y.tolist())) if verify else None
-    return model(ask.y.reshape(1, -1), cache=ask.layers)[0]
-
-
-def miss_reason(work: Work, n: int) -> str:
-    """Why a request of n tokens resumed nothing."""
-    if isinstance(work.cache, NoCache):
-        return "cache off"
-    if n <= work.cache.block_size:
-        return f"shorter than one block of {work.cache.block_size} tokens"
-    return "no cached prefix"
-
-
-def request(
-    work: Work, rid: int, tokens: np.ndarray, req: Request, follow: Follow | None, plan: Plan | None
-) -> Lane:
-    """A request's lane (`request_lane`): past its first token it decodes in the batch
-    where the engine batches (`Work.batch_decode`), but for a drafted request whose verify
-    forwards cannot be rows of it (`Plan.batched`)."""
-    gen = request_lane(work, rid, tokens, req, follow, plan)
-    solo = not work.batch_decode or bool(plan and not plan.batched)
-    return Lane(gen, tokens, LaneKind.REQUEST, solo=solo)
-
-
-def follow(work: Work, rid: int, tokens: np.ndarray, f: Follow) -> Lane:
-    """The follow lane of a request of prompt `tokens` (`follow_lane`)."""
-    return Lane(follow_lane(work, rid, f), tokens, LaneKind.FOLLOW, follow=f)
-
-
-def request_lane(
-    work: Work,
-    rid: int,
-    tokens: np.ndarray,
-    req: Request,
-    follow: Follow | None,
-    plan: Plan | None = None,
-) -> Generator[Event | Forward | Leave | Sync | Rewind | Step, Any, None]:
-    n = int(tokens.size)
-    stats = Stats(prompt_tokens=n, kv=kv_width(work.loaded))
-    start = time.perf_counter()
-    lease = None
-    try:
-        while work.budget and not work.budget.admit(rid, n, req.sampling.max_tokens, work.cache):
-            yield Step.WAIT  # running requests hold the room: a turn without work
-        lease = work.cache.restore(tokens, decode_matches_prefill=work.decode_matches_prefill)
-        stats.cached_tokens = lease.length
-        stats.prefilled_tokens = n - lease.length
-        stats.miss_reason = "" if lease.length else miss_reason(work, n)
-        stats.cached_from = lease.tier
-        stats.restore_s = time.perf_counter() - start
-        block = work.cache.block_size
-        # Trimmable KV is kept after the prompt's last full block; a whole-state
-        # checkpoint (recurrent / rotating layers) must be taken at the last boundary
-        # before the end, so that the same prompt can resume from it.
-        keep_at = (n // block if work.cache.trimmable else (n - 1) // block) * block
-        if lease.logits is not None:  # this very prompt again: nothing to prefill
-            logits = lease.logits
-        else:
-            logits = yield from prefill_blocks(work, rid, tokens, lease, lease.length, keep_at)
-            lease.keep_tail(tokens, logits)
-        stats.draft = "" if plan is None else plan.kind
-        reply = Reply.of(
-            work.loaded.tokenizer,
-            rid,
-            tokens,
-            ask_of(work, req, tokens),
-            way_of(work, plan, Capture(block, lease.capture)),
-            stats,
-            start,
-            None if follow is None else follow.reply,
-        )
-        result = yield from decode(lease.layers, logits, reply)
-        if work.decode_matches_prefill:
-            ended = [] if result.stop_token is None else [result.stop_token]
-            keep_reply(work, tokens, [*result.tokens, *ended], lease)
-    except GenerationError as exc:
-        # This request fails alone: the lanes beside it go on.
-        result = Result("", [], "error", stats, error=str(exc))
-    finally:
-        if lease is not None:
-            lease.release()
-        if work.budget is not None:
-            work.budget.release(rid)
-        if follow is not None:  # however the request ended: its follow lane may finish
-            follow.closed = True
-    yield Done(rid, result)  # after the release: a finished request holds no pin
-
-
-def ask_of(work: Work, req: Request, tokens: np.ndarray) -> Ask:
-    """What `req` asks of its reply (the model's end tokens unless it names its own)."""
-    stop = req.stop_tokens
-    if stop is None:
-        stop = frozenset(work.loaded.tokenizer.eos_token_ids)
-    budget = work.encoder.reply_room(tokens, req.sampling.max_tokens)
-    return Ask(req.sampling, req.processors, stop, req.stop_strings, budget, req.logprobs)
-
-
-def way_of(work: Work, plan: Plan | None, capture: Capture) -> Way:
-    """How a reply's forwards are made: drafted by its plan, and fed to its end with its
-    blocks captured where its KV is kept (`Engine.decode_matches_prefill`). Whether they
-    are its own or rows of the decode batch is the scheduler's (`Scheduler.own`)."""
-    return Way(
-        share=work.share,
-        decode_matches_prefill=work.decode_matches_prefill,
-        drafter=None if plan is None else work.drafting.drafter(plan, work.share),
-        draft=0 if plan is None else plan.k,
-        capture=capture if work.decode_matches_prefill else None,
-    )
-
-
-def keep_reply(work: Work, prompt: np.ndarray, reply: list[int], lease: Lease) -> None:
-    """Keep the full blocks of prompt + reply (its end token included) that the lease's
-    layers hold past the prompt's own, and the rest as a tail to resume mid-block from
-    (decode KV, canonical on this device: see `decode_matches_prefill`)."""
-    block = work.cache.block_size
-    ids = np.concatenate([prompt, np.asarray(reply, np.int32)])
-    ids = ids[: positions(lease.layers, len(ids))]
-    if len(ids) // block > prompt.size // block:
-        lease.keep(ids[: len(ids) // block * block])
-    lease.keep_tail(ids, None)
-    lease.keep_live(ids)  # the next turn continues from these layers themselves
-
-
-def warm_lane(work: Work, rid: int, tokens: np.ndarray) -> Generator[Event, None, None]:
-    # No logits needed: every full block. Warm work is not a request: not counted.
-    # Where decode KV is canonical, it resumes from the reply's own tail: only the
-    # next turn's new tokens are prefilled.
-    whole = work.cache.cached_length(tokens, True, work.decode_matches_prefill) == len(tokens)
-    if whole or not _room_now(work, rid, len(tokens)):
-        return  # nothing to compute: the layers that hold it (live ones too) stay as they are
-    try:
-        with work.cache.restore(
-            tokens, count=False, decode_matches_prefill=work.decode_matches_prefill, whole=True
-        ) as lease:
-            if lease.length < len(tokens):
-                yield from prefill_blocks(work, rid, tokens, lease, lease.length, len(tokens))
-            if work.decode_matches_prefill:  # the turn it warms continues from these layers
-                lease.keep_live(tokens)
-    finally:
-        if work.budget is not None:
-            work.budget.release(rid)
-
-
-def _room_now(work: Work, rid: int, n: int) -> bool:
-    """Whether the memory budget (if any) takes background work of `n` tokens now: it is
-    only ever a head start, so it never waits for room."""
-    try:
-        return work.budget is None or work.budget.admit(rid, n, 0, work.cache)
-    except MemoryLimitError:
-        return False
-
-
-def follow_lane(work: Work, rid: int, f: Follow) -> Generator[Event | Step, None, None]:
-    # Stepped only when a block is complete or the request has ended (`step`).
-    block = work.cache.block_size
-    lease = None
-    try:
-        while (target := f.ready()) > f.done or not f.closed:
-            if target <= f.done:
-                yield Step.WAIT  # nothing yet (what it found was kept): wait for the reply
-                continue
-            ids = f.tokens()[:target]
-            # Blocks kept already (the same conversation before) are skipped, and the
-            # layers held so far with them: a later miss restores from there.
-            if (kept := work.cache.cached_length(ids, whole=True)) > f.done:
-                f.done = kept
-                if lease is not None:
-                    lease.release()
-                    lease = None
-                continue
-            if lease is None:
-                lease = work.cache.restore(ids[: f.done], count=False, whole=True)
-                f.done = lease.length
-            stop = min(target, f.done + block)  # one chunk per step
-            yield from prefill_blocks(work, rid, ids[:stop], lease, f.done, stop)
-            f.done = stop
-    finally:
-        if lease is not None:
-            lease.release()
-
-
-@dataclass(slots=True)
-class Prefilling:
-    """A prompt's prefill as data: `tokens[start:]` go into the lease's layers in canonical
-    chunks; `tokens[:done]` are in them (`at_end`: exactly those, the chunk that reached
-    `done` complete), `tokens[:keep_at]` are kept once reached, `kept`: how far they are."""
-
-    lease: Lease
-    tokens: np.ndarray
-    block: int
-    start: int
-    keep_at: int
-    done: int
-    kept: int
-    at_end: bool = False
-
-    def reached(self, stop: int) -> None:
-        """A chunk ended at `stop`: every block it completed is captured (a merged chunk
-        completes several), and the prompt is kept at `keep_at` (tried once: not again
-        while unwinding if it fails)."""
-        first = self.done // self.block * self.block + self.block
-        self.done, self.at_end = stop, True
-        for end in range(first, min(stop, self.keep_at) + 1, self.block):
-            self.lease.capture(end)
-        if self.kept < self.keep_at <= stop:  # a merged chunk may pass it
-            self.kept = self.keep_at
-            self.lease.keep(self.tokens[: self.keep_at])
-
-    def stopped(self, trimmable: bool) -> None:
-        """Cancelled between chunks (GeneratorExit) or interrupted inside one: what is fully
-        computed is canonical KV, kept. A trimmable cache cuts it out of any state; a
-        whole-state checkpoint needs the layers to hold exactly `done` tokens."""
-        usable = self.done % self.block == 0 and (trimmable or self.at_end)
-        if self.done > self.kept and usable:
-            # Best effort while unwinding: a failed keep must not replace what stopped
-            # the lane (a cancel, Ctrl-C) nor fail the request that pre-empted it.
-            with contextlib.suppress(Exception):
-                self.lease.keep(self.tokens[: self.done])
-
-
-def prefill_blocks(
-    work: Work,
-    rid: int,
-    tokens: np.ndarray,
-    lease: Lease,
-    start: int,
-    keep_at: int,
-) -> Generator[Event, None, mx.array]:
-    """Prefill tokens[start:] into the lease's layers canonically and keep
-    tokens[:keep_at]; returns the last logits (`Prefilling`).
-
-    Stopped early (cancelled, interrupted), it keeps the full blocks it computed.
-    """
-    n, block = int(tokens.size), work.cache.block_size
-    state = Prefilling(lease, tokens, block, start, keep_at, start, start)
-    logits = None
-    try:
-        # A resume inside a block only where decode KV is canonical: see `restore`.
-        chunks = prefill(
-            work.model, lease.layers, tokens, start, block, work.decode_matches_prefill
-        )
-        for stop, out in chunks:
-            logits = out
-            state.reached(stop)
-            yield Prefill(rid, stop, n, start)
-            state.at_end = False
-    except BaseException:
-        state.stopped(work.cache.trimmable)
-        raise
-    if logits is None:  # prefill() always ends with the logits chunk
-        raise GenerationError("prefill produced no logits")
-    return logits
+def own_forward(lane: Lane, ask: Forward, model: Model) -> mx.array | None:
+    """A lane's own forward as it asked it: a prefill chunk (`prefill.run_chunk`), a decode
+    step's or verify's logits, (len(x), vocab). A verify's inputs are noted with the
+    layers before it (`Lane.mark`), for `Lane.rewind`."""
+    if ask.kind is TurnKind.PREFILL:
+        return run_chunk(model, ask.layers, ask.x, ask.logits)
+    verify = ask.x.size > 1  # what it feeds may be taken back
+    inputs = cast(list[int], ask.x.tolist()) if verify else []
+    lane.mark = Mark(Checkpoint(ask.layers), inputs, model) if verify else None
+    return model(ask.x.reshape(1, -1), cache=ask.layers)[0]

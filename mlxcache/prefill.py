@@ -72,6 +72,30 @@ def _merged(bounds: list[int], widest: int) -> list[int]:
     return [*kept, bounds[-1]]
 
 
+def chunks_for(
+    layers: Layers, end: int, start: int, block_size: int, decode_matches_prefill: bool = False
+) -> list[tuple[int, int]]:
+    """The chunks that prefill tokens [start, end) into `layers` (`schedule`): merged, on a
+    device measured shape-invariant (`decode_matches_prefill`), as far as `layers` keep
+    every position (`live.whole_until`)."""
+    merge_to = whole_until(layers) if decode_matches_prefill else 0
+    return schedule(start, end, block_size, decode_matches_prefill, merge_to)
+
+
+def run_chunk(model: Model, layers: Layers, x: mx.array, logits: bool) -> mx.array | None:
+    """One chunk's forward, `x` (its tokens) into `layers`, evaluated. `logits` (the
+    prompt's last chunk): the last token's, the LM head applied to it alone
+    (`last_logits`), shaped (1, vocab); else None, the LM head never evaluated."""
+    inputs = x.reshape(1, -1)
+    if not logits:
+        model(inputs, cache=layers)
+        mx.eval([c.state for c in layers])
+        return None
+    out = last_logits(model, inputs, layers)
+    mx.eval(out, [c.state for c in layers])
+    return out
+
+
 def prefill(
     model: Model,
     layers: Layers,
@@ -80,23 +104,8 @@ def prefill(
     block_size: int,
     decode_matches_prefill: bool = False,
 ) -> Iterator[tuple[int, mx.array | None]]:
-    """Run the canonical prefill of tokens[start:] into `layers` (`decode_matches_prefill`:
-    see `schedule`; its chunks merged there as far as `layers` keep every position).
-
-    Yields (stop, logits) after each chunk, evaluated, so the caller can checkpoint at
-    block boundaries and interleave other requests. Logits (of the last prompt token)
-    come with the final chunk only, the LM head applied to that token alone
-    (`last_logits`): earlier chunks leave the LM head unevaluated.
-    """
-    merge_to = whole_until(layers) if decode_matches_prefill else 0
-    chunks = schedule(start, len(tokens), block_size, decode_matches_prefill, merge_to)
-    for s, e in chunks:
-        x = mx.array(tokens[None, s:e])
-        if e < len(tokens):
-            model(x, cache=layers)  # its logits are never evaluated: no LM head
-            mx.eval([c.state for c in layers])
-            yield e, None
-        else:
-            logits = last_logits(model, x, layers)
-            mx.eval(logits, [c.state for c in layers])
-            yield e, logits
+    """Run the canonical prefill of tokens[start:] into `layers` (`chunks_for`) and yield
+    (stop, logits) after each chunk (`run_chunk`): logits with the final chunk only."""
+    end = len(tokens)
+    for s, e in chunks_for(layers, end, start, block_size, decode_matches_prefill):
+        yield e, run_chunk(model, layers, mx.array(tokens[s:e]), e == end)

@@ -30,12 +30,12 @@ Warm and follow lanes are the background kinds (`BACKGROUND`): `whose_turn(backg
 With batched decode, requests past their first token wait in the engine's decode batch
 (`Phase.BATCHED`) and take their steps together: the batch's turn alternates with the lanes'.
 
-A lane is data: its kind and its `Phase`. The engine advances a lane's generator and tells
+A lane is data: its kind and its `Phase`. The engine advances a lane by a step and tells
 the scheduler what that gave (`advanced`, a `Step`); the scheduler moves the lane to its
-next phase and place and says whether the same turn goes on: a request's first token comes
-with its prompt's last chunk (sampling it is no model call, and waiting for the next round
-would delay it by every other lane's turn), and a request past its first token joins the
-decode batch at once (unless it is `solo`).
+next phase and place and says whether the same turn goes on (`Go`): a request's first
+token comes with its prompt's last chunk (sampling it is no model call, and waiting for
+the next round would delay it by every other lane's turn), and a request past its first
+token joins the decode batch at once (unless it is `solo`).
 """
 
 from __future__ import annotations
@@ -95,6 +95,18 @@ class Step(enum.Enum):
     """The lane ended (a request with its `Done`)."""
 
 
+class Go(enum.Enum):
+    """Whether a lane's turn goes on after a step (`Scheduler.advanced`)."""
+
+    END = "end"
+    """The turn ends."""
+    ON = "on"
+    """It goes on, the lane's forwards its own (a request's first token, after its
+    prompt's last chunk: sampling it is no model call)."""
+    JOIN = "join"
+    """It goes on to the decode batch: the lane's next forward is a row of the batch's."""
+
+
 BACKGROUND = (LaneKind.WARM, LaneKind.FOLLOW)
 """The kinds that only keep KV for later requests: no events, and no turn while requests wait."""
 
@@ -107,7 +119,10 @@ class TurnKind(enum.Enum):
     chunk: sampling it is no model call), or a background lane's step."""
     DECODE = "decode"
     """A request past its first token, outside the batch: its own decode forward (a drafted
-    request's: a verify, or none while it reads the rows of its last one)."""
+    request's: none, while it reads the rows of its last verify)."""
+    VERIFY = "verify"
+    """A drafted request outside the batch: its own verify forward (its last token and its
+    drafts), then the first of its rows read."""
     BATCH = "batch"
     """The decode batch's forward: one for every row, each then on to its next token."""
 
@@ -151,6 +166,11 @@ class Schedulable(Protocol):
     def left(self) -> int | None:
         """A request's prompt tokens not prefilled yet; None before its prompt is looked up
         in the cache (or for a background lane)."""
+        ...
+
+    @property
+    def verifies(self) -> bool:
+        """Whether its next forward is a verify (a drafted request's)."""
         ...
 
     def has_work(self) -> bool:
@@ -227,8 +247,9 @@ class Scheduler(Generic[L]):
         if rid is None:
             return None
         lane = self._lanes[rid]
-        decodes = lane.kind is LaneKind.REQUEST and not self._prefilling(lane)
-        return Turn(TurnKind.DECODE if decodes else TurnKind.PREFILL, (rid,))
+        if lane.kind is not LaneKind.REQUEST or self._prefilling(lane):
+            return Turn(TurnKind.PREFILL, (rid,))
+        return Turn(TurnKind.VERIFY if lane.verifies else TurnKind.DECODE, (rid,))
 
     def _due_first(self) -> int:
         """The prefilling request looked up whose first token is due first: the fewest
@@ -269,49 +290,43 @@ class Scheduler(Generic[L]):
             return lane.phase is not Phase.BATCHED
         return follow and lane.has_work()
 
-    def advanced(self, rid: int, step: Step) -> bool:
-        """Lane `rid` was advanced and gave `step`: its next phase and place. Returns
-        whether it is advanced again in this turn: a request's first token comes with its
-        prompt's last chunk, and a request that gave a token joins the decode batch at
-        once unless it is `solo`."""
+    def advanced(self, rid: int, step: Step) -> Go:
+        """Lane `rid` was advanced and gave `step`: its next phase and place, and whether
+        its turn goes on (`Go`): a request's first token comes with its prompt's last
+        chunk, and a request that gave a token joins the decode batch at once unless it is
+        `solo`."""
         lane = self._lanes[rid]
         if step is Step.ENDED:
             lane.phase = Phase.DONE
             self.finish(rid)
-            return False
+            return Go.END
         if step is Step.JOINED:
             lane.phase = Phase.BATCHED
-            return False
+            return Go.END
         if lane.kind is not LaneKind.REQUEST:  # background work: one step a turn
             lane.phase = Phase.PREFILLING
             self.requeue(rid)
-            return False
+            return Go.END
         left, before = lane.left, self._left.get(rid)
         if left is not None:
             self._clock += 0 if before is None else before - left
             self._left[rid] = left
         if step is Step.PROMPT_DONE:
             lane.phase = Phase.PREFILLING
-            return True
+            return Go.ON
         if step in (Step.CHUNK, Step.WAIT):  # requests take turns: to the back of the round
             if step is Step.CHUNK:  # (one waiting for room stays as it was: not started)
                 lane.phase = Phase.PREFILLING
             self.requeue(rid)
-            return False
+            return Go.END
         lane.phase = Phase.DECODING
         self.requeue(rid)
-        return not lane.solo
+        return Go.END if lane.solo else Go.JOIN
 
     def forwarded(self, rid: int) -> None:
-        """The turn's decode forward (its own or the batch's) gave request `rid` its logits:
-        it decodes its token (then `advanced` says it joins the batch again, or it ends)."""
+        """The decode batch's forward gave request `rid` its logits: it decodes its token
+        (then `advanced` says it joins the batch again, or it ends)."""
         self._lanes[rid].phase = Phase.DECODING
-
-    def own(self, rid: int) -> bool:
-        """Whether lane `rid`'s next forward is its own (not the batch's): a request's
-        until its first token, a solo request's and a background lane's always."""
-        lane = self._lanes[rid]
-        return lane.solo or lane.kind is not LaneKind.REQUEST or lane.phase in PROMPT_PHASES
 
     def requeue(self, rid: int) -> None:
         """The lane had its turn and goes on: a lane of the round to its back; a warm lane

@@ -8,7 +8,8 @@ checks that each is caught by a guarantee check of tests/guarantees.py.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Generator
+from collections import deque
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -16,6 +17,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import BatchRotatingKVCache, KVCache, RotatingKVCache
 
+import mlxcache.background as background_mod
 import mlxcache.cache.layout as layout_mod
 import mlxcache.cache.live as live_mod
 import mlxcache.decode as decode_mod
@@ -26,6 +28,8 @@ import mlxcache.invariance as invariance
 import mlxcache.lanes as lanes_mod
 import mlxcache.model.loader as loader_mod
 import mlxcache.prefill as prefill_mod
+import mlxcache.prefilling as prefilling_mod
+import mlxcache.request_lane as request_mod
 import mlxcache.sampling as sampling_mod
 from mlxcache.cache import blocks
 from mlxcache.cache.disk import DiskTier, digest_tokens
@@ -37,10 +41,9 @@ from mlxcache.config import MAX_DRAFT
 from mlxcache.decode_batch import DecodeBatch
 from mlxcache.encoder import common_prefix
 from mlxcache.engine import Engine
-from mlxcache.events import Done, Event, Prefill, Result, Token
+from mlxcache.events import Done, Result
 from mlxcache.ring import TimeBatchRing, TimeRing
 from mlxcache.sampling import make_processors
-from mlxcache.scheduler import Step
 from mlxcache.worker import EngineWorker
 
 Patch = Callable[[Any, str, Any], None]
@@ -71,59 +74,35 @@ def checkpoint_name_without_namespace(patch: Patch) -> None:
 
 def keep_decode_kv(patch: Patch) -> None:
     """After a reply, the store also keeps the reply's KV (computed by decode steps)."""
-    seen: dict[int, np.ndarray] = {}  # id(layers) -> the tokens they hold
 
-    decode = lanes_mod.decode
+    class Keeping(request_mod.RequestLane):
+        def _finish(self, result: Result) -> Done:
+            lease = self.lease
+            assert lease is not None
+            ids = np.concatenate([self.tokens, np.asarray(result.tokens, np.int32)])
+            ids = ids[: int(lease.layers[0].offset)]
+            n = len(ids) // self.work.cache.block_size * self.work.cache.block_size
+            if self.work.cache.trimmable and n:
+                lease.keep(ids[:n])
+            return super()._finish(result)
 
-    def noting(layers: Any, logits: Any, reply: decode_mod.Reply) -> Generator[Event, None, Result]:
-        result = yield from decode(layers, logits, reply)
-        ids = np.concatenate([reply.host[: reply.prompt], np.asarray(result.tokens, np.int32)])
-        seen[id(layers)] = ids[: int(layers[0].offset)]
-        return result
-
-    patch(lanes_mod, "decode", noting)
-    release = PromptCache.release
-
-    def release_keeping(self: PromptCache, resume: Any) -> None:
-        tokens = seen.pop(id(resume.layers), None)
-        n = 0 if tokens is None else len(tokens) // self.block_size * self.block_size
-        if tokens is not None and self.trimmable and n:
-            self.keep(tokens[:n], resume)
-        release(self, resume)
-
-    patch(PromptCache, "release", release_keeping)
+    patch(request_mod, "RequestLane", Keeping)
 
 
 def penalty_without_cached_prompt(patch: Patch) -> None:
     """The repetition penalty sees only the prompt tokens the request prefilled, not those
     it resumed from the cache."""
-    restore, decode = PromptCache.restore, lanes_mod.decode
-    starts: dict[int, int] = {}  # id(layers) -> the resume point they were restored at
 
-    def restore_noting(
-        self: PromptCache,
-        tokens: np.ndarray,
-        count: bool = True,
-        decode_matches_prefill: bool = False,
-        whole: bool = False,
-    ) -> Any:
-        resume = restore(self, tokens, count, decode_matches_prefill, whole)
-        starts[id(resume.layers)] = resume.length
-        return resume
+    class Uncached(request_mod.RequestLane):
+        def _reply(self) -> decode_mod.Reply:
+            reply = super()._reply()
+            assert self.lease is not None
+            start = self.lease.length
+            own = make_processors(reply.ask.sampling, reply.prompt - start)
+            reply.procs = [*(_from(start, proc) for proc in own), *reply.ask.processors]
+            return reply
 
-    def decode_uncached(
-        layers: Any, logits: Any, reply: decode_mod.Reply
-    ) -> Generator[Event, None, Result]:
-        start = starts.get(id(layers), 0)
-        own = make_processors(reply.ask.sampling, reply.prompt - start)
-        reply.procs = [
-            *(_from(start, proc) for proc in own),
-            *reply.ask.processors,
-        ]
-        return (yield from decode(layers, logits, reply))
-
-    patch(PromptCache, "restore", restore_noting)
-    patch(lanes_mod, "decode", decode_uncached)
+    patch(request_mod, "RequestLane", Uncached)
 
 
 def _from(start: int, proc: Any) -> Any:
@@ -161,8 +140,7 @@ def _map_arrays(cache: Any, f: Callable[[mx.array], mx.array]) -> Any:
 
 def lanes_batched(patch: Patch) -> None:
     batched = property(lambda self: _Batched(self.loaded.model))
-    patch(Engine, "model", batched)  # a lane's own decode forwards
-    patch(lanes_mod.Work, "model", batched)  # its prefill chunks
+    patch(Engine, "model", batched)  # every forward a lane asks of the engine
 
 
 def partial_last_block(patch: Patch) -> None:
@@ -197,20 +175,14 @@ def partial_last_block(patch: Patch) -> None:
 def checkpoint_at_prompt_end(patch: Patch) -> None:
     """A request keeps its state after the whole prompt (partial last block included), not
     at the last block boundary before its end."""
-    prefill = lanes_mod.prefill_blocks
+    of = prefilling_mod.Prefilling.of
 
-    def prefill_blocks(
-        work: lanes_mod.Work,
-        rid: int,
-        tokens: np.ndarray,
-        lease: Any,
-        start: int,
-        keep_at: int,
-        *rest: Any,
-    ) -> Generator[Event, None, mx.array]:
-        return (yield from prefill(work, rid, tokens, lease, start, len(tokens), *rest))
+    def at_end(
+        work: lanes_mod.Work, lease: Any, tokens: np.ndarray, start: int, keep_at: int
+    ) -> prefilling_mod.Prefilling:
+        return of(work, lease, tokens, start, len(tokens))
 
-    patch(lanes_mod, "prefill_blocks", prefill_blocks)
+    patch(prefilling_mod.Prefilling, "of", staticmethod(at_end))
 
 
 def unaligned_chunks(patch: Patch) -> None:
@@ -252,17 +224,14 @@ def warm_in_one_chunk(patch: Patch) -> None:
     canonical chunks. The request that resumes from it makes the right calls; only the
     bits of the KV it resumes from differ (on the shape-sensitive model)."""
 
-    def warm_lane(
-        self: lanes_mod.Work, rid: int, tokens: np.ndarray
-    ) -> Generator[Event, None, None]:
-        with self.cache.restore(tokens, whole=True) as lease:
-            if lease.length < len(tokens):
-                self.model(mx.array(tokens[None, lease.length :]), cache=lease.layers)
-                mx.eval([c.state for c in lease.layers])
-                lease.keep(tokens)
-                yield Prefill(rid, len(tokens), len(tokens))
+    def one_chunk(self: background_mod.WarmLane, lease: Any) -> prefilling_mod.Prefilling:
+        state = prefilling_mod.Prefilling.of(
+            self.work, lease, self.tokens, lease.length, len(self.tokens)
+        )
+        state.chunks = deque([(lease.length, len(self.tokens))])
+        return state
 
-    patch(lanes_mod, "warm_lane", warm_lane)
+    patch(background_mod.WarmLane, "_prefilling", one_chunk)
 
 
 def restore_without_copy(patch: Patch) -> None:
@@ -306,27 +275,14 @@ def follow_in_one_chunk(patch: Patch) -> None:
     """A follow lane that fell behind prefills all the blocks the reply has completed in
     one forward call (fewer, larger calls), not one canonical chunk per block."""
 
-    def follow_lane(self: lanes_mod.Work, rid: int, f: Any) -> Generator[Event | Step, None, None]:
-        resume = None
-        try:
-            while (target := f.ready()) > f.done or not f.closed:
-                if target <= f.done:
-                    yield Step.WAIT
-                    continue
-                ids = f.tokens()[:target]
-                if resume is None:
-                    resume = self.cache.restore(ids[: f.done], whole=True)
-                    f.done = resume.length
-                self.model(mx.array(ids[None, f.done : target]), cache=resume.layers)
-                mx.eval([c.state for c in resume.layers])
-                resume.keep(ids)
-                f.done = target
-                yield Prefill(rid, target, target)
-        finally:
-            if resume is not None:
-                resume.release()
+    def one_chunk(
+        self: background_mod.FollowLane, lease: Any, ids: np.ndarray, target: int
+    ) -> prefilling_mod.Prefilling:
+        state = prefilling_mod.Prefilling.of(self.work, lease, ids[:target], self.f.done, target)
+        state.chunks = deque([(self.f.done, target)])
+        return state
 
-    patch(lanes_mod, "follow_lane", follow_lane)
+    patch(background_mod.FollowLane, "_prefilling", one_chunk)
 
 
 def tail_of_a_prefix(patch: Patch) -> None:
@@ -357,43 +313,23 @@ def tail_without_kv(patch: Patch) -> None:
 def keep_decode_on_cancel(patch: Patch) -> None:
     """A request cancelled during its reply (Ctrl-C, a client gone) keeps the prompt and
     the reply so far, KV its decode steps computed included."""
-    restore, lane = PromptCache.restore, lanes_mod.request_lane
-    restored: dict[bytes, Any] = {}  # prompt bytes -> the lease restored for it
 
-    def restore_noting(
-        self: PromptCache,
-        tokens: np.ndarray,
-        count: bool = True,
-        decode_matches_prefill: bool = False,
-        whole: bool = False,
-    ) -> Any:
-        resume = restore(self, tokens, count, decode_matches_prefill, whole)
-        restored[np.asarray(tokens, np.int32).tobytes()] = resume
-        return resume
-
-    def request_lane(
-        self: lanes_mod.Work, rid: int, tokens: np.ndarray, *rest: Any
-    ) -> Generator[Event, None, None]:
-        reply: list[int] = []
-        gen = lane(self, rid, tokens, *rest)
-        try:
-            for event in gen:
-                if isinstance(event, Token):
-                    reply.append(event.token)
-                yield event
-        except GeneratorExit:
-            lease = restored.get(np.asarray(tokens, np.int32).tobytes())
-            if lease is not None and reply:
+    class Keeping(request_mod.RequestLane):
+        def close(self) -> None:
+            reply, lease = self.reply, self.lease
+            cut = reply is not None and reply.stage is not decode_mod.Stage.DONE
+            if not self.closed and cut and reply is not None and reply.out and lease:
                 layers = lease.layers
-                held = int(layers[0].offset) // self.cache.block_size * self.cache.block_size
-                seen = np.concatenate([tokens, np.asarray(reply, np.int32)])[:held]
-                if held > len(tokens) and (self.cache.trimmable or held == layers[0].offset):
+                held = int(layers[0].offset) // self.work.cache.block_size
+                held *= self.work.cache.block_size
+                seen = np.concatenate([self.tokens, np.asarray(reply.out, np.int32)])[:held]
+                if held > len(self.tokens) and (
+                    self.work.cache.trimmable or held == layers[0].offset
+                ):
                     lease.keep(seen)
-            gen.close()
-            raise
+            super().close()
 
-    patch(PromptCache, "restore", restore_noting)
-    patch(lanes_mod, "request_lane", request_lane)
+    patch(request_mod, "RequestLane", Keeping)
 
 
 def namespace_without_block_size(patch: Patch) -> None:
@@ -490,7 +426,7 @@ def batched_where_not_measured(patch: Patch) -> None:
     """Requests past their first token join the decode batch in an engine that does not
     batch (`Lane.solo` left to a drafted request's plan): the shape-sensitive model, which
     the probe refused, decodes in a batch."""
-    request = lanes_mod.request
+    request = request_mod.request
 
     def joining(work: lanes_mod.Work, rid: int, tokens: np.ndarray, *rest: Any) -> Any:
         lane = request(work, rid, tokens, *rest)
@@ -498,13 +434,13 @@ def batched_where_not_measured(patch: Patch) -> None:
         lane.solo = bool(plan and not plan.batched)
         return lane
 
-    patch(lanes_mod, "request", joining)
+    patch(request_mod, "request", joining)
 
 
 def resume_anywhere_unprobed(patch: Patch) -> None:
     """Prompts resume inside a block on every device, not only where the probe found a
     token's KV independent of its chunk: on the shape-sensitive model too."""
-    restore, run = PromptCache.restore, prefill_mod.prefill
+    restore, chunks_for = PromptCache.restore, prefill_mod.chunks_for
 
     def anywhere_restore(
         self: PromptCache,
@@ -515,24 +451,19 @@ def resume_anywhere_unprobed(patch: Patch) -> None:
     ) -> Any:
         return restore(self, tokens, count, True, whole)
 
-    def anywhere_prefill(
-        model: Any,
-        layers: Any,
-        tokens: Any,
-        start: int,
-        block_size: int,
-        decode_matches_prefill: bool = False,
-    ) -> Any:
-        return run(model, layers, tokens, start, block_size, decode_matches_prefill=True)
+    def anywhere_chunks(
+        layers: Any, end: int, start: int, block_size: int, decode_matches_prefill: bool = False
+    ) -> list[tuple[int, int]]:
+        return chunks_for(layers, end, start, block_size, decode_matches_prefill=True)
 
     patch(PromptCache, "restore", anywhere_restore)
-    patch(lanes_mod, "prefill", anywhere_prefill)
+    patch(prefilling_mod, "chunks_for", anywhere_chunks)
 
 
 def reply_end_not_fed(patch: Patch) -> None:
     """A kept reply's KV stops short of its last token: the next turn prefills it again."""
-    way_of = lanes_mod.way_of
-    patch(lanes_mod, "way_of", lambda *args: replace(way_of(*args), decode_matches_prefill=False))
+    way_of = request_mod.way_of
+    patch(request_mod, "way_of", lambda *args: replace(way_of(*args), decode_matches_prefill=False))
 
 
 def accept_one_row_late(patch: Patch) -> None:
@@ -581,50 +512,52 @@ def state_not_restored(patch: Patch) -> None:
 def grammar_over_drafts(patch: Patch) -> None:
     """The history the processors read runs ahead over the drafts (written into it as the
     verify feeds them): a grammar consumes rejected tokens, penalties count them."""
-    drafted = decode_mod.Reply.drafted
+    drafted = decode_mod.Reply._drafted
 
-    def ahead(reply: Any, *args: Any) -> Generator[Token, Any, mx.array]:
-        drafter = reply.way.drafter
+    def ahead(reply: Any, rows: Any) -> Any:
+        if not hasattr(reply, "over"):  # its first step: the history and drafter replaced
+            drafter = reply.way.drafter
 
-        class Ahead:
-            def propose(self, tokens: np.ndarray, k: int) -> list[int]:
-                drafts = drafter.propose(tokens, k)
-                at = reply.prompt + len(reply.out)
-                reply.host[at : at + len(drafts)] = drafts
-                reply.ahead = len(drafts)
-                return drafts
+            class Ahead:
+                def propose(self, tokens: np.ndarray, k: int) -> list[int]:
+                    drafts = drafter.propose(tokens, k)
+                    at = reply.prompt + len(reply.out)
+                    reply.host[at : at + len(drafts)] = drafts
+                    reply.over = len(drafts)
+                    return drafts
 
-            def close(self) -> None:
-                drafter.close()
+                def close(self) -> None:
+                    drafter.close()
 
-        reply.ahead = 0
-        reply.tokens = lambda: reply.host[: reply.prompt + len(reply.out) + reply.ahead]
-        reply.way = replace(reply.way, drafter=Ahead())
-        return (yield from drafted(reply, *args))
+            reply.over = 0
+            reply.tokens = lambda: reply.host[: reply.prompt + len(reply.out) + reply.over]
+            reply.way = replace(reply.way, drafter=Ahead())
+        return drafted(reply, rows)
 
-    patch(decode_mod.Reply, "drafted", ahead)
+    patch(decode_mod.Reply, "_drafted", ahead)
 
 
 def pick_with_next_key(patch: Patch) -> None:
     """A verify row's pick draws with the next position's key (a key is used up before
     it, as when keys are split for every row of a round up front)."""
-    drafted = decode_mod.Reply.drafted
+    drafted = decode_mod.Reply._drafted
 
-    def next_key(reply: Any, *args: Any) -> Generator[Token, Any, mx.array]:
-        calls, pick = [0], reply.pick
+    def next_key(reply: Any, rows: Any) -> Any:
+        if not hasattr(reply, "calls"):  # its first step: its pick replaced
+            reply.calls, pick = [0], reply.pick
 
-        def late(row: mx.array) -> mx.array:
-            calls[0] += 1
-            if calls[0] > 1:  # a verify row (the first pick is the prompt's)
-                pick(row)  # this position's key, thrown away
-                if reply.ask.logprobs is not None:
-                    reply.drawn_from.pop()
-            return pick(row)
+            def late(row: mx.array) -> mx.array:
+                reply.calls[0] += 1
+                if reply.calls[0] > 1:  # a verify row (the first pick is the prompt's)
+                    pick(row)  # this position's key, thrown away
+                    if reply.ask.logprobs is not None:
+                        reply.drawn_from.pop()
+                return pick(row)
 
-        reply.pick = late
-        return (yield from drafted(reply, *args))
+            reply.pick = late
+        return drafted(reply, rows)
 
-    patch(decode_mod.Reply, "drafted", next_key)
+    patch(decode_mod.Reply, "_drafted", next_key)
 
 
 def ring_one_too_wide(patch: Patch) -> None:
@@ -663,8 +596,8 @@ def capture_without_sync(patch: Patch) -> None:
 def reply_blocks_not_captured(patch: Patch) -> None:
     """A kept reply's blocks are not noted as decode reaches them: on sliding-window and
     recurrent models the reply keeps nothing past the prompt's blocks."""
-    way_of = lanes_mod.way_of
-    patch(lanes_mod, "way_of", lambda *args: replace(way_of(*args), capture=None))
+    way_of = request_mod.way_of
+    patch(request_mod, "way_of", lambda *args: replace(way_of(*args), capture=None))
 
 
 def state_inside_a_block(patch: Patch) -> None:
@@ -757,7 +690,7 @@ def merged_blocks_not_captured(patch: Patch) -> None:
     """A merged chunk captures only the block it ends (as one chunk per block would): a
     sliding window's earlier blocks of it are not kept."""
 
-    def reached(self: lanes_mod.Prefilling, stop: int) -> None:
+    def reached(self: prefilling_mod.Prefilling, stop: int) -> None:
         self.done, self.at_end = stop, True
         if stop % self.block == 0 and stop <= self.keep_at:
             self.lease.capture(stop)
@@ -765,7 +698,7 @@ def merged_blocks_not_captured(patch: Patch) -> None:
             self.kept = self.keep_at
             self.lease.keep(self.tokens[: self.keep_at])
 
-    patch(lanes_mod.Prefilling, "reached", reached)
+    patch(prefilling_mod.Prefilling, "reached", reached)
 
 
 def kv_namespace_without_group(patch: Patch) -> None:

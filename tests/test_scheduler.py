@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from mlxcache.scheduler import BACKGROUND, LaneKind, Phase, Scheduler, Step, Turn, TurnKind
+from mlxcache.scheduler import BACKGROUND, Go, LaneKind, Phase, Scheduler, Step, Turn, TurnKind
 
 REQUEST, WARM, FOLLOW = LaneKind.REQUEST, LaneKind.WARM, LaneKind.FOLLOW
 
@@ -18,6 +18,7 @@ class FakeLane:
     work: bool = True
     left: int | None = None
     solo: bool = False
+    verifies: bool = False
 
     def has_work(self) -> bool:
         return self.work
@@ -105,7 +106,8 @@ def test_the_decode_batch_alternates_with_the_lanes() -> None:
 
 def test_a_turn_lists_its_lanes_and_what_their_forward_is() -> None:
     """A lane's turn names the lane, a prefill chunk until a request's first token (and a
-    background lane's always), then a decode step; the batch's turn lists its rows."""
+    background lane's always), then a decode step, or a verify where the lane's next
+    forward is one; the batch's turn lists its rows."""
     sched: Scheduler[FakeLane] = Scheduler()
     prompt = FakeLane(REQUEST, Phase.RESTORING)
     sched.add(0, prompt)
@@ -119,6 +121,9 @@ def test_a_turn_lists_its_lanes_and_what_their_forward_is() -> None:
     prompt.phase = Phase.DECODING
     sched.whose_turn(batch=(1, 2))
     assert sched.whose_turn(batch=(1, 2)) == Turn(TurnKind.DECODE, (0,))
+    prompt.verifies = True
+    sched.whose_turn(batch=(1, 2))
+    assert sched.whose_turn(batch=(1, 2)) == Turn(TurnKind.VERIFY, (0,))
     sched.finish(0)
     assert sched.whose_turn() == Turn(TurnKind.PREFILL, (3,))
     with pytest.raises(ValueError, match="rows"):
@@ -171,22 +176,21 @@ def test_a_request_moves_through_its_phases_by_what_each_advance_gives() -> None
     lane, other = FakeLane(REQUEST, Phase.RESTORING), FakeLane(REQUEST, Phase.PREFILLING)
     sched.add(0, lane)
     sched.add(1, other)
-    assert sched.own(0)  # its forwards are its own until its first token
-    assert not sched.advanced(0, Step.WAIT)  # no room in the memory budget yet
+    assert sched.advanced(0, Step.WAIT) is Go.END  # no room in the memory budget yet
     assert (lane.phase, turns(sched, 1)) == (Phase.RESTORING, [1])  # to the back, unstarted
-    assert not sched.advanced(0, Step.CHUNK)
+    assert sched.advanced(0, Step.CHUNK) is Go.END
     assert (lane.phase, turns(sched, 1)) == (Phase.PREFILLING, [1])  # to the back
-    assert sched.advanced(0, Step.PROMPT_DONE)  # the first token: same turn
-    assert lane.phase is Phase.PREFILLING and sched.own(0)
-    assert sched.advanced(0, Step.TOKEN)  # on to the batch, same turn
-    assert lane.phase is Phase.DECODING and not sched.own(0)
-    assert not sched.advanced(0, Step.JOINED)
+    assert sched.advanced(0, Step.PROMPT_DONE) is Go.ON  # the first token: same turn
+    assert lane.phase is Phase.PREFILLING
+    assert sched.advanced(0, Step.TOKEN) is Go.JOIN  # on to the batch, same turn
+    assert lane.phase is Phase.DECODING
+    assert sched.advanced(0, Step.JOINED) is Go.END
     assert lane.phase is Phase.BATCHED and turns(sched, 2) == [1, 1]  # the batch has it
     sched.forwarded(0)
     assert lane.phase is Phase.DECODING
     lane.solo = True  # (an engine that does not batch: every request's forwards its own)
-    assert not sched.advanced(0, Step.TOKEN)  # its own turns
-    assert not sched.advanced(0, Step.ENDED)
+    assert sched.advanced(0, Step.TOKEN) is Go.END  # its own turns
+    assert sched.advanced(0, Step.ENDED) is Go.END
     assert lane.phase is Phase.DONE and 0 not in sched
 
 
@@ -198,10 +202,10 @@ def test_a_solo_request_makes_every_forward_its_own_and_never_joins_the_batch() 
     solo, other = FakeLane(REQUEST, Phase.RESTORING, solo=True), FakeLane(REQUEST)
     sched.add(0, solo)
     sched.add(1, other)
-    assert sched.advanced(0, Step.PROMPT_DONE)
-    assert not sched.advanced(0, Step.TOKEN)  # its turn ends: no batch to join
-    assert solo.phase is Phase.DECODING and sched.own(0)
-    assert sched.advanced(1, Step.TOKEN) and not sched.own(1)
+    assert sched.advanced(0, Step.PROMPT_DONE) is Go.ON
+    assert sched.advanced(0, Step.TOKEN) is Go.END  # its turn ends: no batch to join
+    assert solo.phase is Phase.DECODING
+    assert sched.advanced(1, Step.TOKEN) is Go.JOIN
 
 
 def test_background_lanes_take_one_step_a_turn_whatever_it_gave() -> None:
@@ -209,10 +213,10 @@ def test_background_lanes_take_one_step_a_turn_whatever_it_gave() -> None:
     warm, request = FakeLane(WARM, Phase.RESTORING), FakeLane(REQUEST, Phase.RESTORING)
     sched.add(0, warm)
     sched.add(1, FakeLane(FOLLOW, Phase.RESTORING), follows=9)  # its request has ended
-    for step in (Step.CHUNK, Step.PROMPT_DONE):
-        assert not sched.advanced(0, step)
-        assert not sched.advanced(1, step)
-    assert warm.phase is Phase.PREFILLING and sched.own(0) and sched.own(1)
+    for step in (Step.CHUNK, Step.WAIT):
+        assert sched.advanced(0, step) is Go.END
+        assert sched.advanced(1, step) is Go.END
+    assert warm.phase is Phase.PREFILLING
     sched.add(2, request)
     assert turns(sched, 1) == [2]  # a request waiting for its first token: no follow turn
 
@@ -253,7 +257,7 @@ def prefills(sched: Scheduler[FakeLane], n: int, chunk: int = 10) -> list[int]:
             lane.left = LOOKED_UP[rid]
         lane.left = max(lane.left - chunk, 0)
         step = Step.CHUNK if lane.left else Step.PROMPT_DONE
-        if sched.advanced(rid, step):
+        if sched.advanced(rid, step) is Go.ON:
             sched.advanced(rid, Step.TOKEN)  # its first token: it decodes
             lane.phase = Phase.BATCHED  # out of the round's turns
     return out
