@@ -289,7 +289,9 @@ class Reply:
         """Whether the next step asks a verify forward (drafted, its rows all read)."""
         if self.stage is not Stage.DRAW or not self.way.drafted or not self.started:
             return False
-        return self.rows is None or not reads_on(self, self.token, self.drafts, self.row)
+        if self.rows is not None and reads_on(self, self.token, self.drafts, self.row):
+            return False  # the next row is read first
+        return not self.stops.stopped and len(self.out) < self.ask.budget
 
     def step(self, logits: mx.array | None = None) -> Token | Forward | Result:
         """The reply's next step: a `Token`, a `Forward` it asks (the next step is given its

@@ -29,17 +29,19 @@ from guarantees import (
 )
 from typer.testing import CliRunner
 
-from mlxcache import invariance
+from mlxcache import invariance, lanes, request_lane
 from mlxcache.bench.families import FAMILIES, build
 from mlxcache.config import MAX_DRAFT, CacheConfig, DraftConfig, SamplingParams
+from mlxcache.decode import Forward
 from mlxcache.draft import Lookup, replay
 from mlxcache.drafting import Drafting, Plan, Shared, choose, cost_of
 from mlxcache.engine import Engine, Request
 from mlxcache.errors import SettingError, UserInputError
-from mlxcache.events import Done
+from mlxcache.events import Done, Token
 from mlxcache.invariance import PROBES, VERIFY_WIDTHS
 from mlxcache.model import LoadedModel, load
 from mlxcache.runtime import open_engine
+from mlxcache.scheduler import TurnKind
 from mlxcache_cli.main import app
 
 runner = CliRunner()
@@ -592,3 +594,34 @@ def test_a_tokenizer_that_does_not_load_is_one_line(
     assert (result.exit_code, result.stdout, result.exception.__class__) == (2, "", SystemExit)
     assert result.stderr.startswith(f"error: cannot load the tokenizer of model {folder}: ")
     assert len(result.stderr.splitlines()) == 1, result.stderr
+
+
+def test_a_drafted_lane_says_when_its_next_forward_is_a_verify(
+    tiny: LoadedModel, tmp_path: Path
+) -> None:
+    """The scheduler labels a drafted request's own turn a verify from the lane's state
+    (`Lane.verifies`): driven as the engine drives it, before every step that is not given
+    a forward's logits the lane says whether that step asks for a verify forward; steps
+    that read accepted rows ask for none."""
+    drafting = Drafting(tiny, DraftConfig(mode="lookup", tokens=3, ngram=2), B, tmp_path)
+    engine = Engine(tiny, block_size=B, drafting=drafting)
+    tokens = ids(*([5, 6, 7, 8, 9] * 4))
+    req = Request(tokens, SamplingParams(max_tokens=24, temperature=0.0))
+    lane = request_lane.request(lanes.Work.of(engine), 0, tokens, req, None, drafting.plan())
+    logits: mx.array | None = None
+    said = lane.verifies
+    pairs: list[tuple[bool, bool]] = []  # (said before a step, that step asked for a verify)
+    reads = 0  # steps that read an accepted row, no forward asked
+    while True:
+        got = lane.step(logits)
+        if logits is None:
+            pairs.append((said, isinstance(got, Forward) and got.kind is TurnKind.VERIFY))
+            reads += isinstance(got, Token) and lane.reply is not None and lane.reply.row > 0
+        logits = lanes.own_forward(lane, got, engine.model) if isinstance(got, Forward) else None
+        if isinstance(got, Done):
+            break
+        said = lane.verifies
+    assert got.result.error is None and all(s == a for s, a in pairs)
+    stats = got.result.stats
+    verifies = sum(a for _, a in pairs)
+    assert verifies == stats.verify_forwards > 0 and stats.accepted_tokens > 0 and reads > 0
