@@ -10,7 +10,7 @@ import numpy as np
 from mlxcache.cache.base import Lease
 from mlxcache.errors import MemoryLimitError
 from mlxcache.lanes import Follow, Got, Lane, Work
-from mlxcache.prefilling import Prefilling
+from mlxcache.prefilling import LeasedLane, Prefilling
 from mlxcache.scheduler import LaneKind, Step
 
 
@@ -24,18 +24,14 @@ def warm(work: Work, rid: int, tokens: np.ndarray) -> Lane:
     return WarmLane(work, rid, tokens)
 
 
-class WarmLane(Lane):
+class WarmLane(LeasedLane):
     """Warm-ahead: prefill every full block of `tokens` and keep them. No logits are
     needed, and it is no request: not counted. Where decode KV is canonical, it resumes
     from the reply's own tail (only the next turn's new tokens are prefilled), and the
     turn it warms continues from its layers."""
 
     def __init__(self, work: Work, rid: int, tokens: np.ndarray) -> None:
-        super().__init__(rid, tokens, LaneKind.WARM)
-        self.work = work
-        self.lease: Lease | None = None
-        self.prefilling: Prefilling | None = None
-        self.closed = False
+        super().__init__(work, rid, tokens, LaneKind.WARM)
 
     def step(self, logits: mx.array | None) -> Got:
         work, tokens = self.work, self.tokens
@@ -64,19 +60,6 @@ class WarmLane(Lane):
     def _prefilling(self, lease: Lease) -> Prefilling:
         return Prefilling.of(self.work, lease, self.tokens, lease.length, len(self.tokens))
 
-    def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        try:
-            if self.prefilling is not None:
-                self.prefilling.stopped(self.work.cache.trimmable)
-        finally:
-            if self.lease is not None:
-                self.lease.release()
-            if self.work.budget is not None:
-                self.work.budget.release(self.rid)
-
 
 def _room_now(work: Work, rid: int, n: int) -> bool:
     """Whether the memory budget (if any) takes background work of `n` tokens now: it is
@@ -87,17 +70,14 @@ def _room_now(work: Work, rid: int, n: int) -> bool:
         return False
 
 
-class FollowLane(Lane):
+class FollowLane(LeasedLane):
     """A followed request's follow lane: prefill each block of prompt + reply as the reply
     completes it (stepped only when a block is complete or the request has ended), one
     chunk a step, and keep it."""
 
     def __init__(self, work: Work, rid: int, tokens: np.ndarray, f: Follow) -> None:
-        super().__init__(rid, tokens, LaneKind.FOLLOW, follow=f)
-        self.work = work
-        self.f = f
-        self.lease: Lease | None = None
-        self.prefilling: Prefilling | None = None
+        super().__init__(work, rid, tokens, LaneKind.FOLLOW)
+        self.follow = self.f = f
 
     def step(self, logits: mx.array | None) -> Got:
         work, f = self.work, self.f
@@ -116,7 +96,7 @@ class FollowLane(Lane):
             # layers held so far with them: a later miss restores from there.
             if (kept := work.cache.cached_length(ids, whole=True)) > f.done:
                 f.done = kept
-                self._release()
+                self.release()
                 continue
             if self.lease is None:
                 self.lease = work.cache.restore(ids[: f.done], count=False, whole=True)
@@ -129,16 +109,3 @@ class FollowLane(Lane):
     def _prefilling(self, lease: Lease, ids: np.ndarray, target: int) -> Prefilling:
         stop = min(target, self.f.done + self.f.block)  # one chunk a step
         return Prefilling.of(self.work, lease, ids[:stop], self.f.done, stop)
-
-    def close(self) -> None:
-        try:
-            if self.prefilling is not None:
-                self.prefilling.stopped(self.work.cache.trimmable)
-                self.prefilling = None
-        finally:
-            self._release()
-
-    def _release(self) -> None:
-        if self.lease is not None:
-            self.lease.release()
-            self.lease = None

@@ -117,20 +117,13 @@ class Lane:
     rows of the batch: not `Plan.batched`). `left`: a request's prompt tokens to prefill,
     once looked up. `follow`: a follow lane's state."""
 
-    def __init__(
-        self,
-        rid: int,
-        tokens: np.ndarray,
-        kind: LaneKind,
-        solo: bool = False,
-        follow: Follow | None = None,
-    ) -> None:
+    def __init__(self, rid: int, tokens: np.ndarray, kind: LaneKind) -> None:
         self.rid = rid
         self.tokens = tokens
         self.kind = kind
         self.phase = Phase.RESTORING  # moved on by the scheduler (`Scheduler.advanced`)
-        self.solo = solo
-        self.follow = follow
+        self.solo = False
+        self.follow: Follow | None = None
         self.left: int | None = None
         self.batch: DecodeBatch | None = None  # the decode batch it is a row of
         self.mark: Mark | None = None  # before its last own verify forward

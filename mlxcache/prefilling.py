@@ -1,6 +1,7 @@
 """A prompt's prefill as data (`Prefilling`): its canonical chunks (`prefill.chunks_for`),
 one forward each, asked of the engine one at a time; the blocks each completes captured,
-and the prompt kept where its lane says."""
+and the prompt kept where its lane says. Every lane kind prefills so, through a cache
+lease (`LeasedLane`)."""
 
 from __future__ import annotations
 
@@ -14,9 +15,9 @@ import numpy as np
 from mlxcache.cache.base import Lease
 from mlxcache.decode import Forward
 from mlxcache.events import Prefill
-from mlxcache.lanes import Work
+from mlxcache.lanes import Lane, Work
 from mlxcache.prefill import chunks_for
-from mlxcache.scheduler import TurnKind
+from mlxcache.scheduler import LaneKind, TurnKind
 
 
 @dataclass(slots=True)
@@ -87,3 +88,34 @@ class Prefilling:
             # the lane (a cancel, Ctrl-C) nor fail the request that pre-empted it.
             with contextlib.suppress(Exception):
                 self.lease.keep(self.tokens[: self.done])
+
+
+class LeasedLane(Lane):
+    """A lane that prefills into the layers of a cache lease (`lease`, once it has one;
+    `prefilling`, while it prefills), over its `work`. Closed, it keeps the full blocks its
+    prefill computed and releases its lease and its room in the memory budget."""
+
+    def __init__(self, work: Work, rid: int, tokens: np.ndarray, kind: LaneKind) -> None:
+        super().__init__(rid, tokens, kind)
+        self.work = work
+        self.lease: Lease | None = None
+        self.prefilling: Prefilling | None = None
+        self.closed = False
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            if self.prefilling is not None:
+                self.prefilling.stopped(self.work.cache.trimmable)
+        finally:
+            self.release()
+            if self.work.budget is not None:
+                self.work.budget.release(self.rid)
+
+    def release(self) -> None:
+        """Its lease released (a lane may take another later)."""
+        if self.lease is not None:
+            self.lease.release()
+            self.lease = None

@@ -17,7 +17,7 @@ from mlxcache.errors import GenerationError
 from mlxcache.events import Done, Result, Stats
 from mlxcache.lanes import Follow, Got, Lane, Work
 from mlxcache.model.kvquant import kv_width
-from mlxcache.prefilling import Prefilling
+from mlxcache.prefilling import LeasedLane, Prefilling
 from mlxcache.request import Request
 from mlxcache.scheduler import LaneKind, Step
 from mlxcache.types import positions
@@ -33,7 +33,7 @@ def request(
     return RequestLane(work, rid, tokens, req, follow, plan, solo)
 
 
-class RequestLane(Lane):
+class RequestLane(LeasedLane):
     """A request: wait for memory, restore the longest cached prefix, prefill the rest
     (`Prefilling`), then draw the reply (`decode.Reply`) and keep what the device allows;
     its last step gives its `Done`, after its lease is released."""
@@ -48,15 +48,13 @@ class RequestLane(Lane):
         plan: Plan | None,
         solo: bool,
     ) -> None:
-        super().__init__(rid, tokens, LaneKind.REQUEST, solo=solo)
-        self.work, self.req, self.followed, self.plan = work, req, followed, plan
+        super().__init__(work, rid, tokens, LaneKind.REQUEST)
+        self.solo = solo
+        self.req, self.followed, self.plan = req, followed, plan
         self.stats = Stats(prompt_tokens=int(tokens.size), kv=kv_width(work.loaded))
         self.start = time.perf_counter()
-        self.lease: Lease | None = None
-        self.prefilling: Prefilling | None = None
         self.logits: mx.array | None = None  # the prompt's last, once prefilled
         self.reply: Reply | None = None
-        self.closed = False
 
     @property
     def verifies(self) -> bool:
@@ -144,19 +142,11 @@ class RequestLane(Lane):
         return Done(self.rid, result)  # after the release: a finished request holds no pin
 
     def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
         try:
-            if self.prefilling is not None:
-                self.prefilling.stopped(self.work.cache.trimmable)
-            if self.reply is not None:
+            if self.reply is not None and not self.closed:
                 self.reply.close()
         finally:
-            if self.lease is not None:
-                self.lease.release()
-            if self.work.budget is not None:
-                self.work.budget.release(self.rid)
+            super().close()
             if self.followed is not None:  # however the request ended: its follow lane may finish
                 self.followed.closed = True
 
