@@ -122,6 +122,18 @@ class Capture:
     at: Callable[[int], None]
 
 
+@dataclass(frozen=True, slots=True)
+class Origin:
+    """Where a reply starts: the layers that hold its prompt's KV, where they are
+    (`Place`), the prompt's last logits, and the request's arrival (`time.perf_counter`),
+    for its time to first token."""
+
+    layers: Layers
+    place: Place
+    logits: mx.array
+    arrival: float
+
+
 class Stage(enum.Enum):
     """Where a reply is (`Reply.step`)."""
 
@@ -193,14 +205,11 @@ class Reply:
         ask: Ask,
         way: Way,
         stats: Stats,
-        start: float,
-        at: tuple[Layers, Place, mx.array],
+        origin: Origin,
         out: list[int] | None = None,
     ) -> Reply:
-        """The reply to `prompt`, none of it drawn yet: `at` is the layers that hold the
-        prompt's KV, where they are (`Place`), and the prompt's last logits. Its ids are
-        appended to `out` as they come, when given (a follow lane reads them)."""
-        layers, place, logits = at
+        """The reply to `prompt`, none of it drawn yet, from `origin`. Its ids are appended
+        to `out` as they come, when given (a follow lane reads them)."""
         host = np.empty(prompt.size + ask.budget, dtype=np.int32)
         host[: prompt.size] = prompt
         # Sampling's own processors (penalties) first, then the request's (bias, grammar).
@@ -212,16 +221,16 @@ class Reply:
             ask,
             way,
             stats,
-            start,
+            origin.arrival,
             TextStream(tokenizer),
             StopScanner(ask.stop_strings),
             make_sampler(ask.sampling),
             procs,
             [] if out is None else out,
             int(prompt.size),
-            layers,
-            place,
-            logits,  # not drawn yet: the first step draws from them
+            origin.layers,
+            origin.place,
+            origin.logits,  # not drawn yet: the first step draws from them
         )
 
     def tokens(self) -> np.ndarray:

@@ -11,7 +11,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlxcache.cache.base import Lease, NoCache
-from mlxcache.decode import Ask, Capture, Reply, Way
+from mlxcache.decode import Ask, Capture, Origin, Reply, Way
 from mlxcache.drafting import Plan
 from mlxcache.errors import GenerationError
 from mlxcache.events import Done, Result, Stats
@@ -125,8 +125,7 @@ class RequestLane(LeasedLane):
             ask_of(work, self.req, self.tokens),
             way_of(work, plan, Capture(work.cache.block_size, lease.capture)),
             self.stats,
-            self.start,
-            (lease.layers, self, cast(mx.array, self.logits)),
+            Origin(lease.layers, self, cast(mx.array, self.logits), self.start),
             None if self.followed is None else self.followed.reply,
         )
 
