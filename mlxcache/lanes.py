@@ -258,7 +258,7 @@ def waiting_rule(cache: PrefixCache) -> Callable[[Lane, Lane], bool] | None:
 
 
 def step_of(got: Event | Step | None) -> Step:
-    """What an advance gave, as the scheduler's rules read it (`Scheduler.advanced`)."""
+    """What a lane's step gave, as the scheduler's rules read it (`Scheduler.advanced`)."""
     if isinstance(got, Step):
         return got
     if got is None or isinstance(got, Done):
