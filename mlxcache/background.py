@@ -73,7 +73,7 @@ def _room_now(work: Work, rid: int, n: int) -> bool:
 class FollowLane(LeasedLane):
     """A followed request's follow lane: prefill each block of prompt + reply as the reply
     completes it (stepped only when a block is complete or the request has ended), one
-    chunk a step, and keep it."""
+    chunk a turn, and keep it."""
 
     def __init__(self, work: Work, rid: int, tokens: np.ndarray, f: Follow) -> None:
         super().__init__(work, rid, tokens, LaneKind.FOLLOW)
@@ -81,12 +81,9 @@ class FollowLane(LeasedLane):
 
     def step(self, logits: mx.array | None) -> Got:
         work, f = self.work, self.f
-        if (p := self.prefilling) is not None:
-            if not p.asked:
-                return p.chunk()
-            f.done = p.took(self.rid).done
-            if p.finished:
-                self.prefilling = None
+        if self.prefilling is not None:  # its chunk's forward was made
+            f.done = self.prefilling.took(self.rid).done
+            self.prefilling = None
             return Step.CHUNK
         while (target := f.ready()) > f.done or not f.closed:
             if target <= f.done:
@@ -107,5 +104,5 @@ class FollowLane(LeasedLane):
         return None
 
     def _prefilling(self, lease: Lease, ids: np.ndarray, target: int) -> Prefilling:
-        stop = min(target, self.f.done + self.f.block)  # one chunk a step
+        stop = min(target, self.f.done + self.f.block)  # one chunk (a block) a turn
         return Prefilling.of(self.work, lease, ids[:stop], self.f.done, stop)

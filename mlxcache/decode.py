@@ -139,12 +139,9 @@ class Stage(enum.Enum):
 
     DRAW = "draw"
     """Drawing its tokens."""
-    TAIL = "tail"
-    """Drawn: the text held back comes next."""
-    FEED_LAST = "feed last"
-    """Its last token's KV is still to be fed (`Way.decode_matches_prefill`)."""
-    LEAVE = "leave"
-    """Its KV is all fed: its caches are left (`Place.leave`)."""
+    ENDING = "ending"
+    """Drawn: its held-back text is given, its last token fed where its KV is kept
+    (`Way.decode_matches_prefill`), then its caches are left (`Place.leave`)."""
     DONE = "done"
     """Ended: `Reply.result`."""
 
@@ -320,20 +317,15 @@ class Reply:
             self.stats.decode_s = time.perf_counter() - self.decode_start
             if self.way.drafted:  # its last pick is not in the layers
                 self.pending, self.pending_fed = mx.array([self.token]), False
-            self.stage = Stage.TAIL
             self.close()
-        elif logits is not None:  # the last token's forward: its logits are not needed
-            self._fed()
-            self.stage = Stage.LEAVE
-        if self.stage is Stage.TAIL:
-            self.stage = Stage.FEED_LAST
+            self.stage = Stage.ENDING
             self.stats.generated_tokens = len(self.out)
             if (tail := self.tail()) is not None:
                 return tail
-        if self.stage is Stage.FEED_LAST:  # after every piece: the client has it all
-            if self.way.decode_matches_prefill and not self.pending_fed:
-                return Forward(TurnKind.DECODE, self.pending, self.layers)
-            self.stage = Stage.LEAVE
+        elif logits is not None:  # the last token's forward: its logits are not needed
+            self._fed()
+        if self.way.decode_matches_prefill and not self.pending_fed:
+            return Forward(TurnKind.DECODE, self.pending, self.layers)  # after every piece
         self.place.leave(self.layers)
         self.stage = Stage.DONE
         return self.result()

@@ -37,7 +37,7 @@ class Drafter(Protocol):
         ...
 
     def close(self) -> None:
-        """The reply has ended: release what the drafter holds."""
+        """The reply has ended: release what the drafter holds (again: nothing)."""
         ...
 
 

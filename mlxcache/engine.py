@@ -224,6 +224,9 @@ class Engine:
                     continue
             except Exception as exc:
                 got = self._failed(lane, exc)
+            except BaseException:  # interrupted (Ctrl-C): it stops here, keeping what it computed
+                self.cancel(rid)
+                raise
             go = self._sched.advanced(rid, lanes.step_of(got))  # ended: forgotten, then Done
             if lane.kind is LaneKind.REQUEST and isinstance(got, Event):
                 events.append(got)  # background work produces no events

@@ -137,7 +137,7 @@ class RequestLane(LeasedLane):
         return self._end(result)
 
     def _end(self, result: Result) -> Done:
-        self.close()
+        self.stop()  # out of the decode batch too, where it failed as a row of it
         return Done(self.rid, result)  # after the release: a finished request holds no pin
 
     def close(self) -> None:

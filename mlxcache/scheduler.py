@@ -101,8 +101,8 @@ class Go(enum.Enum):
     END = "end"
     """The turn ends."""
     ON = "on"
-    """It goes on, the lane's forwards its own (a request's first token, after its
-    prompt's last chunk: sampling it is no model call)."""
+    """It goes on (a request's first token, after its prompt's last chunk: sampling it is
+    no model call), a forward the lane asks its own unless it is a row of the batch."""
     JOIN = "join"
     """It goes on to the decode batch: the lane's next forward is a row of the batch's."""
 

@@ -16,6 +16,7 @@ from spy import Spy, spied
 from mlxcache.cache.store import PromptCache
 from mlxcache.config import CacheConfig, default_block_size
 from mlxcache.engine import Engine, Request
+from mlxcache.errors import GenerationError
 from mlxcache.events import CANCELLED, Done, Prefill, Result, Token
 from mlxcache.lanes import NextTurn
 from mlxcache.model import LoadedModel
@@ -622,3 +623,66 @@ def test_prompts_prefill_one_after_another(tiny: LoadedModel) -> None:
     assert [firsts[r] for r in rids] == [5, 7, 11]
     first, second, third = (0, B), (B, B), (2 * B, B)  # a prompt's chunks
     assert spy.calls[:9] == [first] * 3 + [second, third] * 2 + [second, (3 * B, 1)]
+
+
+class _FailsOnCall:
+    """A logits processor that fails on its call number `at` (a grammar allowing nothing)."""
+
+    def __init__(self, at: int) -> None:
+        self.left = at
+
+    def __call__(self, history: mx.array, logits: mx.array) -> mx.array:
+        self.left -= 1
+        if not self.left:
+            raise GenerationError("the grammar allows no token here")
+        return logits
+
+
+def test_a_request_failing_as_a_row_of_the_decode_batch_fails_alone(tiny: LoadedModel) -> None:
+    """A request whose step fails after it joined the decode batch (its third pick, made
+    after a batch forward) ends with its error and leaves the batch; the request beside it
+    decodes on to the reply it gets alone, and the engine goes on."""
+    engine = Engine(tiny, block_size=B, batch_decode=True)
+    failing = engine.submit(Request(prompt(9), GREEDY, [_FailsOnCall(at=3)]))
+    other = engine.submit(Request(prompt(7, seed=1), GREEDY))
+    done = {e.request_id: e.result for e in engine.run() if isinstance(e, Done)}
+    assert done[failing].error == "the grammar allows no token here"
+    assert done[failing].tokens == [] and done[failing].finish_reason == "error"
+    assert done[other].error is None
+    assert done[other].tokens == cold(tiny, prompt(7, seed=1))[0].tokens
+    assert engine.lanes() == [] and len(engine._batch) == 0
+
+
+class _InterruptOnCall:
+    """Forwards to a model and raises KeyboardInterrupt in its call number `at` (Ctrl-C)."""
+
+    def __init__(self, model: Any, at: int) -> None:
+        self._model, self._left = model, at
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+    def __call__(self, x: mx.array, cache: list[Any]) -> mx.array:
+        self._left -= 1
+        if not self._left:
+            raise KeyboardInterrupt
+        return self._model(x, cache=cache)
+
+
+def test_a_lane_interrupted_inside_its_own_forward_stops_there(tiny: LoadedModel) -> None:
+    """Ctrl-C inside a request's third prefill chunk made by `Engine.step` (no `generate`
+    to cancel it): the lane stops then and there, out of the queue, its lease released and
+    the two chunks before it kept; the same prompt then resumes them and replies as cold."""
+    engine, _spy = cached(tiny)
+    loaded = engine.loaded
+    engine.loaded = dataclasses.replace(loaded, model=_InterruptOnCall(loaded.model, at=3))
+    p = prompt(23)
+    engine.submit(Request(p, GREEDY))
+    with pytest.raises(KeyboardInterrupt):
+        for _ in range(5):
+            engine.step()
+    assert engine.lanes() == [] and pins(engine) == (0, 0)
+    engine.loaded = loaded
+    again = engine.complete(Request(p, GREEDY))
+    assert again.stats.cached_tokens == 2 * B
+    assert again.tokens == cold(tiny, p)[0].tokens

@@ -229,7 +229,7 @@ class MemoryTier:
 
     def release(self, lease: Lease) -> None:
         """Unpin `lease`'s entry; forget what its lane captured and did not keep (at once:
-        a lane's generator may hold its lease a while longer)."""
+        a lane may hold its lease a while longer)."""
         lease.staged.clear()
         lease.extras.clear()
         if lease.entry is not None and lease.entry in self.index:
