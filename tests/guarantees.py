@@ -624,7 +624,7 @@ def check_interrupted(rig: Rig) -> None:
     rig.warm(engine, spy, p)
 
 
-class _Interrupt:
+class Interrupt:
     """Forwards to a model and raises KeyboardInterrupt in call number `at` (Ctrl-C)."""
 
     def __init__(self, model: Any, at: int) -> None:
@@ -646,7 +646,7 @@ def check_interrupted_inside_a_chunk(rig: Rig) -> None:
     engine, spy = rig.engine()
     p = prompt(23)
     loaded = engine.loaded
-    engine.loaded = dataclasses.replace(loaded, model=_Interrupt(loaded.model, at=3))
+    engine.loaded = dataclasses.replace(loaded, model=Interrupt(loaded.model, at=3))
     try:
         engine.complete(Request(p, GREEDY))
         raise AssertionError("the interrupt did not reach the caller")

@@ -10,6 +10,7 @@ import jinja2
 import mlx.core as mx
 import numpy as np
 import pytest
+from guarantees import Interrupt
 from shapemodel import checkpointed
 from spy import Spy, spied
 
@@ -653,29 +654,13 @@ def test_a_request_failing_as_a_row_of_the_decode_batch_fails_alone(tiny: Loaded
     assert engine.lanes() == [] and len(engine._batch) == 0
 
 
-class _InterruptOnCall:
-    """Forwards to a model and raises KeyboardInterrupt in its call number `at` (Ctrl-C)."""
-
-    def __init__(self, model: Any, at: int) -> None:
-        self._model, self._left = model, at
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._model, name)
-
-    def __call__(self, x: mx.array, cache: list[Any]) -> mx.array:
-        self._left -= 1
-        if not self._left:
-            raise KeyboardInterrupt
-        return self._model(x, cache=cache)
-
-
 def test_a_lane_interrupted_inside_its_own_forward_stops_there(tiny: LoadedModel) -> None:
     """Ctrl-C inside a request's third prefill chunk made by `Engine.step` (no `generate`
     to cancel it): the lane stops then and there, out of the queue, its lease released and
     the two chunks before it kept; the same prompt then resumes them and replies as cold."""
     engine, _spy = cached(tiny)
     loaded = engine.loaded
-    engine.loaded = dataclasses.replace(loaded, model=_InterruptOnCall(loaded.model, at=3))
+    engine.loaded = dataclasses.replace(loaded, model=Interrupt(loaded.model, at=3))
     p = prompt(23)
     engine.submit(Request(p, GREEDY))
     with pytest.raises(KeyboardInterrupt):
