@@ -4,6 +4,8 @@ followed request's follow lane (`FollowLane`). Each prefills canonical chunks
 
 from __future__ import annotations
 
+from typing import cast
+
 import mlx.core as mx
 import numpy as np
 
@@ -77,7 +79,12 @@ class FollowLane(LeasedLane):
 
     def __init__(self, work: Work, rid: int, tokens: np.ndarray, f: Follow) -> None:
         super().__init__(work, rid, tokens, LaneKind.FOLLOW)
-        self.follow = self.f = f
+        self.follow = f
+
+    @property
+    def f(self) -> Follow:
+        """Its follow state (`Lane.follow`, which a follow lane always has)."""
+        return cast(Follow, self.follow)
 
     def step(self, logits: mx.array | None) -> Got:
         work, f = self.work, self.f

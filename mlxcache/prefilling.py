@@ -24,8 +24,8 @@ from mlxcache.scheduler import LaneKind, TurnKind
 class Prefilling:
     """A prompt's prefill as data: `tokens[start:]` go into the lease's layers in canonical
     `chunks` (`prefill.chunks_for`), one forward each, the first asked for next (`asked`:
-    it is out); `tokens[:done]` are in them (`at_end`: exactly those, the chunk that
-    reached `done` complete), `tokens[:keep_at]` are kept once reached, `kept`: how far."""
+    it is out); `tokens[:done]` are in them (exactly those while no chunk is out),
+    `tokens[:keep_at]` are kept once reached, `kept`: how far."""
 
     lease: Lease
     tokens: np.ndarray
@@ -35,7 +35,6 @@ class Prefilling:
     done: int
     kept: int
     chunks: deque[tuple[int, int]]
-    at_end: bool = False
     asked: bool = False
 
     @classmethod
@@ -55,7 +54,7 @@ class Prefilling:
     def chunk(self) -> Forward:
         """The next chunk's forward (the prompt's last one wants its logits)."""
         start, stop = self.chunks[0]
-        self.asked, self.at_end = True, False  # its layers change
+        self.asked = True  # its layers change
         x = mx.array(self.tokens[start:stop])
         return Forward(TurnKind.PREFILL, x, self.lease.layers, logits=stop == len(self.tokens))
 
@@ -71,7 +70,7 @@ class Prefilling:
         completes several), and the prompt is kept at `keep_at` (tried once: not again
         while unwinding if it fails)."""
         first = self.done // self.block * self.block + self.block
-        self.done, self.at_end = stop, True
+        self.done = stop
         for end in range(first, min(stop, self.keep_at) + 1, self.block):
             self.lease.capture(end)
         if self.kept < self.keep_at <= stop:  # a merged chunk may pass it
@@ -81,8 +80,9 @@ class Prefilling:
     def stopped(self, trimmable: bool) -> None:
         """Cancelled between chunks or stopped inside one (an error, Ctrl-C): what is fully
         computed is canonical KV, kept. A trimmable cache cuts it out of any state; a
-        whole-state checkpoint needs the layers to hold exactly `done` tokens."""
-        usable = self.done % self.block == 0 and (trimmable or self.at_end)
+        whole-state checkpoint needs the layers to hold exactly `done` tokens: no chunk out,
+        none stopped inside."""
+        usable = self.done % self.block == 0 and (trimmable or not self.asked)
         if self.done > self.kept and usable:
             # Best effort while unwinding: a failed keep must not replace what stopped
             # the lane (a cancel, Ctrl-C) nor fail the request that pre-empted it.

@@ -691,7 +691,7 @@ def merged_blocks_not_captured(patch: Patch) -> None:
     sliding window's earlier blocks of it are not kept."""
 
     def reached(self: prefilling_mod.Prefilling, stop: int) -> None:
-        self.done, self.at_end = stop, True
+        self.done = stop
         if stop % self.block == 0 and stop <= self.keep_at:
             self.lease.capture(stop)
         if self.kept < self.keep_at <= stop:
